@@ -1,0 +1,206 @@
+"""The core service with real workers, real router, real clients."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from .conftest import RunningService, wait_gone
+
+pytestmark = pytest.mark.integration
+
+HELLO = [{"role": "user", "content": "Say hello in five words."}]
+STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
+
+
+def client(service) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_lists_the_bundled_model(fresh):
+    models = client(fresh).models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
+
+
+def test_chat_with_the_openai_client(fresh):
+    raw = client(fresh).chat.completions.with_raw_response.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=HELLO, max_tokens=16, temperature=0)
+    completion = raw.parse()
+    assert completion.choices[0].message.content.strip()
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    assert completion.usage.prompt_tokens > 10 and 0 < completion.usage.completion_tokens <= 16
+    assert raw.headers["x-served-by"] == "gpu" and raw.headers["x-route-reason"] == "admitted"
+    assert raw.headers["x-request-id"].startswith("req-")
+    assert completion.id == "chatcmpl-" + raw.headers["x-request-id"]
+
+
+def test_streaming_with_the_openai_client(fresh):
+    stream = client(fresh).chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=HELLO, max_tokens=16, temperature=0, stream=True)
+    pieces, finish = [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces).strip() and finish in ("stop", "length")
+
+
+def test_text_completion_with_raw_httpx(fresh):
+    response = fresh.http.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8,
+                                                        "temperature": 0}, headers={"X-Request-Id": "my-id-1"})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["text"]
+    assert response.headers["x-request-id"] == "my-id-1" and body["id"] == "cmpl-my-id-1"
+
+
+def test_sse_arrives_as_generated_not_buffered(fresh):
+    times = []
+    with fresh.http.stream("POST", "/v1/chat/completions", json={
+            "messages": STORY, "max_tokens": 60, "temperature": 0, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:") and "[DONE]" not in line:
+                times.append(time.monotonic())
+    assert len(times) > 20
+    # Buffered output would land in one burst; generated output is spread out.
+    assert times[-1] - times[0] > 0.1
+
+
+def test_two_concurrent_streams_both_finish(fresh):
+    def run(prompt: str):
+        text, finish = [], None
+        stream = client(fresh).chat.completions.create(
+            messages=[{"role": "user", "content": prompt}], model="default", max_tokens=40, temperature=0, stream=True)
+        for chunk in stream:
+            for choice in chunk.choices:
+                text.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+        return "".join(text), finish
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, ["Tell me about cats.", "Tell me about dogs."]))
+    for text, finish in results:
+        assert finish in ("stop", "length") and len(text) > 20
+
+
+@pytest.mark.parametrize("body, status, code", [
+    (b"{not json", 400, "invalid_json"),
+    (b"[1, 2]", 400, "invalid_json"),
+    (b'{"model": "default"}', 400, "missing_field"),
+    (b'{"messages": []}', 400, "invalid_type"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}', 404, "model_not_found"),
+    (b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "invalid_value"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', 400, "invalid_value"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "n": 3}', 400, "invalid_value"),
+])
+def test_bad_input_gets_an_openai_error_envelope(fresh, body, status, code):
+    response = fresh.http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["code"] == code and len(error["message"]) > 10 and "type" in error
+
+
+def test_body_over_the_limit_is_413(fresh):
+    huge = b'{"messages": [{"role": "user", "content": "' + b"a" * (5 * 1024 * 1024) + b'"}]}'
+    response = fresh.http.post("/v1/chat/completions", content=huge, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
+
+
+def test_unknown_route_is_an_envelope(fresh):
+    response = fresh.http.get("/v1/nothing")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+
+
+def test_status_has_workers_memory_and_requests(fresh):
+    status = fresh.status()
+    roles = {w["role"]: w for w in status["workers"]}
+    assert set(roles) == {"gpu", "cpu"}
+    for worker in roles.values():
+        assert worker["state"] == "ready" and worker["pid"] and worker["port"] and worker["rss_mib"] > 50
+        assert worker["model"] == "SmolLM2-135M-Instruct.Q4_1"
+    assert roles["gpu"]["n_gpu_layers"] == -1 and roles["cpu"]["n_gpu_layers"] == 0
+    assert roles["gpu"]["n_ctx"] == 1024 and roles["cpu"]["n_ctx"] == 2048
+    gpu = status["gpu"]
+    assert gpu["available"] and gpu["simulated"] and gpu["total_mib"] == 2048
+    assert gpu["free_mib"] == pytest.approx(2048 - roles["gpu"]["estimated_vram_mib"], abs=0.2)
+    assert status["ram"]["total_mib"] > status["ram"]["available_mib"] > 0
+    assert status["requests"] == []
+    assert fresh.http.get("/health").status_code == 200
+
+
+def test_requests_in_flight_show_in_status(fresh):
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(fresh.http.post, "/v1/chat/completions", json={
+            "messages": STORY, "max_tokens": 200, "temperature": 0}, headers={"X-Request-Id": "visible-1"})
+        status = fresh.wait_for(lambda s: any(r["id"] == "visible-1" for r in s["requests"]), what="request in status")
+        entry = next(r for r in status["requests"] if r["id"] == "visible-1")
+        assert entry["path"] == "gpu" and entry["state"] in ("queued", "running")
+        assert future.result().status_code == 200
+
+
+def test_killed_worker_comes_back(fresh):
+    old = fresh.worker("cpu")
+    os.kill(old["pid"], signal.SIGKILL)
+    status = fresh.wait_for(lambda s: next(w for w in s["workers"] if w["role"] == "cpu")["pid"] not in (None, old["pid"])
+                            and next(w for w in s["workers"] if w["role"] == "cpu")["state"] == "ready",
+                            what="cpu worker back")
+    cpu = next(w for w in status["workers"] if w["role"] == "cpu")
+    assert cpu["restarts"] == old["restarts"] + 1
+    assert cpu["last_exit"]["kind"] == "crash" and cpu["last_exit"]["signal"] == "SIGKILL"
+    response = fresh.http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 4},
+                               headers={"X-Force-Path": "cpu"})
+    assert response.status_code == 200 and response.headers["x-served-by"] == "cpu"
+
+
+def test_worker_logs_are_written(fresh):
+    log_path = fresh.worker("cpu")["log"]
+    assert os.path.exists(log_path) and "llama" in open(log_path).read().lower()
+
+
+def test_stopping_the_service_leaves_no_worker(tmp_path):
+    running = RunningService(tmp_path)
+    running.wait_ready()
+    pids = running.worker_pids()
+    assert len(pids) == 2
+    # uvicorn re-raises SIGTERM once its graceful shutdown is done.
+    assert running.stop() in (0, -signal.SIGTERM)
+    assert wait_gone(pids) == []
+    for role in ("gpu", "cpu"):
+        log = (tmp_path / "state" / "tray-app" / "log" / f"{role}-worker.log").read_text()
+        assert "exited: stopped as requested" in log
+
+
+def test_sigkill_of_the_service_leaves_no_worker(tmp_path):
+    running = RunningService(tmp_path)
+    running.wait_ready()
+    pids = running.worker_pids()
+    running.process.kill()
+    running.process.wait()
+    try:
+        assert wait_gone(pids) == [], "workers outlived a SIGKILLed service"
+    finally:
+        running.stop()
+
+
+def test_bad_model_file_fails_fast_with_one_line(tmp_path):
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"PK\x03\x04 definitely not a gguf")
+    result = subprocess.run([sys.executable, "-m", "tray_app", "serve", "--model", str(bogus), "--port", "0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(bogus) in lines[0] and "GGUF" in lines[0]
+
+
+def test_missing_model_file_fails_fast(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "tray_app", "serve", "--model", str(tmp_path / "nope.gguf")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "nope.gguf" in result.stderr and "does not exist" in result.stderr

@@ -1,0 +1,144 @@
+"""Command line: `tray-app` (tray, the default), `tray-app serve` (headless), `tray-app status`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .core.config import DEFAULT_PORT, Config, ConfigError, apply_overrides, load_config
+from .core.gguf_info import ModelFileError
+
+
+def _add_service_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="PATH", help="TOML config file (default: the platform config dir's config.toml)")
+    parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help=f"port for the OpenAI-compatible API (default {DEFAULT_PORT})")
+    parser.add_argument("--model", metavar="GGUF", help="model file for both paths (default: bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--fallback-model", metavar="GGUF", help="a smaller model for the CPU path")
+    parser.add_argument("--simulate-gpu-mib", type=int, metavar="N",
+                        help="run the GPU path on a simulated device of N MiB (for machines without a GPU)")
+    parser.add_argument("--gpu-layers", type=int, metavar="N", help="layers to offload to the GPU (-1 = all)")
+    parser.add_argument("--gpu-ctx", type=int, metavar="N", help="context size (and cap) of the GPU worker")
+    parser.add_argument("--cpu-ctx", type=int, metavar="N", help="context size (and cap) of the CPU worker")
+    parser.add_argument("--no-gpu", action="store_true", help="serve from the CPU worker only")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tray-app",
+        description="Home AI server: a GPU and a CPU llama.cpp worker behind one OpenAI-compatible localhost "
+                    "port, with admission control and safe CPU failover.",
+    )
+    sub = parser.add_subparsers(dest="command")
+    tray = sub.add_parser("tray", help="start the service with a system tray icon (the default)")
+    _add_service_options(tray)
+    serve = sub.add_parser("serve", help="run the service headless (no display needed)")
+    _add_service_options(serve)
+    status = sub.add_parser("status", help="print a running service's status")
+    status.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the service's base URL")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    config = load_config(args.config)
+    overrides: dict[str, dict[str, Any]] = {}
+
+    def put(section: str, key: str, value: Any) -> None:
+        if value is not None:
+            overrides.setdefault(section, {})[key] = value
+
+    put("server", "host", args.host)
+    put("server", "port", args.port)
+    put("model", "path", args.model)
+    put("model", "fallback_path", args.fallback_model)
+    put("gpu", "simulate_mib", args.simulate_gpu_mib)
+    put("gpu", "n_gpu_layers", args.gpu_layers)
+    put("gpu", "n_ctx", args.gpu_ctx)
+    put("cpu", "n_ctx", args.cpu_ctx)
+    if args.no_gpu:
+        put("gpu", "enabled", False)
+    return apply_overrides(config, overrides) if overrides else config
+
+
+def _fail(message: str) -> int:
+    print(f"tray-app: error: {message}", file=sys.stderr)
+    return 2
+
+
+def serve(config: Config, log_level: str = "INFO") -> int:
+    import uvicorn
+
+    from .core.router import create_app
+    from .core.service import Service
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One line per worker probe would drown the log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    service = Service(config)
+    app = create_app(service)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.server.host, port=config.server.port, log_level=log_level.lower(),
+        timeout_graceful_shutdown=10, lifespan="on",
+    ))
+    print(f"tray-app: serving {service.model_id} on http://{config.server.host}:{config.server.port}/v1 "
+          f"(GPU path: {service.gpu_disabled_reason or ('simulated ' + str(config.gpu.simulate_mib) + ' MiB' if service.simulated else 'NVIDIA GPU')})",
+          file=sys.stderr, flush=True)
+    server.run()
+    return 0 if not getattr(server, "startup_failed", False) else 1
+
+
+def print_status(url: str, as_json: bool) -> int:
+    import httpx
+
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/status", timeout=5.0)
+    except httpx.HTTPError as exc:
+        return _fail(f"no service answers at {url} ({type(exc).__name__}); start one with `tray-app serve`")
+    data = response.json()
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return 0
+    from .core.status_text import render_status
+
+    print(render_status(data))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = args.command or "tray"
+    if args.command is None:
+        args = parser.parse_args(["tray", *(argv if argv is not None else sys.argv[1:])])
+    if command == "status":
+        return print_status(args.url, args.json)
+    try:
+        config = config_from_args(args)
+        # Fail fast, with one line, before anything is started.
+        from .core.gguf_info import read_model_info
+
+        read_model_info(config.model_path())
+        if config.model.fallback_path:
+            read_model_info(config.fallback_model_path())
+    except (ConfigError, ModelFileError) as exc:
+        return _fail(str(exc))
+    if command == "serve":
+        return serve(config, args.log_level)
+    try:
+        from .ui.app import run_tray
+    except ImportError as exc:
+        return _fail(f"the tray needs PySide6 and a display ({exc}); use `tray-app serve` on a headless machine")
+    return run_tray(config, args.log_level)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Admission control: a pure function from (request, observed state) to a decision.
+
+It never logs, sleeps or reads anything: the router gathers the inputs
+(VRAM observed free, queue depths, breaker verdict) and applies the result.
+That keeps every route reason testable with plain values.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+
+class Route(str, enum.Enum):
+    GPU = "gpu"          # run now on the GPU worker
+    GPU_QUEUE = "gpu_queue"  # wait for a GPU slot in the short bounded queue
+    CPU = "cpu"          # run on the CPU path (maybe after waiting in its queue)
+    REJECT = "reject"    # a controlled error; nothing runs
+
+
+class Reason(str, enum.Enum):
+    ADMITTED = "admitted"
+    FORCED_CPU = "forced_cpu"
+    GPU_UNAVAILABLE = "gpu_unavailable"
+    GPU_CONTEXT_CAP = "gpu_context_cap"
+    GPU_VRAM_HEADROOM = "gpu_vram_headroom"
+    GPU_BUSY = "gpu_busy"
+    GPU_FAILED_REPLAYED = "gpu_failed_replayed"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    CPU_CONTEXT_CAP = "cpu_context_cap"
+    CPU_QUEUE_FULL = "cpu_queue_full"
+    RAM_FLOOR = "ram_floor"
+    DEADLINE_TOO_SHORT = "deadline_too_short"
+    NO_WORKER = "no_worker"
+
+
+# Reasons under which the CPU serves because the GPU path can't: degraded mode.
+GPU_OUT_REASONS = frozenset({
+    Reason.GPU_UNAVAILABLE, Reason.GPU_CONTEXT_CAP, Reason.GPU_VRAM_HEADROOM,
+    Reason.GPU_BUSY, Reason.GPU_FAILED_REPLAYED, Reason.FORCED_CPU,
+})
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    prompt_tokens: int
+    max_tokens: int          # tokens the request may generate (already defaulted)
+    force_cpu: bool = False
+    deadline_s: float | None = None  # the client's X-Request-Timeout
+    is_replay: bool = False  # a GPU failure being re-run: must not be refused for queue space
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+
+@dataclass(frozen=True)
+class LaneState:
+    context_cap: int
+    running: int
+    concurrency: int
+    queued: int
+    queue_limit: int
+
+    @property
+    def has_free_slot(self) -> bool:
+        return self.running < self.concurrency
+
+    @property
+    def has_queue_room(self) -> bool:
+        return self.queued < self.queue_limit
+
+
+@dataclass(frozen=True)
+class GpuView:
+    """The GPU path as the router sees it right now."""
+
+    lane: LaneState
+    # None when the GPU path can serve; else why not (worker not ready, breaker open, paused, no device).
+    out_reason: str | None
+    free_vram_mib: float | None   # None = unknown, which never admits
+    reserve_mib: float
+    request_vram_mib: float       # what this request would add on the device
+
+
+@dataclass(frozen=True)
+class CpuView:
+    lane: LaneState
+    can_serve: bool               # worker ready or starting (requests wait for it)
+    out_reason: str | None
+    host_available_mib: float
+    ram_floor_mib: float
+    request_ram_mib: float
+    tokens_per_s: float           # measured generation speed (or the configured prior)
+    prompt_tokens_per_s: float
+    # Seconds of work already ahead in the CPU lane (running + queued), per slot.
+    backlog_s: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    route: Route
+    reason: Reason
+    detail: str
+    status: int = 200
+    retry_after_s: float | None = None
+    estimated_latency_s: float | None = None
+
+    @property
+    def accepted(self) -> bool:
+        return self.route is not Route.REJECT
+
+
+def estimate_cpu_latency_s(request: RequestShape, cpu: CpuView) -> float:
+    service = request.max_tokens / cpu.tokens_per_s + request.prompt_tokens / cpu.prompt_tokens_per_s
+    return round(cpu.backlog_s + service, 2)
+
+
+def decide(request: RequestShape, gpu: GpuView | None, cpu: CpuView) -> Decision:
+    """Where this request goes, and why."""
+    caps = [cpu.lane.context_cap] + ([gpu.lane.context_cap] if gpu is not None else [])
+    if request.total_tokens > max(caps):
+        return Decision(
+            Route.REJECT, Reason.CONTEXT_LENGTH_EXCEEDED,
+            f"prompt ({request.prompt_tokens} tokens) plus max_tokens ({request.max_tokens}) is "
+            f"{request.total_tokens} tokens, over the largest context this server offers ({max(caps)}); "
+            "shorten the prompt or lower max_tokens",
+            status=400,
+        )
+    if request.is_replay:
+        return _to_cpu(request, cpu, Reason.GPU_FAILED_REPLAYED, "the GPU worker failed before any output; re-run once on the CPU")
+    if request.force_cpu:
+        return _to_cpu(request, cpu, Reason.FORCED_CPU, "the GPU path is paused or the client asked for the CPU")
+    if gpu is None:
+        return _to_cpu(request, cpu, Reason.GPU_UNAVAILABLE, "no GPU path is configured")
+    if gpu.out_reason is not None:
+        return _to_cpu(request, cpu, Reason.GPU_UNAVAILABLE, gpu.out_reason)
+    if request.total_tokens > gpu.lane.context_cap:
+        return _to_cpu(
+            request, cpu, Reason.GPU_CONTEXT_CAP,
+            f"{request.total_tokens} tokens exceed the GPU context cap of {gpu.lane.context_cap}",
+        )
+    if gpu.free_vram_mib is None:
+        return _to_cpu(request, cpu, Reason.GPU_UNAVAILABLE, "free VRAM is unknown, so the GPU is not trusted")
+    spare = gpu.free_vram_mib - gpu.reserve_mib
+    if spare < gpu.request_vram_mib:
+        return _to_cpu(
+            request, cpu, Reason.GPU_VRAM_HEADROOM,
+            f"needs {gpu.request_vram_mib:.0f} MiB but only {max(spare, 0):.0f} MiB is free above the "
+            f"{gpu.reserve_mib:.0f} MiB reserve",
+        )
+    if gpu.lane.has_free_slot:
+        return Decision(Route.GPU, Reason.ADMITTED, "fits on the GPU")
+    if gpu.lane.has_queue_room:
+        return Decision(Route.GPU_QUEUE, Reason.ADMITTED, "waiting for a GPU slot")
+    return _to_cpu(
+        request, cpu, Reason.GPU_BUSY,
+        f"the GPU runs {gpu.lane.running} request(s) and its queue is full ({gpu.lane.queued}/{gpu.lane.queue_limit})",
+    )
+
+
+def _to_cpu(request: RequestShape, cpu: CpuView, why: Reason, detail: str) -> Decision:
+    if not cpu.can_serve:
+        return Decision(
+            Route.REJECT, Reason.NO_WORKER,
+            f"the GPU path can't serve ({detail}) and the CPU worker is down ({cpu.out_reason or 'not running'})",
+            status=503, retry_after_s=30.0,
+        )
+    if request.total_tokens > cpu.lane.context_cap:
+        return Decision(
+            Route.REJECT, Reason.CPU_CONTEXT_CAP,
+            f"the GPU path can't serve ({detail}) and {request.total_tokens} tokens exceed the CPU "
+            f"context cap of {cpu.lane.context_cap}; retry later or shorten the request",
+            status=503, retry_after_s=30.0,
+        )
+    if cpu.host_available_mib - cpu.request_ram_mib < cpu.ram_floor_mib:
+        return Decision(
+            Route.REJECT, Reason.RAM_FLOOR,
+            f"the GPU path can't serve ({detail}) and running on the CPU would leave "
+            f"{cpu.host_available_mib - cpu.request_ram_mib:.0f} MiB of RAM, under the "
+            f"{cpu.ram_floor_mib:.0f} MiB floor that keeps the host from swapping",
+            status=503, retry_after_s=30.0,
+        )
+    latency = estimate_cpu_latency_s(request, cpu)
+    if not request.is_replay and not cpu.lane.has_free_slot and not cpu.lane.has_queue_room:
+        return Decision(
+            Route.REJECT, Reason.CPU_QUEUE_FULL,
+            f"the GPU path can't serve ({detail}) and the CPU queue is full "
+            f"({cpu.lane.queued}/{cpu.lane.queue_limit})",
+            status=503, retry_after_s=_retry_after(cpu.backlog_s),
+        )
+    if request.deadline_s is not None and latency > request.deadline_s:
+        return Decision(
+            Route.REJECT, Reason.DEADLINE_TOO_SHORT,
+            f"the GPU path can't serve ({detail}); the CPU would take about {latency:.1f} s, "
+            f"longer than the {request.deadline_s:g} s in X-Request-Timeout",
+            status=503, retry_after_s=_retry_after(cpu.backlog_s), estimated_latency_s=latency,
+        )
+    return Decision(Route.CPU, why, detail, estimated_latency_s=latency)
+
+
+def _retry_after(backlog_s: float) -> float:
+    return float(max(1, math.ceil(backlog_s)))

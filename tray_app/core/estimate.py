@@ -1,0 +1,260 @@
+"""Predict the GPU and host memory a llama-cpp-python worker will hold.
+
+Pure arithmetic over ``ModelInfo``: no files, no processes.  The model follows
+llama.cpp as vendored by llama-cpp-python 0.3.x and is deliberately simple;
+each term names the llama.cpp buffer it stands for.
+
+How llama.cpp splits a model (src/llama-model.cpp, ``i_gpu_start``): it counts
+n_layer repeating blocks plus one output layer, and ``n_gpu_layers = g``
+offloads the *last* g of those n_layer + 1.  So the output layer goes first
+(g = 1 offloads only the output), g = n_layer leaves block 0 on the host, and
+g >= n_layer + 1 (or -1) offloads everything.  token_embd always stays on the
+host.  The KV cache of a block lives where the block lives.
+
+Host numbers are the resident set the worker reaches once requests have
+filled its context, not what it shows right after loading: llama.cpp's CPU
+buffers and numpy arrays are committed lazily, page by page, as they are
+written.  benchmarks/estimate_vs_rss.py checks them against real workers.
+GPU numbers are allocations (cudaMalloc commits at once), so reservations
+count in full.  They are not calibrated on a GPU here; see the constants.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .gguf_info import ModelInfo
+
+MIB = 1024 * 1024
+
+# Bytes per element: ggml block size / elements per block for each type
+# llama.cpp accepts as --cache-type-k/-v.
+KV_TYPE_BYTES: dict[str, float] = {
+    "f32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "q8_0": 34 / 32,
+    "q5_1": 24 / 32,
+    "q5_0": 22 / 32,
+    "q4_1": 20 / 32,
+    "q4_0": 18 / 32,
+    "iq4_nl": 18 / 32,
+}
+
+F32_BYTES = 4
+F16_BYTES = 2
+KV_CELL_PADDING = 256  # llama_context pads n_ctx up to a multiple of 256
+
+# Activations alive next to the attention scores or the logits, in rows of
+# n_embd floats per token.  Fitted to llama.cpp's own "CPU compute buffer size"
+# for SmolLM2 across n_ctx 512..16384 and n_ubatch 128/512 (within 5%).
+ACTIVATION_ROWS_PER_TOKEN = 6
+
+# What the worker process holds besides llama.cpp's buffers: CPython, numpy,
+# uvicorn/FastAPI/pydantic, the ggml shared libraries and their heaps.
+# Measured with benchmarks/estimate_vs_rss.py (llama-cpp-python 0.3.36, CPU
+# build, Linux x86-64): RSS minus the modelled buffers was 87-93 MiB after a
+# full-context request; rounded up.
+HOST_RUNTIME_BASELINE_MIB = 96
+
+# Extra host memory a GPU-enabled worker holds: CUDA driver state, pinned
+# staging buffers, cuBLAS.  Not measured here (no GPU); an allowance.
+HOST_GPU_RUNTIME_EXTRA_MIB = 256
+
+# GPU memory a worker uses beyond its model, KV and compute buffers: the CUDA
+# context (~300-500 MiB on consumer cards, driver dependent), cuBLAS handles and
+# workspace, and ggml's CUDA memory pool.  Not measured here; an allowance.
+GPU_RUNTIME_OVERHEAD_MIB = 512
+
+# Free GPU memory admission control leaves untouched.  The worker's own CUDA
+# context is already charged above (GPU_RUNTIME_OVERHEAD_MIB), so this covers
+# what we do not see: the desktop compositor and browsers allocating after we
+# read free memory, driver-side fragmentation, and error in the estimate
+# itself.  1 GiB is ~8% of a 12 GiB card and ~4% of a 24 GiB one.
+DEFAULT_GPU_RESERVE_MIB = 1024
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    n_ctx: int  # total context; 0 means the model's n_ctx_train, as in llama.cpp
+    n_gpu_layers: int  # -1 = all layers (llama-cpp-python's convention)
+    n_batch: int = 512
+    n_ubatch: int = 512
+    kv_type: str = "f16"
+    # llama-server shares n_ctx among its slots, so more slots do not grow the
+    # KV cache; llama_cpp.server serves one request at a time.  No memory effect.
+    n_parallel: int = 1
+    # llama_cpp.server defaults to logits_all=True, which keeps a float32 row of
+    # n_vocab logits for every token of the context in RAM: for SmolLM2 at 8k
+    # context that is 1.5 GiB.  Launch with --logits_all False unless logprobs
+    # are needed, and say so here.
+    logits_all: bool = True
+    flash_attn: bool = False  # llama_cpp.server's default
+
+    def __post_init__(self) -> None:
+        if self.kv_type not in KV_TYPE_BYTES:
+            raise ValueError(f"kv_type {self.kv_type!r} is not one of {', '.join(KV_TYPE_BYTES)}")
+        if self.n_ctx < 0 or self.n_batch < 1 or self.n_ubatch < 1 or self.n_parallel < 1:
+            raise ValueError(f"nonsensical worker settings: {self}")
+
+
+@dataclass(frozen=True)
+class DeviceNeed:
+    weights: int
+    kv_cache: int
+    compute: int  # compute graph, logits buffers, numpy score rows: scratch that grows with use
+    runtime_overhead: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.compute + self.runtime_overhead
+
+
+NOTHING = DeviceNeed(0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    gpu: DeviceNeed  # zeros when nothing is offloaded
+    host: DeviceNeed  # the worker's RSS once its context has been filled
+    layers_on_gpu: int  # llama.cpp's count, of n_layer + 1 (the output layer counts as one)
+
+
+def layers_offloaded(info: ModelInfo, n_gpu_layers: int) -> int:
+    """llama.cpp's "offloaded X/Y layers" X, where Y = n_layer + 1 (the output layer)."""
+    offloadable = info.n_layer + 1
+    if n_gpu_layers < 0:
+        return offloadable
+    return min(n_gpu_layers, offloadable)
+
+
+def kv_bytes_per_token(info: ModelInfo, kv_type: str = "f16") -> int:
+    """K and V for one token across all layers."""
+    return math.ceil(_kv_bytes_per_token_per_layer(info, kv_type) * info.n_layer)
+
+
+def estimate_worker(info: ModelInfo, settings: WorkerSettings) -> Footprint:
+    offloaded = layers_offloaded(info, settings.n_gpu_layers)
+    output_on_gpu = offloaded >= 1
+    blocks_on_gpu = max(offloaded - 1, 0)  # the output layer is the first one offloaded
+    blocks_on_host = info.n_layer - blocks_on_gpu
+    kv_cells = _kv_cells(info, settings)
+    kv_per_block = math.ceil(_kv_bytes_per_token_per_layer(info, settings.kv_type) * kv_cells)
+
+    logits_rows = _ubatch(info, settings) if settings.logits_all else 1
+    host_logits_scratch = (
+        # llama.cpp's output buffer holds one row per output token of a batch...
+        info.n_vocab * F32_BYTES * (_batch(info, settings) if settings.logits_all else 1)
+        # ...and llama-cpp-python copies every row into its numpy `scores`.
+        + (info.n_vocab * F32_BYTES * kv_cells if settings.logits_all else 0)
+    )
+
+    if not output_on_gpu:
+        # Host pages are committed when written, so only the logits rows that
+        # are actually produced count, not the n_ubatch rows llama.cpp reserves.
+        compute = _compute_buffer(info, settings, logits_rows) + _attention_conversion(info, settings)
+        host = DeviceNeed(
+            weights=info.weights_bytes,
+            kv_cache=kv_per_block * info.n_layer,
+            compute=compute + host_logits_scratch,
+            runtime_overhead=HOST_RUNTIME_BASELINE_MIB * MIB,
+        )
+        return Footprint(gpu=NOTHING, host=host, layers_on_gpu=0)
+
+    offloaded_weights = sum(info.layer_bytes[info.n_layer - blocks_on_gpu :])
+    gpu = DeviceNeed(
+        weights=offloaded_weights + info.output_bytes,
+        kv_cache=kv_per_block * blocks_on_gpu,
+        # cudaMalloc commits the whole reservation, sized for n_ubatch output rows.
+        compute=_compute_buffer(info, settings, _ubatch(info, settings)) + _attention_conversion(info, settings),
+        runtime_overhead=GPU_RUNTIME_OVERHEAD_MIB * MIB,
+    )
+    # Blocks left on the host compute their attention on the host, so the
+    # host needs an attention-sized buffer too; otherwise it only stages input.
+    host_compute = (
+        _attention_stage(info, settings) + _attention_conversion(info, settings)
+        if blocks_on_host
+        else 2 * _ubatch(info, settings) * info.n_embd * F32_BYTES
+    )
+    host = DeviceNeed(
+        # An untied output matrix on the GPU stays counted here: conservative
+        # by one vocab x embd matrix, because ModelInfo does not say if it is tied.
+        weights=info.weights_bytes - offloaded_weights,
+        kv_cache=kv_per_block * blocks_on_host,
+        compute=host_compute + host_logits_scratch,
+        runtime_overhead=(HOST_RUNTIME_BASELINE_MIB + HOST_GPU_RUNTIME_EXTRA_MIB) * MIB,
+    )
+    return Footprint(gpu=gpu, host=host, layers_on_gpu=offloaded)
+
+
+def request_vram_bytes(info: ModelInfo, settings: WorkerSettings, n_tokens: int) -> int:
+    """GPU memory one request of n_tokens may add beyond the worker's loaded footprint.
+
+    llama.cpp preallocates its KV cache and compute buffers, so on a healthy
+    llama.cpp worker this is a safety margin rather than a prediction: it
+    covers ggml's CUDA pool growing for long prompts (cuBLAS scratch is taken
+    on demand and kept), allocator rounding and fragmentation, and runtimes
+    that grow the KV cache lazily, where it is exactly the growth.  Sized as
+    the request's KV on the offloaded blocks plus its logits on the GPU.
+    """
+    offloaded = layers_offloaded(info, settings.n_gpu_layers)
+    if offloaded == 0 or n_tokens <= 0:
+        return 0
+    tokens = min(n_tokens, _kv_cells(info, settings))
+    blocks_on_gpu = max(offloaded - 1, 0)
+    kv = math.ceil(_kv_bytes_per_token_per_layer(info, settings.kv_type) * blocks_on_gpu * tokens)
+    logits = info.n_vocab * F32_BYTES * min(tokens, _ubatch(info, settings))
+    return kv + logits
+
+
+def _kv_bytes_per_token_per_layer(info: ModelInfo, kv_type: str) -> float:
+    if kv_type not in KV_TYPE_BYTES:
+        raise ValueError(f"kv_type {kv_type!r} is not one of {', '.join(KV_TYPE_BYTES)}")
+    return info.n_head_kv * (info.head_dim_k + info.head_dim_v) * KV_TYPE_BYTES[kv_type]
+
+
+def _kv_cells(info: ModelInfo, settings: WorkerSettings) -> int:
+    n_ctx = settings.n_ctx or info.n_ctx_train
+    return -(-n_ctx // KV_CELL_PADDING) * KV_CELL_PADDING
+
+
+def _batch(info: ModelInfo, settings: WorkerSettings) -> int:
+    return min(settings.n_batch, _kv_cells(info, settings))  # llama.cpp caps n_batch at n_ctx
+
+
+def _ubatch(info: ModelInfo, settings: WorkerSettings) -> int:
+    return min(settings.n_ubatch, _batch(info, settings))
+
+
+def _activations(info: ModelInfo, settings: WorkerSettings) -> int:
+    return _ubatch(info, settings) * info.n_embd * F32_BYTES * ACTIVATION_ROWS_PER_TOKEN
+
+
+def _attention_stage(info: ModelInfo, settings: WorkerSettings) -> int:
+    """One block's attention at a full cache: scores per head plus the mask."""
+    score_cells = _kv_cells(info, settings) * _ubatch(info, settings)
+    if settings.flash_attn:
+        # Flash attention never materialises the scores; only the f16 mask remains.
+        return score_cells * F16_BYTES + _activations(info, settings)
+    return score_cells * (info.n_head + 1) * F32_BYTES + _activations(info, settings)
+
+
+def _compute_buffer(info: ModelInfo, settings: WorkerSettings, logits_rows: int) -> int:
+    """llama.cpp's compute buffer: the larger of the attention and the output stage.
+
+    The graph allocator reuses memory between stages, so the buffer is the
+    peak of the two, not their sum.
+    """
+    output_stage = info.n_vocab * logits_rows * F32_BYTES + _activations(info, settings)
+    return max(_attention_stage(info, settings), output_stage)
+
+
+def _attention_conversion(info: ModelInfo, settings: WorkerSettings) -> int:
+    """Softmaxed scores converted to f16 to multiply with the f16 V cache.
+
+    Lives outside the compute buffer (ggml's CPU work buffer, or the CUDA pool).
+    """
+    if settings.flash_attn or settings.kv_type == "f32":
+        return 0
+    return _kv_cells(info, settings) * _ubatch(info, settings) * info.n_head * F16_BYTES

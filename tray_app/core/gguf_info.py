@@ -1,0 +1,367 @@
+"""Read what the rest of the app needs to know about a .gguf model file.
+
+The header is walked directly instead of through ``gguf.GGUFReader``: the
+reader materialises every vocabulary and merge string as numpy views, which
+takes ~3 s for SmolLM2's 49k-token vocabulary and several times that for
+128k-token models -- too slow for a settings dialog.  We only need counts and
+a few scalars, so we skip string arrays and take the authoritative type
+tables (quant block sizes, file-type names) from the ``gguf`` package.
+
+Every failure surfaces as a one-line ``ModelFileError`` that names the file
+and says what to do; nothing here lets a traceback reach the user.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_GGUF_VERSIONS = (2, 3)  # v1 predates 64-bit counts; llama.cpp refuses it too
+DEFAULT_ALIGNMENT = 32  # GGUF spec default when general.alignment is absent
+MAX_TENSOR_DIMS = 4  # GGML_MAX_DIMS; more means the header is garbage
+
+# Hints appended to errors: the user fixes these by pointing the app elsewhere
+# or re-downloading, so the message says exactly that.
+_POINT_ELSEWHERE = "point --model or model_path in the config at a .gguf file"
+_REDOWNLOAD = "download the model again"
+
+_SCALAR_FORMATS: dict[GGUFValueType, str] = {
+    GGUFValueType.UINT8: "B",
+    GGUFValueType.INT8: "b",
+    GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I",
+    GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f",
+    GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q",
+    GGUFValueType.FLOAT64: "d",
+}
+
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")
+
+
+class ModelFileError(Exception):
+    """One-line, user-facing: names the file and says what to do."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: Path
+    file_size: int
+    architecture: str
+    name: str
+    file_type: str
+    parameter_count: int
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    n_ctx_train: int  # 0 when the file does not say
+    n_vocab: int
+    layer_bytes: tuple[int, ...]
+    non_layer_bytes: int
+    output_bytes: int
+    chat_template: str | None
+    tokenizer_model: str | None
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(self.layer_bytes) + self.non_layer_bytes
+
+
+@dataclass(frozen=True)
+class _TensorEntry:
+    name: str
+    quant_type: GGMLQuantizationType
+    n_elements: int
+    n_bytes: int
+    end_offset: int  # relative to the start of the data section
+
+
+@dataclass(frozen=True)
+class _StringArray:
+    """Stands in for a string array we skipped: only its length matters to us."""
+
+    length: int
+
+
+class _Truncated(Exception):
+    """The header claims more bytes than the file holds."""
+
+    def __init__(self, detail: str = "the header ends early") -> None:
+        super().__init__(detail)
+
+
+class _Corrupt(Exception):
+    """The header is self-inconsistent; the message says how."""
+
+
+class _HeaderCursor:
+    def __init__(self, buffer: mmap.mmap, byte_order: str) -> None:
+        self._buffer = buffer
+        self._byte_order = byte_order
+        self.position = 0
+
+    def unpack(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        if self.position + size > len(self._buffer):
+            raise _Truncated
+        (value,) = struct.unpack_from(self._byte_order + fmt, self._buffer, self.position)
+        self.position += size
+        return value
+
+    def string(self) -> str:
+        length = self.unpack("Q")
+        end = self.position + length
+        if end > len(self._buffer):
+            raise _Truncated
+        raw = self._buffer[self.position : end]
+        self.position = end
+        return raw.decode("utf-8", errors="replace")
+
+    def skip_strings(self, count: int) -> None:
+        # Vocabularies hold 10^5 strings: skip by length, never decode.
+        for _ in range(count):
+            length = self.unpack("Q")  # advances past the length field first
+            self.position += length
+        if self.position > len(self._buffer):
+            raise _Truncated
+
+    def value(self, value_type: int) -> Any:
+        value_type = _value_type(value_type)
+        if value_type is GGUFValueType.STRING:
+            return self.string()
+        if value_type is GGUFValueType.ARRAY:
+            return self._array()
+        return self.unpack(_SCALAR_FORMATS[value_type])
+
+    def _array(self) -> Any:
+        item_type = _value_type(self.unpack("I"))
+        count = self.unpack("Q")
+        if item_type is GGUFValueType.STRING:
+            self.skip_strings(count)
+            return _StringArray(count)
+        if item_type is GGUFValueType.ARRAY:
+            return tuple(self._array() for _ in range(count))
+        item_format = _SCALAR_FORMATS[item_type]
+        total = struct.calcsize(item_format) * count
+        if self.position + total > len(self._buffer):
+            raise _Truncated
+        values = struct.unpack_from(f"{self._byte_order}{count}{item_format}", self._buffer, self.position)
+        self.position += total
+        return values
+
+
+def _value_type(raw: int) -> GGUFValueType:
+    try:
+        return GGUFValueType(raw)
+    except ValueError:
+        raise _Corrupt(f"unknown metadata value type {raw}") from None
+
+
+def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
+    model_path = Path(path)
+    try:
+        return _read_model_info(model_path)
+    except FileNotFoundError:
+        raise ModelFileError(f"model file {model_path} does not exist: {_POINT_ELSEWHERE}") from None
+    except IsADirectoryError:
+        raise ModelFileError(f"model file {model_path} is a directory: {_POINT_ELSEWHERE}") from None
+    except PermissionError:
+        if model_path.is_dir():  # Windows reports opening a directory as EACCES
+            raise ModelFileError(f"model file {model_path} is a directory: {_POINT_ELSEWHERE}") from None
+        raise ModelFileError(
+            f"model file {model_path} cannot be read (permission denied): "
+            "give your user read access to it or move it somewhere you own"
+        ) from None
+    except _Truncated as problem:
+        raise ModelFileError(f"model file {model_path} is truncated or corrupt ({problem}): {_REDOWNLOAD}") from None
+    except _Corrupt as problem:
+        raise ModelFileError(f"model file {model_path} is corrupt ({problem}): {_REDOWNLOAD}") from None
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise ModelFileError(f"model file {model_path} cannot be read ({reason}): {_POINT_ELSEWHERE}") from None
+
+
+def _read_model_info(model_path: Path) -> ModelInfo:
+    with open(model_path, "rb") as model_file:
+        file_size = os.fstat(model_file.fileno()).st_size
+        magic = model_file.read(len(GGUF_MAGIC))
+        if magic != GGUF_MAGIC:
+            raise ModelFileError(_describe_bad_magic(model_path, magic))
+        with mmap.mmap(model_file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+            metadata, tensors, data_start = _parse_header(buffer, model_path)
+    for tensor in tensors:
+        # llama.cpp refuses these too ("data is not within the file bounds").
+        if data_start + tensor.end_offset > file_size:
+            raise _Truncated(
+                f"tensor {tensor.name} ends at byte {data_start + tensor.end_offset:,} but the file has {file_size:,}"
+            )
+    return _build_info(model_path, file_size, metadata, tensors)
+
+
+def _describe_bad_magic(model_path: Path, magic: bytes) -> str:
+    if not magic:
+        return f"model file {model_path} is empty: {_REDOWNLOAD}"
+    return f"model file {model_path} is not a GGUF file (bad magic {magic!r}): download the .gguf build of the model"
+
+
+def _parse_header(buffer: mmap.mmap, model_path: Path) -> tuple[dict[str, Any], list[_TensorEntry], int]:
+    byte_order = "<"
+    cursor = _HeaderCursor(buffer, byte_order)
+    cursor.position = len(GGUF_MAGIC)
+    version = cursor.unpack("I")
+    if version & 0xFFFF == 0 and version != 0:
+        # A big-endian file read as little-endian puts the version in the high half.
+        byte_order = ">"
+        cursor = _HeaderCursor(buffer, byte_order)
+        cursor.position = len(GGUF_MAGIC)
+        version = cursor.unpack("I")
+    if version not in SUPPORTED_GGUF_VERSIONS:
+        raise ModelFileError(
+            f"model file {model_path} uses GGUF version {version}, which is not supported: "
+            "download a current .gguf build of the model"
+        )
+    tensor_count = cursor.unpack("Q")
+    metadata_count = cursor.unpack("Q")
+
+    metadata: dict[str, Any] = {}
+    for _ in range(metadata_count):
+        key = cursor.string()
+        metadata[key] = cursor.value(cursor.unpack("I"))
+
+    tensors = [_read_tensor_entry(cursor) for _ in range(tensor_count)]
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise _Corrupt(f"general.alignment is {alignment!r}")
+    data_start = -(-cursor.position // alignment) * alignment
+    return metadata, tensors, data_start
+
+
+def _read_tensor_entry(cursor: _HeaderCursor) -> _TensorEntry:
+    name = cursor.string()
+    n_dims = cursor.unpack("I")
+    if n_dims > MAX_TENSOR_DIMS:
+        raise _Corrupt(f"tensor {name} claims {n_dims} dimensions")
+    dims = [cursor.unpack("Q") for _ in range(n_dims)]
+    raw_type = cursor.unpack("I")
+    offset = cursor.unpack("Q")
+    try:
+        quant_type = GGMLQuantizationType(raw_type)
+    except ValueError:
+        raise _Corrupt(
+            f"tensor {name} has type {raw_type}, unknown to the installed gguf package; "
+            "upgrading gguf may also fix this"
+        ) from None
+    block_size, type_size = GGML_QUANT_SIZES[quant_type]
+    n_elements = 1
+    for dim in dims:
+        n_elements *= dim
+    if dims and dims[0] % block_size:
+        raise _Corrupt(f"tensor {name} row of {dims[0]} is not a multiple of its {block_size}-element blocks")
+    n_bytes = n_elements // block_size * type_size
+    return _TensorEntry(name, quant_type, n_elements, n_bytes, offset + n_bytes)
+
+
+def _build_info(model_path: Path, file_size: int, metadata: dict[str, Any], tensors: list[_TensorEntry]) -> ModelInfo:
+    def require(key: str) -> Any:
+        if key not in metadata:
+            raise ModelFileError(
+                f"model file {model_path} lacks the metadata key {key}, so it is not a usable llama.cpp model: "
+                "download a complete .gguf build of the model"
+            )
+        return metadata[key]
+
+    def count(key: str, *, default: int = 0, required: bool = False) -> int:
+        return _as_count(require(key) if required else metadata.get(key, default), key)
+
+    architecture = str(require("general.architecture"))
+    prefix = f"{architecture}."
+    n_layer = count(prefix + "block_count", required=True)
+    n_embd = count(prefix + "embedding_length", required=True)
+    # Some architectures store per-layer head counts as arrays; the widest
+    # layer bounds the KV cache, so take the maximum to stay conservative.
+    n_head = count(prefix + "attention.head_count", default=0)
+    n_head_kv = count(prefix + "attention.head_count_kv", default=n_head)
+    default_head_dim = n_embd // n_head if n_head else 0
+    head_dim_k = count(prefix + "attention.key_length", default=default_head_dim)
+    head_dim_v = count(prefix + "attention.value_length", default=head_dim_k)
+
+    tensor_bytes = {tensor.name: tensor.n_bytes for tensor in tensors}
+    layer_bytes = [0] * n_layer
+    non_layer_bytes = 0
+    for tensor in tensors:
+        match = _LAYER_TENSOR.match(tensor.name)
+        index = int(match.group(1)) if match else -1
+        # Blocks past block_count (e.g. next-token-prediction heads) are not
+        # offloadable layers in llama.cpp's sense, so they count as non-layer.
+        if 0 <= index < n_layer:
+            layer_bytes[index] += tensor.n_bytes
+        else:
+            non_layer_bytes += tensor.n_bytes
+
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, _StringArray):
+        n_vocab = tokens.length
+    else:
+        n_vocab = count(prefix + "vocab_size", default=0)
+
+    chat_template = metadata.get("tokenizer.chat_template")
+    tokenizer_model = metadata.get("tokenizer.ggml.model")
+    name = metadata.get("general.name")
+    return ModelInfo(
+        path=model_path,
+        file_size=file_size,
+        architecture=architecture,
+        name=name if isinstance(name, str) and name.strip() else model_path.stem,
+        file_type=_file_type_name(metadata.get("general.file_type"), tensors),
+        parameter_count=sum(tensor.n_elements for tensor in tensors),
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim_k=head_dim_k,
+        head_dim_v=head_dim_v,
+        n_ctx_train=count(prefix + "context_length", default=0),
+        n_vocab=n_vocab,
+        layer_bytes=tuple(layer_bytes),
+        non_layer_bytes=non_layer_bytes,
+        output_bytes=tensor_bytes.get("output.weight", tensor_bytes.get("token_embd.weight", 0)),
+        chat_template=chat_template if isinstance(chat_template, str) else None,
+        tokenizer_model=tokenizer_model if isinstance(tokenizer_model, str) else None,
+    )
+
+
+def _as_count(value: Any, key: str) -> int:
+    if isinstance(value, tuple):  # per-layer values
+        value = max(value, default=0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise _Corrupt(f"{key} is {value!r}, not a count")
+    return int(value)
+
+
+def _file_type_name(raw_file_type: Any, tensors: list[_TensorEntry]) -> str:
+    if isinstance(raw_file_type, int):
+        try:
+            # LlamaFileType names read "MOSTLY_Q4_K_M" / "ALL_F32"; users know "Q4_K_M" / "F32".
+            return LlamaFileType(raw_file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except ValueError:
+            pass
+    # Counting tensors would crown the many tiny F32 norm vectors, so weigh by bytes.
+    bytes_per_type: Counter[str] = Counter()
+    for tensor in tensors:
+        bytes_per_type[tensor.quant_type.name] += tensor.n_bytes
+    return bytes_per_type.most_common(1)[0][0] if bytes_per_type else "unknown"

@@ -1,0 +1,139 @@
+"""A request's life inside the router: identity, route, attempts and events.
+
+A Job is created once per accepted request and keeps its id through a
+replay, so the client, the logs and /status always talk about one thing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .admission import Reason
+
+
+class JobKind(str, enum.Enum):
+    CHAT = "chat"
+    COMPLETION = "completion"
+
+    @property
+    def upstream_path(self) -> str:
+        return "/v1/chat/completions" if self is JobKind.CHAT else "/v1/completions"
+
+
+class JobState(str, enum.Enum):
+    ADMITTING = "admitting"
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex[:20]}"
+
+
+@dataclass
+class Attempt:
+    path: str
+    started_at: float
+    first_token_at: float | None = None
+    ended_at: float | None = None
+    tokens: int = 0
+    outcome: str = "running"   # "completed", "failed: ...", "canceled"
+
+
+@dataclass
+class Job:
+    id: str
+    kind: JobKind
+    body: dict[str, Any]
+    stream: bool
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    created_at: float = field(default_factory=time.monotonic)
+    created_wall: float = field(default_factory=time.time)
+    state: JobState = JobState.ADMITTING
+    path: str | None = None
+    reason: Reason | None = None
+    reason_detail: str = ""
+    estimated_latency_s: float | None = None
+    queue_wait_s: float = 0.0
+    attempts: list[Attempt] = field(default_factory=list)
+    first_failure: str | None = None
+    replayed: bool = False
+    canceled: asyncio.Event = field(default_factory=asyncio.Event)
+    cancel_reason: str | None = None
+    # Set once a byte of the answer has been handed to the client: from then
+    # on the request can no longer be re-run anywhere.
+    committed: bool = False
+
+    def cancel(self, why: str) -> None:
+        if not self.canceled.is_set():
+            self.cancel_reason = why
+            self.canceled.set()
+
+    def age_s(self) -> float:
+        return round(time.monotonic() - self.created_at, 3)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "kind": self.kind.value,
+            "stream": self.stream,
+            "state": self.state.value,
+            "path": self.path,
+            "reason": self.reason.value if self.reason else None,
+            "detail": self.reason_detail,
+            "age_s": self.age_s(),
+            "prompt_tokens": self.prompt_tokens,
+            "max_tokens": self.max_tokens,
+            "estimated_latency_s": self.estimated_latency_s,
+            "replayed": self.replayed,
+            "first_failure": self.first_failure,
+            "attempts": [
+                {"path": a.path, "outcome": a.outcome, "tokens": a.tokens} for a in self.attempts
+            ],
+        }
+
+
+class JobFailed(Exception):
+    """A job ends with an error the client should see, in the OpenAI envelope."""
+
+    def __init__(self, status: int, code: str, message: str, *, err_type: str = "server_error",
+                 retry_after_s: float | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.err_type = err_type
+        self.retry_after_s = retry_after_s
+        self.param = param
+
+
+class WorkerFailure(Exception):
+    """The worker broke while serving (crash, reset, OOM, hang)."""
+
+
+@dataclass
+class PathSpeed:
+    """Measured speed of one path, smoothed (EWMA) so one odd request can't swing it."""
+
+    tokens_per_s: float
+    prompt_tokens_per_s: float
+    samples: int = 0
+    alpha: float = 0.3
+
+    def observe(self, generated: int, generation_s: float, prompt_tokens: int, ttft_s: float) -> None:
+        if generated >= 4 and generation_s > 0:
+            rate = generated / generation_s
+            self.tokens_per_s = rate if self.samples == 0 else self.alpha * rate + (1 - self.alpha) * self.tokens_per_s
+        if prompt_tokens >= 16 and ttft_s > 0:
+            rate = prompt_tokens / ttft_s
+            self.prompt_tokens_per_s = (
+                rate if self.samples == 0 else self.alpha * rate + (1 - self.alpha) * self.prompt_tokens_per_s
+            )
+        self.samples += 1

@@ -1,0 +1,136 @@
+"""A lane: the slots and the bounded FIFO queue in front of one worker.
+
+Slots are handed over directly: when a request releases its slot, the first
+waiter is marked running before it even wakes, so nobody can sneak in between.
+All methods run on the event loop thread; no locks are needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .admission import LaneState
+
+
+class Canceled(Exception):
+    """The request was canceled while it waited."""
+
+
+class Redirected(Exception):
+    """The lane can no longer serve its waiters (e.g. the GPU failed)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class _Waiter:
+    request_id: str
+    enqueued_at: float
+    future: asyncio.Future = field(repr=False)
+
+
+class Lane:
+    def __init__(self, name: str, concurrency: int, queue_limit: int, clock: Callable[[], float] = time.monotonic):
+        self.name = name
+        self.concurrency = concurrency
+        self.queue_limit = queue_limit
+        self._clock = clock
+        self._running: dict[str, float] = {}
+        self._waiting: collections.deque[_Waiter] = collections.deque()
+
+    def state(self, context_cap: int) -> LaneState:
+        return LaneState(
+            context_cap=context_cap, running=len(self._running), concurrency=self.concurrency,
+            queued=len(self._waiting), queue_limit=self.queue_limit,
+        )
+
+    @property
+    def running_ids(self) -> list[str]:
+        return list(self._running)
+
+    @property
+    def waiting_ids(self) -> list[str]:
+        return [w.request_id for w in self._waiting]
+
+    def position(self, request_id: str) -> int | None:
+        """1-based place in the queue, or None when not waiting."""
+        for index, waiter in enumerate(self._waiting):
+            if waiter.request_id == request_id:
+                return index + 1
+        return None
+
+    def oldest_wait_s(self) -> float:
+        return round(self._clock() - self._waiting[0].enqueued_at, 3) if self._waiting else 0.0
+
+    async def acquire(self, request_id: str, front: bool = False) -> float:
+        """Take a slot, waiting in the queue if needed; returns seconds waited.
+
+        `front` puts a replayed request ahead of new arrivals: it was accepted
+        earlier and has already waited once.
+        """
+        if len(self._running) < self.concurrency and not self._waiting:
+            self._running[request_id] = self._clock()
+            return 0.0
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(request_id, self._clock(), loop.create_future())
+        if front:
+            self._waiting.appendleft(waiter)
+        else:
+            self._waiting.append(waiter)
+        try:
+            await waiter.future
+        except asyncio.CancelledError:
+            # The caller went away: give the slot on if we had just been handed it.
+            if waiter in self._waiting:
+                self._waiting.remove(waiter)
+            elif request_id in self._running:
+                self.release(request_id)
+            raise
+        return round(self._clock() - waiter.enqueued_at, 3)
+
+    def release(self, request_id: str) -> None:
+        if self._running.pop(request_id, None) is None:
+            return
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        while self._waiting and len(self._running) < self.concurrency:
+            waiter = self._waiting.popleft()
+            if waiter.future.done():
+                continue
+            self._running[waiter.request_id] = self._clock()
+            waiter.future.set_result(None)
+
+    def cancel_waiting(self, request_id: str) -> bool:
+        for waiter in self._waiting:
+            if waiter.request_id == request_id:
+                self._waiting.remove(waiter)
+                if not waiter.future.done():
+                    waiter.future.set_exception(Canceled(request_id))
+                return True
+        return False
+
+    def redirect_waiting(self, reason: str) -> int:
+        """Send every waiter away with `reason`; returns how many."""
+        count = 0
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.future.done():
+                waiter.future.set_exception(Redirected(reason))
+                count += 1
+        return count
+
+    def snapshot(self) -> dict:
+        return {
+            "running": len(self._running),
+            "concurrency": self.concurrency,
+            "depth": len(self._waiting),
+            "limit": self.queue_limit,
+            "oldest_age_s": self.oldest_wait_s(),
+        }

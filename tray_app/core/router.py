@@ -1,0 +1,549 @@
+"""The HTTP face: OpenAI-compatible routes on one localhost port.
+
+Handlers validate, ask the service to admit, then either aggregate the
+worker's stream (non-streaming clients) or relay it (SSE). Headers are only
+sent once the first token exists, which is what makes a replay on the CPU
+invisible to the client when the GPU fails before answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route as HttpRoute
+
+from .jobs import Job, JobFailed, JobKind, new_request_id
+from .service import Service
+
+MAX_MESSAGES = 1024
+MAX_N = 1
+
+
+def error_body(message: str, code: str, err_type: str = "invalid_request_error", param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, code: str, err_type: str = "invalid_request_error",
+                   param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, code, err_type, param), status_code=status, headers=headers)
+
+
+def _failed_response(failure: JobFailed, headers: dict[str, str]) -> JSONResponse:
+    extra = dict(headers)
+    if failure.retry_after_s is not None:
+        extra["Retry-After"] = str(int(math.ceil(failure.retry_after_s)))
+    return error_response(failure.status, failure.message, failure.code, failure.err_type, failure.param, extra)
+
+
+class _Invalid(Exception):
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+class AggregatingSink:
+    """Collects a worker's stream into one OpenAI response object."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+
+    def reset(self) -> None:
+        self.events.clear()
+
+    def chat_response(self, job: Job) -> dict[str, Any]:
+        content: list[str] = []
+        tool_calls: dict[int, dict[str, Any]] = {}
+        finish_reason = None
+        created = int(time.time())
+        for event in self.events:
+            created = event.get("created", created)
+            for choice in event.get("choices") or ():
+                delta = choice.get("delta") or {}
+                if delta.get("content"):
+                    content.append(delta["content"])
+                for call in delta.get("tool_calls") or ():
+                    slot = tool_calls.setdefault(call.get("index", 0), {
+                        "id": call.get("id"), "type": "function", "function": {"name": "", "arguments": ""}})
+                    function = call.get("function") or {}
+                    slot["id"] = slot["id"] or call.get("id")
+                    slot["function"]["name"] += function.get("name") or ""
+                    slot["function"]["arguments"] += function.get("arguments") or ""
+                if choice.get("finish_reason"):
+                    finish_reason = choice["finish_reason"]
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) if content or not tool_calls else None}
+        if tool_calls:
+            message["tool_calls"] = [tool_calls[i] for i in sorted(tool_calls)]
+        completion_tokens = job.attempts[-1].tokens if job.attempts else 0
+        return {
+            "id": f"chatcmpl-{job.id}",
+            "object": "chat.completion",
+            "created": created,
+            "model": self._model(job),
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": _usage(job.prompt_tokens, completion_tokens),
+        }
+
+    def completion_response(self, job: Job) -> dict[str, Any]:
+        text: list[str] = []
+        finish_reason = None
+        created = int(time.time())
+        for event in self.events:
+            created = event.get("created", created)
+            for choice in event.get("choices") or ():
+                text.append(choice.get("text") or "")
+                if choice.get("finish_reason"):
+                    finish_reason = choice["finish_reason"]
+        completion_tokens = job.attempts[-1].tokens if job.attempts else 0
+        return {
+            "id": f"cmpl-{job.id}",
+            "object": "text_completion",
+            "created": created,
+            "model": self._model(job),
+            "choices": [{"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish_reason}],
+            "usage": _usage(job.prompt_tokens, completion_tokens),
+        }
+
+    def _model(self, job: Job) -> str:
+        return self.events[0].get("model", "") if self.events else ""
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class QueueSink:
+    """Hands events to the SSE relay; the first emit commits the job."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self.job.committed = True
+        self.queue.put_nowait(("event", event))
+
+    def reset(self) -> None:
+        assert not self.job.committed, "a committed stream can't be reset"
+
+
+def _sse(payload: Any) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+class Router:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    # ----- small routes -----------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        ok, reason = self.service.health()
+        return JSONResponse({"status": "ok" if ok else "unavailable", "reason": reason}, status_code=200 if ok else 503)
+
+    async def status(self, request: Request) -> Response:
+        return JSONResponse(self.service.status())
+
+    async def models(self, request: Request) -> Response:
+        ids = [self.service.model_id]
+        if self.service.fallback_model_id not in ids:
+            ids.append(self.service.fallback_model_id)
+        created = int(self.service.started_at)
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_id, "object": "model", "created": created, "owned_by": "local"} for model_id in ids]})
+
+    async def cancel(self, request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        result = self.service.cancel(request_id)
+        if result is None:
+            return error_response(404, f"no queued or running request has id {request_id!r}; "
+                                  "it may have finished already", "request_not_found")
+        return JSONResponse(result)
+
+    async def admin_gpu(self, request: Request) -> Response:
+        try:
+            body = await _json_object(request)
+        except _Invalid as bad:
+            return error_response(bad.status, bad.message, bad.code)
+        if "paused" in body:
+            if not isinstance(body["paused"], bool):
+                return error_response(400, "'paused' must be true or false", "invalid_value", param="paused")
+            self.service.set_gpu_paused(body["paused"])
+        if "simulated_pressure_mib" in body:
+            value = body["simulated_pressure_mib"]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                return error_response(400, "'simulated_pressure_mib' must be a number >= 0", "invalid_value",
+                                      param="simulated_pressure_mib")
+            try:
+                self.service.set_simulated_pressure(float(value))
+            except ValueError as exc:
+                return error_response(409, str(exc), "not_simulated")
+        return JSONResponse({"gpu_paused": self.service.gpu_paused, "gpu": self.service.status()["gpu"]})
+
+    async def admin_restart(self, request: Request) -> Response:
+        self.service.restart_workers()
+        return JSONResponse({"restarting": True})
+
+    # ----- completions ----------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, JobKind.CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, JobKind.COMPLETION)
+
+    async def _complete(self, request: Request, kind: JobKind) -> Response:
+        request_id = _clean_request_id(request.headers.get("x-request-id")) or new_request_id()
+        base_headers = {"X-Request-Id": request_id}
+        try:
+            body = await _json_object(request)
+            self._validate(body, kind)
+            force_cpu, deadline_s = _routing_headers(request)
+        except _Invalid as bad:
+            return error_response(bad.status, bad.message, bad.code, param=bad.param, headers=base_headers)
+        except ClientDisconnect:
+            return Response(status_code=499)
+
+        idempotency_key = request.headers.get("idempotency-key")
+        fingerprint = hashlib.sha256(json.dumps([kind.value, body], sort_keys=True).encode()).hexdigest()
+        if idempotency_key:
+            try:
+                entry = self.service.idempotency_lookup(idempotency_key, fingerprint)
+            except JobFailed as failure:
+                return _failed_response(failure, base_headers)
+            if entry is not None:
+                return await self._replay_idempotent(entry, base_headers)
+
+        job = Job(id=request_id, kind=kind, body=body, stream=bool(body.get("stream")))
+        if request_id in self.service.jobs:
+            return error_response(409, f"a request with X-Request-Id {request_id!r} is already in flight; "
+                                  "send a new id, or an Idempotency-Key to share its result", "duplicate_request_id",
+                                  headers=base_headers)
+        try:
+            job.prompt_tokens = await self._count_prompt(job)
+        except _Invalid as bad:
+            return error_response(bad.status, bad.message, bad.code, param=bad.param, headers=base_headers)
+        requested = body.get("max_tokens", body.get("max_completion_tokens"))
+        job.max_tokens = int(requested) if requested is not None else self.service.default_max_tokens(job.prompt_tokens)
+
+        decision = self.service.decide(job, force_cpu=force_cpu, deadline_s=deadline_s)
+        if not decision.accepted:
+            failure = JobFailed(decision.status, decision.reason.value, decision.detail,
+                                err_type="invalid_request_error" if decision.status < 500 else "server_error",
+                                retry_after_s=decision.retry_after_s)
+            headers = {**base_headers, "X-Route-Reason": decision.reason.value}
+            if decision.estimated_latency_s is not None:
+                headers["X-Estimated-Latency"] = f"{decision.estimated_latency_s:.2f}"
+            return _failed_response(failure, headers)
+
+        claim = self.service.idempotency_claim(idempotency_key, fingerprint, job.id) if idempotency_key else None
+        if job.stream:
+            response = await self._stream(request, job, decision, force_cpu, deadline_s)
+        else:
+            response = await self._aggregate(request, job, decision, force_cpu, deadline_s)
+        if claim is not None:
+            self._settle_claim(claim, idempotency_key, response)
+        return response
+
+    def _settle_claim(self, claim: asyncio.Future, key: str, response: Response) -> None:
+        if isinstance(response, _RecordedStream):
+            response.on_finish = lambda recorded: _resolve(claim, recorded)
+            return
+        if response.status_code >= 500 or response.status_code == 499:
+            # Nothing was produced: let a retry with the same key run for real.
+            self.service.idempotency_forget(key)
+        _resolve(claim, ("json", response.status_code, dict(response.headers), response.body))
+
+    async def _replay_idempotent(self, entry, base_headers: dict[str, str]) -> Response:
+        recorded = await asyncio.shield(entry.done)
+        kind = recorded[0]
+        if kind == "json":
+            _, status, headers, body = recorded
+            headers = {k: v for k, v in headers.items() if k.lower() not in ("content-length", "content-type")}
+            headers["X-Idempotent-Replay"] = "true"
+            return Response(body, status_code=status, headers=headers, media_type="application/json")
+        _, headers, chunks = recorded
+        headers = {**headers, "X-Idempotent-Replay": "true"}
+
+        async def replay() -> AsyncIterator[bytes]:
+            for chunk in chunks:
+                yield chunk
+        return StreamingResponse(replay(), media_type="text/event-stream", headers=headers)
+
+    def _validate(self, body: dict[str, Any], kind: JobKind) -> None:
+        model = body.get("model")
+        if model is not None:
+            if not isinstance(model, str):
+                raise _Invalid(400, "'model' must be a string", "invalid_type", "model")
+            known = {self.service.model_id, self.service.fallback_model_id, self.service.model_info.path.name, "default"}
+            if model not in known:
+                raise _Invalid(404, f"the model {model!r} does not exist here; available: "
+                               f"{', '.join(sorted({self.service.model_id, self.service.fallback_model_id}))}",
+                               "model_not_found", "model")
+        if kind is JobKind.CHAT:
+            messages = body.get("messages")
+            if messages is None:
+                raise _Invalid(400, "'messages' is required: a list of {role, content} objects", "missing_field", "messages")
+            if not isinstance(messages, list) or not messages:
+                raise _Invalid(400, "'messages' must be a non-empty list", "invalid_type", "messages")
+            if len(messages) > MAX_MESSAGES:
+                raise _Invalid(400, f"'messages' has {len(messages)} items; the limit is {MAX_MESSAGES}",
+                               "too_many_messages", "messages")
+            for index, message in enumerate(messages):
+                if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                    raise _Invalid(400, f"messages[{index}] must be an object with a string 'role'",
+                                   "invalid_type", f"messages[{index}]")
+                if message["role"] not in ("system", "user", "assistant", "tool", "function", "developer"):
+                    raise _Invalid(400, f"messages[{index}].role {message['role']!r} is not a known role",
+                                   "invalid_value", f"messages[{index}].role")
+                content = message.get("content")
+                if content is not None and not isinstance(content, (str, list)):
+                    raise _Invalid(400, f"messages[{index}].content must be a string or a list of parts",
+                                   "invalid_type", f"messages[{index}].content")
+        else:
+            prompt = body.get("prompt")
+            if prompt is None:
+                raise _Invalid(400, "'prompt' is required", "missing_field", "prompt")
+            if not isinstance(prompt, str):
+                raise _Invalid(400, "'prompt' must be a string (token arrays and batches are not supported)",
+                               "invalid_type", "prompt")
+        for field in ("max_tokens", "max_completion_tokens"):
+            value = body.get(field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise _Invalid(400, f"'{field}' must be a whole number >= 1", "invalid_value", field)
+        n = body.get("n", 1)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or n > MAX_N):
+            raise _Invalid(400, f"'n' must be {MAX_N}: this server generates one choice per request", "invalid_value", "n")
+        stream = body.get("stream", False)
+        if stream is not None and not isinstance(stream, bool):
+            raise _Invalid(400, "'stream' must be true or false", "invalid_type", "stream")
+        temperature = body.get("temperature")
+        if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                                        or not 0 <= temperature <= 2):
+            raise _Invalid(400, "'temperature' must be a number from 0 to 2", "invalid_value", "temperature")
+
+    async def _count_prompt(self, job: Job) -> int:
+        counter = self.service.counter
+        assert counter is not None
+        try:
+            if job.kind is JobKind.CHAT:
+                return await asyncio.to_thread(counter.count_chat, job.body["messages"], job.body.get("tools"))
+            return await asyncio.to_thread(counter.count_text, job.body["prompt"])
+        except Exception as exc:  # a template can reject odd message shapes
+            raise _Invalid(400, f"the messages can't be rendered with the model's chat template: {exc}",
+                           "invalid_messages", "messages") from None
+
+    def _route_headers(self, job: Job) -> dict[str, str]:
+        headers = {
+            "X-Request-Id": job.id,
+            "X-Served-By": job.path or "none",
+            "X-Route-Reason": job.reason.value if job.reason else "none",
+        }
+        if job.path == "cpu":
+            headers["X-Fallback-Model"] = self.service.fallback_model_id
+            estimated = job.estimated_latency_s
+            headers["X-Estimated-Latency"] = f"{estimated:.2f}" if estimated is not None else "unknown"
+        if job.queue_wait_s:
+            headers["X-Queue-Wait"] = f"{job.queue_wait_s:.3f}"
+        return headers
+
+    async def _aggregate(self, request: Request, job: Job, decision, force_cpu, deadline_s) -> Response:
+        sink = AggregatingSink()
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+        try:
+            await self.service.execute(job, sink, decision, force_cpu, deadline_s)
+        except JobFailed as failure:
+            return _failed_response(failure, self._route_headers(job))
+        finally:
+            watcher.cancel()
+        body = sink.chat_response(job) if job.kind is JobKind.CHAT else sink.completion_response(job)
+        return JSONResponse(body, headers=self._route_headers(job))
+
+    async def _stream(self, request: Request, job: Job, decision, force_cpu, deadline_s) -> Response:
+        sink = QueueSink(job)
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+
+        async def run() -> None:
+            try:
+                await self.service.execute(job, sink, decision, force_cpu, deadline_s)
+                sink.queue.put_nowait(("done", None))
+            except JobFailed as failure:
+                sink.queue.put_nowait(("failed", failure))
+            except Exception as exc:  # never leave the client hanging
+                sink.queue.put_nowait(("failed", JobFailed(500, "internal_error", f"internal error: {exc!r}")))
+
+        task = asyncio.create_task(run())
+        first_kind, first_value = await sink.queue.get()
+        if first_kind == "failed":
+            watcher.cancel()
+            return _failed_response(first_value, self._route_headers(job))
+        headers = self._route_headers(job)
+        return _RecordedStream(self._relay(job, sink, task, watcher, (first_kind, first_value)), headers)
+
+    async def _relay(self, job: Job, sink: QueueSink, task: asyncio.Task, watcher: asyncio.Task,
+                     first: tuple[str, Any]) -> AsyncIterator[bytes]:
+        kind, value = first
+        finished = False
+        try:
+            while True:
+                if kind == "event":
+                    yield _sse(value)
+                elif kind == "done":
+                    yield b"data: [DONE]\n\n"
+                    finished = True
+                    return
+                else:
+                    failure: JobFailed = value
+                    yield _sse(error_body(failure.message, failure.code, failure.err_type))
+                    finished = True
+                    return
+                kind, value = await sink.queue.get()
+        finally:
+            watcher.cancel()
+            if not finished:
+                # The client went away mid-stream: stop the worker generating.
+                job.cancel("the client disconnected")
+            await asyncio.shield(task)
+
+
+class _RecordedStream(StreamingResponse):
+    """An SSE response that keeps what it sent, for Idempotency-Key replays."""
+
+    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+        self.chunks: list[bytes] = []
+        self.on_finish = None
+        self._route_headers = headers
+
+        async def recording() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in content:
+                    self.chunks.append(chunk)
+                    yield chunk
+            finally:
+                if self.on_finish is not None:
+                    self.on_finish(("stream", self._route_headers, list(self.chunks)))
+
+        super().__init__(recording(), media_type="text/event-stream", headers=headers)
+
+
+def _resolve(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+    # Once the body is read, the next ASGI message is the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel("the client disconnected")
+            return
+
+
+async def _read_limited(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _Invalid(413, f"the request body is {int(declared)} bytes; the limit is {limit} bytes "
+                       "([server] max_body_bytes)", "body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _Invalid(413, f"the request body is over the {limit}-byte limit ([server] max_body_bytes)",
+                           "body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    raw = await _read_limited(request, request.app.state.service.config.server.max_body_bytes)
+    if not raw:
+        raise _Invalid(400, "the request body is empty; send a JSON object", "invalid_json")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _Invalid(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise _Invalid(400, "the request body must be a JSON object", "invalid_json")
+    return body
+
+
+def _routing_headers(request: Request) -> tuple[bool, float | None]:
+    force = request.headers.get("x-force-path", "").strip().lower()
+    if force not in ("", "cpu", "auto"):
+        raise _Invalid(400, "X-Force-Path must be 'cpu' or 'auto'", "invalid_header", "X-Force-Path")
+    raw = request.headers.get("x-request-timeout")
+    deadline = None
+    if raw is not None:
+        try:
+            deadline = float(raw)
+        except ValueError:
+            raise _Invalid(400, "X-Request-Timeout must be a number of seconds", "invalid_header",
+                           "X-Request-Timeout") from None
+        if not math.isfinite(deadline) or deadline <= 0:
+            raise _Invalid(400, "X-Request-Timeout must be a positive number of seconds", "invalid_header",
+                           "X-Request-Timeout")
+    return force == "cpu", deadline
+
+
+def _clean_request_id(raw: str | None) -> str | None:
+    if not raw:
+        return None
+    cleaned = raw.strip()
+    if not cleaned or len(cleaned) > 128 or not all(c.isalnum() or c in "-_.:" for c in cleaned):
+        return None
+    return cleaned
+
+
+def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
+    router = Router(service)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        if manage_lifecycle:
+            await service.start()
+        try:
+            yield
+        finally:
+            if manage_lifecycle:
+                await service.stop()
+
+    routes = [
+        HttpRoute("/health", router.health, methods=["GET"]),
+        HttpRoute("/status", router.status, methods=["GET"]),
+        HttpRoute("/v1/models", router.models, methods=["GET"]),
+        HttpRoute("/v1/chat/completions", router.chat_completions, methods=["POST"]),
+        HttpRoute("/v1/completions", router.completions, methods=["POST"]),
+        HttpRoute("/v1/requests/{request_id}", router.cancel, methods=["DELETE"]),
+        HttpRoute("/admin/gpu", router.admin_gpu, methods=["POST"]),
+        HttpRoute("/admin/restart", router.admin_restart, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        404: _not_found, 405: _method_not_allowed, 500: _internal_error,
+    })
+    app.state.service = service
+    return app
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return error_response(404, f"no route {request.method} {request.url.path}; see GET /v1/models, "
+                          "POST /v1/chat/completions, POST /v1/completions, GET /status", "not_found")
+
+
+async def _method_not_allowed(request: Request, exc: Exception) -> Response:
+    return error_response(405, f"{request.method} is not allowed on {request.url.path}", "method_not_allowed")
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error", "server_error")

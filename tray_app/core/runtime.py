@@ -1,0 +1,89 @@
+"""How a llama.cpp server process is launched and probed, in one place.
+
+Everything that depends on *which* server runs (llama-cpp-python's server
+today; the native `llama-server` binary later, which batches concurrent
+requests) lives behind WorkerRuntime. The supervisor and router only use
+this interface.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """What the supervisor wants started; the runtime turns it into argv."""
+
+    model_path: Path
+    port: int
+    n_ctx: int
+    n_gpu_layers: int
+    n_batch: int
+    n_threads: int  # 0 = runtime default
+    # For a simulated device: what the worker would allocate, and what is free.
+    simulated_vram_need_mib: float | None = None
+    simulated_vram_free_mib: float | None = None
+
+
+class WorkerRuntime(Protocol):
+    name: str
+    # Requests one process serves at once without one cutting another short.
+    max_parallel: int
+
+    def argv(self, launch: LaunchRequest) -> list[str]: ...
+
+    async def probe(self, client: httpx.AsyncClient, base_url: str) -> bool:
+        """True once the server can answer completions."""
+        ...
+
+
+class LlamaCppPythonRuntime:
+    """llama-cpp-python's OpenAI server, started through our thin wrapper.
+
+    The wrapper (tray_app.core.worker_main) ties the worker's life to ours and
+    plays the simulated device's allocator; the rest is the stock server.
+    """
+
+    name = "llama-cpp-python"
+    # The server holds one lock around the model: it runs one request at a time.
+    max_parallel = 1
+
+    def __init__(self, python: str = sys.executable) -> None:
+        self._python = python
+
+    def argv(self, launch: LaunchRequest) -> list[str]:
+        args = [self._python, "-m", "tray_app.core.worker_main"]
+        if launch.simulated_vram_need_mib is not None and launch.simulated_vram_free_mib is not None:
+            args += [
+                "--sim-vram-need-mib", f"{launch.simulated_vram_need_mib:.1f}",
+                "--sim-vram-free-mib", f"{launch.simulated_vram_free_mib:.1f}",
+            ]
+        args += [
+            "--",
+            "--model", str(launch.model_path),
+            "--host", "127.0.0.1",
+            "--port", str(launch.port),
+            "--n_ctx", str(launch.n_ctx),
+            "--n_gpu_layers", str(launch.n_gpu_layers),
+            "--n_batch", str(launch.n_batch),
+            # Without this a new request aborts the stream in progress.
+            "--interrupt_requests", "False",
+        ]
+        if launch.n_threads > 0:
+            args += ["--n_threads", str(launch.n_threads)]
+        return args
+
+    async def probe(self, client: httpx.AsyncClient, base_url: str) -> bool:
+        # The server loads the model before it listens, so an answer from
+        # /v1/models means the model is in memory.
+        try:
+            response = await client.get(f"{base_url}/v1/models", timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200

@@ -1,0 +1,785 @@
+"""The service: workers, telemetry, admission, dispatch and failover, wired together.
+
+It runs on one asyncio loop. Pure decisions (admission, breaker, estimates)
+come from their modules; this file gathers their inputs and carries out the
+effects: spawn, proxy, replay, notify. The UI and the HTTP layer read
+`status()` snapshots and call the command methods; they never touch workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import httpx
+
+from . import estimate
+from .admission import (
+    GPU_OUT_REASONS, CpuView, Decision, GpuView, Reason, RequestShape, Route, decide,
+)
+from .breaker import BreakerPolicy, BreakerState, CircuitBreaker
+from .config import Config, log_dir as default_log_dir
+from .exits import ExitKind
+from .gguf_info import ModelInfo, read_model_info
+from .jobs import Attempt, Job, JobFailed, JobState, PathSpeed, WorkerFailure
+from .lanes import Lane, Redirected
+from .runtime import LlamaCppPythonRuntime, WorkerRuntime
+from .telemetry import (
+    GpuReader, MemorySnapshot, NvmlGpuReader, SimulatedGpu, TelemetryHistory,
+    detect_gpu_offload_support, read_host, wait_for_vram_recovery,
+)
+from .tokens import PromptCounter
+from .worker import LaunchExtras, RestartPolicy, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
+
+log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+GPU_FOOTPRINT_OWNER = "gpu-worker"
+# Tokens assumed for a request that sets no max_tokens, for estimates only.
+DEFAULT_MAX_TOKENS = 256
+IDEMPOTENCY_TTL_S = 600.0
+SAMPLE_INTERVAL_S = 1.0
+CPU_FIRST_TOKEN_TIMEOUT_S = 600.0
+
+
+class Sink(Protocol):
+    """Where a job's output goes. `emit` hands an event towards the client."""
+
+    def emit(self, event: dict[str, Any]) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+@dataclass
+class _IdempotencyEntry:
+    fingerprint: str
+    created: float
+    job_id: str
+    done: asyncio.Future
+
+
+class Service:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        runtime: WorkerRuntime | None = None,
+        gpu_runtime: WorkerRuntime | None = None,
+        gpu_reader: GpuReader | None = None,
+        log_dir: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._log_dir = log_dir or default_log_dir()
+        self.model_info: ModelInfo = read_model_info(config.model_path())
+        fallback_path = config.fallback_model_path()
+        self.fallback_info: ModelInfo = (
+            self.model_info if fallback_path == config.model_path() else read_model_info(fallback_path)
+        )
+        self.model_id = self.model_info.path.stem
+        self.fallback_model_id = self.fallback_info.path.stem
+        self.counter: PromptCounter | None = None
+        self.equivalence: dict[str, Any] = {"equivalent": True, "detail": "same model file on both paths"}
+
+        self.simulated: SimulatedGpu | None = None
+        if config.gpu.simulate_mib > 0:
+            self.simulated = SimulatedGpu(config.gpu.simulate_mib)
+            self._gpu_reader: GpuReader = self.simulated
+        else:
+            self._gpu_reader = gpu_reader or NvmlGpuReader()
+        self.offload_support = detect_gpu_offload_support()
+        self.gpu_settings = estimate.WorkerSettings(
+            n_ctx=config.gpu.n_ctx, n_gpu_layers=config.gpu.n_gpu_layers, n_batch=config.worker.n_batch,
+        )
+        self.cpu_settings = estimate.WorkerSettings(n_ctx=config.cpu.n_ctx, n_gpu_layers=0, n_batch=config.worker.n_batch)
+        self.gpu_footprint = estimate.estimate_worker(self.model_info, self.gpu_settings)
+        self.cpu_footprint = estimate.estimate_worker(self.fallback_info, self.cpu_settings)
+
+        policy = RestartPolicy(
+            backoff_base_s=config.worker.backoff_base_s, backoff_cap_s=config.worker.backoff_cap_s,
+            ready_timeout_s=config.worker.ready_timeout_s, stop_timeout_s=config.worker.stop_timeout_s,
+        )
+        runtime = runtime or LlamaCppPythonRuntime()
+        hooks = _ServiceHooks(self)
+        self.gpu_disabled_reason = self._gpu_disabled_reason()
+        self.gpu_worker: Worker | None = None
+        if self.gpu_disabled_reason is None:
+            self.gpu_worker = Worker(
+                WorkerSpec("gpu", self.model_info.path, self.model_id, config.gpu.n_ctx, config.gpu.n_gpu_layers,
+                           config.worker.n_batch, config.cpu.n_threads),
+                gpu_runtime or runtime, self._log_dir, policy, hooks, clock,
+            )
+        self.cpu_worker = Worker(
+            WorkerSpec("cpu", self.fallback_info.path, self.fallback_model_id, config.cpu.n_ctx, 0,
+                       config.worker.n_batch, config.cpu.n_threads),
+            runtime, self._log_dir, policy, hooks, clock,
+        )
+        gpu_parallel = min(config.gpu.max_concurrency, (gpu_runtime or runtime).max_parallel)
+        cpu_parallel = min(config.cpu.max_concurrency, runtime.max_parallel)
+        self.lanes = {
+            "gpu": Lane("gpu", gpu_parallel, config.gpu.queue_limit, clock),
+            "cpu": Lane("cpu", cpu_parallel, config.cpu.queue_limit, clock),
+        }
+        self.breaker = CircuitBreaker(
+            BreakerPolicy(config.breaker.failure_threshold, config.breaker.window_s, config.breaker.cooldown_s), clock,
+        )
+        self.speeds = {
+            "gpu": PathSpeed(tokens_per_s=config.cpu.assumed_tokens_per_s * 5, prompt_tokens_per_s=2000.0),
+            "cpu": PathSpeed(tokens_per_s=config.cpu.assumed_tokens_per_s, prompt_tokens_per_s=200.0),
+        }
+        self.history = TelemetryHistory()
+        self.jobs: dict[str, Job] = {}
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
+        self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
+        self.gpu_paused = False
+        self.gpu_recovery_s: float | None = None
+        self._gpu_failed_at: float | None = None
+        self._degraded_since: float | None = None
+        self._degraded_reason: str | None = None
+        self._idempotency: dict[str, _IdempotencyEntry] = {}
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=5.0),
+                                       limits=httpx.Limits(max_connections=64, max_keepalive_connections=0))
+        self._sampler: asyncio.Task | None = None
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self.started_at = time.time()
+
+    # ----- lifecycle ----------------------------------------------------------
+
+    def _gpu_disabled_reason(self) -> str | None:
+        if not self.config.gpu.enabled:
+            return "the GPU path is disabled in the config ([gpu] enabled = false)"
+        if self.simulated is not None:
+            return None
+        reading = self._gpu_reader.read()
+        if not reading.available:
+            return f"no usable GPU: {reading.reason}; serving CPU-only"
+        if self.offload_support.supported is False:
+            return f"GPU found, but {self.offload_support.message}; serving CPU-only"
+        return None
+
+    async def start(self) -> None:
+        self.counter = await asyncio.to_thread(PromptCounter, self.model_info.path)
+        if self.fallback_info is not self.model_info:
+            self.equivalence = await asyncio.to_thread(self._check_fallback_equivalence)
+        self.cpu_worker.start()
+        if self.gpu_worker is not None:
+            self.gpu_worker.start()
+        self._sample_once()
+        self._sampler = asyncio.create_task(self._sample_forever(), name="telemetry")
+
+    async def wait_ready(self, timeout: float) -> bool:
+        workers = [w for w in (self.gpu_worker, self.cpu_worker) if w is not None]
+        results = await asyncio.gather(*(w.ensure_ready(timeout) for w in workers))
+        return all(results)
+
+    async def stop(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+        for job in list(self.jobs.values()):
+            job.cancel("the service is shutting down")
+        workers = [w for w in (self.gpu_worker, self.cpu_worker) if w is not None]
+        await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+        await self._http.aclose()
+        self._gpu_reader.close()
+        if self.counter is not None:
+            self.counter.close()
+
+    def _check_fallback_equivalence(self) -> dict[str, Any]:
+        fallback = PromptCounter(self.fallback_info.path)
+        try:
+            assert self.counter is not None
+            differences = []
+            if fallback.chat_template != self.counter.chat_template:
+                differences.append("chat template differs")
+            if fallback.vocabulary_fingerprint() != self.counter.vocabulary_fingerprint():
+                differences.append("tokenizer vocabulary differs")
+        finally:
+            fallback.close()
+        if differences:
+            return {"equivalent": False, "detail": "not equivalent: " + ", ".join(differences)}
+        return {"equivalent": True, "detail": "same tokenizer and chat template as the main model"}
+
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        self._listeners.append(listener)
+
+    def _note(self, kind: str, **data: Any) -> None:
+        event = {"t": round(time.time(), 3), "kind": kind, **data}
+        self.events.append(event)
+        for listener in self._listeners:
+            listener(event)
+
+    # ----- telemetry ------------------------------------------------------------
+
+    def _sample_once(self) -> MemorySnapshot:
+        pids = [w.pid for w in (self.gpu_worker, self.cpu_worker) if w is not None and w.pid]
+        snapshot = MemorySnapshot(time.time(), self._gpu_reader.read(), read_host(pids))
+        self.history.append(snapshot)
+        self._refresh_degraded()
+        return snapshot
+
+    async def _sample_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
+            try:
+                await asyncio.to_thread(self._sample_once)
+            except Exception:  # a sampler that dies would freeze every gauge
+                log.exception("telemetry sample failed")
+
+    def latest_snapshot(self) -> MemorySnapshot:
+        return self.history.latest() or self._sample_once()
+
+    # ----- commands -------------------------------------------------------------
+
+    def set_gpu_paused(self, paused: bool) -> None:
+        self.gpu_paused = paused
+        if paused:
+            self.lanes["gpu"].redirect_waiting("the GPU path was paused")
+        self._note("gpu_paused" if paused else "gpu_resumed")
+        self._refresh_degraded()
+
+    def restart_workers(self) -> None:
+        for worker in (self.gpu_worker, self.cpu_worker):
+            if worker is not None:
+                worker.restart("restart requested by the user")
+        self._note("workers_restarted")
+
+    def set_simulated_pressure(self, mib: float) -> None:
+        if self.simulated is None:
+            raise ValueError("VRAM pressure can only be injected on a simulated GPU (--simulate-gpu-mib)")
+        self.simulated.set_pressure(mib)
+        self._note("simulated_pressure", mib=mib)
+        self._sample_once()
+
+    def cancel(self, request_id: str, why: str = "canceled by DELETE /v1/requests/{id}") -> dict[str, Any] | None:
+        job = self.jobs.get(request_id)
+        if job is None or job.state is JobState.DONE:
+            return None
+        state_was = job.state.value
+        job.cancel(why.replace("{id}", request_id))
+        self._note("canceled", id=request_id, state=state_was)
+        return {"id": request_id, "object": "request.cancel", "canceled": True, "state_was": state_was}
+
+    # ----- admission ------------------------------------------------------------
+
+    def shape_of(self, job: Job, force_cpu: bool, deadline_s: float | None) -> RequestShape:
+        return RequestShape(
+            prompt_tokens=job.prompt_tokens, max_tokens=job.max_tokens,
+            force_cpu=force_cpu or self.gpu_paused, deadline_s=deadline_s, is_replay=job.replayed,
+        )
+
+    def default_max_tokens(self, prompt_tokens: int) -> int:
+        return max(1, min(DEFAULT_MAX_TOKENS, max(self.config.gpu.n_ctx, self.config.cpu.n_ctx) - prompt_tokens))
+
+    def gpu_out_reason(self) -> str | None:
+        """Why the GPU path can't take work right now, or None if it can."""
+        if self.gpu_worker is None:
+            return self.gpu_disabled_reason
+        if self.gpu_paused:
+            return "the GPU path is paused (force CPU)"
+        worker = self.gpu_worker
+        if worker.state is not WorkerState.READY:
+            detail = worker.unhealthy_reason or (worker.last_exit.describe() if worker.last_exit else None)
+            return f"the GPU worker is {worker.state.value}" + (f": {detail}" if detail else "")
+        state = self.breaker.state
+        if state is BreakerState.OPEN:
+            snap = self.breaker.snapshot()
+            return (f"the circuit breaker is open after repeated GPU failures "
+                    f"({snap.get('last_failure_reason')}); retrying in {snap.get('retry_in_s')} s")
+        reading = self.latest_snapshot().gpu
+        if not reading.available:
+            return f"GPU memory can't be read: {reading.reason}"
+        return None
+
+    def _gpu_view(self, job: Job) -> GpuView | None:
+        if self.gpu_worker is None:
+            return None
+        reading = self.latest_snapshot().gpu
+        need = estimate.request_vram_bytes(self.model_info, self.gpu_settings, job.prompt_tokens + job.max_tokens)
+        return GpuView(
+            lane=self.lanes["gpu"].state(self.config.gpu.n_ctx),
+            out_reason=self.gpu_out_reason(),
+            free_vram_mib=reading.free_mib,
+            reserve_mib=self.config.gpu.reserve_mib,
+            request_vram_mib=need / MIB,
+        )
+
+    def _cpu_view(self, job: Job) -> CpuView:
+        worker = self.cpu_worker
+        can_serve = worker.gave_up is None and worker.state is not WorkerState.STOPPED or worker.state in (
+            WorkerState.READY, WorkerState.STARTING)
+        host = self.latest_snapshot().host
+        speed = self.speeds["cpu"]
+        tokens = job.prompt_tokens + job.max_tokens
+        return CpuView(
+            lane=self.lanes["cpu"].state(self.config.cpu.n_ctx),
+            can_serve=can_serve,
+            out_reason=worker.gave_up or worker.unhealthy_reason,
+            host_available_mib=host.available_mib,
+            ram_floor_mib=self.config.cpu.ram_floor_mib,
+            request_ram_mib=estimate.kv_bytes_per_token(self.fallback_info) * tokens / MIB,
+            tokens_per_s=speed.tokens_per_s,
+            prompt_tokens_per_s=speed.prompt_tokens_per_s,
+            backlog_s=self._cpu_backlog_s(),
+        )
+
+    def _cpu_backlog_s(self) -> float:
+        lane = self.lanes["cpu"]
+        total = 0.0
+        for job_id in lane.running_ids + lane.waiting_ids:
+            job = self.jobs.get(job_id)
+            if job is None:
+                continue
+            estimate_s = self._service_time_s(job, "cpu")
+            if job.state is JobState.RUNNING and job.attempts:
+                estimate_s = max(0.0, estimate_s - (self._clock() - job.attempts[-1].started_at))
+            total += estimate_s
+        return total / max(1, lane.concurrency)
+
+    def _service_time_s(self, job: Job, path: str) -> float:
+        speed = self.speeds[path]
+        return job.max_tokens / speed.tokens_per_s + job.prompt_tokens / speed.prompt_tokens_per_s
+
+    def decide(self, job: Job, force_cpu: bool = False, deadline_s: float | None = None) -> Decision:
+        """Gather the inputs and ask the pure admission function. No await in
+        here, so nothing can change between what we read and what we decide."""
+        gpu = self._gpu_view(job)
+        half_open_probe = False
+        if gpu is not None and gpu.out_reason is None and self.breaker.state is BreakerState.HALF_OPEN:
+            if self.breaker.try_acquire():
+                half_open_probe = True
+            else:
+                gpu = GpuView(gpu.lane, "the circuit breaker is half-open and a probe request is testing the GPU",
+                              gpu.free_vram_mib, gpu.reserve_mib, gpu.request_vram_mib)
+        decision = decide(self.shape_of(job, force_cpu, deadline_s), gpu, self._cpu_view(job))
+        if half_open_probe and decision.route not in (Route.GPU, Route.GPU_QUEUE):
+            self.breaker.release_probe()
+        job.half_open_probe = half_open_probe and decision.route in (Route.GPU, Route.GPU_QUEUE)
+        self._apply_decision(job, decision)
+        return decision
+
+    def _apply_decision(self, job: Job, decision: Decision) -> None:
+        job.reason = decision.reason
+        job.reason_detail = decision.detail
+        if decision.estimated_latency_s is not None:
+            job.estimated_latency_s = decision.estimated_latency_s
+        self.recent.append({
+            "t": round(time.time(), 3), "id": job.id, "route": decision.route.value,
+            "reason": decision.reason.value, "detail": decision.detail,
+        })
+
+    # ----- execution ------------------------------------------------------------
+
+    async def execute(self, job: Job, sink: Sink, decision: Decision, force_cpu: bool = False,
+                      deadline_s: float | None = None) -> None:
+        """Run an admitted job to the end, replaying once on the CPU if the GPU
+        fails before anything reached the client. Raises JobFailed for errors
+        the client should see."""
+        self.jobs[job.id] = job
+        try:
+            if decision.route in (Route.GPU, Route.GPU_QUEUE):
+                try:
+                    await self._run_on(job, "gpu", sink)
+                    return
+                except Redirected as redirected:
+                    # Nothing ran yet; decide again with what we know now.
+                    decision = self.decide(job, force_cpu=force_cpu, deadline_s=deadline_s)
+                    if decision.reason is Reason.ADMITTED:
+                        decision = Decision(Route.CPU, Reason.GPU_UNAVAILABLE, redirected.reason)
+                        self._apply_decision(job, decision)
+                    if not decision.accepted:
+                        raise _rejection(decision)
+                except WorkerFailure as failure:
+                    self._on_gpu_failure(job, str(failure))
+                    if job.committed:
+                        raise JobFailed(
+                            502, "gpu_worker_failed",
+                            f"the GPU worker failed after part of the answer was sent ({failure}); "
+                            "nothing was re-run. It is safe to retry this request.",
+                        ) from None
+                    sink.reset()
+                    job.replayed = True
+                    decision = self.decide(job, force_cpu=force_cpu)
+                    if not decision.accepted:
+                        raise _rejection(decision)
+                    self._note("replay", id=job.id, reason=str(failure))
+            await self._run_on(job, "cpu", sink)
+        finally:
+            job.state = JobState.DONE
+            self.jobs.pop(job.id, None)
+            self._refresh_degraded()
+
+    async def _run_on(self, job: Job, path: str, sink: Sink) -> None:
+        lane = self.lanes[path]
+        job.path = path
+        job.state = JobState.QUEUED
+        self._refresh_degraded()
+        acquire = asyncio.ensure_future(lane.acquire(job.id, front=job.replayed and path == "cpu"))
+        canceled = asyncio.ensure_future(job.canceled.wait())
+        try:
+            done, _ = await asyncio.wait({acquire, canceled}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            acquire.cancel()
+            raise
+        finally:
+            canceled.cancel()
+        if acquire not in done:
+            acquire.cancel()
+            with _suppress(asyncio.CancelledError):
+                await acquire
+            self._release_probe(job)
+            raise _canceled(job, "while it waited in the " + path + " queue")
+        job.queue_wait_s = acquire.result()
+        try:
+            if path == "gpu":
+                why_not = self.gpu_out_reason()
+                if why_not is not None:
+                    raise Redirected(why_not)
+            job.state = JobState.RUNNING
+            self._refresh_degraded()
+            await self._proxy(job, path, sink)
+        finally:
+            lane.release(job.id)
+
+    async def _proxy(self, job: Job, path: str, sink: Sink) -> None:
+        worker = self.cpu_worker if path == "cpu" else self.gpu_worker
+        assert worker is not None
+        if worker.state is not WorkerState.READY:
+            if path == "gpu":
+                raise Redirected(f"the GPU worker is {worker.state.value}")
+            await self._wait_worker_ready(job, worker)
+        attempt = Attempt(path, self._clock())
+        job.attempts.append(attempt)
+        body = dict(job.body)
+        body.pop("model", None)
+        body["stream"] = True
+        body.pop("stream_options", None)
+        if path == "gpu":
+            first_timeout, token_timeout = self.config.gpu.first_token_timeout_s, self.config.gpu.token_timeout_s
+        else:
+            first_timeout, token_timeout = CPU_FIRST_TOKEN_TIMEOUT_S, CPU_FIRST_TOKEN_TIMEOUT_S
+        canceled = asyncio.ensure_future(job.canceled.wait())
+        done_seen = False
+        try:
+            async with self._http.stream("POST", f"{worker.base_url}{job.kind.upstream_path}", json=body) as response:
+                if response.status_code >= 400:
+                    await self._upstream_error(response)
+                lines = response.aiter_lines()
+                while True:
+                    timeout = first_timeout if attempt.first_token_at is None else token_timeout
+                    line = await _next_line(lines, canceled, timeout)
+                    if line is _CANCELED:
+                        attempt.outcome = "canceled"
+                        raise _canceled(job, "while it ran")
+                    if line is None:
+                        break
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done_seen = True
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        raise WorkerFailure(f"the worker reported an error: {event['error']}")
+                    if _carries_token(event):
+                        attempt.tokens += 1
+                        if attempt.first_token_at is None:
+                            attempt.first_token_at = self._clock()
+                    event["id"] = _response_id(job)
+                    event["model"] = worker.spec.model_name
+                    sink.emit(event)
+        except asyncio.TimeoutError:
+            attempt.outcome = "failed: hang"
+            raise WorkerFailure(
+                f"no output for {first_timeout if attempt.first_token_at is None else token_timeout:g} s"
+            ) from None
+        except (httpx.TransportError, httpx.StreamError) as exc:
+            attempt.outcome = f"failed: {type(exc).__name__}"
+            raise WorkerFailure(f"connection to the {path} worker broke: {type(exc).__name__}: {exc}") from None
+        finally:
+            canceled.cancel()
+            attempt.ended_at = self._clock()
+        if not done_seen:
+            attempt.outcome = "failed: truncated"
+            raise WorkerFailure("the worker's stream ended without [DONE]")
+        attempt.outcome = "completed"
+        first = attempt.first_token_at or attempt.ended_at
+        self.speeds[path].observe(attempt.tokens, attempt.ended_at - first, job.prompt_tokens, first - attempt.started_at)
+        if path == "gpu":
+            self.breaker.record_success()
+            job.half_open_probe = False
+
+    async def _upstream_error(self, response: httpx.Response) -> None:
+        raw = await response.aread()
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            payload = {}
+        error = payload.get("error") if isinstance(payload, dict) else None
+        message = (error or {}).get("message") if isinstance(error, dict) else None
+        message = message or (payload.get("detail") if isinstance(payload, dict) else None) or raw.decode("utf-8", "replace")[:300]
+        if 400 <= response.status_code < 500:
+            raise JobFailed(response.status_code, "invalid_request", f"the model server rejected the request: {message}",
+                            err_type="invalid_request_error")
+        raise WorkerFailure(f"the worker answered HTTP {response.status_code}: {message}")
+
+    async def _wait_worker_ready(self, job: Job, worker: Worker) -> None:
+        ready = asyncio.ensure_future(worker.ensure_ready(self.config.worker.ready_timeout_s))
+        canceled = asyncio.ensure_future(job.canceled.wait())
+        done, _ = await asyncio.wait({ready, canceled}, return_when=asyncio.FIRST_COMPLETED)
+        canceled.cancel()
+        if ready not in done:
+            ready.cancel()
+            raise _canceled(job, f"while the {worker.role} worker was starting")
+        if not ready.result():
+            raise JobFailed(503, "no_worker", f"the {worker.role} worker is not available: "
+                            f"{worker.gave_up or worker.unhealthy_reason or 'it did not become ready'}",
+                            retry_after_s=30.0)
+
+    def _on_gpu_failure(self, job: Job, reason: str) -> None:
+        job.first_failure = job.first_failure or reason
+        self._release_probe(job, failed=reason)
+        self._gpu_failed_at = self._clock()
+        if self.gpu_worker is not None:
+            self.gpu_worker.report_failure(reason)
+        moved = self.lanes["gpu"].redirect_waiting(f"the GPU worker failed: {reason}")
+        self._note("gpu_failure", id=job.id, reason=reason, committed=job.committed, redirected=moved)
+
+    def _release_probe(self, job: Job, failed: str | None = None) -> None:
+        if failed is not None:
+            self.breaker.record_failure(failed)
+        elif getattr(job, "half_open_probe", False):
+            self.breaker.release_probe()
+        job.half_open_probe = False
+
+    # ----- idempotency ------------------------------------------------------------
+
+    def idempotency_lookup(self, key: str, fingerprint: str) -> _IdempotencyEntry | None:
+        self._expire_idempotency()
+        entry = self._idempotency.get(key)
+        if entry is not None and entry.fingerprint != fingerprint:
+            raise JobFailed(422, "idempotency_key_reused",
+                            f"Idempotency-Key {key!r} was already used with a different request body in the last "
+                            f"{IDEMPOTENCY_TTL_S / 60:g} minutes; use a new key for a new request",
+                            err_type="invalid_request_error")
+        return entry
+
+    def idempotency_claim(self, key: str, fingerprint: str, job_id: str) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        self._idempotency[key] = _IdempotencyEntry(fingerprint, self._clock(), job_id, future)
+        return future
+
+    def idempotency_forget(self, key: str) -> None:
+        self._idempotency.pop(key, None)
+
+    def _expire_idempotency(self) -> None:
+        now = self._clock()
+        for key in [k for k, e in self._idempotency.items() if now - e.created > IDEMPOTENCY_TTL_S]:
+            del self._idempotency[key]
+
+    # ----- degraded mode and status -------------------------------------------------
+
+    def _refresh_degraded(self) -> None:
+        reason = self._degraded_cause()
+        if reason is None:
+            if self._degraded_since is not None:
+                self._note("degraded_end", lasted_s=round(time.time() - self._degraded_since, 3))
+            self._degraded_since = None
+            self._degraded_reason = None
+            return
+        if self._degraded_since is None:
+            self._degraded_since = time.time()
+            self._note("degraded_start", reason=reason)
+        self._degraded_reason = reason
+
+    def _degraded_cause(self) -> str | None:
+        out = self.gpu_out_reason()
+        if out is not None:
+            return out
+        for job in self.jobs.values():
+            if job.path == "cpu" and job.state in (JobState.QUEUED, JobState.RUNNING) and job.reason in GPU_OUT_REASONS:
+                return f"{job.reason.value}: {job.reason_detail}"
+        return None
+
+    def degraded(self) -> dict[str, Any]:
+        self._refresh_degraded()
+        typical = Job(id="estimate", kind=None, body={}, stream=False,  # type: ignore[arg-type]
+                      prompt_tokens=64, max_tokens=DEFAULT_MAX_TOKENS)
+        estimated = round(self._cpu_backlog_s() + self._service_time_s(typical, "cpu"), 2)
+        return {
+            "active": self._degraded_since is not None,
+            "reason": self._degraded_reason,
+            "since": self._degraded_since,
+            "fallback_model": self.fallback_model_id,
+            "fallback_equivalent": self.equivalence["equivalent"],
+            "fallback_detail": self.equivalence["detail"],
+            "estimated_latency_s": estimated,
+            "cpu_context_cap": self.config.cpu.n_ctx,
+            "cpu_queue_depth": len(self.lanes["cpu"].waiting_ids),
+        }
+
+    def health(self) -> tuple[bool, str]:
+        if self.gpu_out_reason() is None:
+            return True, "the GPU path can serve"
+        if self.cpu_worker.state is WorkerState.READY:
+            return True, "the CPU path can serve (degraded: " + (self.gpu_out_reason() or "") + ")"
+        return False, f"no path can serve: GPU: {self.gpu_out_reason()}; CPU worker is {self.cpu_worker.state.value}" + (
+            f" ({self.cpu_worker.gave_up or self.cpu_worker.unhealthy_reason})"
+            if (self.cpu_worker.gave_up or self.cpu_worker.unhealthy_reason) else "")
+
+    def status(self) -> dict[str, Any]:
+        snapshot = self.latest_snapshot()
+        workers = []
+        for worker in (self.gpu_worker, self.cpu_worker):
+            if worker is None:
+                continue
+            info = worker.snapshot()
+            info["rss_mib"] = snapshot.host.rss_mib_by_pid.get(worker.pid) if worker.pid else None
+            footprint = self.gpu_footprint if worker.role == "gpu" else self.cpu_footprint
+            info["estimated_vram_mib"] = round(footprint.gpu.total / MIB, 1)
+            info["estimated_ram_mib"] = round(footprint.host.total / MIB, 1)
+            workers.append(info)
+        gpu_status = snapshot.gpu.to_status()
+        gpu_status["reserve_mib"] = self.config.gpu.reserve_mib
+        gpu_status["path_out_reason"] = self.gpu_out_reason()
+        gpu_status["offload_supported"] = self.offload_support.supported
+        gpu_status["offload_message"] = self.offload_support.message
+        if self.simulated is not None:
+            gpu_status["pressure_mib"] = self.simulated.pressure_mib
+        healthy, health_reason = self.health()
+        return {
+            "service": {"started_at": self.started_at, "model": self.model_id, "healthy": healthy,
+                        "health_reason": health_reason, "gpu_paused": self.gpu_paused},
+            "workers": workers,
+            "gpu": gpu_status,
+            "ram": snapshot.host.to_status(),
+            "breaker": self.breaker.snapshot(),
+            "queues": {name: lane.snapshot() for name, lane in self.lanes.items()},
+            "degraded": self.degraded(),
+            "requests": [self._request_status(job) for job in self.jobs.values()],
+            "recent_decisions": list(self.recent)[-20:],
+            "speeds": {path: {"tokens_per_s": round(s.tokens_per_s, 2), "samples": s.samples}
+                       for path, s in self.speeds.items()},
+            "gpu_recovery_s": self.gpu_recovery_s,
+            "events": list(self.events)[-20:],
+        }
+
+    def _request_status(self, job: Job) -> dict[str, Any]:
+        summary = job.summary()
+        summary["queue_position"] = self.lanes[job.path].position(job.id) if job.path else None
+        return summary
+
+    # ----- worker hooks ---------------------------------------------------------------
+
+    async def _before_spawn(self, worker: Worker) -> LaunchExtras:
+        if worker.role != "gpu":
+            return LaunchExtras()
+        if self.simulated is not None:
+            self.simulated.set_footprint(GPU_FOOTPRINT_OWNER, 0)
+            free = self.simulated.read().free_mib or 0.0
+            need = self.gpu_footprint.gpu.total / MIB
+            if need <= free:
+                self.simulated.set_footprint(GPU_FOOTPRINT_OWNER, need)
+            return LaunchExtras(simulated_vram_need_mib=need, simulated_vram_free_mib=free)
+        if worker.last_exit is not None:
+            # NVML lags a process exit: let the old worker's memory come back
+            # before the new one allocates, or it fails for no real reason.
+            baseline = self._gpu_reader.read().free_mib
+            if baseline is not None:
+                await wait_for_vram_recovery(
+                    lambda: self._gpu_reader.read().free_mib, baseline, self.gpu_footprint.gpu.total / MIB,
+                )
+        return LaunchExtras()
+
+    def _on_worker_event(self, event: WorkerEvent) -> None:
+        if event.role == "gpu":
+            if event.state is not WorkerState.READY:
+                self.lanes["gpu"].redirect_waiting(f"the GPU worker is {event.state.value}")
+            if event.exit is not None and self.simulated is not None:
+                self.simulated.set_footprint(GPU_FOOTPRINT_OWNER, 0)
+            if event.exit is not None and event.exit.kind is ExitKind.OUT_OF_MEMORY:
+                self.breaker.trip(f"GPU worker out of memory: {event.exit.evidence or event.exit.describe()}")
+            if event.state is WorkerState.READY and self._gpu_failed_at is not None:
+                self.gpu_recovery_s = round(self._clock() - self._gpu_failed_at, 3)
+                self._gpu_failed_at = None
+            if event.exit is not None and event.exit.kind is not ExitKind.CLEAN_STOP and self._gpu_failed_at is None:
+                self._gpu_failed_at = self._clock()
+        self._note("worker", role=event.role, state=event.state.value,
+                   exit=event.exit.describe() if event.exit else None)
+        self._refresh_degraded()
+
+
+class _ServiceHooks(WorkerHooks):
+    def __init__(self, service: Service) -> None:
+        self._service = service
+
+    async def before_spawn(self, worker: Worker) -> LaunchExtras:
+        return await self._service._before_spawn(worker)
+
+    def on_event(self, event: WorkerEvent) -> None:
+        self._service._on_worker_event(event)
+
+
+_CANCELED = object()
+
+
+async def _next_line(lines, canceled: asyncio.Future, timeout: float):
+    """The next SSE line, None at the end, _CANCELED if the job was canceled;
+    raises TimeoutError when the worker goes quiet for `timeout` seconds."""
+    next_line = asyncio.ensure_future(lines.__anext__())
+    done, _ = await asyncio.wait({next_line, canceled}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    if next_line in done:
+        try:
+            return next_line.result()
+        except StopAsyncIteration:
+            return None
+    next_line.cancel()
+    with _suppress(asyncio.CancelledError, StopAsyncIteration, httpx.HTTPError):
+        await next_line
+    if canceled in done:
+        return _CANCELED
+    raise asyncio.TimeoutError
+
+
+def _carries_token(event: dict[str, Any]) -> bool:
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta")
+        if delta is not None and (delta.get("content") or delta.get("tool_calls") or delta.get("function_call")):
+            return True
+        if choice.get("text"):
+            return True
+    return False
+
+
+def _response_id(job: Job) -> str:
+    prefix = "chatcmpl" if job.kind.value == "chat" else "cmpl"
+    return f"{prefix}-{job.id}"
+
+
+def _rejection(decision: Decision) -> JobFailed:
+    err_type = "invalid_request_error" if decision.status < 500 else "server_error"
+    return JobFailed(decision.status, decision.reason.value, decision.detail, err_type=err_type,
+                     retry_after_s=decision.retry_after_s)
+
+
+def _canceled(job: Job, where: str) -> JobFailed:
+    return JobFailed(499, "request_canceled", f"request {job.id} was canceled {where}: {job.cancel_reason}",
+                     err_type="canceled")
+
+
+class _suppress:
+    def __init__(self, *exceptions: type[BaseException]) -> None:
+        self._exceptions = exceptions
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return exc_type is not None and issubclass(exc_type, self._exceptions)

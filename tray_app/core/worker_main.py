@@ -1,0 +1,73 @@
+"""Thin wrapper that runs llama-cpp-python's server as a supervised worker.
+
+It does two things before handing over to the stock server:
+
+1. Ties its life to the supervisor: on Linux, PR_SET_PDEATHSIG makes the
+   kernel SIGKILL this process when the supervisor dies, even by SIGKILL, so
+   no worker is ever orphaned holding GPU memory.
+2. Plays the allocator of a simulated GPU: when the supervisor says what the
+   worker needs and what the simulated device has free, a worker that does not
+   fit fails the way llama.cpp's CUDA backend fails (the same log lines, exit
+   status 1), so the same classification and breaker code runs as on a real
+   GPU. On a real GPU these flags are absent and llama.cpp allocates for real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import runpy
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # The parent may have died between fork and prctl; then nobody will kill us.
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _simulated_allocation(need_mib: float, free_mib: float) -> None:
+    if need_mib <= free_mib:
+        return
+    need_bytes = int(need_mib * 1024 * 1024)
+    print(
+        f"[simulated device] ggml_backend_cuda_buffer_type_alloc_buffer: allocating {need_mib:.2f} MiB "
+        f"on device 0: cudaMalloc failed: out of memory (free {free_mib:.2f} MiB)",
+        file=sys.stderr,
+    )
+    print(f"[simulated device] alloc_tensor_range: failed to allocate CUDA0 buffer of size {need_bytes}", file=sys.stderr)
+    print("[simulated device] llama_init_from_model: failed to initialize the context", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        split = argv.index("--")
+        own, server_args = argv[:split], argv[split + 1:]
+    else:
+        own, server_args = [], argv
+    parser = argparse.ArgumentParser(prog="tray_app.core.worker_main")
+    parser.add_argument("--sim-vram-need-mib", type=float)
+    parser.add_argument("--sim-vram-free-mib", type=float)
+    options = parser.parse_args(own)
+
+    _die_with_parent()
+    if options.sim_vram_need_mib is not None and options.sim_vram_free_mib is not None:
+        _simulated_allocation(options.sim_vram_need_mib, options.sim_vram_free_mib)
+
+    sys.argv = ["llama_cpp.server", *server_args]
+    runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
