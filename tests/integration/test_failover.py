@@ -75,7 +75,7 @@ def test_gpu_death_mid_request_replays_once_on_cpu(fresh, sig):
     assert body["usage"]["completion_tokens"] == 60 and body["choices"][0]["finish_reason"] == "length"
     cpu_only = chat(fresh, LONG_ANSWER, 60, {"X-Force-Path": "cpu"})
     assert body["choices"][0]["message"]["content"] == cpu_only.json()["choices"][0]["message"]["content"]
-    status = fresh.wait_ready()
+    status = fresh.wait_workers_ready()
     gpu = next(w for w in status["workers"] if w["role"] == "gpu")
     assert gpu["pid"] != gpu_pid and gpu["last_exit"]["signal"] == sig.name
     assert any(e["kind"] == "replay" and e["id"] == f"replay-{sig.name}" for e in status["events"])

@@ -25,6 +25,9 @@ class SilentServer:
     def argv(self, launch: LaunchRequest) -> list[str]:
         return [sys.executable, "-c", "import time; time.sleep(600)"]
 
+    def environment(self, launch: LaunchRequest) -> dict[str, str]:
+        return {}
+
     async def probe(self, client: httpx.AsyncClient, base_url: str) -> bool:
         return False
 

@@ -147,10 +147,10 @@ def test_unsupported_version(tmp_path: Path) -> None:
 
 def test_garbage_after_a_valid_magic(tmp_path: Path) -> None:
     corrupt = tmp_path / "corrupt.gguf"
-    # version 3, 1 tensor, 1 metadata entry whose value type (77) does not exist
+    # version 3, no tensors, 1 metadata entry whose value type (77) does not exist
     key = b"general.architecture"
     corrupt.write_bytes(
-        b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", 77)
+        b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", 77) + bytes(64)
     )
     assert "is corrupt (unknown metadata value type 77)" in error_for(corrupt)
 
@@ -184,3 +184,10 @@ def test_permission_error_is_reported_even_as_root(tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(gguf_info, "open", refuse, raising=False)
     message = error_for(target)
     assert "cannot be read (permission denied)" in message
+
+
+def test_absurd_counts_fail_fast(tmp_path: Path) -> None:
+    # A corrupt header claiming 2^62 metadata entries must not be walked entry by entry.
+    absurd = tmp_path / "absurd.gguf"
+    absurd.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2**62) + b"\x00" * 4096)
+    assert "truncated or corrupt" in error_for(absurd)

@@ -116,7 +116,12 @@ NOTHING = DeviceNeed(0, 0, 0, 0)
 
 @dataclass(frozen=True)
 class Footprint:
-    gpu: DeviceNeed  # zeros when nothing is offloaded
+    # Zeros when nothing is offloaded -- true only for a worker that cannot see
+    # the GPU.  A CUDA build at n_gpu_layers=0 still creates a CUDA context and
+    # runs big batches on the GPU with a full-size compute buffer there
+    # (1108 MiB at -ngl 0 in https://github.com/ggml-org/llama.cpp/issues/8117),
+    # so start CPU workers with CUDA_VISIBLE_DEVICES="".
+    gpu: DeviceNeed
     host: DeviceNeed  # the worker's RSS once its context has been filled
     layers_on_gpu: int  # llama.cpp's count, of n_layer + 1 (the output layer counts as one)
 
@@ -153,7 +158,7 @@ def estimate_worker(info: ModelInfo, settings: WorkerSettings) -> Footprint:
     if not output_on_gpu:
         # Host pages are committed when written, so only the logits rows that
         # are actually produced count, not the n_ubatch rows llama.cpp reserves.
-        compute = _compute_buffer(info, settings, logits_rows) + _attention_conversion(info, settings)
+        compute = compute_buffer_bytes(info, settings, logits_rows) + _attention_conversion(info, settings)
         host = DeviceNeed(
             weights=info.weights_bytes,
             kv_cache=kv_per_block * info.n_layer,
@@ -167,7 +172,7 @@ def estimate_worker(info: ModelInfo, settings: WorkerSettings) -> Footprint:
         weights=offloaded_weights + info.output_bytes,
         kv_cache=kv_per_block * blocks_on_gpu,
         # cudaMalloc commits the whole reservation, sized for n_ubatch output rows.
-        compute=_compute_buffer(info, settings, _ubatch(info, settings)) + _attention_conversion(info, settings),
+        compute=compute_buffer_bytes(info, settings) + _attention_conversion(info, settings),
         runtime_overhead=GPU_RUNTIME_OVERHEAD_MIB * MIB,
     )
     # Blocks left on the host compute their attention on the host, so the
@@ -208,6 +213,18 @@ def request_vram_bytes(info: ModelInfo, settings: WorkerSettings, n_tokens: int)
     return kv + logits
 
 
+def compute_buffer_bytes(info: ModelInfo, settings: WorkerSettings, logits_rows: int | None = None) -> int:
+    """llama.cpp's compute buffer: the larger of the attention and the output stage.
+
+    The graph allocator reuses memory between stages, so the buffer is the
+    peak of the two, not their sum.  llama.cpp reserves logits for n_ubatch
+    rows (the default); pass fewer for the part a host actually touches.
+    """
+    rows = _ubatch(info, settings) if logits_rows is None else logits_rows
+    output_stage = info.n_vocab * rows * F32_BYTES + _activations(info, settings)
+    return max(_attention_stage(info, settings), output_stage)
+
+
 def _kv_bytes_per_token_per_layer(info: ModelInfo, kv_type: str) -> float:
     if kv_type not in KV_TYPE_BYTES:
         raise ValueError(f"kv_type {kv_type!r} is not one of {', '.join(KV_TYPE_BYTES)}")
@@ -238,16 +255,6 @@ def _attention_stage(info: ModelInfo, settings: WorkerSettings) -> int:
         # Flash attention never materialises the scores; only the f16 mask remains.
         return score_cells * F16_BYTES + _activations(info, settings)
     return score_cells * (info.n_head + 1) * F32_BYTES + _activations(info, settings)
-
-
-def _compute_buffer(info: ModelInfo, settings: WorkerSettings, logits_rows: int) -> int:
-    """llama.cpp's compute buffer: the larger of the attention and the output stage.
-
-    The graph allocator reuses memory between stages, so the buffer is the
-    peak of the two, not their sum.
-    """
-    output_stage = info.n_vocab * logits_rows * F32_BYTES + _activations(info, settings)
-    return max(_attention_stage(info, settings), output_stage)
 
 
 def _attention_conversion(info: ModelInfo, settings: WorkerSettings) -> int:

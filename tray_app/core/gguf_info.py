@@ -115,6 +115,12 @@ class _HeaderCursor:
         self._byte_order = byte_order
         self.position = 0
 
+    def expect_at_least(self, n_bytes: int) -> None:
+        # Counts come from the file; checking them up front keeps a corrupt
+        # count from spinning through billions of empty entries.
+        if self.position + n_bytes > len(self._buffer):
+            raise _Truncated
+
     def unpack(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
         if self.position + size > len(self._buffer):
@@ -134,6 +140,7 @@ class _HeaderCursor:
 
     def skip_strings(self, count: int) -> None:
         # Vocabularies hold 10^5 strings: skip by length, never decode.
+        self.expect_at_least(count * 8)
         for _ in range(count):
             length = self.unpack("Q")  # advances past the length field first
             self.position += length
@@ -155,11 +162,11 @@ class _HeaderCursor:
             self.skip_strings(count)
             return _StringArray(count)
         if item_type is GGUFValueType.ARRAY:
+            self.expect_at_least(count * 12)  # each nested array: type u32 + count u64
             return tuple(self._array() for _ in range(count))
         item_format = _SCALAR_FORMATS[item_type]
         total = struct.calcsize(item_format) * count
-        if self.position + total > len(self._buffer):
-            raise _Truncated
+        self.expect_at_least(total)
         values = struct.unpack_from(f"{self._byte_order}{count}{item_format}", self._buffer, self.position)
         self.position += total
         return values
@@ -238,6 +245,7 @@ def _parse_header(buffer: mmap.mmap, model_path: Path) -> tuple[dict[str, Any], 
     tensor_count = cursor.unpack("Q")
     metadata_count = cursor.unpack("Q")
 
+    cursor.expect_at_least(metadata_count * 12 + tensor_count * 24)  # smallest possible entries
     metadata: dict[str, Any] = {}
     for _ in range(metadata_count):
         key = cursor.string()

@@ -328,6 +328,9 @@ class Router:
         stream = body.get("stream", False)
         if stream is not None and not isinstance(stream, bool):
             raise _Invalid(400, "'stream' must be true or false", "invalid_type", "stream")
+        if body.get("logprobs") or body.get("top_logprobs"):
+            raise _Invalid(400, "logprobs are not supported: workers run without per-token logits to save memory",
+                           "unsupported_parameter", "logprobs")
         temperature = body.get("temperature")
         if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
                                         or not 0 <= temperature <= 2):

@@ -38,6 +38,10 @@ class WorkerRuntime(Protocol):
 
     def argv(self, launch: LaunchRequest) -> list[str]: ...
 
+    def environment(self, launch: LaunchRequest) -> dict[str, str]:
+        """Variables to set on top of ours."""
+        ...
+
     async def probe(self, client: httpx.AsyncClient, base_url: str) -> bool:
         """True once the server can answer completions."""
         ...
@@ -74,10 +78,20 @@ class LlamaCppPythonRuntime:
             "--n_batch", str(launch.n_batch),
             # Without this a new request aborts the stream in progress.
             "--interrupt_requests", "False",
+            # The default keeps a float32 vocabulary-sized row of logits per
+            # context token: 1.5 GiB for SmolLM2 at 8k. Only logprobs need it.
+            "--logits_all", "False",
         ]
         if launch.n_threads > 0:
             args += ["--n_threads", str(launch.n_threads)]
         return args
+
+    def environment(self, launch: LaunchRequest) -> dict[str, str]:
+        if launch.n_gpu_layers == 0:
+            # A CUDA build at -ngl 0 still makes a CUDA context and a GPU compute
+            # buffer; the CPU fallback must not be able to run out of VRAM.
+            return {"CUDA_VISIBLE_DEVICES": ""}
+        return {}
 
     async def probe(self, client: httpx.AsyncClient, base_url: str) -> bool:
         # The server loads the model before it listens, so an answer from

@@ -95,10 +95,14 @@ class Service:
         else:
             self._gpu_reader = gpu_reader or NvmlGpuReader()
         self.offload_support = detect_gpu_offload_support()
+        # logits_all=False: that is how the runtime launches workers.
         self.gpu_settings = estimate.WorkerSettings(
             n_ctx=config.gpu.n_ctx, n_gpu_layers=config.gpu.n_gpu_layers, n_batch=config.worker.n_batch,
+            logits_all=False,
         )
-        self.cpu_settings = estimate.WorkerSettings(n_ctx=config.cpu.n_ctx, n_gpu_layers=0, n_batch=config.worker.n_batch)
+        self.cpu_settings = estimate.WorkerSettings(
+            n_ctx=config.cpu.n_ctx, n_gpu_layers=0, n_batch=config.worker.n_batch, logits_all=False,
+        )
         self.gpu_footprint = estimate.estimate_worker(self.model_info, self.gpu_settings)
         self.cpu_footprint = estimate.estimate_worker(self.fallback_info, self.cpu_settings)
 

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 LOG_TAIL_LINES = 200
 LOG_FILE_BYTES = 2 * 1024 * 1024
 LOG_FILE_BACKUPS = 3
+# After a request fails, how long a dying process gets to finish dying before we kill it.
+FAILURE_GRACE_S = 1.0
 
 
 class WorkerState(str, enum.Enum):
@@ -298,6 +300,7 @@ class Worker:
         # No shell: the model path is one argv element whatever it contains.
         process = await asyncio.create_subprocess_exec(
             *argv,
+            env={**os.environ, **self.runtime.environment(launch)},
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
@@ -318,6 +321,10 @@ class Worker:
                 self.unhealthy_reason = None
                 self._set_state(WorkerState.READY)
                 command, why_replaced = await self._wait_exit_or_command(exited)
+                if command is _Command.FAILED and await self._exits_within(exited, FAILURE_GRACE_S):
+                    # The failure the router saw was the process dying: classify
+                    # it as the crash it is, not as something we did.
+                    command, why_replaced = None, None
             elif not exited.done():
                 if not self._command.empty():
                     command, why_replaced = self._command.get_nowait()
@@ -349,6 +356,13 @@ class Worker:
             immediate=command is _Command.RESTART,
             was_ready=ready,
         )
+
+    async def _exits_within(self, exited: asyncio.Task, seconds: float) -> bool:
+        try:
+            await asyncio.wait_for(asyncio.shield(exited), seconds)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     async def _wait_exit_or_command(self, exited: asyncio.Task) -> tuple[_Command | None, str | None]:
         command_task = asyncio.create_task(self._command.get())

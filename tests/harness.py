@@ -1,0 +1,147 @@
+"""Test harness: the real service (`python -m tray_app serve`) in a
+subprocess on a free loopback port, with real llama.cpp workers on SmolLM2
+and a simulated GPU. Tests talk to it only over HTTP, like any client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tray_app.core.worker import free_loopback_port, pid_alive
+
+READY_TIMEOUT_S = 120
+
+BASE_CONFIG = """
+[gpu]
+simulate_mib = 2048
+n_ctx = 1024
+reserve_mib = 256
+queue_limit = 1
+first_token_timeout_s = 20
+token_timeout_s = 10
+[cpu]
+n_ctx = 2048
+queue_limit = 2
+ram_floor_mib = 256
+[breaker]
+failure_threshold = 2
+window_s = 60
+cooldown_s = 3
+[worker]
+backoff_base_s = 0.2
+backoff_cap_s = 2
+stop_timeout_s = 3
+"""
+
+
+class RunningService:
+    def __init__(self, tmp: Path, config_text: str = BASE_CONFIG, extra_args: tuple[str, ...] = ()) -> None:
+        self.tmp = tmp
+        self.port = free_loopback_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = tmp / "config.toml"
+        config.write_text(config_text)
+        self.env = {
+            **os.environ,
+            "XDG_CONFIG_HOME": str(tmp / "config"),
+            "XDG_STATE_HOME": str(tmp / "state"),
+            "XDG_DATA_HOME": str(tmp / "data"),
+            "XDG_CACHE_HOME": str(tmp / "cache"),
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.log_file = open(tmp / "service.log", "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tray_app", "serve", "--config", str(config), "--port", str(self.port), *extra_args],
+            stdout=self.log_file, stderr=subprocess.STDOUT, env=self.env,
+        )
+        self.http = httpx.Client(base_url=self.url, timeout=60.0)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"service exited with {self.process.returncode}:\n{self.log_text()}")
+            try:
+                status = self.http.get("/status", timeout=5).json()
+                if all(w["state"] == "ready" for w in status["workers"]) and status["breaker"]["state"] == "closed":
+                    return status
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"service not ready in {timeout}s:\n{self.log_text()}")
+
+    def wait_workers_ready(self, timeout: float = READY_TIMEOUT_S) -> dict:
+        return self.wait_for(lambda s: all(w["state"] == "ready" for w in s["workers"]), timeout, what="workers ready")
+
+    def status(self) -> dict:
+        return self.http.get("/status").json()
+
+    def worker(self, role: str) -> dict:
+        return next(w for w in self.status()["workers"] if w["role"] == role)
+
+    def wait_for(self, predicate, timeout: float = 60.0, interval: float = 0.05, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            last = self.status()
+            if predicate(last):
+                return last
+            time.sleep(interval)
+        raise TimeoutError(f"timed out waiting for {what}; last status: {last}")
+
+    def reset(self) -> None:
+        """Back to a healthy baseline between tests: no pressure, not paused, all
+        ready, breaker closed. A breaker left open by an earlier test closes the
+        way it does for users: one probe request once it is half-open."""
+        self.http.post("/admin/gpu", json={"paused": False, "simulated_pressure_mib": 0})
+        status = self.wait_for(lambda s: all(w["state"] == "ready" for w in s["workers"])
+                               and s["breaker"]["state"] != "open", timeout=READY_TIMEOUT_S, what="ready, breaker not open")
+        if status["breaker"]["state"] == "half_open":
+            self.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        self.wait_ready()
+
+    def worker_pids(self) -> list[int]:
+        return [w["pid"] for w in self.status()["workers"] if w["pid"]]
+
+    def log_text(self) -> str:
+        self.log_file.flush()
+        return (self.tmp / "service.log").read_text(errors="replace")[-6000:]
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.http.close()
+        self.log_file.close()
+        return self.process.returncode
+
+
+def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    alive = pids
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if pid_alive(pid) and not _is_zombie(pid)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return alive
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
