@@ -41,9 +41,11 @@ stop_timeout_s = 3
 
 
 class RunningService:
-    def __init__(self, tmp: Path, config_text: str = BASE_CONFIG, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, tmp: Path, config_text: str = BASE_CONFIG, extra_args: tuple[str, ...] = (),
+                 port: int | None = None, env: dict[str, str] | None = None) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
         self.tmp = tmp
-        self.port = free_loopback_port()
+        self.port = port or free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = tmp / "config.toml"
         config.write_text(config_text)
@@ -54,6 +56,7 @@ class RunningService:
             "XDG_DATA_HOME": str(tmp / "data"),
             "XDG_CACHE_HOME": str(tmp / "cache"),
             "PYTHONUNBUFFERED": "1",
+            **(env or {}),
         }
         self.log_file = open(tmp / "service.log", "wb")
         self.process = subprocess.Popen(

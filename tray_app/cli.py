@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
-import os
-import signal
 import sys
-from pathlib import Path
 from typing import Any, Sequence
 
 from .core.config import DEFAULT_PORT, Config, ConfigError, apply_overrides, load_config
@@ -75,25 +71,18 @@ def _fail(message: str) -> int:
 
 
 def serve(config: Config, log_level: str = "INFO") -> int:
-    import uvicorn
-
-    from .core.router import create_app
-    from .core.service import Service
+    from .core.http_server import build_server
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # One line per worker probe would drown the log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    service = Service(config)
-    app = create_app(service)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=config.server.host, port=config.server.port, log_level=log_level.lower(),
-        timeout_graceful_shutdown=10, lifespan="on", access_log=False,
-    ))
+    server, service = build_server(config, log_level=log_level)
+    gpu = service.gpu_disabled_reason or (
+        f"simulated {config.gpu.simulate_mib} MiB" if service.simulated else "NVIDIA GPU")
     print(f"tray-app: serving {service.model_id} on http://{config.server.host}:{config.server.port}/v1 "
-          f"(GPU path: {service.gpu_disabled_reason or ('simulated ' + str(config.gpu.simulate_mib) + ' MiB' if service.simulated else 'NVIDIA GPU')})",
-          file=sys.stderr, flush=True)
+          f"(GPU path: {gpu})", file=sys.stderr, flush=True)
     server.run()
-    return 0 if not getattr(server, "startup_failed", False) else 1
+    return 1 if getattr(server, "startup_failed", False) else 0
 
 
 def print_status(url: str, as_json: bool) -> int:
@@ -129,6 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         read_model_info(config.model_path())
         if config.model.fallback_path:
             read_model_info(config.fallback_model_path())
+        from .core.security import bind_problem, effective_api_key
+
+        problem = bind_problem(config.server.host, effective_api_key(config.server.api_key))
+        if problem:
+            raise ConfigError(problem)
     except (ConfigError, ModelFileError) as exc:
         return _fail(str(exc))
     if command == "serve":

@@ -33,7 +33,12 @@ class ServerConfig:
     port: int = DEFAULT_PORT
     api_key: str = ""
     cors_origins: tuple[str, ...] = ()
+    # Extra names the Host header may carry (loopback names always pass).
+    allowed_hosts: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 1024 * 1024
+    # A client that has not sent its headers, or its body, in this long is cut off.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,8 @@ _SECTIONS: dict[str, type] = {
 _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("server", "port"): (0, 65535),
     ("server", "max_body_bytes"): (1024, None),
+    ("server", "header_timeout_s"): (0.1, None),
+    ("server", "body_timeout_s"): (0.1, None),
     ("gpu", "n_gpu_layers"): (-1, None),
     ("gpu", "n_ctx"): (64, None),
     ("gpu", "max_concurrency"): (1, None),

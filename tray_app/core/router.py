@@ -211,7 +211,11 @@ class Router:
             self._validate(body, kind)
             force_cpu, deadline_s = _routing_headers(request)
         except _Invalid as bad:
-            return error_response(bad.status, bad.message, bad.code, param=bad.param, headers=base_headers)
+            headers = dict(base_headers)
+            if bad.status in (408, 413):
+                # The body was not read to its end: the connection can't carry another request.
+                headers["Connection"] = "close"
+            return error_response(bad.status, bad.message, bad.code, param=bad.param, headers=headers)
         except ClientDisconnect:
             return Response(status_code=499)
 
@@ -318,10 +322,14 @@ class Router:
             if not isinstance(prompt, str):
                 raise _Invalid(400, "'prompt' must be a string (token arrays and batches are not supported)",
                                "invalid_type", "prompt")
+        largest_context = max(self.service.config.gpu.n_ctx, self.service.config.cpu.n_ctx)
         for field in ("max_tokens", "max_completion_tokens"):
             value = body.get(field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise _Invalid(400, f"'{field}' must be a whole number >= 1", "invalid_value", field)
+            if value is not None and value > largest_context:
+                raise _Invalid(400, f"'{field}' is {value}; the limit is {largest_context}, the largest context "
+                               "this server offers", "max_tokens_too_large", field)
         n = body.get("n", 1)
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or n > MAX_N):
             raise _Invalid(400, f"'n' must be {MAX_N}: this server generates one choice per request", "invalid_value", "n")
@@ -454,23 +462,33 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> None:
             return
 
 
-async def _read_limited(request: Request, limit: int) -> bytes:
+async def _read_limited(request: Request, limit: int, timeout: float) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _Invalid(413, f"the request body is {int(declared)} bytes; the limit is {limit} bytes "
                        "([server] max_body_bytes)", "body_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _Invalid(413, f"the request body is over the {limit}-byte limit ([server] max_body_bytes)",
-                           "body_too_large")
-        chunks.append(chunk)
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _Invalid(413, f"the request body is over the {limit}-byte limit ([server] max_body_bytes)",
+                               "body_too_large")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise _Invalid(408, f"the request body did not arrive within {timeout:g} s "
+                       "([server] body_timeout_s)", "request_timeout") from None
     return b"".join(chunks)
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
-    raw = await _read_limited(request, request.app.state.service.config.server.max_body_bytes)
+    server = request.app.state.service.config.server
+    raw = await _read_limited(request, server.max_body_bytes, server.body_timeout_s)
     if not raw:
         raise _Invalid(400, "the request body is empty; send a JSON object", "invalid_json")
     try:

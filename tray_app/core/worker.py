@@ -18,7 +18,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Callable
 
 import httpx
 

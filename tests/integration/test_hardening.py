@@ -1,0 +1,206 @@
+"""Issue 6: the local port lets in only who belongs, answers bad input in the
+envelope, cuts off slow clients, and survives a crash without hanging anyone."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.harness import BASE_CONFIG, RunningService, wait_gone
+from tray_app.core.config import bundled_model_path
+
+pytestmark = pytest.mark.integration
+
+HARDENED = BASE_CONFIG + """
+[server]
+header_timeout_s = 1.0
+body_timeout_s = 1.0
+cors_origins = ["http://localhost:3000"]
+"""
+HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def hardened(tmp_path_factory):
+    running = RunningService(tmp_path_factory.mktemp("hardened"), HARDENED)
+    try:
+        running.wait_ready()
+        yield running
+    finally:
+        running.stop()
+
+
+def error_code(response: httpx.Response) -> str:
+    return response.json()["error"]["code"]
+
+
+def test_dns_rebinding_host_is_refused(hardened):
+    response = hardened.http.post("/v1/chat/completions", json=HI, headers={"Host": f"evil.example:{hardened.port}"})
+    assert response.status_code == 403 and error_code(response) == "host_not_allowed"
+    assert hardened.http.get("/v1/models", headers={"Host": f"localhost:{hardened.port}"}).status_code == 200
+
+
+def test_cross_origin_simple_post_cannot_run_a_completion(hardened):
+    # What a web page can send without a preflight: text/plain from its own origin.
+    response = hardened.http.post("/v1/chat/completions", content=b'{"messages":[{"role":"user","content":"x"}]}',
+                                  headers={"Origin": "http://evil.example", "Content-Type": "text/plain"})
+    assert response.status_code == 403 and error_code(response) == "origin_not_allowed"
+    assert "access-control-allow-origin" not in response.headers
+
+
+def test_text_plain_post_without_origin_is_415(hardened):
+    response = hardened.http.post("/v1/chat/completions", content=b"{}", headers={"Content-Type": "text/plain"})
+    assert response.status_code == 415 and error_code(response) == "unsupported_media_type"
+
+
+def test_allowlisted_origin_gets_cors_and_others_get_no_wildcard(hardened):
+    preflight = hardened.http.options("/v1/chat/completions", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 204
+    assert preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
+    listed = hardened.http.get("/v1/models", headers={"Origin": "http://localhost:3000"})
+    assert listed.headers["access-control-allow-origin"] == "http://localhost:3000"
+    plain = hardened.http.get("/v1/models")
+    assert "access-control-allow-origin" not in plain.headers
+
+
+@pytest.mark.parametrize("body, code", [
+    ({"messages": [{"role": "user", "content": "x"}] * 1025}, "too_many_messages"),
+    ({**HI, "max_tokens": 100000}, "max_tokens_too_large"),
+    ({**HI, "n": 2}, "invalid_value"),
+])
+def test_each_request_limit_names_itself(hardened, body, code):
+    response = hardened.http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and error_code(response) == code
+
+
+def test_oversized_headers_get_an_envelope(hardened):
+    response = hardened.http.get("/v1/models", headers={"X-Big": "a" * 20000})
+    assert response.status_code == 431 and error_code(response) == "headers_too_large"
+    assert "16 KiB" in response.json()["error"]["message"]
+
+
+def test_unparseable_http_gets_an_envelope(hardened):
+    reply = _raw(hardened.port, b"GARBAGE / NOT-HTTP\r\n\r\n", 0)
+    assert reply.startswith(b"HTTP/1.1 400") and b"invalid_http_request" in reply
+
+
+def _raw(port: int, payload: bytes, wait_s: float) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(payload)
+        time.sleep(wait_s)
+        chunks = []
+        while True:
+            try:
+                data = sock.recv(65536)
+            except (ConnectionResetError, socket.timeout):
+                break
+            if not data:
+                break
+            chunks.append(data)
+        return b"".join(chunks)
+
+
+def test_a_client_trickling_headers_is_cut_off(hardened):
+    started = time.monotonic()
+    reply = _raw(hardened.port, b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Slow: ", 0)
+    assert time.monotonic() - started < 5
+    assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
+
+
+def test_a_client_trickling_its_body_is_cut_off(hardened):
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{\"messages\":")
+    started = time.monotonic()
+    reply = _raw(hardened.port, head, 0)
+    assert time.monotonic() - started < 5
+    assert reply.startswith(b"HTTP/1.1 408") and b"body_timeout_s" in reply
+
+
+def test_binding_a_lan_address_without_a_key_refuses_to_start():
+    env = {k: v for k, v in os.environ.items() if k != "TRAY_APP_API_KEY"}
+    result = subprocess.run([sys.executable, "-m", "tray_app", "serve", "--host", "0.0.0.0", "--port", "0"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode != 0
+    assert "TRAY_APP_API_KEY" in result.stderr and "0.0.0.0" in result.stderr
+
+
+def test_api_key_is_required_and_never_logged(tmp_path):
+    key = "s3cret-key-for-tests-0123456789"
+    keyed = RunningService(tmp_path, BASE_CONFIG, env={"TRAY_APP_API_KEY": key})
+    try:
+        keyed.http.headers["Authorization"] = f"Bearer {key}"
+        keyed.wait_ready()
+        anonymous = httpx.Client(base_url=keyed.url, timeout=60)
+        assert anonymous.get("/health").status_code == 200  # public, for monitors
+        missing = anonymous.get("/status")
+        assert missing.status_code == 401 and error_code(missing) == "invalid_api_key"
+        assert missing.headers["www-authenticate"] == "Bearer"
+        wrong = anonymous.post("/v1/chat/completions", json=HI, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        assert keyed.http.post("/v1/chat/completions", json=HI).status_code == 200
+    finally:
+        keyed.stop()
+    logs = "".join(path.read_text(errors="replace") for path in tmp_path.rglob("*.log*"))
+    assert "llama" in logs and key not in logs
+
+
+def test_model_paths_never_go_through_a_shell(tmp_path):
+    weird_dir = tmp_path / "we ird;$(touch PWNED)"
+    weird_dir.mkdir()
+    model = weird_dir / "m`touch PWNED2`.gguf"
+    shutil.copy(bundled_model_path(), model)
+    running = RunningService(tmp_path / "svc", BASE_CONFIG, extra_args=("--model", str(model)))
+    try:
+        running.wait_ready()
+        assert running.http.post("/v1/chat/completions", json=HI).status_code == 200
+    finally:
+        running.stop()
+    assert not list(tmp_path.rglob("PWNED*")) and not list(Path.cwd().glob("PWNED*"))
+
+
+def test_after_sigkill_a_restart_reclaims_the_port_and_inflight_clients_get_an_error(tmp_path):
+    first = RunningService(tmp_path / "first", BASE_CONFIG)
+    try:
+        first.wait_ready()
+        pids = first.worker_pids()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            inflight = pool.submit(first.http.post, "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 400})
+            first.wait_for(lambda s: s["requests"], what="request in flight")
+            first.process.kill()
+            started = time.monotonic()
+            with pytest.raises(httpx.TransportError):
+                inflight.result(timeout=30)
+            assert time.monotonic() - started < 10  # a clean connection error, not a hang
+        assert wait_gone(pids) == []
+    finally:
+        first.stop()
+    restarted = RunningService(tmp_path / "second", BASE_CONFIG, port=first.port)
+    try:
+        restarted.wait_ready()
+        assert restarted.http.post("/v1/chat/completions", json=HI).status_code == 200
+    finally:
+        restarted.stop()
+
+
+def test_worker_logs_rotate_and_are_capped(tmp_path):
+    from tray_app.core.runtime import LlamaCppPythonRuntime
+    from tray_app.core.worker import LOG_FILE_BACKUPS, LOG_FILE_BYTES, Worker, WorkerSpec
+
+    worker = Worker(WorkerSpec("cpu", bundled_model_path(), "m", 512, 0), LlamaCppPythonRuntime(), tmp_path)
+    line = "x" * 1000
+    for _ in range((LOG_FILE_BACKUPS + 3) * LOG_FILE_BYTES // 1000):
+        worker._file_log.info(line)
+    files = sorted(tmp_path.glob("cpu-worker.log*"))
+    assert len(files) == LOG_FILE_BACKUPS + 1
+    assert all(f.stat().st_size <= LOG_FILE_BYTES + 2000 for f in files)

@@ -1,0 +1,109 @@
+"""The HTTP server for the router: uvicorn, with the limits a home server needs.
+
+uvicorn answers a malformed request with plain text and has no deadline for
+a client that trickles its headers (slowloris). Both happen before the app
+runs, so they are handled here, in a small subclass of its h11 protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .config import Config
+from .router import create_app
+from .security import MAX_HEADER_BYTES, AccessGuard, AccessPolicy, effective_api_key
+from .service import Service
+
+
+
+def _envelope(status: int, code: str, message: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    return [(b"content-type", b"application/json"), (b"connection", b"close")], body
+
+
+class GuardedH11Protocol(H11Protocol):
+    """Cuts off clients that take too long to send their headers, and answers
+    unparseable or oversized requests in the OpenAI error envelope."""
+
+    header_timeout_s = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:
+            self._disarm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_header_timer()
+
+    def send_400_response(self, msg: str) -> None:
+        self._reply_and_close(400, "invalid_http_request",
+                              f"the request could not be parsed as HTTP/1.1, or its request line and headers are "
+                              f"over {MAX_HEADER_BYTES // 1024} KiB")
+
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _disarm_header_timer(self) -> None:
+        timer = getattr(self, "_header_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        if self.conn.trailing_data[0] or self.cycle is None:
+            self._reply_and_close(408, "request_timeout",
+                                  f"the request headers did not arrive within {self.header_timeout_s:g} s")
+        else:
+            # An idle keep-alive connection: just close it.
+            self.transport.close()
+
+    def _reply_and_close(self, status: int, code: str, message: str) -> None:
+        headers, body = _envelope(status, code, message)
+        try:
+            if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                self.transport.write(self.conn.send(h11.Response(status_code=status, headers=headers)))
+                self.transport.write(self.conn.send(h11.Data(data=body)))
+                self.transport.write(self.conn.send(h11.EndOfMessage()))
+        except h11.LocalProtocolError:
+            pass
+        self.transport.close()
+
+
+def build_server(config: Config, service: Service | None = None, log_level: str = "info",
+                 manage_lifecycle: bool = True) -> tuple[uvicorn.Server, Service]:
+    """The router app behind the access guard, in a uvicorn server with our limits."""
+    service = service or Service(config)
+    app = create_app(service, manage_lifecycle=manage_lifecycle)
+    policy = AccessPolicy.build(
+        api_key=effective_api_key(config.server.api_key), bound_host=config.server.host,
+        allowed_hosts=config.server.allowed_hosts, cors_origins=config.server.cors_origins,
+    )
+    protocol = type("ConfiguredGuardedH11Protocol", (GuardedH11Protocol,),
+                    {"header_timeout_s": config.server.header_timeout_s})
+    server = uvicorn.Server(uvicorn.Config(
+        AccessGuard(app, policy), host=config.server.host, port=config.server.port, http=protocol,
+        log_level=log_level.lower(), access_log=False, lifespan="on", timeout_graceful_shutdown=10,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_keep_alive=5,
+    ))
+    return server, service

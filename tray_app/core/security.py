@@ -1,0 +1,181 @@
+"""Who may talk to the port: loopback binding, API keys, Host and Origin checks.
+
+A localhost port is reachable from every browser tab on the machine. Three
+browser attacks matter: DNS rebinding (a page on evil.example re-resolves its
+name to 127.0.0.1: caught by the Host check), cross-origin reads (CORS: no
+wildcard, an allowlist), and cross-origin *writes*, where a plain form POST
+needs no preflight (caught by refusing any Origin not on the allowlist).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+API_KEY_ENV = "TRAY_APP_API_KEY"
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "ip6-localhost"})
+# Routes a monitor may call without the key.
+PUBLIC_PATHS = frozenset({"/health"})
+# The request line and headers together; the h11 parser enforces the same cap on
+# headers still arriving, this catches ones that arrive in a single packet.
+MAX_HEADER_BYTES = 16 * 1024
+EXPOSED_HEADERS = ("X-Request-Id", "X-Served-By", "X-Route-Reason", "X-Fallback-Model",
+                   "X-Estimated-Latency", "X-Queue-Wait", "Retry-After")
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]").lower()
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def effective_api_key(configured: str) -> str:
+    """The environment wins, so a key need not be written to disk."""
+    return os.environ.get(API_KEY_ENV, "") or configured
+
+
+def bind_problem(host: str, api_key: str) -> str | None:
+    """Why binding `host` is refused, or None."""
+    if is_loopback(host) or api_key:
+        return None
+    return (f"binding {host} exposes the API to other machines, so it needs an API key: "
+            f"export {API_KEY_ENV}=<a long random string> (or set [server] api_key in the config), "
+            "then send 'Authorization: Bearer <key>'")
+
+
+def host_name(host_header: str) -> str:
+    """The name part of a Host header: 'example.com:8642' -> 'example.com', '[::1]:80' -> '::1'."""
+    value = host_header.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    api_key: str
+    bound_host: str
+    allowed_hosts: frozenset[str]
+    cors_origins: frozenset[str]
+
+    @classmethod
+    def build(cls, api_key: str, bound_host: str, allowed_hosts: Iterable[str], cors_origins: Iterable[str]):
+        return cls(api_key, bound_host.lower(), frozenset(h.lower() for h in allowed_hosts),
+                   frozenset(o.rstrip("/") for o in cors_origins))
+
+    def host_allowed(self, host_header: str | None) -> bool:
+        if not host_header:
+            return False
+        name = host_name(host_header)
+        if "*" in self.allowed_hosts or name in self.allowed_hosts:
+            return True
+        if is_loopback(name):
+            return True
+        # Bound to a LAN address: clients use that address (or a configured name).
+        return not is_loopback(self.bound_host) and self.bound_host not in ("0.0.0.0", "::") and name == self.bound_host
+
+    def origin_allowed(self, origin: str) -> bool:
+        return origin.rstrip("/") in self.cors_origins
+
+    def key_matches(self, authorization: str | None) -> bool:
+        if not self.api_key:
+            return True
+        if not authorization or not authorization.lower().startswith("bearer "):
+            return False
+        # Constant time, so the key can't be guessed byte by byte from timings.
+        return hmac.compare_digest(authorization[7:].strip().encode(), self.api_key.encode())
+
+
+def _envelope(status: int, code: str, message: str, extra_headers: list[tuple[bytes, bytes]] = ()):
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *extra_headers]
+    return status, headers, body
+
+
+class AccessGuard:
+    """ASGI middleware applying an AccessPolicy before any route runs."""
+
+    def __init__(self, app, policy: AccessPolicy) -> None:
+        self.app = app
+        self.policy = policy
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        origin = headers.get("origin")
+        rejection = self._check(scope, headers, origin)
+        if rejection is not None:
+            await _send(send, *rejection)
+            return
+        if origin is not None and scope["method"] == "OPTIONS":
+            await _send(send, 204, self._cors_headers(origin, preflight=True), b"")
+            return
+        if origin is None:
+            await self.app(scope, receive, send)
+            return
+
+        cors = self._cors_headers(origin, preflight=False)
+
+        async def send_with_cors(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *cors]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+    def _check(self, scope, headers: dict[str, str], origin: str | None):
+        header_bytes = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        if header_bytes > MAX_HEADER_BYTES:
+            return _envelope(431, "headers_too_large",
+                             f"the request headers are {header_bytes} bytes; the limit is "
+                             f"{MAX_HEADER_BYTES // 1024} KiB")
+        if not self.policy.host_allowed(headers.get("host")):
+            return _envelope(403, "host_not_allowed",
+                             f"Host {headers.get('host')!r} is not this server's name; requests must address "
+                             "localhost or the bound address (this blocks DNS rebinding). Add the name to "
+                             "[server] allowed_hosts if you reach the server under another name.")
+        if origin is not None and not self.policy.origin_allowed(origin):
+            return _envelope(403, "origin_not_allowed",
+                             f"requests from the web origin {origin!r} are not allowed; add it to "
+                             "[server] cors_origins to let that page use the API")
+        if scope["method"] == "OPTIONS":
+            return None
+        if scope["path"] not in PUBLIC_PATHS and not self.policy.key_matches(headers.get("authorization")):
+            return _envelope(401, "invalid_api_key",
+                             "missing or wrong API key: send 'Authorization: Bearer <key>' with the key set in "
+                             f"{API_KEY_ENV} or [server] api_key", [(b"www-authenticate", b"Bearer")])
+        if scope["method"] == "POST":
+            content_type = headers.get("content-type", "application/json").split(";")[0].strip().lower()
+            if content_type != "application/json":
+                return _envelope(415, "unsupported_media_type",
+                                 f"send the body as application/json, not {content_type!r}")
+        return None
+
+    def _cors_headers(self, origin: str, preflight: bool) -> list[tuple[bytes, bytes]]:
+        headers = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin"),
+                   (b"access-control-expose-headers", ", ".join(EXPOSED_HEADERS).encode())]
+        if preflight:
+            headers += [
+                (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
+                (b"access-control-allow-headers",
+                 b"Authorization, Content-Type, X-Request-Id, Idempotency-Key, X-Request-Timeout, X-Force-Path"),
+                (b"access-control-max-age", b"600"),
+            ]
+        return headers
+
+
+async def _send(send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
