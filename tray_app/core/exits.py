@@ -153,6 +153,11 @@ def _clean(line: str) -> str:
     return text
 
 
+def mentions_out_of_memory(text: str) -> bool:
+    """True when an error message reads as an allocation failure."""
+    return _matches(text, OUT_OF_MEMORY_PATTERNS) and not _matches(text, BENIGN_OUT_OF_MEMORY_PATTERNS)
+
+
 def _matches(line: str, patterns: tuple[str, ...]) -> bool:
     lowered = line.lower()
     return any(pattern in lowered for pattern in patterns)

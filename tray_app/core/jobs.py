@@ -115,7 +115,13 @@ class JobFailed(Exception):
 
 
 class WorkerFailure(Exception):
-    """The worker broke while serving (crash, reset, OOM, hang)."""
+    """The worker broke while serving (crash, reset, OOM, hang): replace it,
+    and replay the request elsewhere if nothing was sent yet."""
+
+
+class WorkerRequestError(Exception):
+    """The worker is fine but failed this one request (an exception inside
+    the server for this input): re-running it would fail the same way."""
 
 
 @dataclass

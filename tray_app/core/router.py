@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
 from .jobs import Job, JobFailed, JobKind, new_request_id
+from .openapi import build_openapi
 from .service import Service
 
 MAX_MESSAGES = 1024
@@ -42,6 +43,53 @@ def _failed_response(failure: JobFailed, headers: dict[str, str]) -> JSONRespons
     if failure.retry_after_s is not None:
         extra["Retry-After"] = str(int(math.ceil(failure.retry_after_s)))
     return error_response(failure.status, failure.message, failure.code, failure.err_type, failure.param, extra)
+
+
+def _number(low: float | None = None, high: float | None = None, whole: bool = False):
+    kind = "a whole number" if whole else "a number"
+    bounds = (f" from {low:g} to {high:g}" if low is not None and high is not None
+              else f" >= {low:g}" if low is not None else "")
+
+    def check(value: Any) -> str | None:
+        ok_type = isinstance(value, int) if whole else isinstance(value, (int, float))
+        if isinstance(value, bool) or not ok_type or not math.isfinite(value):
+            return f"must be {kind}{bounds}"
+        if (low is not None and value < low) or (high is not None and value > high):
+            return f"must be {kind}{bounds}"
+        return None
+    return check
+
+
+def _stop(value: Any) -> str | None:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or len(items) > 4 or not all(isinstance(i, str) and i for i in items):
+        return "must be a non-empty string or a list of up to 4 non-empty strings"
+    return None
+
+
+def _of_type(kind: type, name: str):
+    return lambda value: None if isinstance(value, kind) else f"must be {name}"
+
+
+# Fields passed through to the worker: checked here so a bad value is a 400
+# that names the field, not an exception inside the model server.
+SAMPLING_RULES = {
+    "temperature": _number(0, 2),
+    "top_p": _number(0, 1),
+    "min_p": _number(0, 1),
+    "typical_p": _number(0, 1),
+    "top_k": _number(0, None, whole=True),
+    "seed": _number(0, 2**32 - 1, whole=True),
+    "frequency_penalty": _number(-2, 2),
+    "presence_penalty": _number(-2, 2),
+    "repeat_penalty": _number(0, None),
+    "stop": _stop,
+    "logit_bias": _of_type(dict, "an object of token id -> bias"),
+    "user": _of_type(str, "a string"),
+    "response_format": _of_type(dict, "an object"),
+    "tools": _of_type(list, "a list"),
+    "stream_options": _of_type(dict, "an object"),
+}
 
 
 class _Invalid(Exception):
@@ -154,6 +202,10 @@ class Router:
 
     async def status(self, request: Request) -> Response:
         return JSONResponse(self.service.status())
+
+    async def openapi(self, request: Request) -> Response:
+        config = self.service.config
+        return JSONResponse(build_openapi(max(config.gpu.n_ctx, config.cpu.n_ctx), MAX_MESSAGES))
 
     async def models(self, request: Request) -> Response:
         ids = [self.service.model_id]
@@ -322,6 +374,8 @@ class Router:
             if not isinstance(prompt, str):
                 raise _Invalid(400, "'prompt' must be a string (token arrays and batches are not supported)",
                                "invalid_type", "prompt")
+            if not prompt:
+                raise _Invalid(400, "'prompt' is empty; send at least one character", "empty_prompt", "prompt")
         largest_context = max(self.service.config.gpu.n_ctx, self.service.config.cpu.n_ctx)
         for field in ("max_tokens", "max_completion_tokens"):
             value = body.get(field)
@@ -339,10 +393,11 @@ class Router:
         if body.get("logprobs") or body.get("top_logprobs"):
             raise _Invalid(400, "logprobs are not supported: workers run without per-token logits to save memory",
                            "unsupported_parameter", "logprobs")
-        temperature = body.get("temperature")
-        if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-                                        or not 0 <= temperature <= 2):
-            raise _Invalid(400, "'temperature' must be a number from 0 to 2", "invalid_value", "temperature")
+        for field, rule in SAMPLING_RULES.items():
+            if body.get(field) is not None:
+                problem = rule(body[field])
+                if problem:
+                    raise _Invalid(400, f"'{field}' {problem}", "invalid_value", field)
 
     async def _count_prompt(self, job: Job) -> int:
         counter = self.service.counter
@@ -544,6 +599,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         HttpRoute("/health", router.health, methods=["GET"]),
         HttpRoute("/status", router.status, methods=["GET"]),
         HttpRoute("/v1/models", router.models, methods=["GET"]),
+        HttpRoute("/openapi.json", router.openapi, methods=["GET"]),
         HttpRoute("/v1/chat/completions", router.chat_completions, methods=["POST"]),
         HttpRoute("/v1/completions", router.completions, methods=["POST"]),
         HttpRoute("/v1/requests/{request_id}", router.cancel, methods=["DELETE"]),

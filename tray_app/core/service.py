@@ -25,9 +25,9 @@ from .admission import (
 )
 from .breaker import BreakerPolicy, BreakerState, CircuitBreaker
 from .config import Config, log_dir as default_log_dir
-from .exits import ExitKind
+from .exits import ExitKind, mentions_out_of_memory
 from .gguf_info import ModelInfo, read_model_info
-from .jobs import Attempt, Job, JobFailed, JobState, PathSpeed, WorkerFailure
+from .jobs import Attempt, Job, JobFailed, JobState, PathSpeed, WorkerFailure, WorkerRequestError
 from .lanes import Lane, Redirected
 from .runtime import LlamaCppPythonRuntime, WorkerRuntime
 from .telemetry import (
@@ -413,7 +413,18 @@ class Service:
                     if not decision.accepted:
                         raise _rejection(decision)
                     self._note("replay", id=job.id, reason=str(failure))
-            await self._run_on(job, "cpu", sink)
+            try:
+                await self._run_on(job, "cpu", sink)
+            except WorkerFailure as failure:
+                job.first_failure = job.first_failure or str(failure)
+                self.cpu_worker.report_failure(str(failure))
+                self._note("cpu_failure", id=job.id, reason=str(failure))
+                raise JobFailed(502, "cpu_worker_failed",
+                                f"the CPU worker failed while serving this request ({failure}); "
+                                "nothing was re-run. It is safe to retry this request.") from None
+        except WorkerRequestError as error:
+            self._release_probe(job)
+            raise JobFailed(502, "worker_error", f"the model server failed on this request: {error}") from None
         finally:
             job.state = JobState.DONE
             self.jobs.pop(job.id, None)
@@ -491,7 +502,7 @@ class Service:
                         break
                     event = json.loads(data)
                     if "error" in event:
-                        raise WorkerFailure(f"the worker reported an error: {event['error']}")
+                        self._raise_upstream_failure(f"the worker reported an error: {event['error']}")
                     if _carries_token(event):
                         attempt.tokens += 1
                         if attempt.first_token_at is None:
@@ -512,7 +523,12 @@ class Service:
             attempt.ended_at = self._clock()
         if not done_seen:
             attempt.outcome = "failed: truncated"
-            raise WorkerFailure("the worker's stream ended without [DONE]")
+            # The connection closed cleanly: the server's generator raised for
+            # this input. Only a dead process makes it a worker failure.
+            if worker.pid is None or worker.state is not WorkerState.READY:
+                raise WorkerFailure("the worker's stream ended without [DONE] and the worker is gone")
+            raise WorkerRequestError("the model server ended the answer early without saying why; "
+                                     f"see {worker.log_path}")
         attempt.outcome = "completed"
         first = attempt.first_token_at or attempt.ended_at
         self.speeds[path].observe(attempt.tokens, attempt.ended_at - first, job.prompt_tokens, first - attempt.started_at)
@@ -532,7 +548,17 @@ class Service:
         if 400 <= response.status_code < 500:
             raise JobFailed(response.status_code, "invalid_request", f"the model server rejected the request: {message}",
                             err_type="invalid_request_error")
-        raise WorkerFailure(f"the worker answered HTTP {response.status_code}: {message}")
+        self._raise_upstream_failure(f"the worker answered HTTP {response.status_code}: {message or 'no detail'}")
+
+    @staticmethod
+    def _raise_upstream_failure(message: str) -> None:
+        if mentions_out_of_memory(message):
+            raise WorkerFailure(message)
+        if "validation error" in message:
+            # llama-cpp-python answers 500 for a request it finds invalid.
+            raise JobFailed(400, "invalid_request", f"the model server rejected the request: {message}",
+                            err_type="invalid_request_error")
+        raise WorkerRequestError(message)
 
     async def _wait_worker_ready(self, job: Job, worker: Worker) -> None:
         ready = asyncio.ensure_future(worker.ensure_ready(self.config.worker.ready_timeout_s))

@@ -1,0 +1,96 @@
+"""The router's OpenAPI 3.0 description, served at GET /openapi.json.
+
+Written by hand because the router is plain Starlette; the fuzz test
+(schemathesis) holds every response to it, so it can't drift silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ERROR = {"$ref": "#/components/schemas/Error"}
+ERROR_RESPONSE = {"description": "an error in the OpenAI envelope",
+                  "content": {"application/json": {"schema": ERROR}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    return {str(code): ERROR_RESPONSE for code in codes}
+
+
+def build_openapi(max_tokens: int, max_messages: int) -> dict[str, Any]:
+    sampling = {
+        "model": {"type": "string"},
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_tokens},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "stream": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 1, "maximum": 1},
+        "seed": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},
+        "stop": {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4},
+    }
+    completion_errors = _errors(400, 401, 403, 404, 408, 409, 413, 415, 422, 431)
+    json_or_sse = {
+        "application/json": {"schema": {"type": "object"}},
+        # Each event is a completion chunk object, then the literal [DONE].
+        "text/event-stream": {},
+    }
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "tray-app router", "version": "1",
+                 "description": "OpenAI-compatible API in front of a GPU and a CPU llama.cpp worker."},
+        "paths": {
+            "/health": {"get": {"operationId": "health", "responses": {
+                "200": {"description": "a path can serve", "content": {"application/json": {"schema": {"type": "object"}}}},
+                "503": {"description": "no path can serve", "content": {"application/json": {"schema": {"type": "object"}}}},
+            }}},
+            "/status": {"get": {"operationId": "status", "responses": {
+                "200": {"description": "service status", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["workers", "gpu", "ram", "breaker", "queues", "degraded", "requests"]}}}},
+                **_errors(401, 403)}}},
+            "/v1/models": {"get": {"operationId": "listModels", "responses": {
+                "200": {"description": "models", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["object", "data"]}}}},
+                **_errors(401, 403)}}},
+            "/v1/chat/completions": {"post": {
+                "operationId": "createChatCompletion",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["messages"],
+                    "properties": {
+                        "messages": {"type": "array", "minItems": 1, "maxItems": max_messages, "items": {
+                            "type": "object", "required": ["role", "content"],
+                            "properties": {
+                                "role": {"type": "string", "enum": ["system", "user", "assistant"]},
+                                "content": {"type": "string"},
+                            }}},
+                        **sampling,
+                    }}}}},
+                "responses": {"200": {"description": "a completion, or an SSE stream", "content": json_or_sse},
+                              **completion_errors},
+            }},
+            "/v1/completions": {"post": {
+                "operationId": "createCompletion",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["prompt"],
+                    "properties": {"prompt": {"type": "string", "minLength": 1}, **sampling}}}}},
+                "responses": {"200": {"description": "a completion, or an SSE stream", "content": json_or_sse},
+                              **completion_errors},
+            }},
+            "/v1/requests/{request_id}": {"delete": {
+                "operationId": "cancelRequest",
+                "parameters": [{"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "canceled", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["id", "canceled"]}}}}, **_errors(401, 403, 404)},
+            }},
+        },
+        "components": {"schemas": {"Error": {
+            "type": "object", "required": ["error"],
+            "properties": {"error": {
+                "type": "object", "required": ["message", "type", "code"],
+                "properties": {
+                    "message": {"type": "string", "minLength": 1},
+                    "type": {"type": "string"},
+                    "param": {"type": "string", "nullable": True},
+                    "code": {"type": "string"},
+                }}},
+        }}},
+    }
