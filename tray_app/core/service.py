@@ -12,6 +12,7 @@ import asyncio
 import collections
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,7 @@ DEFAULT_MAX_TOKENS = 256
 IDEMPOTENCY_TTL_S = 600.0
 SAMPLE_INTERVAL_S = 1.0
 CPU_FIRST_TOKEN_TIMEOUT_S = 600.0
+EXECUTION_LEDGER_SIZE = 10_000
 
 
 class Sink(Protocol):
@@ -142,6 +144,11 @@ class Service:
         self.jobs: dict[str, Job] = {}
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
+        # Completed executions per request id (bounded): the evidence that no
+        # request ran twice, for /status, the drill and the soak.
+        self._executions: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.completed_total = 0
+        self.duplicate_executions = 0
         self.gpu_paused = False
         self.gpu_recovery_s: float | None = None
         self._gpu_failed_at: float | None = None
@@ -530,11 +537,22 @@ class Service:
             raise WorkerRequestError("the model server ended the answer early without saying why; "
                                      f"see {worker.log_path}")
         attempt.outcome = "completed"
+        self._count_execution(job.id)
         first = attempt.first_token_at or attempt.ended_at
         self.speeds[path].observe(attempt.tokens, attempt.ended_at - first, job.prompt_tokens, first - attempt.started_at)
         if path == "gpu":
             self.breaker.record_success()
             job.half_open_probe = False
+
+    def _count_execution(self, request_id: str) -> None:
+        self.completed_total += 1
+        count = self._executions.pop(request_id, 0) + 1
+        self._executions[request_id] = count
+        if count > 1:
+            self.duplicate_executions += 1
+            log.error("request %s completed %d executions", request_id, count)
+        while len(self._executions) > EXECUTION_LEDGER_SIZE:
+            self._executions.popitem(last=False)
 
     async def _upstream_error(self, response: httpx.Response) -> None:
         raw = await response.aread()
@@ -685,7 +703,7 @@ class Service:
             gpu_status["pressure_mib"] = self.simulated.pressure_mib
         healthy, health_reason = self.health()
         return {
-            "service": {"started_at": self.started_at, "model": self.model_id, "healthy": healthy,
+            "service": {"pid": os.getpid(), "started_at": self.started_at, "model": self.model_id, "healthy": healthy,
                         "health_reason": health_reason, "gpu_paused": self.gpu_paused},
             "workers": workers,
             "gpu": gpu_status,
@@ -698,6 +716,8 @@ class Service:
             "speeds": {path: {"tokens_per_s": round(s.tokens_per_s, 2), "samples": s.samples}
                        for path, s in self.speeds.items()},
             "gpu_recovery_s": self.gpu_recovery_s,
+            "accounting": {"completed_executions": self.completed_total,
+                           "duplicate_executions": self.duplicate_executions},
             "events": list(self.events)[-20:],
         }
 
