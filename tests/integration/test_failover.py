@@ -8,7 +8,6 @@ import os
 import signal
 import time
 
-import httpx
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -79,6 +78,9 @@ def test_gpu_death_mid_request_replays_once_on_cpu(fresh, sig):
     gpu = next(w for w in status["workers"] if w["role"] == "gpu")
     assert gpu["pid"] != gpu_pid and gpu["last_exit"]["signal"] == sig.name
     assert any(e["kind"] == "replay" and e["id"] == f"replay-{sig.name}" for e in status["events"])
+    metrics = fresh.http.get("/metrics").text
+    replays = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("tray_app_replays_total"))
+    assert replays >= 1
 
 
 def test_gpu_death_after_first_bytes_ends_stream_with_error_event(fresh):

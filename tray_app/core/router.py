@@ -16,6 +16,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
+from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -202,6 +203,9 @@ class Router:
 
     async def status(self, request: Request) -> Response:
         return JSONResponse(self.service.status())
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.service.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     async def openapi(self, request: Request) -> Response:
         config = self.service.config
@@ -600,6 +604,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         HttpRoute("/status", router.status, methods=["GET"]),
         HttpRoute("/v1/models", router.models, methods=["GET"]),
         HttpRoute("/openapi.json", router.openapi, methods=["GET"]),
+        HttpRoute("/metrics", router.metrics, methods=["GET"]),
         HttpRoute("/v1/chat/completions", router.chat_completions, methods=["POST"]),
         HttpRoute("/v1/completions", router.completions, methods=["POST"]),
         HttpRoute("/v1/requests/{request_id}", router.cancel, methods=["DELETE"]),

@@ -30,6 +30,7 @@ from .exits import ExitKind, mentions_out_of_memory
 from .gguf_info import ModelInfo, read_model_info
 from .jobs import Attempt, Job, JobFailed, JobState, PathSpeed, WorkerFailure, WorkerRequestError
 from .lanes import Lane, Redirected
+from .metrics import ServiceMetrics
 from .runtime import LlamaCppPythonRuntime, WorkerRuntime
 from .telemetry import (
     GpuReader, MemorySnapshot, NvmlGpuReader, SimulatedGpu, TelemetryHistory,
@@ -141,6 +142,7 @@ class Service:
             "cpu": PathSpeed(tokens_per_s=config.cpu.assumed_tokens_per_s, prompt_tokens_per_s=200.0),
         }
         self.history = TelemetryHistory()
+        self.metrics = ServiceMetrics(self)
         self.jobs: dict[str, Job] = {}
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
@@ -380,6 +382,8 @@ class Service:
         job.reason_detail = decision.detail
         if decision.estimated_latency_s is not None:
             job.estimated_latency_s = decision.estimated_latency_s
+        path = {Route.GPU: "gpu", Route.GPU_QUEUE: "gpu", Route.CPU: "cpu"}.get(decision.route, "rejected")
+        self.metrics.requests.labels(path, decision.reason.value).inc()
         self.recent.append({
             "t": round(time.time(), 3), "id": job.id, "route": decision.route.value,
             "reason": decision.reason.value, "detail": decision.detail,
@@ -419,6 +423,7 @@ class Service:
                     decision = self.decide(job, force_cpu=force_cpu)
                     if not decision.accepted:
                         raise _rejection(decision)
+                    self.metrics.replays.inc()
                     self._note("replay", id=job.id, reason=str(failure))
             try:
                 await self._run_on(job, "cpu", sink)
@@ -540,6 +545,9 @@ class Service:
         self._count_execution(job.id)
         first = attempt.first_token_at or attempt.ended_at
         self.speeds[path].observe(attempt.tokens, attempt.ended_at - first, job.prompt_tokens, first - attempt.started_at)
+        self.metrics.ttft.labels(path).observe(first - attempt.started_at)
+        if attempt.tokens > 1 and attempt.ended_at > first:
+            self.metrics.tokens_per_second.labels(path).observe((attempt.tokens - 1) / (attempt.ended_at - first))
         if path == "gpu":
             self.breaker.record_success()
             job.half_open_probe = False
@@ -597,6 +605,7 @@ class Service:
         self._gpu_failed_at = self._clock()
         if self.gpu_worker is not None:
             self.gpu_worker.report_failure(reason)
+        self.metrics.gpu_failures.labels("yes" if job.committed else "no").inc()
         moved = self.lanes["gpu"].redirect_waiting(f"the GPU worker failed: {reason}")
         self._note("gpu_failure", id=job.id, reason=reason, committed=job.committed, redirected=moved)
 
