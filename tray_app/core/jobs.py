@@ -70,6 +70,8 @@ class Job:
     # Set once a byte of the answer has been handed to the client: from then
     # on the request can no longer be re-run anywhere.
     committed: bool = False
+    # This request is the circuit breaker's half-open probe of the GPU.
+    half_open_probe: bool = False
 
     def cancel(self, why: str) -> None:
         if not self.canceled.is_set():

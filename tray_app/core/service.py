@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -325,8 +326,8 @@ class Service:
 
     def _cpu_view(self, job: Job) -> CpuView:
         worker = self.cpu_worker
-        can_serve = worker.gave_up is None and worker.state is not WorkerState.STOPPED or worker.state in (
-            WorkerState.READY, WorkerState.STARTING)
+        # A starting or restarting worker can take requests: they wait in its queue.
+        can_serve = worker.gave_up is None and worker.state is not WorkerState.STOPPED
         host = self.latest_snapshot().host
         speed = self.speeds["cpu"]
         tokens = job.prompt_tokens + job.max_tokens
@@ -349,15 +350,15 @@ class Service:
             job = self.jobs.get(job_id)
             if job is None:
                 continue
-            estimate_s = self._service_time_s(job, "cpu")
+            estimate_s = self._service_time_s(job.prompt_tokens, job.max_tokens, "cpu")
             if job.state is JobState.RUNNING and job.attempts:
                 estimate_s = max(0.0, estimate_s - (self._clock() - job.attempts[-1].started_at))
             total += estimate_s
         return total / max(1, lane.concurrency)
 
-    def _service_time_s(self, job: Job, path: str) -> float:
+    def _service_time_s(self, prompt_tokens: int, max_tokens: int, path: str) -> float:
         speed = self.speeds[path]
-        return job.max_tokens / speed.tokens_per_s + job.prompt_tokens / speed.prompt_tokens_per_s
+        return max_tokens / speed.tokens_per_s + prompt_tokens / speed.prompt_tokens_per_s
 
     def decide(self, job: Job, force_cpu: bool = False, deadline_s: float | None = None) -> Decision:
         """Gather the inputs and ask the pure admission function. No await in
@@ -458,7 +459,7 @@ class Service:
             canceled.cancel()
         if acquire not in done:
             acquire.cancel()
-            with _suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError):
                 await acquire
             self._release_probe(job)
             raise _canceled(job, "while it waited in the " + path + " queue")
@@ -612,7 +613,7 @@ class Service:
     def _release_probe(self, job: Job, failed: str | None = None) -> None:
         if failed is not None:
             self.breaker.record_failure(failed)
-        elif getattr(job, "half_open_probe", False):
+        elif job.half_open_probe:
             self.breaker.release_probe()
         job.half_open_probe = False
 
@@ -667,9 +668,8 @@ class Service:
 
     def degraded(self) -> dict[str, Any]:
         self._refresh_degraded()
-        typical = Job(id="estimate", kind=None, body={}, stream=False,  # type: ignore[arg-type]
-                      prompt_tokens=64, max_tokens=DEFAULT_MAX_TOKENS)
-        estimated = round(self._cpu_backlog_s() + self._service_time_s(typical, "cpu"), 2)
+        # What a typical new request (64 prompt tokens, default max_tokens) would wait now.
+        estimated = round(self._cpu_backlog_s() + self._service_time_s(64, DEFAULT_MAX_TOKENS, "cpu"), 2)
         return {
             "active": self._degraded_since is not None,
             "reason": self._degraded_reason,
@@ -800,7 +800,7 @@ async def _next_line(lines, canceled: asyncio.Future, timeout: float):
         except StopAsyncIteration:
             return None
     next_line.cancel()
-    with _suppress(asyncio.CancelledError, StopAsyncIteration, httpx.HTTPError):
+    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, httpx.HTTPError):
         await next_line
     if canceled in done:
         return _CANCELED
@@ -831,14 +831,3 @@ def _rejection(decision: Decision) -> JobFailed:
 def _canceled(job: Job, where: str) -> JobFailed:
     return JobFailed(499, "request_canceled", f"request {job.id} was canceled {where}: {job.cancel_reason}",
                      err_type="canceled")
-
-
-class _suppress:
-    def __init__(self, *exceptions: type[BaseException]) -> None:
-        self._exceptions = exceptions
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        return exc_type is not None and issubclass(exc_type, self._exceptions)
