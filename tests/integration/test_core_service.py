@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-import httpx
 import openai
 import pytest
 
