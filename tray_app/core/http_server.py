@@ -90,9 +90,19 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
+class ThreadedServer(uvicorn.Server):
+    """For a server on a background thread (the tray): only the main thread
+    may install signal handlers, and the tray handles quitting itself."""
+
+    def install_signal_handlers(self) -> None:
+        pass
+
+
 def build_server(config: Config, service: Service | None = None, log_level: str = "info",
-                 manage_lifecycle: bool = True) -> tuple[uvicorn.Server, Service]:
-    """The router app behind the access guard, in a uvicorn server with our limits."""
+                 manage_lifecycle: bool = True,
+                 server_class: type[uvicorn.Server] = uvicorn.Server) -> tuple[uvicorn.Server, Service]:
+    """The router app behind the access guard, in a uvicorn server with our limits.
+    On a background thread pass ThreadedServer (or a subclass) as server_class."""
     service = service or Service(config)
     app = create_app(service, manage_lifecycle=manage_lifecycle)
     policy = AccessPolicy.build(
@@ -101,7 +111,7 @@ def build_server(config: Config, service: Service | None = None, log_level: str 
     )
     protocol = type("ConfiguredGuardedH11Protocol", (GuardedH11Protocol,),
                     {"header_timeout_s": config.server.header_timeout_s})
-    server = uvicorn.Server(uvicorn.Config(
+    server = server_class(uvicorn.Config(
         AccessGuard(app, policy), host=config.server.host, port=config.server.port, http=protocol,
         log_level=log_level.lower(), access_log=False, lifespan="on", timeout_graceful_shutdown=10,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_keep_alive=5,
