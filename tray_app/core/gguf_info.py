@@ -31,7 +31,7 @@ MAX_TENSOR_DIMS = 4  # GGML_MAX_DIMS; more means the header is garbage
 
 # Hints appended to errors: the user fixes these by pointing the app elsewhere
 # or re-downloading, so the message says exactly that.
-_POINT_ELSEWHERE = "point --model or model_path in the config at a .gguf file"
+_POINT_ELSEWHERE = "point --model or [model] path in the config at a .gguf file"
 _REDOWNLOAD = "download the model again"
 
 _SCALAR_FORMATS: dict[GGUFValueType, str] = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import warnings
 import threading
 import time
 import types
@@ -255,7 +256,11 @@ class NvmlGpuReader:
     def _try_init(self) -> GpuReading | None:
         if self._nvml is None:
             try:
-                self._nvml = importlib.import_module("pynvml")
+                with warnings.catch_warnings():
+                    # The pynvml package now only re-exports nvidia-ml-py's module
+                    # and warns about that on import; the API we use is the same.
+                    warnings.simplefilter("ignore", FutureWarning)
+                    self._nvml = importlib.import_module("pynvml")
             except ImportError as error:
                 return UNKNOWN_GPU(f"pynvml is not installed ({error}); running CPU-only")
         nvml = self._nvml
