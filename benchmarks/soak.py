@@ -174,13 +174,13 @@ class Soak:
             else:
                 self._record("lost", example=f"{request_id}: 200 without finish_reason")
             return
-        self._classify_error(response.status_code, response.content, request_id)
+        self._classify_error(response.status_code, response.content, request_id, response.headers.get("retry-after"))
 
     def _streamed(self, client, body, headers, request_id, started) -> None:
         with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
             if response.status_code != 200:
                 response.read()
-                self._classify_error(response.status_code, response.content, request_id)
+                self._classify_error(response.status_code, response.content, request_id, response.headers.get("retry-after"))
                 return
             last = None
             for line in response.iter_lines():
@@ -199,7 +199,7 @@ class Soak:
         else:
             self._record("lost", example=f"{request_id}: stream ended without [DONE] or an error event")
 
-    def _classify_error(self, status: int, content: bytes, request_id: str) -> None:
+    def _classify_error(self, status: int, content: bytes, request_id: str, retry_after: str | None = None) -> None:
         try:
             code = json.loads(content)["error"]["code"]
         except (ValueError, KeyError, TypeError):
@@ -207,6 +207,8 @@ class Soak:
             return
         if code in ADMISSION_CODES:
             self._record("rejected", code=code)
+            # A well-behaved client waits as told before trying again.
+            self._stop.wait(min(5.0, float(retry_after or 1)))
         else:
             self._record("clear_error", code=code)
 

@@ -106,10 +106,15 @@ def print_status(url: str, as_json: bool) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    raw = list(argv if argv is not None else sys.argv[1:])
+    subcommands = {"tray", "serve", "status", "models"}
+    # Options without a subcommand belong to the default one: `tray-app --port 9000`.
+    if raw and raw[0] not in subcommands and raw[0] not in ("-h", "--help"):
+        raw = ["tray", *raw]
+    args = parser.parse_args(raw)
     command = args.command or "tray"
     if args.command is None:
-        args = parser.parse_args(["tray", *(argv if argv is not None else sys.argv[1:])])
+        args = parser.parse_args(["tray"])
     if command == "status":
         return print_status(args.url, args.json)
     if command == "models":

@@ -100,7 +100,8 @@ class ThreadedServer(uvicorn.Server):
 
 def build_server(config: Config, service: Service | None = None, log_level: str = "info",
                  manage_lifecycle: bool = True,
-                 server_class: type[uvicorn.Server] = uvicorn.Server) -> tuple[uvicorn.Server, Service]:
+                 server_class: type[uvicorn.Server] = uvicorn.Server,
+                 **uvicorn_options) -> tuple[uvicorn.Server, Service]:
     """The router app behind the access guard, in a uvicorn server with our limits.
     On a background thread pass ThreadedServer (or a subclass) as server_class."""
     service = service or Service(config)
@@ -114,6 +115,6 @@ def build_server(config: Config, service: Service | None = None, log_level: str 
     server = server_class(uvicorn.Config(
         AccessGuard(app, policy), host=config.server.host, port=config.server.port, http=protocol,
         log_level=log_level.lower(), access_log=False, lifespan="on", timeout_graceful_shutdown=10,
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_keep_alive=5,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_keep_alive=5, **uvicorn_options,
     ))
     return server, service

@@ -661,6 +661,12 @@ class Service:
         out = self.gpu_out_reason()
         if out is not None:
             return out
+        free = self.latest_snapshot().gpu.free_mib
+        if self.gpu_worker is not None and free is not None and free <= self.config.gpu.reserve_mib:
+            # Every new request would go to the CPU: say so steadily, not only
+            # while one happens to be in flight.
+            return (f"not enough VRAM headroom: {free:.0f} MiB free, within the "
+                    f"{self.config.gpu.reserve_mib} MiB reserve")
         for job in self.jobs.values():
             if job.path == "cpu" and job.state in (JobState.QUEUED, JobState.RUNNING) and job.reason in GPU_OUT_REASONS:
                 return f"{job.reason.value}: {job.reason_detail}"
@@ -716,7 +722,7 @@ class Service:
                         "health_reason": health_reason, "gpu_paused": self.gpu_paused},
             "workers": workers,
             "gpu": gpu_status,
-            "ram": snapshot.host.to_status(),
+            "ram": {**snapshot.host.to_status(), "floor_mib": self.config.cpu.ram_floor_mib},
             "breaker": self.breaker.snapshot(),
             "queues": {name: lane.snapshot() for name, lane in self.lanes.items()},
             "degraded": self.degraded(),

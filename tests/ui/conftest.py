@@ -1,0 +1,98 @@
+"""UI tests: pytest-qt, offscreen, against a real running service."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+
+LONG_PROMPT = "Write a long story about a lighthouse keeper and the sea."
+
+# The offscreen platform says this about every window it shows; it is
+# the test platform talking, not the app.
+OFFSCREEN_NOISE = r"This plugin does not support (propagateSizeHints|raise|grabWindow|requestActivate)"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if "tests/ui/" in str(item.path).replace("\\", "/"):
+            # Any other Qt warning during a UI test fails it.
+            item.add_marker(pytest.mark.qt_log_level_fail("WARNING"))
+            item.add_marker(pytest.mark.qt_log_ignore(OFFSCREEN_NOISE))
+
+
+@pytest.fixture
+def live(service):
+    """The service, back to normal before and after the test."""
+    service.reset()
+    yield service
+    service.http.post("/admin/gpu", json={"paused": False, "simulated_pressure_mib": 0})
+    for request in service.status()["requests"]:
+        service.http.delete(f"/v1/requests/{request['id']}")
+    service.wait_for(lambda s: not s["requests"], timeout=60, what="no requests in flight")
+
+
+def wait_status(qtbot, service, predicate, timeout_ms: int = 60_000, what: str = "a /status condition") -> dict:
+    """Wait for a /status condition while the Qt event loop keeps running
+    (service.wait_for would sleep the GUI thread, and the UI's own requests
+    with it)."""
+    seen: dict = {}
+
+    def check() -> bool:
+        seen["status"] = service.status()
+        return bool(predicate(seen["status"]))
+
+    try:
+        qtbot.waitUntil(check, timeout=timeout_ms)
+    except Exception as exc:
+        raise AssertionError(f"timed out waiting for {what}; last status: {seen.get('status')}") from exc
+    return seen["status"]
+
+
+class Background:
+    """A blocking httpx request on a thread: an outside client of the service."""
+
+    def __init__(self, url: str, request_id: str, prompt: str = LONG_PROMPT, max_tokens: int = 1500,
+                 stream: bool = True) -> None:
+        self.request_id = request_id
+        self.result: dict[str, Any] = {}
+        self.done = threading.Event()
+
+        def run() -> None:
+            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": stream}
+            try:
+                with httpx.Client(base_url=url, timeout=300) as client:
+                    response = client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": request_id})
+                    self.result = {"status": response.status_code, "text": response.text,
+                                   "headers": dict(response.headers)}
+            except httpx.HTTPError as exc:
+                self.result = {"error": repr(exc)}
+            finally:
+                self.done.set()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def wait(self, qtbot, timeout_ms: int = 120_000) -> dict[str, Any]:
+        """Wait with the Qt event loop running (the UI's own requests go out meanwhile)."""
+        qtbot.waitUntil(self.done.is_set, timeout=timeout_ms)
+        return self.result
+
+
+@pytest.fixture
+def background(live):
+    started: list[Background] = []
+
+    def start(request_id: str, **kwargs) -> Background:
+        request = Background(live.url, request_id, **kwargs)
+        started.append(request)
+        return request
+
+    yield start
+    for request in started:
+        live.http.delete(f"/v1/requests/{request.request_id}")
+    for request in started:
+        request.done.wait(60)

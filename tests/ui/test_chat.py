@@ -1,0 +1,140 @@
+"""The chat window against the real service: streaming, route line, Stop,
+the conversation, and the degraded banner's Cancel on its own queued request."""
+
+from __future__ import annotations
+
+import pytest
+from PySide6.QtCore import Qt
+
+from tray_app.ui.chat import ChatStream, ChatWindow
+from tray_app.ui.client import ServiceClient
+
+from .conftest import LONG_PROMPT, wait_status
+
+WAIT_MS = 120_000
+
+
+@pytest.fixture
+def chat(qtbot, live):
+    client = ServiceClient(live.url)
+    client.start()
+    window = ChatWindow(client, max_tokens=48)
+    qtbot.addWidget(window)
+    window.show()
+    yield window
+    if window.busy:
+        window.stop()
+        qtbot.waitUntil(lambda: not window.busy, timeout=30_000)
+    client.stop()
+
+
+def test_streams_a_real_answer_and_says_which_path_served_it(qtbot, chat, live) -> None:
+    deltas: list[str] = []
+    with qtbot.waitSignal(chat.answer_finished, timeout=WAIT_MS) as finished:
+        assert chat.send("Say hello in five words.")
+        chat.stream.delta.connect(deltas.append)
+    assert finished.args == ["ok"]
+    answer = chat.turns[-1]
+    assert answer.text and answer.text == "".join(deltas)
+    assert len(deltas) >= 3  # it arrived token by token, not in one piece
+    assert answer.meta.startswith("served by GPU · admitted · took ")
+    assert chat.history == [{"role": "user", "content": "Say hello in five words."},
+                            {"role": "assistant", "content": answer.text}]
+    assert "served by GPU · admitted" in chat.transcript.toPlainText()
+    assert chat.send_button.isEnabled() and not chat.stop_button.isEnabled()
+
+
+def test_keeps_the_conversation_and_sends_it_each_turn(qtbot, chat) -> None:
+    with qtbot.waitSignal(chat.answer_finished, timeout=WAIT_MS):
+        chat.send("My name is Ada. Reply with one word.")
+    with qtbot.waitSignal(chat.answer_finished, timeout=WAIT_MS) as second:
+        chat.send("What is my name?")
+        sent = chat.stream.messages
+    assert second.args == ["ok"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "user"]
+    assert sent[0]["content"] == "My name is Ada. Reply with one word."
+    assert len(chat.history) == 4
+    # Hiding the window keeps the session; "New chat" starts over.
+    chat.close()
+    assert not chat.isVisible() and len(chat.turns) == 4
+    chat.clear()
+    assert chat.turns == [] and chat.history == []
+
+
+def test_stop_cancels_the_generation_through_the_service(qtbot, chat, live) -> None:
+    chat.max_tokens = 300
+    chat.send(LONG_PROMPT)
+    request_id = chat.request_id
+    qtbot.waitUntil(lambda: len(chat.turns[-1].text) > 20, timeout=WAIT_MS)
+    assert any(r["id"] == request_id for r in live.status()["requests"])
+    with qtbot.waitSignal(chat.answer_finished, timeout=30_000) as finished:
+        qtbot.mouseClick(chat.stop_button, Qt.MouseButton.LeftButton)
+    assert finished.args == ["stopped"]
+    assert chat.turns[-1].error == "Stopped."
+    assert chat.turns[-1].text  # what was said stays
+    assert not any(r["id"] == request_id for r in live.status()["requests"])
+    events = [e for e in live.status()["events"] if e.get("kind") == "canceled"]
+    assert any(e.get("id") == request_id for e in events), events
+    # The partial answer is kept in the conversation.
+    assert chat.history[-1]["role"] == "assistant"
+
+
+def test_degraded_banner_in_chat_cancels_its_own_queued_request(qtbot, chat, live, background) -> None:
+    live.http.post("/admin/gpu", json={"paused": True})
+    background("chat-blocker")
+    wait_status(qtbot, live, lambda s: any(r["id"] == "chat-blocker" and r["state"] == "running" for r in s["requests"]),
+                what="the CPU busy with another client's request")
+    chat.send("Say hello.")
+    request_id = chat.request_id
+    wait_status(qtbot, live, lambda s: any(r["id"] == request_id and r["state"] == "queued" for r in s["requests"]),
+                what="the chat's request queued")
+    qtbot.waitUntil(lambda: chat.banner.cancel_button(request_id) is not None, timeout=WAIT_MS)
+    banner = chat.banner
+    assert banner.isVisible()
+    assert banner.values["reason"].text() == "The GPU path is paused (force CPU)"
+    assert "you are 1st in the queue" in banner.values["limits"].text()
+    assert banner._rows[request_id][1].text().startswith("Your request · 1st in the CPU queue · est. ")
+    assert "Waiting in the CPU queue" in chat.state_label.text()
+    with qtbot.waitSignal(chat.answer_finished, timeout=30_000) as finished:
+        qtbot.mouseClick(banner.cancel_button(request_id), Qt.MouseButton.LeftButton)
+    assert finished.args == ["stopped"]
+    assert not any(r["id"] == request_id for r in live.status()["requests"])
+    assert any(r["id"] == "chat-blocker" for r in live.status()["requests"])  # not the other client's
+    assert chat.history == []  # nothing came back, so the question isn't repeated next turn
+
+
+def test_a_cpu_answer_says_so_with_reason_and_estimate(qtbot, chat, live) -> None:
+    live.http.post("/admin/gpu", json={"paused": True})
+    wait_status(qtbot, live, lambda s: s["degraded"]["active"], what="degraded mode")
+    with qtbot.waitSignal(chat.answer_finished, timeout=WAIT_MS) as finished:
+        chat.send("Say hi.")
+    assert finished.args == ["ok"]
+    meta = chat.turns[-1].meta
+    model = live.status()["degraded"]["fallback_model"]
+    assert meta.startswith(f"served by CPU · forced_cpu · {model} · est. "), meta
+    assert " · took " in meta
+
+
+def test_errors_from_the_service_are_shown_not_raised(qtbot, live) -> None:
+    client = ServiceClient(live.url)
+    stream = ChatStream(client, [{"role": "bogus", "content": "x"}])
+    with qtbot.waitSignal(stream.failed, timeout=30_000) as failed:
+        stream.start()
+    message, code = failed.args
+    assert code == "invalid_value" and "is not a known role" in message
+
+
+def test_no_service_is_an_error_line_not_a_hang(qtbot) -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client = ServiceClient(f"http://127.0.0.1:{port}")
+    window = ChatWindow(client)
+    qtbot.addWidget(window)
+    with qtbot.waitSignal(window.answer_finished, timeout=30_000) as finished:
+        window.send("hello?")
+    assert finished.args == ["failed"]
+    assert "the connection to the service failed" in window.turns[-1].error
+    assert window.history == []

@@ -1,0 +1,112 @@
+"""The settings dialog: bad values get a message next to their field and are
+not saved; good ones are written to the config file (and only they)."""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tray_app.core.config import apply_overrides, bundled_model_path, load_config
+from tray_app.ui.settings import SettingsDialog
+
+FILE_TEXT = "[gpu]\nreserve_mib = 300\n"
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(FILE_TEXT)
+    return path
+
+
+@pytest.fixture
+def dialog(qtbot, config_file: Path):
+    # This run also has a command-line override, which must not end up in the file.
+    config = apply_overrides(load_config(config_file), {"gpu": {"simulate_mib": 2048}})
+    dialog = SettingsDialog(config)
+    qtbot.addWidget(dialog)
+    dialog.show()
+    return dialog
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("gpu_ctx", "10", "[gpu] n_ctx must be at least 64, got 10"),
+    ("cpu_ctx", "2k", "must be a whole number, got '2k'"),
+    ("reserve", "-1", "[gpu] reserve_mib must be at least 0, got -1"),
+    ("gpu_layers", "-7", "[gpu] n_gpu_layers must be at least -1, got -7"),
+    ("port", "99999", "must be from 1 to 65535, got 99999"),
+    ("model_path", "/no/such/model.gguf", "model file /no/such/model.gguf does not exist"),
+    ("fallback_path", sys.executable, "is not a GGUF file"),
+])
+def test_an_invalid_value_is_shown_next_to_its_field_and_not_saved(qtbot, dialog, config_file, field, value,
+                                                                   message) -> None:
+    saved: list = []
+    dialog.saved.connect(lambda *args: saved.append(args))
+    dialog.edits[field].setText(value)
+    assert dialog.save() is False
+    error = dialog.errors[field]
+    assert error.isVisible()
+    assert message in error.text()
+    # Only that field complains.
+    assert [name for name, label in dialog.errors.items() if label.isVisible()] == [field]
+    assert dialog.isVisible()
+    assert saved == []
+    assert config_file.read_text() == FILE_TEXT
+    # Editing the field clears its message.
+    dialog.edits[field].setFocus()
+    qtbot.keyClick(dialog.edits[field], "1")
+    assert not error.isVisible()
+
+
+def test_several_bad_fields_each_get_their_own_message(dialog, config_file) -> None:
+    dialog.edits["gpu_ctx"].setText("1")
+    dialog.edits["port"].setText("http")
+    assert dialog.save() is False
+    assert "[gpu] n_ctx must be at least 64" in dialog.errors["gpu_ctx"].text()
+    assert "must be a whole number" in dialog.errors["port"].text()
+    assert not dialog.errors["cpu_ctx"].isVisible()
+    assert config_file.read_text() == FILE_TEXT
+
+
+def test_valid_changes_are_saved_and_handed_on(qtbot, dialog, config_file) -> None:
+    model = str(bundled_model_path())
+    dialog.edits["cpu_ctx"].setText("1024")
+    dialog.edits["port"].setText("18999")
+    dialog.edits["model_path"].setText(model)
+    with qtbot.waitSignal(dialog.saved, timeout=5000) as saved:
+        assert dialog.save() is True
+    new_config, changes = saved.args
+    assert changes == {"cpu": {"n_ctx": 1024}, "server": {"port": 18999}, "model": {"path": model}}
+    assert new_config.cpu.n_ctx == 1024 and new_config.server.port == 18999
+    assert new_config.gpu.simulate_mib == 2048  # the running config keeps this run's flags
+    on_disk = tomllib.loads(config_file.read_text())
+    assert on_disk["cpu"]["n_ctx"] == 1024
+    assert on_disk["server"]["port"] == 18999
+    assert on_disk["model"]["path"] == model
+    assert on_disk["gpu"]["reserve_mib"] == 300        # kept from the file
+    assert on_disk["gpu"]["simulate_mib"] == 0          # the flag was not written
+    assert config_file.stat().st_mode & 0o777 == 0o600
+    assert not dialog.isVisible()
+
+
+def test_saving_nothing_changed_writes_nothing(qtbot, dialog, config_file) -> None:
+    saved: list = []
+    dialog.saved.connect(lambda *args: saved.append(args))
+    assert dialog.save() is True
+    assert saved == []
+    assert config_file.read_text() == FILE_TEXT
+
+
+def test_without_a_file_it_saves_to_the_default_place(qtbot, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    from tray_app.core.config import Config, default_config_path
+
+    dialog = SettingsDialog(Config())
+    qtbot.addWidget(dialog)
+    assert str(default_config_path()) in dialog.note.text()
+    dialog.edits["gpu_ctx"].setText("2048")
+    assert dialog.save() is True
+    assert tomllib.loads(default_config_path().read_text())["gpu"]["n_ctx"] == 2048

@@ -1,0 +1,314 @@
+"""The Qt-free view model: plain dicts in, what the UI shows out."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+
+from tray_app.core.config import Config, bundled_model_path
+from tray_app.ui import viewmodel as vm
+
+READY = {
+    "service": {"model": "SmolLM2", "healthy": True, "health_reason": "the GPU path can serve", "gpu_paused": False},
+    "workers": [
+        {"role": "gpu", "state": "ready", "pid": 11, "n_ctx": 4096, "rss_mib": 280.5, "estimated_vram_mib": 832.9,
+         "estimated_ram_mib": 1246.9, "restarts": 0, "last_exit": None},
+        {"role": "cpu", "state": "ready", "pid": 12, "n_ctx": 2048, "rss_mib": 235.4, "estimated_vram_mib": 0.0,
+         "estimated_ram_mib": 833.9, "restarts": 0, "last_exit": None},
+    ],
+    "gpu": {"available": True, "simulated": True, "total_mib": 2048.0, "free_mib": 1215.1, "used_mib": 832.9,
+            "reason": None, "reserve_mib": 512, "path_out_reason": None, "pressure_mib": 0.0,
+            "devices": [{"index": 0, "name": "Simulated GPU", "total_mib": 2048.0, "used_mib": 832.9,
+                         "free_mib": 1215.1}]},
+    "ram": {"total_mib": 24105.6, "available_mib": 22045.3, "swap_total_mib": 0.0, "swap_used_mib": 0.0,
+            "rss_mib_by_pid": {"11": 280.6, "12": 235.5}},
+    "breaker": {"state": "closed"},
+    "queues": {"gpu": {"running": 0, "concurrency": 1, "depth": 0, "limit": 2, "oldest_age_s": 0.0},
+               "cpu": {"running": 0, "concurrency": 1, "depth": 0, "limit": 8, "oldest_age_s": 0.0}},
+    "degraded": {"active": False, "reason": None, "since": None, "fallback_model": "SmolLM2",
+                 "fallback_equivalent": True, "fallback_detail": "same model file on both paths",
+                 "estimated_latency_s": 25.92, "cpu_context_cap": 2048, "cpu_queue_depth": 0},
+    "requests": [],
+}
+
+
+def status(**changes) -> dict:
+    data = copy.deepcopy(READY)
+    for path, value in changes.items():
+        node = data
+        keys = path.split("__")
+        for key in keys[:-1]:
+            node = node[key]
+        node[keys[-1]] = value
+    return data
+
+
+def paused() -> dict:
+    data = status(service__gpu_paused=True, gpu__path_out_reason="the GPU path is paused (force CPU)")
+    data["degraded"].update(active=True, reason="the GPU path is paused (force CPU)", since=1.0)
+    return data
+
+
+# ----- icon state ---------------------------------------------------------------------------
+
+def test_icon_kind_for_each_state() -> None:
+    assert vm.icon_kind(READY) == vm.GPU
+    assert vm.icon_kind(paused()) == vm.DEGRADED
+    assert vm.icon_kind(None) == vm.DOWN
+    assert vm.icon_kind(None, host_starting=True) == vm.STARTING
+
+
+def test_first_start_of_the_gpu_worker_is_starting_not_degraded() -> None:
+    data = status(gpu__path_out_reason="the GPU worker is starting")
+    data["degraded"].update(active=True, reason="the GPU worker is starting")
+    data["workers"][0]["state"] = "starting"
+    assert vm.icon_kind(data) == vm.STARTING
+    # ...but a GPU worker coming back after a crash is degraded mode.
+    data["workers"][0].update(restarts=1, last_exit={"kind": "crash", "description": "killed by SIGKILL"})
+    assert vm.icon_kind(data) == vm.DEGRADED
+
+
+def test_unhealthy_is_starting_while_workers_start_and_down_otherwise() -> None:
+    data = status(service__healthy=False)
+    data["workers"][1]["state"] = "starting"
+    assert vm.icon_kind(data) == vm.STARTING
+    data["workers"][1]["state"] = "unhealthy"
+    data["workers"][0]["state"] = "stopped"
+    assert vm.icon_kind(data) == vm.DOWN
+
+
+def test_a_cpu_request_for_lack_of_vram_is_degraded_even_if_the_gpu_path_is_up() -> None:
+    data = status()
+    data["degraded"].update(active=True, reason="gpu_vram_headroom: needs 72 MiB but only 0 MiB is free")
+    assert vm.icon_kind(data) == vm.DEGRADED
+
+
+# ----- numbers, bars, tooltip ------------------------------------------------------------------
+
+def test_fmt_mib() -> None:
+    assert vm.fmt_mib(None) == "unknown"
+    assert vm.fmt_mib(1215.1) == "1,215 MiB"
+    assert vm.fmt_mib(22045.3) == "21.5 GiB"
+    assert vm.fmt_mib(2100, 24564) == "2.1 GiB"  # the unit of what it is a part of
+
+
+def test_vram_bar_splits_used_reserve_and_headroom() -> None:
+    (bar,) = vm.vram_bars(READY)
+    assert bar.note == "simulated"
+    assert bar.total_mib == 2048.0
+    parts = {s.key: round(s.mib, 1) for s in bar.segments}
+    assert parts == {"worker": 832.9, "used": 0.0, "reserve": 512.0, "free": 703.1}
+    assert round(sum(s.mib for s in bar.segments), 1) == 2048.0
+    assert bar.caption == "1,215 MiB free of 2,048 MiB"
+    assert not bar.warning
+
+
+def test_vram_bar_shows_a_reserve_shortfall() -> None:
+    data = status(gpu__free_mib=315.1, gpu__used_mib=1732.9)
+    data["gpu"]["devices"][0].update(free_mib=315.1, used_mib=1732.9)
+    (bar,) = vm.vram_bars(data)
+    parts = {s.key: round(s.mib, 1) for s in bar.segments}
+    assert parts["reserve"] == 315.1 and parts["free"] == 0.0 and parts["used"] == 900.0
+    assert "197 MiB below the 512 MiB reserve" in bar.warning
+
+
+def test_vram_bar_without_a_gpu() -> None:
+    (bar,) = vm.vram_bars(status(gpu__available=False, gpu__reason="NVML not found"))
+    assert bar.segments == () and "NVML not found" in bar.caption
+
+
+def test_one_bar_per_device() -> None:
+    data = status()
+    data["gpu"]["devices"].append({"index": 1, "name": "Second", "total_mib": 8192.0, "used_mib": 192.0,
+                                   "free_mib": 8000.0})
+    bars = vm.vram_bars(data)
+    assert [b.title for b in bars] == ["VRAM · Simulated GPU (GPU 0)", "VRAM · Second (GPU 1)"]
+    assert [s.key for s in bars[1].segments] == ["used", "free"]
+
+
+def test_ram_bar_with_floor_from_config() -> None:
+    bar = vm.ram_bar(READY, floor_mib=1024)
+    parts = {s.key: round(s.mib, 1) for s in bar.segments}
+    assert parts["worker"] == 516.1
+    assert parts["reserve"] == 1024
+    assert round(parts["free"], 1) == 21021.3
+    assert bar.caption == "21.5 GiB available of 23.5 GiB"
+
+
+def test_ram_floor_prefers_the_service_value() -> None:
+    data = status()
+    data["ram"]["floor_mib"] = 2048
+    assert vm.ram_floor_mib(data, 1024) == 2048
+    assert vm.ram_floor_mib(READY, 1024) == 1024
+
+
+def test_tooltip_gives_headroom_numbers() -> None:
+    text = vm.tooltip_text(READY, floor_mib=1024)
+    assert text.splitlines()[0] == "tray-app: serving on the gpu"
+    assert "VRAM (simulated): 703 MiB headroom (1,215 MiB free of 2,048 MiB, 512 MiB reserved)" in text
+    assert "RAM: 20.5 GiB headroom (21.5 GiB available of 23.5 GiB, 1,024 MiB floor)" in text
+    degraded = vm.tooltip_text(paused(), floor_mib=1024)
+    assert "degraded" in degraded.splitlines()[0]
+    assert "Why: the GPU path is paused (force CPU)" in degraded
+    assert "not answering" in vm.tooltip_text(None)
+    assert "starting" in vm.tooltip_text(None, host_starting=True)
+
+
+# ----- banner ---------------------------------------------------------------------------------
+
+def test_no_banner_when_serving_on_the_gpu() -> None:
+    assert vm.degraded_banner(READY) is None
+    assert vm.degraded_banner(None) is None
+
+
+def test_panel_banner_lists_cpu_requests_queued_first() -> None:
+    data = paused()
+    data["requests"] = [
+        {"id": "long", "state": "running", "path": "cpu", "reason": "forced_cpu", "age_s": 3.0,
+         "estimated_latency_s": 30.2, "queue_position": None},
+        {"id": "short", "state": "queued", "path": "cpu", "reason": "forced_cpu", "age_s": 1.0,
+         "estimated_latency_s": 31.9, "queue_position": 1},
+        {"id": "gpu-one", "state": "running", "path": "gpu", "reason": "admitted", "age_s": 1.0},
+    ]
+    data["degraded"]["cpu_queue_depth"] = 1
+    banner = vm.degraded_banner(data)
+    assert banner is not None
+    assert banner.reason == "The GPU path is paused (force CPU)"
+    assert banner.model == "SmolLM2"
+    assert banner.limits == "context up to 2,048 tokens · 1 waiting (limit 8)"
+    assert banner.latency == "about 26 s per answer"
+    assert [r.id for r in banner.requests] == ["short", "long"]
+    assert banner.requests[0].text == "short · 1st in the CPU queue · est. 32 s · 1.0 s old"
+    assert banner.requests[1].text.startswith("long · running on the CPU")
+
+
+def test_chat_banner_is_about_its_own_request() -> None:
+    data = paused()
+    data["requests"] = [
+        {"id": "other", "state": "running", "path": "cpu", "reason": "forced_cpu", "estimated_latency_s": 30.0},
+        {"id": "mine", "state": "queued", "path": "cpu", "reason": "forced_cpu", "detail": "paused",
+         "estimated_latency_s": 12.6, "queue_position": 2},
+    ]
+    banner = vm.degraded_banner(data, own_request_id="mine")
+    assert banner is not None
+    assert [r.id for r in banner.requests] == ["mine"]
+    assert banner.requests[0].text == "Your request · 2nd in the CPU queue · est. 13 s"
+    assert "you are 2nd in the queue" in banner.limits
+    assert banner.latency == "about 13 s per answer"
+
+
+def test_chat_banner_shows_for_a_cpu_answer_outside_degraded_mode() -> None:
+    data = status()
+    data["requests"] = [{"id": "mine", "state": "running", "path": "cpu", "reason": "gpu_context_cap",
+                         "detail": "prompt is over the GPU context cap", "estimated_latency_s": 5.0}]
+    banner = vm.degraded_banner(data, own_request_id="mine")
+    assert banner is not None and banner.reason.startswith("Over the GPU context cap")
+    assert vm.degraded_banner(data) is None  # the panel only shows degraded mode
+
+
+def test_banner_warns_about_a_different_fallback_model() -> None:
+    data = paused()
+    data["degraded"].update(fallback_equivalent=False, fallback_detail="chat template differs")
+    banner = vm.degraded_banner(data)
+    assert banner is not None and "different model" in banner.model and "chat template differs" in banner.warning
+
+
+def test_humanize_reason() -> None:
+    assert vm.humanize_reason("gpu_vram_headroom: needs 72 MiB") == "Not enough VRAM headroom: needs 72 MiB"
+    assert vm.humanize_reason("the GPU worker is starting") == "The GPU worker is starting"
+
+
+# ----- chat helpers ---------------------------------------------------------------------------
+
+def test_route_line() -> None:
+    assert vm.route_line("gpu", "admitted") == "served by GPU · admitted"
+    assert vm.route_line("cpu", "gpu_vram_headroom", "3.21") == "served by CPU · gpu_vram_headroom · est. 3.2 s"
+    assert vm.route_line("cpu", "forced_cpu", "unknown", "Small", took_s=4.0) == \
+        "served by CPU · forced_cpu · Small · took 4.0 s"
+
+
+def test_sse_parser_handles_split_chunks_and_done() -> None:
+    parser = vm.SseParser()
+    first = b'data: {"choices":[{"delta":{"content":"Hel"}}]}\n\ndata: {"choices":[{"delta":'
+    assert [vm.delta_text(e) for e in parser.feed(first)] == ["Hel"]
+    events = parser.feed(b'{"content":"lo"}}]}\r\n\r\n: keep-alive\n\ndata: [DONE]\n\n')
+    assert vm.delta_text(events[0]) == "lo"
+    assert events[1] == vm.DONE
+
+
+def test_sse_parser_error_event_and_unterminated_end() -> None:
+    parser = vm.SseParser()
+    assert parser.feed(b'data: {"error": {"message": "canceled", "code": "request_canceled"}}') == []
+    (event,) = parser.close()
+    assert vm.error_message(event) == ("canceled", "request_canceled")
+    assert vm.error_message(b"not json", 502) == ("HTTP 502", "")
+
+
+# ----- history and notifications ---------------------------------------------------------------
+
+def test_history_keeps_the_window() -> None:
+    history = vm.History(window_s=10)
+    for t in range(30):
+        history.add(READY, now=float(t))
+    assert len(history.samples) == 11
+    assert history.latest().vram_free_mib == 1215.1
+    assert history.latest().ram_available_mib == 22045.3
+
+
+def test_notifier_says_when_degraded_mode_starts_and_ends_once() -> None:
+    notifier = vm.DegradedNotifier()
+    assert notifier.update(None, host_starting=True) is None
+    assert notifier.update(READY) is None
+    start = notifier.update(paused())
+    assert start is not None and start.kind == "degraded_start"
+    assert "The GPU path is paused (force CPU)." in start.message and "SmolLM2" in start.message
+    assert notifier.update(paused()) is None
+    end = notifier.update(READY)
+    assert end is not None and end.kind == "degraded_end"
+    assert notifier.update(READY) is None
+
+
+# ----- settings -------------------------------------------------------------------------------
+
+def test_settings_values_round_trip() -> None:
+    values = vm.settings_values(Config())
+    assert values["gpu_ctx"] == "4096" and values["port"] == "8642" and values["model_path"] == ""
+    overrides, errors = vm.validate_settings(Config(), values)
+    assert errors == {}
+    assert vm.changed_overrides(Config(), overrides) == {}
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("gpu_ctx", "10", "[gpu] n_ctx must be at least 64, got 10"),
+    ("cpu_ctx", "lots", "must be a whole number, got 'lots'"),
+    ("reserve", "-5", "[gpu] reserve_mib must be at least 0, got -5"),
+    ("gpu_layers", "-2", "[gpu] n_gpu_layers must be at least -1, got -2"),
+    ("port", "0", "must be from 1 to 65535, got 0"),
+    ("port", "70000", "must be from 1 to 65535, got 70000"),
+    ("port", "", "must not be empty"),
+    ("model_path", "/nonexistent/model.gguf", "does not exist"),
+    ("fallback_path", sys.executable, "is not a GGUF file"),
+])
+def test_settings_reject_bad_values_next_to_their_field(field: str, value: str, message: str) -> None:
+    values = vm.settings_values(Config())
+    values[field] = value
+    overrides, errors = vm.validate_settings(Config(), values)
+    assert list(errors) == [field]
+    assert message in errors[field]
+
+
+def test_settings_accept_a_real_model_and_report_only_changes() -> None:
+    values = vm.settings_values(Config())
+    values.update(model_path=str(bundled_model_path()), cpu_ctx=" 1024 ")
+    overrides, errors = vm.validate_settings(Config(), values)
+    assert errors == {}
+    assert vm.changed_overrides(Config(), overrides) == {
+        "model": {"path": str(bundled_model_path())}, "cpu": {"n_ctx": 1024}}
+
+
+def test_worker_rows() -> None:
+    rows = vm.worker_rows(READY)
+    assert [(r.role, r.state, r.rss, r.vram, r.ctx) for r in rows] == [
+        ("GPU", "ready", "280 MiB", "833 MiB", "4,096"), ("CPU", "ready", "235 MiB", "-", "2,048")]

@@ -1,0 +1,459 @@
+"""`tray-app` on a desktop: the service in-process plus a system tray icon.
+
+The controller only reads the client's snapshots and sends commands over
+HTTP; the in-process host is there to start, restart (after Settings) and
+stop the service. Without a system tray, the headroom panel opens as a
+normal window and says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from PySide6.QtCore import QObject, QSocketNotifier, QTimer, QUrl, Signal
+from PySide6.QtGui import QAction, QDesktopServices, QGuiApplication
+from PySide6.QtWidgets import QApplication, QMenu, QMessageBox, QSystemTrayIcon, QToolButton, QWidget
+
+from ..core.config import Config, ConfigError, log_dir
+from . import viewmodel as vm
+from .client import ServiceClient
+from .host import ServiceHost, base_url_for
+from .icons import state_icon
+
+log = logging.getLogger(__name__)
+
+NOTIFY_MS = 8000
+QUIT_TIMEOUT_MS = 60_000
+NO_TRAY_NOTE = ("This desktop has no system tray, so tray-app runs as this window instead of a tray icon. "
+                "Every tray action is in the buttons below; closing this window stops the service and quits.")
+
+
+class TrayController(QObject):
+    """Tray icon, menu, windows and notifications, driven by a ServiceClient."""
+
+    state_changed = Signal(str)        # icon kind
+    notified = Signal(str, str, str)   # (kind, title, message)
+    quitting = Signal()
+
+    def __init__(self, client: ServiceClient, config: Config, *, host: ServiceHost | None = None,
+                 tray_available: bool | None = None, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.client = client
+        self.config = config
+        self.host = host
+        self.history = vm.History()
+        self.degraded_notifier = vm.DegradedNotifier()
+        self.kind: str | None = None
+        self.tooltip = ""
+        self.notices: list[tuple[str, str, str]] = []
+        self._quitting = False
+        self._exited = False
+        # What ends the process once the service is down; tests swap it out.
+        self.exit_app: Callable[[], None] = _quit_application
+        self._panel = None
+        self._chat = None
+        self._settings = None
+
+        self._build_actions()
+        if tray_available is None:
+            tray_available = QSystemTrayIcon.isSystemTrayAvailable()
+        self.tray: QSystemTrayIcon | None = None
+        if tray_available:
+            self.tray = QSystemTrayIcon(state_icon(vm.STARTING), self)
+            self.tray.setContextMenu(self.menu)
+            self.tray.activated.connect(self._on_activated)
+            self.tray.setToolTip("tray-app: starting")
+
+        client.status_changed.connect(self._on_status)
+        client.unreachable.connect(self._on_unreachable)
+        client.command_finished.connect(self._on_command)
+        if host is not None:
+            host.started.connect(client.poll_now)
+            host.failed.connect(self._on_host_failed)
+        self._apply_state(vm.STARTING if self._host_starting() else vm.DOWN,
+                          vm.tooltip_text(None, host_starting=self._host_starting()))
+
+    # ----- setup -------------------------------------------------------------------------
+
+    def _action(self, text: str, slot: Callable[..., Any], *, checkable: bool = False, tip: str = "") -> QAction:
+        action = QAction(text, self)
+        action.setCheckable(checkable)
+        if tip:
+            action.setToolTip(tip)
+        (action.toggled if checkable else action.triggered).connect(slot)
+        return action
+
+    def _build_actions(self) -> None:
+        # The state, at the top of the menu; it opens the panel, which says more.
+        self.state_action = self._action("Starting", self.show_panel, tip="Open the headroom panel")
+        bold = self.state_action.font()
+        bold.setBold(True)
+        self.state_action.setFont(bold)
+        self.open_panel_action = self._action("Open headroom panel", self.show_panel)
+        self.open_chat_action = self._action("Open chat", self.show_chat)
+        self.force_cpu_action = self._action("Force CPU (pause the GPU path)", self._on_force_cpu, checkable=True,
+                                             tip="Send every request to the CPU worker until this is unchecked")
+        self.restart_action = self._action("Restart workers", self.restart_workers)
+        self.choose_model_action = self._action("Choose model…", self.choose_model)
+        self.open_logs_action = self._action("Open logs folder", self.open_logs)
+        self.copy_url_action = self._action("Copy API URL", self.copy_api_url)
+        self.settings_action = self._action("Settings…", self.show_settings)
+        self.quit_action = self._action("Quit", self.quit, tip="Stop the workers and quit")
+        self.menu = QMenu()
+        self.menu.addAction(self.state_action)
+        self.menu.addSeparator()
+        for action in (self.open_panel_action, self.open_chat_action):
+            self.menu.addAction(action)
+        self.menu.addSeparator()
+        for action in (self.force_cpu_action, self.restart_action, self.choose_model_action):
+            self.menu.addAction(action)
+        self.menu.addSeparator()
+        for action in (self.open_logs_action, self.copy_url_action, self.settings_action):
+            self.menu.addAction(action)
+        self.menu.addSeparator()
+        self.menu.addAction(self.quit_action)
+        # The panel's "More" button: what has no button of its own.
+        self.more_menu = QMenu()
+        for action in (self.choose_model_action, self.open_logs_action, self.copy_url_action):
+            self.more_menu.addAction(action)
+        self.more_menu.addSeparator()
+        self.more_menu.addAction(self.quit_action)
+
+    def start(self) -> None:
+        if self._host_starting():
+            self._apply_state(vm.STARTING, vm.tooltip_text(None, host_starting=True))
+        if self.tray is not None:
+            self.tray.show()
+        else:
+            panel = self.panel()
+            panel.set_no_tray_reason(NO_TRAY_NOTE)
+            panel.close_quits = True
+            self.show_panel()
+        self.client.start()
+
+    # ----- windows -----------------------------------------------------------------------
+
+    def panel(self):
+        if self._panel is None:
+            from .panel import HeadroomPanel
+
+            self._panel = HeadroomPanel(self.client, self.history, floor_mib=self.config.cpu.ram_floor_mib,
+                                        actions=(self.open_chat_action, self.force_cpu_action, self.restart_action,
+                                                 self.settings_action))
+            more = QToolButton()
+            more.setText("More ▾")
+            more.setStyleSheet("QToolButton::menu-indicator { image: none; width: 0px; }")
+            more.setMenu(self.more_menu)
+            more.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+            more.setMinimumHeight(28)
+            self._panel.buttons.insertWidget(self._panel.buttons.count() - 1, more)
+            self._panel.host_starting = self._host_starting()
+            self._panel.closed.connect(self.quit)
+        return self._panel
+
+    def chat(self):
+        if self._chat is None:
+            from .chat import ChatWindow
+
+            self._chat = ChatWindow(self.client)
+        return self._chat
+
+    def show_panel(self) -> None:
+        _raise(self.panel())
+
+    def show_chat(self) -> None:
+        _raise(self.chat())
+
+    def show_settings(self) -> None:
+        from .settings import SettingsDialog
+
+        if self._settings is not None and self._settings.isVisible():
+            _raise(self._settings)
+            return
+        dialog = SettingsDialog(self.config, can_apply=self.host is not None)
+        dialog.saved.connect(self._apply_config)
+        self._settings = dialog
+        _raise(dialog)
+
+    # ----- commands ----------------------------------------------------------------------
+
+    def _on_force_cpu(self, checked: bool) -> None:
+        self.client.set_gpu_paused(checked)
+
+    def restart_workers(self) -> None:
+        self.client.restart_workers()
+
+    def choose_model(self) -> None:
+        from ..core.gguf_info import ModelFileError, read_model_info
+        from .settings import choose_model_file, save_changes
+
+        path = choose_model_file(None, self.config.model.path)
+        if not path:
+            return
+        try:
+            read_model_info(path)
+        except ModelFileError as exc:
+            QMessageBox.warning(None, "tray-app: not a usable model", str(exc))
+            return
+        try:
+            new_config, where = save_changes(self.config, {"model": {"path": path}})
+        except (ConfigError, OSError) as exc:
+            QMessageBox.warning(None, "tray-app: model not saved", str(exc))
+            return
+        self._apply_config(new_config, {"model": {"path": path}})
+
+    def _apply_config(self, new_config: Config, changes: dict) -> None:
+        self.config = new_config
+        if self._panel is not None:
+            self._panel.floor_mib = new_config.cpu.ram_floor_mib
+        where = new_config.source
+        if self.host is None:
+            self.notify("settings", "Settings saved", f"Saved to {where}. Restart the service to apply them.")
+            return
+        self.host.restart(new_config)
+        self.client.set_base_url(base_url_for(new_config))
+        self.degraded_notifier = vm.DegradedNotifier()
+        self._apply_state(vm.STARTING, vm.tooltip_text(None, host_starting=True))
+        self.notify("settings", "Settings saved", f"Saved to {where}; restarting the service.")
+
+    def open_logs(self) -> None:
+        folder = self._logs_folder()
+        folder.mkdir(parents=True, exist_ok=True)
+        if not QDesktopServices.openUrl(QUrl.fromLocalFile(str(folder))):
+            QGuiApplication.clipboard().setText(str(folder))
+            self.notify("logs", "Logs folder", f"{folder}\n(no file manager answered; the path is on the clipboard)")
+
+    def _logs_folder(self) -> Path:
+        for worker in (self.client.last_status or {}).get("workers") or ():
+            if worker.get("log"):
+                candidate = Path(worker["log"]).parent
+                if candidate.is_dir():
+                    return candidate
+        return log_dir()
+
+    def copy_api_url(self) -> None:
+        QGuiApplication.clipboard().setText(self.client.api_url)
+        self.notify("copied", "API URL copied", self.client.api_url)
+
+    def quit(self) -> None:
+        if self._quitting:
+            return
+        self._quitting = True
+        self.quitting.emit()
+        log.info("quitting: stopping the service and its workers")
+        for window in (self._panel, self._chat, self._settings):
+            if window is not None:
+                window.hide()
+        self.client.stop()
+        if self.tray is not None:
+            self.tray.setIcon(state_icon(vm.STARTING))
+            self.tray.setToolTip("tray-app: stopping the workers…")
+        if self.host is None or not self.host.is_alive():
+            self._after_stop()
+            return
+        self.host.stopped.connect(self._after_stop)
+        self.host.stop()
+        QTimer.singleShot(QUIT_TIMEOUT_MS, self, self._after_stop)
+
+    def _after_stop(self) -> None:
+        if self._exited:
+            return
+        self._exited = True
+        if self.tray is not None:
+            self.tray.hide()
+        self.exit_app()
+
+    # ----- status ------------------------------------------------------------------------
+
+    def _host_starting(self) -> bool:
+        return self.host is not None and self.host.starting
+
+    def _on_status(self, status: dict) -> None:
+        if self._quitting:
+            return
+        self.history.add(status)
+        kind = vm.icon_kind(status)
+        self._apply_state(kind, vm.tooltip_text(status, floor_mib=self.config.cpu.ram_floor_mib))
+        paused = bool((status.get("service") or {}).get("gpu_paused"))
+        if self.force_cpu_action.isChecked() != paused:
+            self.force_cpu_action.blockSignals(True)
+            self.force_cpu_action.setChecked(paused)
+            self.force_cpu_action.blockSignals(False)
+        notice = self.degraded_notifier.update(status)
+        if notice is not None:
+            self.notify(notice.kind, notice.title, notice.message)
+
+    def _on_unreachable(self, message: str) -> None:
+        if self._quitting:
+            return
+        starting = self._host_starting()
+        error = (self.host.error if self.host is not None and self.host.error else None) or message
+        self._apply_state(vm.STARTING if starting else vm.DOWN,
+                          vm.tooltip_text(None, error=None if starting else error, host_starting=starting))
+        if self._panel is not None:
+            self._panel.host_starting = starting
+
+    def _on_host_failed(self, message: str) -> None:
+        self._apply_state(vm.DOWN, vm.tooltip_text(None, error=message))
+        if self._panel is not None:
+            self._panel.host_starting = False
+        self.notify("down", "tray-app: the service is down", message)
+
+    def _on_command(self, what: str, ok: bool, message: str) -> None:
+        if ok or what.startswith("cancel"):
+            return  # a failed cancel is shown where it was asked for
+        self.notify("error", f"Could not {what}", message)
+        if self.force_cpu_action.isChecked() != bool(((self.client.last_status or {}).get("service") or {})
+                                                     .get("gpu_paused")):
+            # The command didn't take: show what the service says, not what was clicked.
+            self.force_cpu_action.blockSignals(True)
+            self.force_cpu_action.toggle()
+            self.force_cpu_action.blockSignals(False)
+
+    def _apply_state(self, kind: str, tooltip: str) -> None:
+        if self._panel is not None:
+            self._panel.host_starting = self._host_starting()
+        if kind != self.kind:
+            self.kind = kind
+            self.state_action.setText(vm.STATE_TITLES[kind])
+            self.state_action.setIcon(state_icon(kind))
+            if self.tray is not None:
+                self.tray.setIcon(state_icon(kind))
+            for window in (self._panel, self._chat):
+                if window is not None:
+                    window.setWindowIcon(state_icon(kind))
+            self.state_changed.emit(kind)
+        if tooltip != self.tooltip:
+            self.tooltip = tooltip
+            if self.tray is not None:
+                self.tray.setToolTip(tooltip)
+
+    def notify(self, kind: str, title: str, message: str) -> None:
+        log.info("notice: %s: %s", title, message.replace("\n", " "))
+        self.notices.append((kind, title, message))
+        if self.tray is not None and self.tray.isVisible() and self.tray.supportsMessages():
+            icon = QSystemTrayIcon.MessageIcon.Warning if kind in ("degraded_start", "down", "error") \
+                else QSystemTrayIcon.MessageIcon.Information
+            self.tray.showMessage(title, message, icon, NOTIFY_MS)
+        self.notified.emit(kind, title, message)
+
+    def _on_activated(self, reason: QSystemTrayIcon.ActivationReason) -> None:
+        if reason in (QSystemTrayIcon.ActivationReason.Trigger, QSystemTrayIcon.ActivationReason.DoubleClick):
+            panel = self.panel()
+            if panel.isVisible() and reason == QSystemTrayIcon.ActivationReason.Trigger:
+                panel.hide()
+            else:
+                self.show_panel()
+        elif reason == QSystemTrayIcon.ActivationReason.MiddleClick:
+            self.show_chat()
+
+
+def _quit_application() -> None:
+    app = QApplication.instance()
+    if app is not None:
+        app.quit()
+
+
+def _raise(window: QWidget) -> None:
+    window.show()
+    window.raise_()
+    window.activateWindow()
+
+
+# ----- the entry point -------------------------------------------------------------------
+
+def _setup_logging(level: str) -> None:
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level, format=fmt)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        folder = log_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        handler = logging.handlers.RotatingFileHandler(folder / "tray-app.log", maxBytes=2_000_000, backupCount=3)
+        handler.setFormatter(logging.Formatter(fmt))
+        logging.getLogger().addHandler(handler)
+    except OSError as exc:
+        log.warning("no log file: %s", exc)
+
+
+def _install_signal_handlers(controller: TrayController) -> QSocketNotifier | None:
+    """SIGINT/SIGTERM quit cleanly (workers stopped), with no polling timer."""
+    try:
+        reader, writer = socket.socketpair()
+    except OSError:
+        return None
+    reader.setblocking(False)
+    writer.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    notifier = QSocketNotifier(reader.fileno(), QSocketNotifier.Type.Read, controller)
+
+    def woke() -> None:
+        try:
+            reader.recv(64)
+        except OSError:
+            pass
+        controller.quit()
+
+    notifier.activated.connect(woke)
+    notifier._sockets = (reader, writer)  # type: ignore[attr-defined] - keep them open
+    return notifier
+
+
+def _no_display() -> str | None:
+    if sys.platform.startswith("linux") and not os.environ.get("QT_QPA_PLATFORM") \
+            and not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
+        return "no display (neither DISPLAY nor WAYLAND_DISPLAY is set)"
+    return None
+
+
+def run_tray(config: Config, log_level: str = "INFO") -> int:
+    problem = _no_display()
+    if problem:
+        # Qt would abort the process; say what to do instead.
+        print(f"tray-app: error: {problem}; run `tray-app serve` for the headless service", file=sys.stderr)
+        return 2
+    _setup_logging(log_level)
+    from . import qtcompat
+
+    if qtcompat.ACTIVE:
+        log.info("%s", qtcompat.describe())
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("tray-app")
+    app.setApplicationDisplayName("tray-app")
+    app.setQuitOnLastWindowClosed(False)
+    app.setWindowIcon(state_icon(vm.GPU))
+    host = ServiceHost(config, log_level)
+    client = ServiceClient(base_url_for(config), api_key=config.server.api_key or None)
+    controller = TrayController(client, config, host=host)
+    if controller.tray is None:
+        log.warning("no system tray on this desktop: the headroom panel opens as a window")
+    notifier = _install_signal_handlers(controller)  # noqa: F841 - kept alive until exit
+    host.start()
+    controller.start()
+    opened = os.environ.get("TRAY_APP_OPEN", "")
+    if "panel" in opened:
+        controller.show_panel()
+    if "chat" in opened:
+        controller.show_chat()
+    shots = os.environ.get("TRAY_APP_SCREENSHOT_DIR")
+    if shots:
+        from .shots import ScreenshotTour
+
+        tour = ScreenshotTour(controller, Path(shots))  # noqa: F841 - lives as long as the app
+        tour.start()
+    print(f"tray-app: serving on {client.api_url} ({'tray icon' if controller.tray else 'window, no system tray'})",
+          file=sys.stderr, flush=True)
+    code = app.exec()
+    if not host.stop_and_wait(timeout=60):
+        log.error("the service did not stop within 60 s")
+        code = code or 1
+    return code

@@ -1,0 +1,237 @@
+"""The headroom panel: state, degraded banner, VRAM/RAM bars, workers, history."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QAction, QCloseEvent
+from PySide6.QtWidgets import (
+    QGridLayout, QGroupBox, QHBoxLayout, QLabel, QSizePolicy, QToolButton, QVBoxLayout, QWidget,
+)
+
+from . import viewmodel as vm
+from .client import ServiceClient
+from .icons import state_icon
+from .widgets import BarBlock, DegradedBanner, HistoryChart, StateHeader, set_text
+from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
+
+WORKER_COLUMNS = ("Worker", "State", "PID", "RSS", "Est. VRAM", "Est. RAM", "Context", "Restarts")
+
+
+class HeadroomPanel(QWidget):
+    """Reads the client's snapshots; sends Cancel through the client."""
+
+    closed = Signal()  # only when close_quits (no system tray)
+
+    def __init__(self, client: ServiceClient, history: vm.History, *, floor_mib: float | None = None,
+                 actions: Iterable[QAction] = (), parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.client = client
+        self.history = history
+        self.floor_mib = floor_mib
+        self.close_quits = False
+        self.setWindowTitle("tray-app: headroom")
+        self.setWindowIcon(state_icon(vm.GPU))
+        self.setMinimumWidth(720)
+
+        root = QVBoxLayout(self)
+        root.setContentsMargins(14, 12, 14, 12)
+        root.setSpacing(10)
+
+        self.no_tray_note = QLabel()
+        self.no_tray_note.setObjectName("noTrayNote")
+        self.no_tray_note.setWordWrap(True)
+        self.no_tray_note.setStyleSheet("#noTrayNote { background: #e8f0fb; color: #1c3d66; border: 1px solid #9fbbe0;"
+                                        " border-radius: 6px; padding: 8px; }")
+        self.no_tray_note.hide()
+        root.addWidget(self.no_tray_note)
+
+        self.header = StateHeader()
+        root.addWidget(self.header)
+
+        self.banner = DegradedBanner()
+        self.banner.cancel_requested.connect(self._cancel)
+        root.addWidget(self.banner)
+
+        memory = QGroupBox("Memory headroom")
+        self.memory_box = QVBoxLayout(memory)
+        self.memory_box.setSpacing(12)
+        self.vram_blocks: list[BarBlock] = []
+        self.ram_block = BarBlock()
+        self.memory_box.addWidget(self.ram_block)
+        root.addWidget(memory)
+
+        workers = QGroupBox("Workers")
+        self.workers_grid = QGridLayout(workers)
+        self.workers_grid.setHorizontalSpacing(14)
+        self.workers_grid.setVerticalSpacing(4)
+        for column, name in enumerate(WORKER_COLUMNS):
+            label = QLabel(name)
+            label.setStyleSheet("font-weight: bold;")
+            label.setAlignment(self._align(column))
+            self.workers_grid.addWidget(label, 0, column)
+        self.workers_grid.setColumnStretch(len(WORKER_COLUMNS), 1)
+        self.worker_cells: dict[int, list[QLabel]] = {}
+        root.addWidget(workers)
+
+        charts = QGroupBox("Last 5 minutes")
+        charts_box = QHBoxLayout(charts)
+        self.vram_chart = HistoryChart(
+            "Free VRAM", "#2f6fce", lambda s: s.vram_free_mib, lambda s: s.vram_total_mib,
+            lambda s: s.vram_reserve_mib, "reserve", history.window_s)
+        self.ram_chart = HistoryChart(
+            "Available RAM", "#1f9d55", lambda s: s.ram_available_mib, lambda s: s.ram_total_mib,
+            lambda s: self._floor(), "floor", history.window_s)
+        charts_box.addWidget(self.vram_chart)
+        charts_box.addWidget(self.ram_chart)
+        root.addWidget(charts)
+
+        self.buttons = QHBoxLayout()
+        self.buttons.setSpacing(6)
+        self.buttons.addStretch(1)
+        for action in actions:
+            self.add_action_button(action)
+        root.addLayout(self.buttons)
+        self.footer = QLabel()
+        self.footer.setStyleSheet("color: palette(placeholder-text);")
+        self.footer.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        root.addWidget(self.footer)
+        root.addStretch(1)
+
+        client.status_changed.connect(self._on_status)
+        client.unreachable.connect(self._on_unreachable)
+        self._last_status: Mapping[str, Any] | None = None
+        self._last_error: str | None = None
+        self.host_starting = False
+        self.refresh()
+
+    # ----- public ------------------------------------------------------------------------
+
+    def add_action_button(self, action: QAction) -> QToolButton:
+        button = QToolButton()
+        button.setDefaultAction(action)
+        button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextOnly)
+        button.setSizePolicy(QSizePolicy.Policy.Minimum, QSizePolicy.Policy.Fixed)
+        button.setMinimumHeight(28)
+        self.buttons.insertWidget(self.buttons.count() - 1, button)
+        return button
+
+    def set_no_tray_reason(self, text: str | None) -> None:
+        self.no_tray_note.setText(text or "")
+        self.no_tray_note.setVisible(bool(text))
+
+    def refresh(self) -> None:
+        status = self.client.last_status
+        if status is not None:
+            self._render(status)
+        else:
+            self._render_unreachable(self.client.last_error or "waiting for the service")
+
+    # ----- events ------------------------------------------------------------------------
+
+    def showEvent(self, event) -> None:  # noqa: N802 - Qt name
+        super().showEvent(event)
+        self.refresh()
+
+    def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt name
+        if self.close_quits:
+            event.accept()
+            self.closed.emit()
+            return
+        event.ignore()
+        self.hide()
+
+    def _on_status(self, status: dict) -> None:
+        if self.isVisible():
+            self._render(status)
+
+    def _on_unreachable(self, message: str) -> None:
+        if self.isVisible():
+            self._render_unreachable(message)
+
+    def _cancel(self, request_id: str) -> None:
+        def done(ok: bool, code: int, data: Any, message: str) -> None:
+            if not ok:
+                self.banner.cancel_failed(request_id)
+                set_text(self.footer, f"Cancel failed: {message}")
+
+        self.client.cancel(request_id, done)
+
+    # ----- rendering ---------------------------------------------------------------------
+
+    def _floor(self) -> float | None:
+        return vm.ram_floor_mib(self._last_status or {}, self.floor_mib)
+
+    def _render_unreachable(self, message: str) -> None:
+        self._last_status = None
+        kind = vm.STARTING if self.host_starting else vm.DOWN
+        self.header.set_state(kind, message)
+        self.banner.set_banner(None)
+        set_text(self.footer, self.client.base_url)
+
+    def _render(self, status: Mapping[str, Any]) -> None:
+        self._last_status = status
+        kind = vm.icon_kind(status)
+        self.header.set_state(kind, vm.state_detail(status))
+        self.banner.set_banner(vm.degraded_banner(status))
+        bars = vm.vram_bars(status)
+        while len(self.vram_blocks) < len(bars):
+            block = BarBlock()
+            self.memory_box.insertWidget(len(self.vram_blocks), block)
+            self.vram_blocks.append(block)
+        while len(self.vram_blocks) > len(bars):
+            block = self.vram_blocks.pop()
+            self.memory_box.removeWidget(block)
+            block.hide()
+            block.setParent(None)
+            block.deleteLater()
+        for block, bar in zip(self.vram_blocks, bars):
+            block.set_bar(bar)
+        self.ram_block.set_bar(vm.ram_bar(status, self.floor_mib))
+        self._render_workers(vm.worker_rows(status))
+        samples = list(self.history.samples)
+        self.vram_chart.set_samples(samples)
+        self.ram_chart.set_samples(samples)
+        model = (status.get("service") or {}).get("model") or ""
+        set_text(self.footer, f"{model} · {self.client.api_url}")
+
+    @staticmethod
+    def _align(column: int) -> Qt.AlignmentFlag:
+        if column >= 2:
+            return Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter
+        return Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter
+
+    def _render_workers(self, rows: list[vm.WorkerRow]) -> None:
+        for index in range(max(len(rows), len(self.worker_cells))):
+            row = rows[index] if index < len(rows) else None
+            cells = self.worker_cells.get(index)
+            if cells is None:
+                if row is None:
+                    continue
+                cells = []
+                for column in range(len(WORKER_COLUMNS)):
+                    label = QLabel()
+                    label.setAlignment(self._align(column))
+                    self.workers_grid.addWidget(label, 1 + 2 * index, column)
+                    cells.append(label)
+                exit_label = QLabel()
+                exit_label.setWordWrap(True)
+                exit_label.setStyleSheet("color: palette(placeholder-text);")
+                self.workers_grid.addWidget(exit_label, 2 + 2 * index, 1, 1, len(WORKER_COLUMNS) - 1)
+                cells.append(exit_label)
+                self.worker_cells[index] = cells
+            if row is None:
+                for label in cells:
+                    label.hide()
+                continue
+            values = (row.role, row.state, row.pid, row.rss, row.vram, row.ram, row.ctx, row.restarts)
+            for label, value in zip(cells, values):
+                set_text(label, value)
+                label.show()
+            color = {"ready": "#1f7a45", "starting": "#2f6fce", "stopping": "#2f6fce"}.get(row.state, "#b3261e")
+            if cells[1].property("stateColor") != color:
+                cells[1].setProperty("stateColor", color)
+                cells[1].setStyleSheet(f"color: {color};")
+            set_text(cells[-1], f"last exit: {row.last_exit}" if row.last_exit else "")
+            cells[-1].setVisible(bool(row.last_exit))

@@ -1,0 +1,155 @@
+"""The settings dialog: model paths, context caps, reserve, port, GPU layers.
+
+Each value is checked with the core's own rules (apply_overrides, and
+read_model_info for model files); a bad one gets its message next to its
+field and nothing is saved. Save writes only the changed keys into the config
+file (so command-line flags of this run are not persisted) and hands the new
+config to whoever restarts the service.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPushButton,
+    QVBoxLayout, QWidget,
+)
+
+from ..core.config import Config, ConfigError, apply_overrides, default_config_path, load_config, save_config
+from . import viewmodel as vm
+from .icons import state_icon
+from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
+
+GGUF_FILTER = "GGUF models (*.gguf);;All files (*)"
+
+
+def choose_model_file(parent: QWidget | None, start: str = "") -> str:
+    path, _ = QFileDialog.getOpenFileName(parent, "Choose a model (GGUF)", start or str(Path.home()), GGUF_FILTER)
+    return path
+
+
+def save_changes(config: Config, changes: dict[str, dict[str, Any]]) -> tuple[Config, Path]:
+    """Write `changes` into the config file this run came from (or the default
+    one) and return (the running config with the changes, the file)."""
+    target = config.source or default_config_path()
+    on_disk = load_config(target) if target.exists() else Config(source=target)
+    written = save_config(apply_overrides(on_disk, changes), target)
+    return apply_overrides(config, changes), written
+
+
+class SettingsDialog(QDialog):
+    # (the new config, the changed keys) after a successful save
+    saved = Signal(object, object)
+
+    def __init__(self, config: Config, *, can_apply: bool = True, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.config = config
+        self.setWindowTitle("tray-app: settings")
+        self.setWindowIcon(state_icon(vm.GPU))
+        self.setMinimumWidth(620)
+        root = QVBoxLayout(self)
+        root.setSpacing(10)
+        form = QFormLayout()
+        form.setLabelAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignTop)
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.ExpandingFieldsGrow)
+        form.setVerticalSpacing(8)
+        self.edits: dict[str, QLineEdit] = {}
+        self.errors: dict[str, QLabel] = {}
+        values = vm.settings_values(config)
+        for field in vm.SETTINGS_FIELDS:
+            edit = QLineEdit(values[field.name])
+            edit.setObjectName(field.name)
+            edit.setToolTip(field.help)
+            if field.kind == "path":
+                edit.setPlaceholderText("bundled SmolLM2-135M-Instruct" if field.name == "model_path" else "same as the model")
+            edit.textEdited.connect(lambda _text, name=field.name: self._clear_error(name))
+            error = QLabel()
+            error.setObjectName(f"{field.name}_error")
+            error.setWordWrap(True)
+            error.setStyleSheet("color: #b3261e;")
+            error.hide()
+            help_label = QLabel(field.help)
+            help_label.setWordWrap(True)
+            help_label.setStyleSheet("color: palette(placeholder-text); font-size: small;")
+            cell = QVBoxLayout()
+            cell.setSpacing(2)
+            line = QHBoxLayout()
+            line.addWidget(edit, 1)
+            if field.kind == "path":
+                browse = QPushButton("Browse…")
+                browse.clicked.connect(lambda _=False, e=edit: self._browse(e))
+                line.addWidget(browse)
+            cell.addLayout(line)
+            cell.addWidget(error)
+            cell.addWidget(help_label)
+            form.addRow(field.label, cell)
+            self.edits[field.name] = edit
+            self.errors[field.name] = error
+        root.addLayout(form)
+        self.form_error = QLabel()
+        self.form_error.setStyleSheet("color: #b3261e;")
+        self.form_error.setWordWrap(True)
+        self.form_error.hide()
+        root.addWidget(self.form_error)
+        where = config.source or default_config_path()
+        note = f"Saved to {where}. Changes restart the service and its workers."
+        if not can_apply:
+            note = f"Saved to {where}. Restart the service to apply the changes."
+        self.note = QLabel(note)
+        self.note.setWordWrap(True)
+        self.note.setStyleSheet("color: palette(placeholder-text);")
+        root.addWidget(self.note)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
+        self.save_button = buttons.button(QDialogButtonBox.StandardButton.Save)
+        self.save_button.setText("Save and restart" if can_apply else "Save")
+        buttons.accepted.connect(self.save)
+        buttons.rejected.connect(self.reject)
+        root.addWidget(buttons)
+
+    def values(self) -> dict[str, str]:
+        return {name: edit.text() for name, edit in self.edits.items()}
+
+    def _browse(self, edit: QLineEdit) -> None:
+        path = choose_model_file(self, edit.text())
+        if path:
+            edit.setText(path)
+            self._clear_error(edit.objectName())
+
+    def _clear_error(self, name: str) -> None:
+        self.errors[name].hide()
+        self.form_error.hide()
+
+    def show_errors(self, errors: dict[str, str]) -> None:
+        for name, label in self.errors.items():
+            message = errors.get(name)
+            label.setText(message or "")
+            label.setVisible(bool(message))
+        self.form_error.setText(errors.get("_form", ""))
+        self.form_error.setVisible("_form" in errors)
+        for name in self.edits:
+            if name in errors:
+                self.edits[name].setFocus()
+                break
+
+    def save(self) -> bool:
+        overrides, errors = vm.validate_settings(self.config, self.values())
+        if errors:
+            self.show_errors(errors)
+            return False
+        self.show_errors({})
+        changes = vm.changed_overrides(self.config, overrides)
+        if not changes:
+            self.accept()
+            return True
+        try:
+            new_config, _ = save_changes(self.config, changes)
+        except (ConfigError, OSError) as exc:
+            self.show_errors({"_form": f"not saved: {exc}"})
+            return False
+        self.config = new_config
+        self.saved.emit(new_config, changes)
+        self.accept()
+        return True

@@ -1,0 +1,294 @@
+"""A scripted tour of the real app that saves screenshots (docs/screenshots).
+
+Only active when TRAY_APP_SCREENSHOT_DIR is set (see
+docs/screenshots/take_screenshots.py, which runs the app under Xvfb with a
+tray host). It drives the app the way a user would, through the controller's
+actions and the service's HTTP API, and grabs:
+
+- the tray icon as it sits in the tray host (a crop of the X root window),
+  serving on the GPU and degraded, plus the notification balloon;
+- the tray menu, popped up under the icon;
+- the panel in normal and in degraded mode;
+- the chat window mid-answer, on the GPU and in degraded mode.
+
+TRAY_APP_SCREENSHOT_SET=no-tray grabs only the panel of the no-tray fallback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Generator
+
+from PySide6.QtCore import QObject, QPoint, QRect, Qt, QTimer
+from PySide6.QtGui import QColor, QFont, QGuiApplication, QImage, QPainter, QPixmap
+from PySide6.QtWidgets import QApplication, QWidget
+
+from . import viewmodel as vm
+
+log = logging.getLogger(__name__)
+
+LONG_PROMPT = "Write a long story about a lighthouse keeper and the sea."
+Step = Generator[tuple, None, None]
+
+
+class ScreenshotTour(QObject):
+    def __init__(self, controller, folder: Path) -> None:
+        super().__init__(controller)
+        self.controller = controller
+        self.client = controller.client
+        self.folder = folder
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.which = os.environ.get("TRAY_APP_SCREENSHOT_SET", "tray")
+        self._steps: Step | None = None
+        self._wait: Callable[[], bool] | None = None
+        self._deadline = 0.0
+        self._timer = QTimer(self)
+        self._timer.setInterval(100)
+        self._timer.timeout.connect(self._tick)
+        self.saved: list[str] = []
+        self.streams: list[Any] = []
+
+    def start(self) -> None:
+        self._steps = self.tour_no_tray() if self.which == "no-tray" else self.tour()
+        self._timer.start()
+        self._advance()
+
+    # ----- the driver --------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        if self._wait is None:
+            return
+        if self._wait():
+            self._wait = None
+            self._advance()
+        elif time.monotonic() > self._deadline:
+            self._fail(f"timed out: {self._what}")
+
+    def _advance(self) -> None:
+        assert self._steps is not None
+        try:
+            command = next(self._steps)
+        except StopIteration:
+            self._finish()
+            return
+        except Exception as exc:  # noqa: BLE001 - a broken tour must still end the app
+            log.exception("screenshot tour failed")
+            self._fail(repr(exc))
+            return
+        kind = command[0]
+        if kind == "sleep":
+            end = time.monotonic() + command[1]
+            self._what = f"sleep {command[1]}"
+            self._deadline = end + 5
+            self._wait = lambda: time.monotonic() >= end
+        elif kind == "until":
+            _, predicate, timeout, what = command
+            self._what = what
+            self._deadline = time.monotonic() + timeout
+            self._wait = predicate
+
+    def _finish(self) -> None:
+        self._timer.stop()
+        (self.folder / "tour.json").write_text(json.dumps({"ok": True, "saved": self.saved}, indent=1))
+        self.controller.quit()
+
+    def _fail(self, message: str) -> None:
+        self._timer.stop()
+        self._wait = None
+        log.error("screenshot tour: %s", message)
+        (self.folder / "tour.json").write_text(json.dumps({"ok": False, "error": message, "saved": self.saved}, indent=1))
+        self.controller.quit()
+
+    # ----- helpers -----------------------------------------------------------------------
+
+    def status(self) -> dict:
+        return self.client.last_status or {}
+
+    def save(self, image: QImage | QPixmap, name: str) -> None:
+        path = self.folder / name
+        if not image.save(str(path)):
+            raise RuntimeError(f"could not save {path}")
+        self.saved.append(name)
+        log.info("screenshot: %s", path)
+
+    @staticmethod
+    def fit(widget: QWidget, width: int = 740) -> None:
+        """Width fixed, height just what the content needs (nothing cut off)."""
+        widget.resize(width, 100)
+        layout = widget.layout()
+        height = layout.totalHeightForWidth(width) if layout is not None and layout.hasHeightForWidth() else -1
+        widget.resize(width, max(height, widget.minimumSizeHint().height(), widget.sizeHint().height()))
+
+    def grab_window(self, widget: QWidget, name: str) -> None:
+        self.save(widget.grab(), name)
+
+    def grab_screen(self, rect: QRect) -> QPixmap:
+        screen = QGuiApplication.primaryScreen()
+        return screen.grabWindow(0, rect.x(), rect.y(), rect.width(), rect.height())
+
+    def tray_rect(self) -> QRect:
+        tray = self.controller.tray
+        geometry = tray.geometry() if tray is not None else QRect()
+        if geometry.isEmpty():
+            screen = QGuiApplication.primaryScreen().geometry()
+            geometry = QRect(screen.right() - 24, 0, 24, 24)
+        return geometry
+
+    def save_tray_icon(self, name: str, caption: str) -> None:
+        """The tray host's strip around our icon at 1x, and at 4x so it can be seen."""
+        icon = self.tray_rect()
+        screen = QGuiApplication.primaryScreen().geometry()
+        left = max(screen.left(), icon.left() - 40)
+        strip = QRect(left, max(0, icon.top() - 4), min(screen.right(), icon.right() + 8) - left + 1, icon.height() + 8)
+        shot = self.grab_screen(strip)
+        zoom = shot.scaled(shot.width() * 4, shot.height() * 4, Qt.AspectRatioMode.KeepAspectRatio,
+                           Qt.TransformationMode.FastTransformation)
+        pad = 14
+        font = QFont(QApplication.font())
+        font.setPointSizeF(font.pointSizeF() * 0.95)
+        line = 22
+        width = max(zoom.width(), 360) + 2 * pad
+        height = pad + line + shot.height() + 10 + line + zoom.height() + pad
+        canvas = QImage(width, height, QImage.Format.Format_RGB32)
+        canvas.fill(QColor("#ffffff"))
+        painter = QPainter(canvas)
+        painter.setFont(font)
+        painter.setPen(QColor("#222222"))
+        y = pad
+        painter.drawText(QRect(pad, y, width - 2 * pad, line), Qt.AlignmentFlag.AlignVCenter, f"{caption}: actual size")
+        y += line
+        painter.drawPixmap(pad, y, shot)
+        y += shot.height() + 10
+        painter.drawText(QRect(pad, y, width - 2 * pad, line), Qt.AlignmentFlag.AlignVCenter, "4x, nearest pixel")
+        y += line
+        painter.drawPixmap(pad, y, zoom)
+        painter.end()
+        self.save(canvas, name)
+
+    def stream(self, prompt: str, max_tokens: int = 300):
+        from .chat import ChatStream
+
+        stream = ChatStream(self.client, [{"role": "user", "content": prompt}], max_tokens=max_tokens, parent=self)
+        self.streams.append(stream)
+        stream.start()
+        return stream
+
+    def kind_is(self, kind: str) -> Callable[[], bool]:
+        return lambda: self.controller.kind == kind
+
+    def all_ready(self) -> bool:
+        status = self.status()
+        return (self.controller.kind == vm.GPU and bool(status.get("workers"))
+                and all(w.get("state") == "ready" for w in status["workers"]))
+
+    def cpu_requests(self, queued: int, total: int) -> Callable[[], bool]:
+        def check() -> bool:
+            rows = vm.cpu_requests(self.status())
+            return len(rows) >= total and sum(1 for r in rows if r.get("state") == "queued") >= queued
+        return check
+
+    # ----- the tours ---------------------------------------------------------------------
+
+    def tour(self) -> Step:
+        c = self.controller
+        yield ("until", self.all_ready, 240, "both workers ready, serving on the GPU")
+        yield ("sleep", 3)
+
+        # The tray icon and its menu.
+        self.save_tray_icon("tray-icon.png", "Serving on the GPU")
+        tray = self.tray_rect()
+        c.menu.popup(QPoint(tray.left(), tray.bottom() + 2))
+        yield ("sleep", 0.8)
+        menu = c.menu.geometry()
+        area = menu.united(tray).adjusted(-16, 0, 16, 16)
+        area.setTop(0)
+        self.save(self.grab_screen(area.intersected(QGuiApplication.primaryScreen().geometry())), "tray-menu.png")
+        c.menu.hide()
+        yield ("sleep", 0.3)
+
+        # The chat, answered on the GPU.
+        chat = c.chat()
+        chat.resize(660, 560)
+        c.show_chat()
+        yield ("sleep", 0.5)
+        chat.send("In two sentences: what does a lighthouse keeper do?")
+        yield ("until", lambda: not chat.busy, 120, "first answer")
+        chat.input.setPlainText("")
+        chat.send(LONG_PROMPT)
+        yield ("until", lambda: len(chat.turns[-1].text) > 260, 120, "the answer to be under way")
+        self.grab_window(chat, "chat-mid-answer.png")
+        yield ("until", lambda: not chat.busy, 180, "second answer")
+        chat.hide()
+
+        # Degraded: free VRAM drops below the reserve; requests go to the CPU.
+        panel = c.panel()
+        c.show_panel()
+        self.fit(panel)
+        self.client.set_simulated_pressure(900)
+        yield ("sleep", 4)
+        self.stream(LONG_PROMPT, 300)
+        yield ("sleep", 0.4)
+        self.stream("Name three famous lighthouses.", 200)
+        yield ("until", self.cpu_requests(queued=1, total=2), 60, "one running and one queued CPU request")
+        yield ("until", self.kind_is(vm.DEGRADED), 30, "degraded mode")
+        yield ("sleep", 1.6)
+        self.fit(panel)
+        yield ("sleep", 0.3)
+        self.grab_window(panel, "panel-degraded.png")
+        self.save_notification()
+        self.hide_balloons()  # so the crop shows the icon, not the balloon's edge
+        yield ("sleep", 0.4)
+        self.save_tray_icon("tray-icon-degraded.png", "Degraded: the CPU is serving")
+        for stream in self.streams:
+            stream.stop()
+        yield ("until", lambda: not vm.cpu_requests(self.status()), 60, "the CPU requests to be canceled")
+
+        # Degraded, by Force CPU: the chat shows the banner for its own request.
+        c.force_cpu_action.setChecked(True)
+        self.client.set_simulated_pressure(0)
+        yield ("until", lambda: (self.status().get("service") or {}).get("gpu_paused") is True, 30, "force CPU")
+        c.show_chat()
+        chat.send("And what did lighthouse keepers do before electricity?")
+        yield ("until", lambda: len(chat.turns[-1].text) > 200, 120, "the degraded answer to be under way")
+        yield ("sleep", 1.2)  # a status poll has put the request into the banner
+        self.grab_window(chat, "chat-degraded-mid-answer.png")
+        chat.stop()
+        yield ("until", lambda: not chat.busy, 30, "stop")
+        c.force_cpu_action.setChecked(False)
+        chat.hide()
+
+        # Back to normal; the chart now shows the dip.
+        yield ("until", self.kind_is(vm.GPU), 60, "back on the GPU")
+        yield ("sleep", float(os.environ.get("TRAY_APP_SCREENSHOT_SETTLE_S", "45")))
+        self.fit(panel)
+        yield ("sleep", 0.3)
+        self.grab_window(panel, "panel-normal.png")
+
+    def tour_no_tray(self) -> Step:
+        yield ("until", self.all_ready, 240, "both workers ready")
+        yield ("sleep", 4)
+        panel = self.controller.panel()
+        self.fit(panel)
+        yield ("sleep", 0.3)
+        self.grab_window(panel, "panel-no-tray.png")
+
+    @staticmethod
+    def hide_balloons() -> None:
+        for widget in QApplication.topLevelWidgets():
+            if widget.isVisible() and widget.metaObject().className() == "QBalloonTip":
+                widget.hide()
+
+    def save_notification(self) -> None:
+        """The degraded-mode notification, if the desktop shows Qt's own balloon."""
+        for widget in QApplication.topLevelWidgets():
+            if widget.isVisible() and widget.metaObject().className() == "QBalloonTip":
+                geometry = widget.frameGeometry().united(self.tray_rect()).adjusted(-8, 0, 8, 8)
+                geometry.setTop(0)
+                self.save(self.grab_screen(geometry.intersected(QGuiApplication.primaryScreen().geometry())),
+                          "notification-degraded.png")
+                return
+        log.info("no notification balloon on screen (the desktop shows notifications itself)")

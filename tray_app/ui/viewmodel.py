@@ -1,0 +1,671 @@
+"""What the UI shows, computed from /status snapshots: no Qt in here.
+
+Everything the widgets display (icon state, tooltip, bar segments, banner
+lines, the per-answer route line) is a pure function of the JSON the service
+returns, so it can be unit-tested with plain dicts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+# ----- tray state ---------------------------------------------------------------------
+
+GPU, DEGRADED, STARTING, DOWN = "gpu", "degraded", "starting", "down"
+ICON_KINDS = (GPU, DEGRADED, STARTING, DOWN)
+
+STATE_TITLES = {
+    GPU: "Serving on the GPU",
+    DEGRADED: "Degraded: the CPU is serving",
+    STARTING: "Starting",
+    DOWN: "Down",
+}
+
+_BUSY_STATES = ("starting", "stopping")
+
+
+def _workers(status: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    return {w.get("role"): w for w in status.get("workers") or ()}
+
+
+def icon_kind(status: Mapping[str, Any] | None, *, host_starting: bool = False) -> str:
+    """gpu | degraded | starting | down, from one /status snapshot.
+
+    `status` None means the service did not answer; `host_starting` says the
+    in-process service is still coming up, so silence is expected.
+    """
+    if status is None:
+        return STARTING if host_starting else DOWN
+    service = status.get("service") or {}
+    workers = _workers(status)
+    if not service.get("healthy"):
+        if not workers or any(w.get("state") in _BUSY_STATES for w in workers.values()):
+            return STARTING
+        return DOWN
+    degraded = (status.get("degraded") or {}).get("active")
+    gpu_out = (status.get("gpu") or {}).get("path_out_reason")
+    if not degraded and gpu_out is None:
+        return GPU
+    gpu = workers.get("gpu")
+    if (gpu is not None and gpu.get("state") == "starting" and not gpu.get("restarts")
+            and gpu.get("last_exit") is None and not service.get("gpu_paused")):
+        # The first start of the GPU worker: the CPU one is usually ready a
+        # moment earlier. That is not degraded mode, just not started yet.
+        return STARTING
+    return DEGRADED
+
+
+def state_detail(status: Mapping[str, Any] | None, error: str | None = None) -> str:
+    """One line under the state title: why the state is what it is."""
+    if status is None:
+        return error or "the service is not answering"
+    kind = icon_kind(status)
+    if kind == DEGRADED:
+        degraded = status.get("degraded") or {}
+        text = f"The CPU worker answers with {degraded.get('fallback_model') or 'the fallback model'}"
+        since = _num(degraded.get("since"))
+        if since:
+            text += " since " + time.strftime("%H:%M:%S", time.localtime(since))
+        return text + "; details below."
+    return humanize_reason((status.get("service") or {}).get("health_reason") or "")
+
+
+# ----- numbers ------------------------------------------------------------------------
+
+def fmt_mib(value: float | None, scale: float | None = None) -> str:
+    """1,215 MiB below 10 GiB, then 21.5 GiB; 'unknown' for None.
+
+    With `scale` (e.g. the total it is a part of), the unit follows the scale,
+    so "2.1 GiB free of 24.0 GiB" doesn't mix units.
+    """
+    if value is None:
+        return "unknown"
+    if abs(value if scale is None else scale) >= 10 * 1024:
+        return f"{value / 1024:,.1f} GiB"
+    return f"{value:,.0f} MiB"
+
+
+def fmt_seconds(value: float | None) -> str:
+    if value is None:
+        return "unknown"
+    if value < 10:
+        return f"{value:.1f} s"
+    if value < 120:
+        return f"{value:.0f} s"
+    return f"{value / 60:.0f} min"
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+# ----- bars ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Segment:
+    key: str      # worker | used | reserve | short | free
+    label: str
+    mib: float
+
+
+@dataclass(frozen=True)
+class Bar:
+    title: str
+    total_mib: float | None
+    segments: tuple[Segment, ...]
+    caption: str
+    note: str = ""         # e.g. "simulated", "unknown"
+    warning: str = ""      # e.g. the reserve is not met
+
+
+def _clamp(value: float) -> float:
+    return max(0.0, value)
+
+
+def vram_bars(status: Mapping[str, Any]) -> list[Bar]:
+    """One bar per GPU device: [GPU worker | other use | reserve | free].
+
+    The reserve is kept out of the free memory of the device the GPU worker
+    runs on (the first one); when free memory is below the reserve, the part
+    that is missing shows as `short`.
+    """
+    gpu = status.get("gpu") or {}
+    simulated = bool(gpu.get("simulated"))
+    if not gpu.get("available"):
+        return [Bar("GPU", None, (), f"no GPU reading: {gpu.get('reason') or 'unknown'}", note="unavailable")]
+    reserve = _num(gpu.get("reserve_mib")) or 0.0
+    worker = _workers(status).get("gpu")
+    worker_mib = _num((worker or {}).get("estimated_vram_mib")) if worker and worker.get("pid") else 0.0
+    devices = gpu.get("devices") or [{
+        "index": 0, "name": "GPU", "total_mib": gpu.get("total_mib"),
+        "used_mib": gpu.get("used_mib"), "free_mib": gpu.get("free_mib"),
+    }]
+    bars = []
+    for position, device in enumerate(devices):
+        total = _num(device.get("total_mib"))
+        free = _num(device.get("free_mib"))
+        used = _num(device.get("used_mib"))
+        name = device.get("name") or f"GPU {device.get('index', position)}"
+        title = f"VRAM · {name}" + (f" (GPU {device.get('index')})" if len(devices) > 1 else "")
+        note = "simulated" if simulated else ""
+        if total is None or free is None:
+            bars.append(Bar(title, total, (), "free VRAM unknown", note=note or "unknown"))
+            continue
+        if used is None:
+            used = _clamp(total - free)
+        if position == 0:
+            segments, warning = _headroom_segments("GPU worker (est.)", worker_mib or 0.0, used,
+                                                   "reserve", reserve, free, "free VRAM")
+        else:
+            segments, warning = [Segment("used", "used", used), Segment("free", "free", free)], ""
+        caption = f"{fmt_mib(free, total)} free of {fmt_mib(total)}"
+        bars.append(Bar(title, total, tuple(segments), caption, note=note, warning=warning))
+    return bars
+
+
+def _headroom_segments(worker_label: str, worker_mib: float, used: float, kept_label: str, kept: float,
+                       free: float, what: str) -> tuple[list[Segment], str]:
+    """[our workers | other use | kept back | headroom] of one device, and a
+    warning when free memory has dipped into what is kept back."""
+    mine = min(worker_mib, used)
+    segments: list[Segment] = []
+    if mine > 0:
+        segments.append(Segment("worker", worker_label, mine))
+    segments.append(Segment("used", "other use" if mine > 0 else "used", _clamp(used - mine)))
+    if free >= kept:
+        return [*segments, Segment("reserve", kept_label, kept), Segment("free", "headroom", free - kept)], ""
+    warning = f"{what} is {fmt_mib(kept - free)} below the {fmt_mib(kept)} {kept_label}"
+    return [*segments, Segment("reserve", kept_label, free), Segment("free", "headroom", 0.0)], warning
+
+
+def ram_floor_mib(status: Mapping[str, Any], fallback: float | None = None) -> float | None:
+    """The CPU path's RAM floor: from /status when the service reports it,
+    else what the local config says."""
+    ram = status.get("ram") or {}
+    for key in ("floor_mib", "ram_floor_mib"):
+        value = _num(ram.get(key))
+        if value is not None:
+            return value
+    return fallback
+
+
+def ram_bar(status: Mapping[str, Any], floor_mib: float | None = None) -> Bar:
+    """[workers' RSS | other use | floor | free] of host RAM."""
+    ram = status.get("ram") or {}
+    total = _num(ram.get("total_mib"))
+    available = _num(ram.get("available_mib"))
+    if total is None or available is None:
+        return Bar("RAM", total, (), "RAM unknown", note="unknown")
+    floor = ram_floor_mib(status, floor_mib) or 0.0
+    rss = sum(_num(v) or 0.0 for v in (ram.get("rss_mib_by_pid") or {}).values())
+    used = _clamp(total - available)
+    segments, warning = _headroom_segments("workers (RSS)", rss, used, "floor", floor, available, "available RAM")
+    caption = f"{fmt_mib(available, total)} available of {fmt_mib(total)}"
+    swap = _num(ram.get("swap_used_mib"))
+    if swap:
+        caption += f" · swap in use {fmt_mib(swap)}"
+    return Bar("RAM · host", total, tuple(segments), caption, warning=warning)
+
+
+# ----- tooltip ------------------------------------------------------------------------
+
+def tooltip_text(status: Mapping[str, Any] | None, *, error: str | None = None,
+                 host_starting: bool = False, floor_mib: float | None = None) -> str:
+    kind = icon_kind(status, host_starting=host_starting)
+    title = f"tray-app: {STATE_TITLES[kind].lower()}" if kind != DEGRADED else "tray-app: degraded, the CPU is serving"
+    if status is None:
+        return f"{title}\n{error or ('starting the service' if host_starting else 'the service is not answering')}"
+    lines = [title]
+    gpu = status.get("gpu") or {}
+    if gpu.get("available"):
+        free, total = _num(gpu.get("free_mib")), _num(gpu.get("total_mib"))
+        reserve = _num(gpu.get("reserve_mib")) or 0.0
+        sim = " (simulated)" if gpu.get("simulated") else ""
+        if free is not None and total is not None:
+            lines.append(f"VRAM{sim}: {fmt_mib(free - reserve)} headroom "
+                         f"({fmt_mib(free, total)} free of {fmt_mib(total)}, {fmt_mib(reserve)} reserved)")
+        else:
+            lines.append(f"VRAM{sim}: unknown")
+    else:
+        lines.append(f"VRAM: no GPU ({gpu.get('reason') or 'unknown'})")
+    ram = status.get("ram") or {}
+    available, total = _num(ram.get("available_mib")), _num(ram.get("total_mib"))
+    floor = ram_floor_mib(status, floor_mib)
+    if available is not None and total is not None:
+        if floor:
+            lines.append(f"RAM: {fmt_mib(available - floor)} headroom "
+                         f"({fmt_mib(available, total)} available of {fmt_mib(total)}, {fmt_mib(floor)} floor)")
+        else:
+            lines.append(f"RAM: {fmt_mib(available)} available of {fmt_mib(total)}")
+    if kind == DEGRADED:
+        reason = (status.get("degraded") or {}).get("reason")
+        if reason:
+            lines.append(f"Why: {reason}")
+    elif kind == DOWN:
+        lines.append((status.get("service") or {}).get("health_reason") or "")
+    return "\n".join(line for line in lines if line)
+
+
+# ----- degraded banner ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BannerRequest:
+    id: str
+    text: str
+    cancelable: bool = True
+
+
+@dataclass(frozen=True)
+class Banner:
+    title: str
+    reason: str
+    model: str
+    limits: str
+    latency: str
+    requests: tuple[BannerRequest, ...] = ()
+    warning: str = ""
+
+
+def request_line(request: Mapping[str, Any], *, own: bool = False) -> str:
+    state = request.get("state")
+    position = request.get("queue_position")
+    if state == "queued" and position:
+        where = f"{_ordinal(position)} in the CPU queue" if request.get("path") == "cpu" else f"{_ordinal(position)} in the GPU queue"
+    elif state == "running":
+        where = f"running on the {str(request.get('path') or '?').upper()}"
+    else:
+        where = str(state or "?")
+    latency = _num(request.get("estimated_latency_s"))
+    parts = ["Your request" if own else str(request.get("id")), where]
+    if latency is not None:
+        parts.append(f"est. {fmt_seconds(latency)}")
+    age = _num(request.get("age_s"))
+    if age is not None and not own:
+        parts.append(f"{fmt_seconds(age)} old")
+    return " · ".join(parts)
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def cpu_requests(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Requests on the CPU path, queued ones by position first, then running."""
+    found = [r for r in status.get("requests") or () if r.get("path") == "cpu"
+             and r.get("state") in ("queued", "running")]
+    return sorted(found, key=lambda r: (r.get("state") != "queued", r.get("queue_position") or 0, -(r.get("age_s") or 0)))
+
+
+def humanize_reason(reason: str | None) -> str:
+    """'gpu_vram_headroom: needs 27 MiB ...' -> 'Not enough VRAM headroom: needs 27 MiB ...'."""
+    if not reason:
+        return ""
+    code, sep, detail = reason.partition(": ")
+    if sep and code in ROUTE_REASONS:
+        reason = f"{ROUTE_REASONS[code]}: {detail}"
+    return reason[:1].upper() + reason[1:]
+
+
+def degraded_banner(status: Mapping[str, Any] | None, *, own_request_id: str | None = None) -> Banner | None:
+    """The banner's content, or None when there is nothing to warn about.
+
+    With `own_request_id` (the chat window) the banner is about that request
+    only, and also shows when the request was sent to the CPU outside
+    degraded mode; without it (the panel) it lists every CPU request.
+    """
+    if status is None:
+        return None
+    degraded = status.get("degraded") or {}
+    requests = {r.get("id"): r for r in status.get("requests") or ()}
+    own = requests.get(own_request_id) if own_request_id else None
+    own_on_cpu = own is not None and own.get("path") == "cpu"
+    if not degraded.get("active") and not own_on_cpu:
+        return None
+    reason = degraded.get("reason") or (own or {}).get("detail") or "the GPU path can't take this request"
+    if own_on_cpu and not degraded.get("active"):
+        reason = f"{own.get('reason')}: {own.get('detail')}"
+    model = str(degraded.get("fallback_model") or "unknown")
+    warning = ""
+    if degraded.get("fallback_equivalent") is False:
+        model += " (a different model)"
+        warning = f"Answers may differ from the GPU model: {degraded.get('fallback_detail')}"
+    cap = degraded.get("cpu_context_cap")
+    queues = (status.get("queues") or {}).get("cpu") or {}
+    depth = degraded.get("cpu_queue_depth", queues.get("depth", 0))
+    limit = queues.get("limit")
+    limits = f"context up to {cap:,} tokens" if isinstance(cap, int) else "context cap unknown"
+    if own is not None and own.get("state") == "queued" and own.get("queue_position"):
+        limits += f" · you are {_ordinal(own['queue_position'])} in the queue"
+    else:
+        limits += f" · {depth} waiting" + (f" (limit {limit})" if limit is not None else "")
+    latency_s = _num((own or {}).get("estimated_latency_s")) if own_on_cpu else None
+    if latency_s is None:
+        latency_s = _num(degraded.get("estimated_latency_s"))
+    latency = f"about {fmt_seconds(latency_s)} per answer" if latency_s is not None else "unknown"
+    if own_request_id is not None:
+        rows = (BannerRequest(own_request_id, request_line(own, own=True)),) if own is not None else ()
+    else:
+        rows = tuple(BannerRequest(str(r.get("id")), request_line(r)) for r in cpu_requests(status))
+    return Banner(
+        title="Degraded mode: the CPU is serving",
+        reason=humanize_reason(reason), model=model, limits=limits, latency=latency, requests=rows, warning=warning,
+    )
+
+
+# ----- chat ---------------------------------------------------------------------------
+
+ROUTE_REASONS = {
+    "admitted": "admitted",
+    "forced_cpu": "GPU paused (force CPU)",
+    "gpu_unavailable": "GPU unavailable",
+    "gpu_context_cap": "over the GPU context cap",
+    "gpu_vram_headroom": "not enough VRAM headroom",
+    "gpu_busy": "GPU busy",
+    "gpu_failed_replayed": "GPU failed, re-run on the CPU",
+}
+
+
+def route_line(served_by: str | None, reason: str | None, estimated_latency: str | None = None,
+               fallback_model: str | None = None, took_s: float | None = None) -> str:
+    """'served by GPU · admitted' or 'served by CPU · gpu_vram_headroom · est. 3.2 s'."""
+    parts = [f"served by {(served_by or 'unknown').upper()}"]
+    if reason:
+        parts.append(reason)
+    if served_by == "cpu":
+        if fallback_model:
+            parts.append(fallback_model)
+        est = _num(_float_or_none(estimated_latency))
+        if est is not None:
+            parts.append(f"est. {fmt_seconds(est)}")
+    if took_s is not None:
+        parts.append(f"took {fmt_seconds(took_s)}")
+    return " · ".join(parts)
+
+
+def _float_or_none(text: str | None) -> float | None:
+    try:
+        return float(text) if text not in (None, "", "unknown") else None
+    except ValueError:
+        return None
+
+
+DONE = "[DONE]"
+
+
+class SseParser:
+    """Incremental `text/event-stream` parser: feed bytes, get events.
+
+    Each event is the decoded JSON of its `data:` lines, or DONE.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._data: list[str] = []
+
+    def feed(self, chunk: bytes) -> list[Any]:
+        self._buffer += chunk
+        events: list[Any] = []
+        while True:
+            newline = self._buffer.find(b"\n")
+            if newline < 0:
+                return events
+            line = self._buffer[:newline].rstrip(b"\r").decode("utf-8", errors="replace")
+            self._buffer = self._buffer[newline + 1:]
+            if not line:
+                event = self._dispatch()
+                if event is not None:
+                    events.append(event)
+            elif line.startswith(":"):
+                continue
+            elif line.startswith("data:"):
+                value = line[5:]
+                self._data.append(value[1:] if value.startswith(" ") else value)
+
+    def close(self) -> list[Any]:
+        """Whatever is left when the stream ends without a blank line."""
+        events = self.feed(b"\n\n") if self._buffer or self._data else []
+        return events
+
+    def _dispatch(self) -> Any:
+        if not self._data:
+            return None
+        payload = "\n".join(self._data)
+        self._data = []
+        if payload.strip() == DONE:
+            return DONE
+        try:
+            return json.loads(payload)
+        except ValueError:
+            return {"error": {"message": f"unreadable event from the service: {payload[:200]}", "code": "bad_event"}}
+
+
+def delta_text(event: Mapping[str, Any]) -> str:
+    out = []
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            out.append(delta["content"])
+        elif choice.get("text"):
+            out.append(choice["text"])
+    return "".join(out)
+
+
+def error_message(body: Any, status_code: int | None = None) -> tuple[str, str]:
+    """(message, code) from an OpenAI-style error body, or a fallback."""
+    if isinstance(body, (bytes, bytearray)):
+        try:
+            body = json.loads(body.decode("utf-8", errors="replace") or "null")
+        except ValueError:
+            body = None
+    if isinstance(body, Mapping) and isinstance(body.get("error"), Mapping):
+        error = body["error"]
+        return str(error.get("message") or "unknown error"), str(error.get("code") or "")
+    return (f"HTTP {status_code}" if status_code else "no answer from the service"), ""
+
+
+# ----- history ------------------------------------------------------------------------
+
+@dataclass
+class Sample:
+    t: float
+    vram_free_mib: float | None
+    vram_total_mib: float | None
+    vram_reserve_mib: float | None
+    ram_available_mib: float | None
+    ram_total_mib: float | None
+
+
+class History:
+    """The last `window_s` seconds of free VRAM and available RAM, from polls."""
+
+    def __init__(self, window_s: float = 300.0, clock=time.monotonic) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self.samples: deque[Sample] = deque()
+
+    def add(self, status: Mapping[str, Any], now: float | None = None) -> Sample:
+        now = self._clock() if now is None else now
+        gpu = status.get("gpu") or {}
+        ram = status.get("ram") or {}
+        available = bool(gpu.get("available"))
+        sample = Sample(
+            t=now,
+            vram_free_mib=_num(gpu.get("free_mib")) if available else None,
+            vram_total_mib=_num(gpu.get("total_mib")) if available else None,
+            vram_reserve_mib=_num(gpu.get("reserve_mib")),
+            ram_available_mib=_num(ram.get("available_mib")),
+            ram_total_mib=_num(ram.get("total_mib")),
+        )
+        self.samples.append(sample)
+        while self.samples and self.samples[0].t < now - self.window_s:
+            self.samples.popleft()
+        return sample
+
+    def series(self, attr: str) -> list[tuple[float, float | None]]:
+        return [(s.t, getattr(s, attr)) for s in self.samples]
+
+    def latest(self) -> Sample | None:
+        return self.samples[-1] if self.samples else None
+
+
+# ----- notifications ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Notice:
+    title: str
+    message: str
+    kind: str  # "degraded_start" | "degraded_end"
+
+
+class DegradedNotifier:
+    """Turns a stream of snapshots into 'degraded mode started/ended' notices."""
+
+    def __init__(self) -> None:
+        self.notified_start = False
+        self._last_reason: str | None = None
+
+    def update(self, status: Mapping[str, Any] | None, host_starting: bool = False) -> Notice | None:
+        kind = icon_kind(status, host_starting=host_starting)
+        if kind == DEGRADED and not self.notified_start:
+            self.notified_start = True
+            degraded = (status or {}).get("degraded") or {}
+            reason = humanize_reason(degraded.get("reason") or "the GPU path is out")
+            self._last_reason = reason
+            latency = _num(degraded.get("estimated_latency_s"))
+            message = f"{reason}.\nThe CPU serves {degraded.get('fallback_model')}"
+            if latency is not None:
+                message += f", about {fmt_seconds(latency)} per answer"
+            return Notice("Degraded mode: the CPU is serving", message + ".", "degraded_start")
+        if kind == GPU and self.notified_start:
+            self.notified_start = False
+            return Notice("Back on the GPU", "Degraded mode ended: the GPU path is serving again.", "degraded_end")
+        return None
+
+
+# ----- settings -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SettingField:
+    name: str
+    section: str
+    key: str
+    label: str
+    kind: str  # "path" | "int"
+    help: str = ""
+    minimum: int | None = None
+    maximum: int | None = None
+
+
+SETTINGS_FIELDS: tuple[SettingField, ...] = (
+    SettingField("model_path", "model", "path", "Model (GGUF)", "path",
+                 "Served by both workers. Empty = the bundled SmolLM2-135M-Instruct."),
+    SettingField("fallback_path", "model", "fallback_path", "CPU fallback model", "path",
+                 "Optional smaller model for the CPU path. Empty = the same file."),
+    SettingField("gpu_ctx", "gpu", "n_ctx", "GPU context (tokens)", "int",
+                 "Context size and cap of the GPU worker."),
+    SettingField("cpu_ctx", "cpu", "n_ctx", "CPU context (tokens)", "int",
+                 "Context size and cap of the CPU worker."),
+    SettingField("reserve", "gpu", "reserve_mib", "VRAM reserve (MiB)", "int",
+                 "Kept free on the GPU for other apps."),
+    SettingField("gpu_layers", "gpu", "n_gpu_layers", "GPU layers", "int",
+                 "Layers offloaded to the GPU; -1 = all."),
+    SettingField("port", "server", "port", "Port", "int",
+                 "Port of the OpenAI-compatible API.", minimum=1, maximum=65535),
+)
+
+
+def settings_values(config: Any) -> dict[str, str]:
+    return {f.name: str(getattr(getattr(config, f.section), f.key)) for f in SETTINGS_FIELDS}
+
+
+def validate_settings(config: Any, values: Mapping[str, str],
+                      fields: Iterable[SettingField] = SETTINGS_FIELDS) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Check each field; return (overrides for apply_overrides, {field: message}).
+
+    A message is only for its own field, so the dialog can show it next to it.
+    Values equal to the current config are still returned in the overrides.
+    """
+    from ..core.config import ConfigError, apply_overrides
+    from ..core.gguf_info import ModelFileError, read_model_info
+
+    overrides: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    for f in fields:
+        raw = (values.get(f.name) or "").strip()
+        if f.kind == "int":
+            try:
+                value: Any = int(raw)
+            except ValueError:
+                errors[f.name] = f"must be a whole number, got {raw!r}" if raw else "must not be empty"
+                continue
+            if f.minimum is not None and value < f.minimum or f.maximum is not None and value > f.maximum:
+                errors[f.name] = f"must be from {f.minimum} to {f.maximum}, got {value}"
+                continue
+        else:
+            value = raw
+            if raw:
+                try:
+                    read_model_info(raw)
+                except ModelFileError as exc:
+                    errors[f.name] = str(exc)
+                    continue
+        try:
+            apply_overrides(config, {f.section: {f.key: value}})
+        except ConfigError as exc:
+            errors[f.name] = str(exc)
+            continue
+        overrides.setdefault(f.section, {})[f.key] = value
+    if not errors:
+        try:
+            apply_overrides(config, overrides)
+        except ConfigError as exc:  # a cross-field rule
+            errors["_form"] = str(exc)
+    return overrides, errors
+
+
+def changed_overrides(config: Any, overrides: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Only the values that differ from `config`."""
+    out: dict[str, dict[str, Any]] = {}
+    for section, values in overrides.items():
+        for key, value in values.items():
+            if getattr(getattr(config, section), key) != value:
+                out.setdefault(section, {})[key] = value
+    return out
+
+
+@dataclass
+class WorkerRow:
+    role: str
+    state: str
+    pid: str
+    rss: str
+    vram: str
+    ram: str
+    ctx: str
+    restarts: str
+    last_exit: str = ""
+
+
+def worker_rows(status: Mapping[str, Any]) -> list[WorkerRow]:
+    rows = []
+    for w in status.get("workers") or ():
+        last_exit = w.get("last_exit") or {}
+        rows.append(WorkerRow(
+            role=str(w.get("role", "?")).upper(),
+            state=str(w.get("state", "?")),
+            pid=str(w.get("pid") or "-"),
+            rss=fmt_mib(_num(w.get("rss_mib"))) if w.get("rss_mib") is not None else "-",
+            vram=fmt_mib(_num(w.get("estimated_vram_mib"))) if _num(w.get("estimated_vram_mib")) else "-",
+            ram=fmt_mib(_num(w.get("estimated_ram_mib"))) if _num(w.get("estimated_ram_mib")) else "-",
+            ctx=f"{w.get('n_ctx'):,}" if isinstance(w.get("n_ctx"), int) else "-",
+            restarts=str(w.get("restarts", 0)),
+            last_exit=str(last_exit.get("description") or last_exit.get("kind") or "") if last_exit else "",
+        ))
+    return rows

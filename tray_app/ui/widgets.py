@@ -1,0 +1,429 @@
+"""Small custom widgets: the headroom bar, the history chart, the degraded banner."""
+
+from __future__ import annotations
+
+import html
+import time
+from typing import Callable, Sequence
+
+from PySide6.QtCore import QPointF, QRectF, QSize, Qt, Signal
+from PySide6.QtGui import QBrush, QColor, QFont, QFontMetrics, QPainter, QPainterPath, QPen
+from PySide6.QtWidgets import (
+    QFrame, QGridLayout, QHBoxLayout, QLabel, QPushButton, QSizePolicy, QVBoxLayout, QWidget,
+)
+
+from . import viewmodel as vm
+from .icons import state_icon
+from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
+
+SEGMENT_COLORS = {
+    "worker": QColor("#2f6fce"),
+    "used": QColor("#93a3b8"),
+    "reserve": QColor("#f2b33d"),
+    "free": QColor("#cdebd6"),
+}
+SEGMENT_TEXT = {"worker": QColor("#ffffff"), "used": QColor("#1d2733"), "reserve": QColor("#3a2800"),
+                "free": QColor("#1d4d2c")}
+STATE_COLORS = {vm.GPU: "#1f9d55", vm.DEGRADED: "#b7791f", vm.STARTING: "#3b7ddd", vm.DOWN: "#d62c2c"}
+
+
+def set_text(label: QLabel, text: str) -> None:
+    """setText only when it changes: no relayout every poll."""
+    if label.text() != text:
+        label.setText(text)
+
+
+class HeadroomBar(QWidget):
+    """A horizontal bar in segments (used / reserve / free) with the numbers inside."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._bar: vm.Bar | None = None
+        self.setMinimumHeight(26)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+
+    def sizeHint(self) -> QSize:
+        return QSize(480, 26)
+
+    def set_bar(self, bar: vm.Bar | None) -> None:
+        if bar != self._bar:
+            self._bar = bar
+            self.update()
+
+    def paintEvent(self, event) -> None:  # noqa: N802 - Qt name
+        painter = QPainter(self)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        rect = QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5)
+        outline = QPainterPath()
+        outline.addRoundedRect(rect, 5, 5)
+        painter.fillPath(outline, QColor("#eef1f4"))
+        bar = self._bar
+        if bar is not None and bar.total_mib and bar.segments:
+            painter.save()
+            painter.setClipPath(outline)
+            x = rect.left()
+            font = QFont(self.font())
+            font.setPointSizeF(max(7.0, font.pointSizeF() * 0.9))
+            painter.setFont(font)
+            metrics = QFontMetrics(font)
+            for index, segment in enumerate(bar.segments):
+                width = rect.width() * max(segment.mib, 0.0) / bar.total_mib
+                if index == len(bar.segments) - 1:
+                    width = rect.right() - x
+                if width <= 0:
+                    continue
+                seg_rect = QRectF(x, rect.top(), width, rect.height())
+                painter.fillRect(seg_rect, SEGMENT_COLORS.get(segment.key, QColor("#cccccc")))
+                if segment.key == "reserve":
+                    painter.fillRect(seg_rect, QBrush(QColor(0, 0, 0, 45), Qt.BrushStyle.BDiagPattern))
+                text = vm.fmt_mib(segment.mib)
+                if metrics.horizontalAdvance(text) + 10 < width:
+                    painter.setPen(SEGMENT_TEXT.get(segment.key, QColor("#000000")))
+                    painter.drawText(seg_rect, Qt.AlignmentFlag.AlignCenter, text)
+                x += width
+            painter.restore()
+        elif bar is not None:
+            painter.setPen(self.palette().placeholderText().color())
+            painter.drawText(rect, Qt.AlignmentFlag.AlignCenter, bar.caption)
+        painter.setPen(QPen(QColor("#8a96a3"), 1))
+        painter.drawPath(outline)
+        painter.end()
+
+
+def legend_html(bar: vm.Bar) -> str:
+    parts = []
+    for segment in bar.segments:
+        if segment.mib < 0.5 and segment.key == "used" and any(s.key == "worker" for s in bar.segments):
+            continue
+        color = SEGMENT_COLORS.get(segment.key, QColor("#cccccc")).darker(110 if segment.key != "free" else 125).name()
+        parts.append(f'<span style="color:{color}; font-size:large">&#9632;</span>&nbsp;'
+                     f'{html.escape(segment.label)}&nbsp;<b>{html.escape(vm.fmt_mib(segment.mib))}</b>')
+    return "&nbsp;&nbsp;&nbsp; ".join(parts)
+
+
+class BarBlock(QWidget):
+    """Title, bar, legend and one caption line for one device."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(3)
+        top = QHBoxLayout()
+        self.title = QLabel()
+        font = self.title.font()
+        font.setBold(True)
+        self.title.setFont(font)
+        self.badge = QLabel()
+        self.badge.setStyleSheet("QLabel { background: #e6ecf5; color: #2b4a75; border: 1px solid #a9bcd8;"
+                                 " border-radius: 3px; padding: 0px 5px; font-size: small; }")
+        self.badge.hide()
+        top.addWidget(self.title)
+        top.addWidget(self.badge)
+        top.addStretch(1)
+        self.caption = QLabel()
+        self.caption.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        top.addWidget(self.caption)
+        layout.addLayout(top)
+        self.bar = HeadroomBar()
+        layout.addWidget(self.bar)
+        self.legend = QLabel()
+        self.legend.setTextFormat(Qt.TextFormat.RichText)
+        layout.addWidget(self.legend)
+        self.warning = QLabel()
+        self.warning.setStyleSheet("color: #b3261e;")
+        self.warning.setWordWrap(True)
+        self.warning.hide()
+        layout.addWidget(self.warning)
+
+    def set_bar(self, bar: vm.Bar) -> None:
+        set_text(self.title, bar.title)
+        badge = bar.note.upper() if bar.note else ""
+        set_text(self.badge, badge)
+        self.badge.setVisible(bool(badge))
+        # Without segments the bar itself says what is wrong; don't say it twice.
+        set_text(self.caption, bar.caption if bar.segments else "")
+        self.bar.set_bar(bar)
+        set_text(self.legend, legend_html(bar))
+        self.legend.setVisible(bool(bar.segments))
+        set_text(self.warning, bar.warning[:1].upper() + bar.warning[1:])
+        self.warning.setVisible(bool(bar.warning))
+
+
+class HistoryChart(QWidget):
+    """A line chart of one series over the last few minutes, with a dashed
+    line for the reserve (VRAM) or the floor (RAM)."""
+
+    def __init__(self, title: str, color: str, value: Callable[[vm.Sample], float | None],
+                 total: Callable[[vm.Sample], float | None], threshold: Callable[[vm.Sample], float | None],
+                 threshold_label: str, window_s: float = 300.0, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.title = title
+        self.color = QColor(color)
+        self._value, self._total, self._threshold = value, total, threshold
+        self.threshold_label = threshold_label
+        self.window_s = window_s
+        self.samples: Sequence[vm.Sample] = ()
+        self.setMinimumSize(240, 130)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+
+    def sizeHint(self) -> QSize:
+        return QSize(280, 140)
+
+    def set_samples(self, samples: Sequence[vm.Sample]) -> None:
+        self.samples = list(samples)
+        self.update()
+
+    def paintEvent(self, event) -> None:  # noqa: N802 - Qt name
+        painter = QPainter(self)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        palette = self.palette()
+        text_color = palette.windowText().color()
+        muted = palette.placeholderText().color()
+        metrics = painter.fontMetrics()
+        line_h = metrics.height()
+        frame = QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5)
+        painter.setPen(QPen(QColor("#c5ccd4"), 1))
+        painter.setBrush(palette.base())
+        painter.drawRoundedRect(frame, 5, 5)
+        plot = QRectF(frame.left() + 8, frame.top() + line_h + 8, frame.width() - 16,
+                      frame.height() - 2 * line_h - 14)
+        latest = self.samples[-1] if self.samples else None
+        title_font = QFont(self.font())
+        title_font.setBold(True)
+        painter.setFont(title_font)
+        painter.setPen(text_color)
+        painter.drawText(QRectF(frame.left() + 8, frame.top() + 4, frame.width() - 16, line_h),
+                         Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter, self.title)
+        painter.setFont(self.font())
+        value_now = self._value(latest) if latest else None
+        painter.drawText(QRectF(frame.left() + 8, frame.top() + 4, frame.width() - 16, line_h),
+                         Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter,
+                         vm.fmt_mib(value_now) if latest else "no data")
+        # Axis labels under the plot.
+        painter.setPen(muted)
+        minutes = round(self.window_s / 60)
+        bottom = QRectF(plot.left(), plot.bottom() + 3, plot.width(), line_h)
+        painter.drawText(bottom, Qt.AlignmentFlag.AlignLeft, f"{minutes} min ago")
+        painter.drawText(bottom, Qt.AlignmentFlag.AlignRight, "now")
+        total = max((self._total(s) or 0.0 for s in self.samples), default=0.0)
+        if total > 0:
+            painter.drawText(bottom, Qt.AlignmentFlag.AlignHCenter, f"scale 0 – {vm.fmt_mib(total)}")
+        # Grid.
+        painter.setPen(QPen(QColor(128, 128, 128, 50), 1))
+        for fraction in (0.25, 0.5, 0.75):
+            y = plot.bottom() - plot.height() * fraction
+            painter.drawLine(QPointF(plot.left(), y), QPointF(plot.right(), y))
+        painter.setPen(QPen(QColor(128, 128, 128, 110), 1))
+        painter.drawLine(QPointF(plot.left(), plot.bottom()), QPointF(plot.right(), plot.bottom()))
+        if total <= 0 or latest is None:
+            painter.end()
+            return
+        now = time.monotonic() if latest.t <= time.monotonic() + 1 else latest.t
+        start = now - self.window_s
+
+        def point(t: float, value: float) -> QPointF:
+            x = plot.left() + plot.width() * min(max((t - start) / self.window_s, 0.0), 1.0)
+            y = plot.bottom() - plot.height() * min(max(value / total, 0.0), 1.0)
+            return QPointF(x, y)
+
+        threshold = self._threshold(latest)
+        if threshold:
+            y = point(now, threshold).y()
+            painter.setPen(QPen(QColor("#c98a12"), 1, Qt.PenStyle.DashLine))
+            painter.drawLine(QPointF(plot.left(), y), QPointF(plot.right(), y))
+            painter.setPen(QColor("#8a5a00"))
+            label_rect = QRectF(plot.left() + 2, y - line_h - 1, plot.width() - 4, line_h)
+            if label_rect.top() < plot.top():
+                label_rect.moveTop(y + 1)
+            painter.drawText(label_rect, Qt.AlignmentFlag.AlignLeft, f"{self.threshold_label} {vm.fmt_mib(threshold)}")
+        # The series, broken where a value is unknown.
+        runs: list[list[QPointF]] = [[]]
+        for sample in self.samples:
+            value = self._value(sample)
+            if value is None or sample.t < start:
+                if runs[-1]:
+                    runs.append([])
+                continue
+            runs[-1].append(point(sample.t, value))
+        fill = QColor(self.color)
+        fill.setAlpha(45)
+        for run in runs:
+            if not run:
+                continue
+            if len(run) == 1:
+                run = [QPointF(run[0].x() - 1, run[0].y()), run[0]]
+            area = QPainterPath(QPointF(run[0].x(), plot.bottom()))
+            for p in run:
+                area.lineTo(p)
+            area.lineTo(QPointF(run[-1].x(), plot.bottom()))
+            area.closeSubpath()
+            painter.fillPath(area, fill)
+            line = QPainterPath(run[0])
+            for p in run[1:]:
+                line.lineTo(p)
+            painter.setPen(QPen(self.color, 2))
+            painter.setBrush(Qt.BrushStyle.NoBrush)
+            painter.drawPath(line)
+        painter.end()
+
+
+class DegradedBanner(QFrame):
+    """Degraded mode: fallback model, why, limits, latency, and Cancel."""
+
+    cancel_requested = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("degradedBanner")
+        self.setStyleSheet(
+            "#degradedBanner { background: #fff4d6; border: 1px solid #e0a526; border-radius: 6px; }"
+            "#degradedBanner QLabel { color: #3b2a05; background: transparent; }"
+            "#degradedBanner QLabel[role='key'] { color: #7a5a12; }"
+            "#degradedBanner QLabel[role='warn'] { color: #9a2b12; }"
+        )
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(12, 10, 12, 10)
+        layout.setSpacing(6)
+        top = QHBoxLayout()
+        icon = QLabel()
+        icon.setPixmap(state_icon(vm.DEGRADED).pixmap(20, 20))
+        top.addWidget(icon)
+        self.title = QLabel()
+        font = self.title.font()
+        font.setBold(True)
+        font.setPointSizeF(font.pointSizeF() * 1.1)
+        self.title.setFont(font)
+        top.addWidget(self.title, 1)
+        layout.addLayout(top)
+        grid = QGridLayout()
+        grid.setHorizontalSpacing(10)
+        grid.setVerticalSpacing(3)
+        grid.setColumnStretch(1, 1)
+        self.values: dict[str, QLabel] = {}
+        for row, (key, label) in enumerate((("reason", "Why"), ("model", "Fallback model"),
+                                           ("limits", "Limits"), ("latency", "Estimated latency"))):
+            name = QLabel(label)
+            name.setProperty("role", "key")
+            name.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
+            value = QLabel()
+            value.setWordWrap(True)
+            value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+            grid.addWidget(name, row, 0)
+            grid.addWidget(value, row, 1)
+            self.values[key] = value
+        layout.addLayout(grid)
+        self.warning = QLabel()
+        self.warning.setProperty("role", "warn")
+        self.warning.setWordWrap(True)
+        self.warning.hide()
+        layout.addWidget(self.warning)
+        self.rows_box = QVBoxLayout()
+        self.rows_box.setSpacing(4)
+        layout.addLayout(self.rows_box)
+        self.empty_label = QLabel("No requests are waiting for the CPU.")
+        self.empty_label.setProperty("role", "key")
+        layout.addWidget(self.empty_label)
+        self._rows: dict[str, tuple[QWidget, QLabel, QPushButton]] = {}
+        self.show_empty_note = True
+        self.banner: vm.Banner | None = None
+        self.hide()
+
+    def set_banner(self, banner: vm.Banner | None) -> None:
+        self.banner = banner
+        if banner is None:
+            self.setVisible(False)
+            for request_id in list(self._rows):
+                self._drop_row(request_id)
+            return
+        set_text(self.title, banner.title)
+        set_text(self.values["reason"], banner.reason)
+        set_text(self.values["model"], banner.model)
+        set_text(self.values["limits"], banner.limits)
+        set_text(self.values["latency"], banner.latency)
+        set_text(self.warning, banner.warning)
+        self.warning.setVisible(bool(banner.warning))
+        wanted = [r.id for r in banner.requests]
+        for request_id in list(self._rows):
+            if request_id not in wanted:
+                self._drop_row(request_id)
+        for position, request in enumerate(banner.requests):
+            if request.id not in self._rows:
+                self._add_row(request.id)
+            row, label, button = self._rows[request.id]
+            set_text(label, request.text)
+            if self.rows_box.indexOf(row) != position:
+                self.rows_box.removeWidget(row)
+                self.rows_box.insertWidget(position, row)
+        self.empty_label.setVisible(self.show_empty_note and not banner.requests)
+        self.setVisible(True)
+
+    def cancel_button(self, request_id: str) -> QPushButton | None:
+        entry = self._rows.get(request_id)
+        return entry[2] if entry else None
+
+    def _add_row(self, request_id: str) -> None:
+        row = QWidget()
+        box = QHBoxLayout(row)
+        box.setContentsMargins(0, 0, 0, 0)
+        label = QLabel()
+        label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        button = QPushButton("Cancel")
+        button.setToolTip(f"Cancel request {request_id} (DELETE /v1/requests/{request_id})")
+        button.setObjectName(f"cancel-{request_id}")
+
+        def clicked() -> None:
+            button.setEnabled(False)
+            button.setText("Canceling…")
+            self.cancel_requested.emit(request_id)
+
+        button.clicked.connect(clicked)
+        box.addWidget(label, 1)
+        box.addWidget(button)
+        self.rows_box.addWidget(row)
+        self._rows[request_id] = (row, label, button)
+
+    def cancel_failed(self, request_id: str) -> None:
+        entry = self._rows.get(request_id)
+        if entry:
+            entry[2].setEnabled(True)
+            entry[2].setText("Cancel")
+
+    def _drop_row(self, request_id: str) -> None:
+        row, _, _ = self._rows.pop(request_id)
+        self.rows_box.removeWidget(row)
+        row.deleteLater()
+
+
+class StateHeader(QWidget):
+    """Icon, state title and the reason, at the top of the panel."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        self.icon = QLabel()
+        self.icon.setFixedSize(36, 36)
+        layout.addWidget(self.icon, 0, Qt.AlignmentFlag.AlignTop)
+        text = QVBoxLayout()
+        text.setSpacing(1)
+        self.title = QLabel()
+        font = self.title.font()
+        font.setBold(True)
+        font.setPointSizeF(font.pointSizeF() * 1.35)
+        self.title.setFont(font)
+        self.detail = QLabel()
+        self.detail.setWordWrap(True)
+        self.detail.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        text.addWidget(self.title)
+        text.addWidget(self.detail)
+        layout.addLayout(text, 1)
+        self.kind: str | None = None
+
+    def set_state(self, kind: str, detail: str) -> None:
+        if kind != self.kind:
+            self.kind = kind
+            self.icon.setPixmap(state_icon(kind).pixmap(36, 36))
+            self.title.setStyleSheet(f"color: {STATE_COLORS[kind]};")
+        set_text(self.title, vm.STATE_TITLES[kind])
+        set_text(self.detail, detail)
