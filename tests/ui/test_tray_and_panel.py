@@ -305,3 +305,16 @@ def test_choose_model_validates_the_file_and_saves_it(qtbot, live, tmp_path, mon
     assert load_config(config_file).model.path == model
     assert controller.config.model.path == model
     assert controller.notices[-1][1] == "Settings saved"
+
+
+def test_start_on_login_toggle_writes_and_removes_the_autostart_entry(qtbot, controller, tmp_path, monkeypatch) -> None:
+    from tray_app.core import autostart
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CONFIG_DIRS", str(tmp_path / "system"))
+    entry = tmp_path / "autostart" / "tray-app.desktop"
+    assert not controller.autostart_action.isChecked() or autostart.is_enabled()
+    controller.autostart_action.setChecked(True)
+    assert entry.exists() and "Exec=" in entry.read_text() and autostart.is_enabled()
+    controller.autostart_action.setChecked(False)
+    assert not autostart.is_enabled() and not controller.autostart_action.isChecked()

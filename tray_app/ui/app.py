@@ -21,6 +21,7 @@ from PySide6.QtCore import QObject, QSocketNotifier, QTimer, QUrl, Signal
 from PySide6.QtGui import QAction, QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import QApplication, QMenu, QMessageBox, QSystemTrayIcon, QToolButton, QWidget
 
+from ..core import autostart
 from ..core.config import Config, ConfigError, log_dir
 from . import viewmodel as vm
 from .client import ServiceClient
@@ -105,6 +106,11 @@ class TrayController(QObject):
         self.open_logs_action = self._action("Open logs folder", self.open_logs)
         self.copy_url_action = self._action("Copy API URL", self.copy_api_url)
         self.settings_action = self._action("Settings…", self.show_settings)
+        self.autostart_action = self._action("Start on login", self.set_start_on_login, checkable=True,
+                                             tip="Start the tray app when you log in to this desktop")
+        self.autostart_action.blockSignals(True)
+        self.autostart_action.setChecked(autostart.is_enabled())
+        self.autostart_action.blockSignals(False)
         self.quit_action = self._action("Quit", self.quit, tip="Stop the workers and quit")
         self.menu = QMenu()
         self.menu.addAction(self.state_action)
@@ -115,7 +121,7 @@ class TrayController(QObject):
         for action in (self.force_cpu_action, self.restart_action, self.choose_model_action):
             self.menu.addAction(action)
         self.menu.addSeparator()
-        for action in (self.open_logs_action, self.copy_url_action, self.settings_action):
+        for action in (self.open_logs_action, self.copy_url_action, self.settings_action, self.autostart_action):
             self.menu.addAction(action)
         self.menu.addSeparator()
         self.menu.addAction(self.quit_action)
@@ -237,6 +243,18 @@ class TrayController(QObject):
                 if candidate.is_dir():
                     return candidate
         return log_dir()
+
+    def set_start_on_login(self, enabled: bool) -> None:
+        try:
+            if enabled:
+                autostart.enable()
+            else:
+                autostart.disable()
+        except OSError as exc:
+            self.notify("autostart", "Start on login could not be changed", str(exc))
+        self.autostart_action.blockSignals(True)
+        self.autostart_action.setChecked(autostart.is_enabled())
+        self.autostart_action.blockSignals(False)
 
     def copy_api_url(self) -> None:
         QGuiApplication.clipboard().setText(self.client.api_url)
