@@ -264,3 +264,40 @@ def test_degraded_status_while_paused(fresh):
     assert degraded["since"] <= time.time()
     fresh.http.post("/admin/gpu", json={"paused": False})
     assert not fresh.status()["degraded"]["active"]
+
+
+def test_idempotency_key_twins_sent_at_the_same_instant_run_once(fresh):
+    body = {"messages": LONG_ANSWER, "max_tokens": 12, "temperature": 0}
+    barrier = __import__("threading").Barrier(2)
+
+    def send(request_id):
+        barrier.wait()
+        return fresh.http.post("/v1/chat/completions", json=body,
+                               headers={"Idempotency-Key": "twins-1", "X-Request-Id": request_id})
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        responses = list(pool.map(send, ["twin-a", "twin-b"]))
+    assert [r.status_code for r in responses] == [200, 200]
+    assert responses[0].json() == responses[1].json()
+    decided = {d["id"] for d in fresh.status()["recent_decisions"]}
+    assert len(decided & {"twin-a", "twin-b"}) == 1
+
+
+def test_a_failed_stream_does_not_pin_its_idempotency_key(fresh):
+    gpu_pid = fresh.worker("gpu")["pid"]
+    body = {"messages": LONG_ANSWER, "max_tokens": 200, "temperature": 0, "stream": True}
+    headers = {"Idempotency-Key": "retry-after-failure"}
+    with fresh.http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+        events = []
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                events.append(line)
+                if len(events) == 3:
+                    os.kill(gpu_pid, signal.SIGKILL)
+    assert "gpu_worker_failed" in events[-1]
+    fresh.wait_workers_ready()
+    with fresh.http.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 200},
+                           headers=headers) as retry:
+        lines = [line for line in retry.iter_lines() if line.startswith("data:")]
+        assert "x-idempotent-replay" not in retry.headers
+    assert lines[-1] == "data: [DONE]"

@@ -276,15 +276,32 @@ class Router:
             return Response(status_code=499)
 
         idempotency_key = request.headers.get("idempotency-key")
+        if not idempotency_key:
+            return await self._admit_and_run(request, kind, body, request_id, force_cpu, deadline_s)
         fingerprint = hashlib.sha256(json.dumps([kind.value, body], sort_keys=True).encode()).hexdigest()
-        if idempotency_key:
-            try:
-                entry = self.service.idempotency_lookup(idempotency_key, fingerprint)
-            except JobFailed as failure:
-                return _failed_response(failure, base_headers)
-            if entry is not None:
-                return await self._replay_idempotent(entry, base_headers)
+        try:
+            entry = self.service.idempotency_lookup(idempotency_key, fingerprint)
+        except JobFailed as failure:
+            return _failed_response(failure, base_headers)
+        if entry is not None:
+            return await self._replay_idempotent(entry, base_headers)
+        # Claimed before any await: a twin arriving meanwhile finds the claim
+        # and waits for this result instead of running again.
+        claim = self.service.idempotency_claim(idempotency_key, fingerprint, request_id)
+        try:
+            response = await self._admit_and_run(request, kind, body, request_id, force_cpu, deadline_s)
+        except BaseException:
+            self.service.idempotency_forget(idempotency_key)
+            _resolve(claim, ("json", 500, {}, json.dumps(error_body(
+                "the first request with this Idempotency-Key failed inside the server; retry it",
+                "internal_error", "server_error")).encode()))
+            raise
+        self._settle_claim(claim, idempotency_key, response)
+        return response
 
+    async def _admit_and_run(self, request: Request, kind: JobKind, body: dict[str, Any], request_id: str,
+                             force_cpu: bool, deadline_s: float | None) -> Response:
+        base_headers = {"X-Request-Id": request_id}
         job = Job(id=request_id, kind=kind, body=body, stream=bool(body.get("stream")))
         if request_id in self.service.jobs:
             return error_response(409, f"a request with X-Request-Id {request_id!r} is already in flight; "
@@ -306,22 +323,22 @@ class Router:
             if decision.estimated_latency_s is not None:
                 headers["X-Estimated-Latency"] = f"{decision.estimated_latency_s:.2f}"
             return _failed_response(failure, headers)
-
-        claim = self.service.idempotency_claim(idempotency_key, fingerprint, job.id) if idempotency_key else None
         if job.stream:
-            response = await self._stream(request, job, decision, force_cpu, deadline_s)
-        else:
-            response = await self._aggregate(request, job, decision, force_cpu, deadline_s)
-        if claim is not None:
-            self._settle_claim(claim, idempotency_key, response)
-        return response
+            return await self._stream(request, job, decision, force_cpu, deadline_s)
+        return await self._aggregate(request, job, decision, force_cpu, deadline_s)
 
     def _settle_claim(self, claim: asyncio.Future, key: str, response: Response) -> None:
+        """Keep a result (an answer, or a client error that would repeat); let
+        go of the key after a failure, so a retry with it runs for real."""
         if isinstance(response, _RecordedStream):
-            response.on_finish = lambda recorded: _resolve(claim, recorded)
+            def finished(recorded) -> None:
+                chunks = recorded[2]
+                if not chunks or chunks[-1] != b"data: [DONE]\n\n":
+                    self.service.idempotency_forget(key)
+                _resolve(claim, recorded)
+            response.on_finish = finished
             return
-        if response.status_code >= 500 or response.status_code == 499:
-            # Nothing was produced: let a retry with the same key run for real.
+        if response.status_code >= 500 or response.status_code in (408, 409, 499):
             self.service.idempotency_forget(key)
         _resolve(claim, ("json", response.status_code, dict(response.headers), response.body))
 
