@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from .core.config import DEFAULT_PORT, Config, ConfigError, apply_overrides, load_config
 from .core.gguf_info import ModelFileError
 from .core.models_cli import add_models_parser, run_models
+from .drill.command import add_drill_parser, run_drill
 
 
 def _add_service_options(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the service's base URL")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
     add_models_parser(sub)
+    add_drill_parser(sub)
     return parser
 
 
@@ -107,7 +109,7 @@ def print_status(url: str, as_json: bool) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     raw = list(argv if argv is not None else sys.argv[1:])
-    subcommands = {"tray", "serve", "status", "models"}
+    subcommands = {"tray", "serve", "status", "models", "drill"}
     # Options without a subcommand belong to the default one: `tray-app --port 9000`.
     if raw and raw[0] not in subcommands and raw[0] not in ("-h", "--help"):
         raw = ["tray", *raw]
@@ -119,6 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return print_status(args.url, args.json)
     if command == "models":
         return run_models(args)
+    if command == "drill":
+        return run_drill(args)
     try:
         config = config_from_args(args)
         # Fail fast, with one line, before anything is started.

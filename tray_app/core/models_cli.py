@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,11 +205,7 @@ def _read_directly(config: Config, why_not_service: str) -> HeadroomReading:
         reader = NvmlGpuReader()
         kind, origin = "direct", "NVML and psutil"
     try:
-        with warnings.catch_warnings():
-            # The `pynvml` shim warns on import that it is deprecated in favour
-            # of nvidia-ml-py, which it wraps; noise in a listing.
-            warnings.filterwarnings("ignore", category=FutureWarning, message=".*pynvml.*")
-            gpu = reader.read()
+        gpu = reader.read()
     finally:
         reader.close()
     headroom = Headroom(

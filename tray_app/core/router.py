@@ -388,6 +388,10 @@ class Router:
                 if content is not None and not isinstance(content, (str, list)):
                     raise _Invalid(400, f"messages[{index}].content must be a string or a list of parts",
                                    "invalid_type", f"messages[{index}].content")
+                if content is None:
+                    # An assistant turn that only called tools has content null in
+                    # the OpenAI shape; the chat template and the worker need a string.
+                    message["content"] = ""
         else:
             prompt = body.get("prompt")
             if prompt is None:

@@ -494,6 +494,7 @@ class Service:
             first_timeout, token_timeout = CPU_FIRST_TOKEN_TIMEOUT_S, CPU_FIRST_TOKEN_TIMEOUT_S
         canceled = asyncio.ensure_future(job.canceled.wait())
         done_seen = False
+        named_tool_calls: set[tuple[int, int]] = set()
         try:
             async with self._http.stream("POST", f"{worker.base_url}{job.kind.upstream_path}", json=body) as response:
                 if response.status_code >= 400:
@@ -522,6 +523,7 @@ class Service:
                             attempt.first_token_at = self._clock()
                     event["id"] = _response_id(job)
                     event["model"] = worker.spec.model_name
+                    _drop_repeated_tool_names(event, named_tool_calls)
                     sink.emit(event)
         except asyncio.TimeoutError:
             attempt.outcome = "failed: hang"
@@ -811,6 +813,24 @@ async def _next_line(lines, canceled: asyncio.Future, timeout: float):
     if canceled in done:
         return _CANCELED
     raise asyncio.TimeoutError
+
+
+def _drop_repeated_tool_names(event: dict[str, Any], named: set[tuple[int, int]]) -> None:
+    """OpenAI streams a tool call's name once, in its first delta, and clients
+    append the fragments; llama-cpp-python repeats the name in every delta,
+    which would read as 'fnfnfn'. Keep only the first."""
+    for choice in event.get("choices") or ():
+        for call in (choice.get("delta") or {}).get("tool_calls") or ():
+            function = call.get("function")
+            if not isinstance(function, dict) or not function.get("name"):
+                continue
+            key = (choice.get("index", 0), call.get("index", 0))
+            if key in named:
+                function.pop("name")
+                call.pop("id", None)
+                call.pop("type", None)
+            else:
+                named.add(key)
 
 
 def _carries_token(event: dict[str, Any]) -> bool:

@@ -1,0 +1,61 @@
+"""`tray-app drill --short` end to end: its own real service, real workers on
+SmolLM2, real faults on the simulated GPU, and the report it writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+# The drill does little work (~45 requests), but on a busy 2-core machine
+# each one can take seconds; the limit is for a stuck drill, not a slow one.
+DRILL_TIMEOUT_S = 600
+
+
+@pytest.mark.timeout(DRILL_TIMEOUT_S + 60)
+def test_short_drill_passes_and_writes_its_report(tmp_path):
+    out = tmp_path / "drill"
+    result = subprocess.run(
+        [sys.executable, "-m", "tray_app.drill", "--short", "--simulated-gpu", "--no-progress", "--out", str(out)],
+        capture_output=True, text=True, timeout=DRILL_TIMEOUT_S, check=False,
+    )
+    assert (out / "report.json").exists(), f"no report (exit {result.returncode}):\n{result.stderr[-3000:]}"
+    report = json.loads((out / "report.json").read_text())
+    failed = [f"[{c['severity']}] {c['name']}: {c['detail']}"
+              for c in report["checks"] + [c for p in report["phases"] for c in p["checks"]]
+              if not c["passed"] and c["severity"] != "finding"]
+    assert result.returncode == 0 and report["verdict"] == "PASS", (
+        f"exit {result.returncode}; failed checks:\n" + "\n".join(failed) + f"\n\n{result.stdout[-4000:]}")
+
+    # Every phase ran; none was skipped on the drill's own service.
+    ran = {p["number"]: p for p in report["phases"] if p["number"]}
+    assert sorted(ran) == list(range(1, 9)) and not any(p["skipped"] for p in ran.values())
+    numbers = report["numbers"]
+    assert numbers["lost_requests"] == 0 and numbers["duplicated_side_effects"] == 0
+    assert numbers["tool_calls_ran_twice"] == [] and len(numbers["tool_executions"]) >= 2
+    # The faults happened and were survived: a replay on the CPU, an explicit
+    # mid-stream error, a breaker opened by an out-of-memory restart.
+    routes = {(r["served_by"], r["route_reason"]) for r in report["requests"]}
+    assert {("cpu", "gpu_context_cap"), ("cpu", "gpu_failed_replayed"), ("cpu", "gpu_vram_headroom"),
+            ("cpu", "gpu_unavailable"), ("gpu", "admitted")} <= routes
+    assert any(r["error_code"] == "gpu_worker_failed" and r["connection_survived"] for r in report["requests"])
+    assert any(r["outcome"] == "canceled" for r in report["requests"])
+    assert all(f["recovery_s"] is not None for f in numbers["gpu_recovery"]) and len(numbers["gpu_recovery"]) >= 3
+    assert numbers["token_agreement"]["pairs"] >= 2
+    assert numbers["degraded"]["intervals"] and numbers["min_available_ram_mib"]["value"] > 0
+    # Every request says what happened to it.
+    for request in report["requests"]:
+        assert request["outcome"] in ("ok", "rejected", "canceled", "error") and request["retry_decision"]
+        assert request["connection_survived"] is not None
+    replayed = [r for r in report["requests"] if r["route_reason"] == "gpu_failed_replayed" and not r["idempotent_replay"]]
+    assert replayed and all(r["first_failure"] and r["cpu_started_s"] is not None for r in replayed)
+
+    # The files people read: the table on the terminal, report.md with its plot.
+    assert "lost requests" in result.stdout and "PASS" in result.stdout
+    markdown = (out / "report.md").read_text()
+    assert "![Latency" in markdown and "| lost requests | 0 |" in markdown
+    assert (out / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
