@@ -150,9 +150,9 @@ def test_gpu_start_oom_opens_breaker_then_recovers(fresh):
     assert status["gpu_recovery_s"] is not None
 
 
-def test_gpu_that_never_gets_ready_is_replaced(service):
-    """Covered by the unit-level worker test with a fake runtime; here: the
-    service reports a starting worker as the reason the GPU path is out."""
+def test_a_restarting_gpu_worker_takes_the_gpu_path_out(service):
+    """While the GPU worker restarts, the service says so as the reason the GPU
+    path is out (a worker that never gets ready: test_worker_faults.py)."""
     service.reset()
     service.http.post("/admin/restart")
     status = service.wait_for(lambda s: s["gpu"]["path_out_reason"] is not None, interval=0.01,
