@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import platformdirs
 
+from .estimate import DEFAULT_GPU_RESERVE_MIB
 from .files import write_atomically
 
 APP_NAME = "tray-app"
@@ -58,8 +59,8 @@ class GpuConfig:
     n_ctx: int = 4096
     max_concurrency: int = 1
     queue_limit: int = 2
-    # Kept free on the device for the CUDA context, cuBLAS workspaces and other apps.
-    reserve_mib: int = 512
+    # Kept free on the device; why 1 GiB: see estimate.DEFAULT_GPU_RESERVE_MIB.
+    reserve_mib: int = DEFAULT_GPU_RESERVE_MIB
     # 0 = use the real device through NVML; N > 0 = a simulated device of N MiB.
     simulate_mib: int = 0
     first_token_timeout_s: float = 120.0
