@@ -85,7 +85,7 @@ def test_tray_icon_shows_the_state(qtbot, live) -> None:
         assert controller.tray.contextMenu() is controller.menu
         texts = [a.text() for a in controller.menu.actions() if not a.isSeparator()]
         assert texts == ["Serving on the GPU", "Open headroom panel", "Open chat", "Force CPU (pause the GPU path)",
-                         "Restart workers", "Choose model…", "Open logs folder", "Copy API URL", "Settings…", "Quit"]
+                         "Restart workers", "Choose model…", "Open logs folder", "Copy API URL", "Settings…", "Start on login", "Quit"]
         live.http.post("/admin/gpu", json={"paused": True})
         wait_kind(qtbot, controller, vm.DEGRADED)
         assert controller.tray.icon().cacheKey() == state_icon(vm.DEGRADED).cacheKey()
