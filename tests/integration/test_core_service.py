@@ -203,3 +203,24 @@ def test_missing_model_file_fails_fast(tmp_path):
     result = subprocess.run([sys.executable, "-m", "tray_app", "serve", "--model", str(tmp_path / "nope.gguf")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "nope.gguf" in result.stderr and "does not exist" in result.stderr
+
+
+def test_status_command_prints_paths_workers_headroom_breaker_and_degraded(fresh):
+    fresh.http.post("/admin/gpu", json={"paused": True})
+    result = subprocess.run([sys.executable, "-m", "tray_app", "status", "--url", fresh.url],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "simulated" in out and "free of 2,048 MiB" in out
+    assert "breaker:   closed" in out and "DEGRADED" in out and "paused" in out
+    for role in ("gpu", "cpu"):
+        assert f"  {role}" in out and "ready" in out
+    raw = subprocess.run([sys.executable, "-m", "tray_app", "status", "--url", fresh.url, "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert __import__("json").loads(raw.stdout)["degraded"]["active"] is True
+
+
+def test_status_command_without_a_service_says_how_to_start_one():
+    result = subprocess.run([sys.executable, "-m", "tray_app", "status", "--url", "http://127.0.0.1:9"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "tray-app serve" in result.stderr
