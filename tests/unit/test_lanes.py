@@ -71,3 +71,17 @@ async def test_oldest_wait_uses_the_clock():
     assert lane.oldest_wait_s() == 3.5
     lane.release("a")
     assert await waiter == 3.5
+
+
+async def test_join_is_synchronous_and_leave_gives_back_place_or_slot():
+    lane = Lane("cpu", concurrency=1, queue_limit=4)
+    assert lane.join("a") is None and lane.running_ids == ["a"]
+    place = lane.join("b")
+    # Visible in the queue at once, before anyone awaits anything.
+    assert place is not None and lane.position("b") == 1
+    lane.leave("b")
+    assert lane.waiting_ids == [] and place.cancelled()
+    lane.leave("a")
+    assert lane.running_ids == []
+    lane.leave("a")  # twice is harmless
+    assert lane.join("c") is None

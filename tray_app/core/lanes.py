@@ -68,31 +68,43 @@ class Lane:
     def oldest_wait_s(self) -> float:
         return round(self._clock() - self._waiting[0].enqueued_at, 3) if self._waiting else 0.0
 
-    async def acquire(self, request_id: str, front: bool = False) -> float:
-        """Take a slot, waiting in the queue if needed; returns seconds waited.
+    def join(self, request_id: str, front: bool = False) -> asyncio.Future | None:
+        """Take a free slot now (None), or take a place in the queue and get a
+        future that resolves when a slot is handed over. Synchronous, so the
+        queue never shows a request as waiting without a place.
 
         `front` puts a replayed request ahead of new arrivals: it was accepted
         earlier and has already waited once.
         """
         if len(self._running) < self.concurrency and not self._waiting:
             self._running[request_id] = self._clock()
-            return 0.0
-        loop = asyncio.get_running_loop()
-        waiter = _Waiter(request_id, self._clock(), loop.create_future())
+            return None
+        waiter = _Waiter(request_id, self._clock(), asyncio.get_running_loop().create_future())
         if front:
             self._waiting.appendleft(waiter)
         else:
             self._waiting.append(waiter)
+        return waiter.future
+
+    async def wait(self, request_id: str, place: asyncio.Future) -> float:
+        """Wait for the slot promised by join(); returns seconds waited."""
+        waiter = next((w for w in self._waiting if w.future is place), None)
+        enqueued_at = waiter.enqueued_at if waiter else self._clock()
         try:
-            await waiter.future
+            await place
         except asyncio.CancelledError:
             # The caller went away: give the slot on if we had just been handed it.
-            if waiter in self._waiting:
+            if waiter is not None and waiter in self._waiting:
                 self._waiting.remove(waiter)
             elif request_id in self._running:
                 self.release(request_id)
             raise
-        return round(self._clock() - waiter.enqueued_at, 3)
+        return round(self._clock() - enqueued_at, 3)
+
+    async def acquire(self, request_id: str, front: bool = False) -> float:
+        """Take a slot, waiting in the queue if needed; returns seconds waited."""
+        place = self.join(request_id, front)
+        return 0.0 if place is None else await self.wait(request_id, place)
 
     def release(self, request_id: str) -> None:
         if self._running.pop(request_id, None) is None:
@@ -106,6 +118,16 @@ class Lane:
                 continue
             self._running[waiter.request_id] = self._clock()
             waiter.future.set_result(None)
+
+    def leave(self, request_id: str) -> None:
+        """Give up whatever the request holds, a place in the queue or a slot.
+        Safe to call twice, and whether or not a wait() ever started."""
+        for waiter in list(self._waiting):
+            if waiter.request_id == request_id:
+                self._waiting.remove(waiter)
+                if not waiter.future.done():
+                    waiter.future.cancel()
+        self.release(request_id)
 
     def cancel_waiting(self, request_id: str) -> bool:
         for waiter in self._waiting:

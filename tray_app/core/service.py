@@ -446,14 +446,17 @@ class Service:
     async def _run_on(self, job: Job, path: str, sink: Sink) -> None:
         lane = self.lanes[path]
         job.path = path
-        job.state = JobState.QUEUED
+        place = lane.join(job.id, front=job.replayed and path == "cpu")
+        if place is not None:
+            job.state = JobState.QUEUED
         self._refresh_degraded()
-        acquire = asyncio.ensure_future(lane.acquire(job.id, front=job.replayed and path == "cpu"))
+        acquire = asyncio.ensure_future(lane.wait(job.id, place) if place is not None else _no_wait())
         canceled = asyncio.ensure_future(job.canceled.wait())
         try:
             done, _ = await asyncio.wait({acquire, canceled}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             acquire.cancel()
+            lane.leave(job.id)
             raise
         finally:
             canceled.cancel()
@@ -461,6 +464,7 @@ class Service:
             acquire.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await acquire
+            lane.leave(job.id)
             self._release_probe(job)
             raise _canceled(job, "while it waited in the " + path + " queue")
         job.queue_wait_s = acquire.result()
@@ -792,6 +796,10 @@ class _ServiceHooks(WorkerHooks):
 
     def on_event(self, event: WorkerEvent) -> None:
         self._service._on_worker_event(event)
+
+
+async def _no_wait() -> float:
+    return 0.0
 
 
 _CANCELED = object()
