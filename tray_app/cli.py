@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="print a running service's status")
     status.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the service's base URL")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
+    status.add_argument("--config", metavar="PATH",
+                        help="TOML config file whose [server] api_key to send (default: the platform config "
+                             "dir's config.toml); TRAY_APP_API_KEY takes precedence, as on the server")
     add_models_parser(sub)
     add_drill_parser(sub)
     return parser
@@ -89,14 +92,25 @@ def serve(config: Config, log_level: str = "INFO") -> int:
     return 1 if getattr(server, "startup_failed", False) else 0
 
 
-def print_status(url: str, as_json: bool) -> int:
+def print_status(url: str, as_json: bool, api_key: str = "") -> int:
     import httpx
 
+    from .core.security import API_KEY_ENV, bearer_header
+
     try:
-        response = httpx.get(f"{url.rstrip('/')}/status", timeout=5.0)
+        response = httpx.get(f"{url.rstrip('/')}/status", headers=bearer_header(api_key), timeout=5.0)
     except httpx.HTTPError as exc:
         return _fail(f"no service answers at {url} ({type(exc).__name__}); start one with `tray-app serve`")
-    data = response.json()
+    if response.status_code == 401:
+        return _fail(f"the service at {url} refused the API key (HTTP 401): set {API_KEY_ENV} or [server] api_key "
+                     "to the key the service was started with")
+    if response.status_code != 200:
+        return _fail(f"the service at {url} answered /status with HTTP {response.status_code}: "
+                     f"{_error_message(response)}")
+    try:
+        data = response.json()
+    except ValueError:
+        return _fail(f"{url} answered /status with something other than JSON; is it a tray-app service?")
     if as_json:
         print(json.dumps(data, indent=2))
         return 0
@@ -104,6 +118,14 @@ def print_status(url: str, as_json: bool) -> int:
 
     print(render_status(data))
     return 0
+
+
+def _error_message(response: Any) -> str:
+    """The message of the service's error envelope, or the start of whatever came instead."""
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -118,7 +140,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         args = parser.parse_args(["tray"])
     if command == "status":
-        return print_status(args.url, args.json)
+        from .core.security import effective_api_key
+
+        try:
+            configured_key = load_config(args.config).server.api_key
+        except ConfigError as exc:
+            return _fail(str(exc))
+        return print_status(args.url, args.json, effective_api_key(configured_key))
     if command == "models":
         return run_models(args)
     if command == "drill":

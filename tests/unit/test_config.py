@@ -1,10 +1,12 @@
+import dataclasses
 import os
 import stat
 
 import pytest
 
 from tray_app.core.config import (
-    Config, ConfigError, apply_overrides, load_config, parse_config_text, save_config,
+    Config, ConfigError, ModelConfig, ServerConfig, apply_overrides, config_to_toml, load_config, log_dir,
+    parse_config_text, save_config,
 )
 
 
@@ -32,6 +34,51 @@ def test_toml_overrides_defaults():
 def test_bad_values_name_the_key(text, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
         parse_config_text(text)
+
+
+@pytest.mark.parametrize("text", [
+    "[breaker]\ncooldown_s = nan\n",
+    "[breaker]\ncooldown_s = inf\n",
+    "[gpu]\ntoken_timeout_s = +inf\n",
+    "[worker]\nbackoff_cap_s = " + "9" * 400 + "\n",
+])
+def test_float_keys_refuse_non_finite_numbers(text):
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        parse_config_text(text)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"breaker": {"window_s": float("nan")}},
+    {"cpu": {"assumed_tokens_per_s": float("inf")}},
+])
+def test_overrides_refuse_non_finite_numbers(overrides):
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        apply_overrides(Config(), overrides)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("[server]\nport = " + "9" * 30 + "\n", "[server] port must be at most 65535"),
+    # No upper bound of its own, but llama.cpp reads it as a C int.
+    ("[gpu]\nn_ctx = 4294967360\n", "[gpu] n_ctx must be at most 2147483647"),
+    ("[worker]\nn_batch = " + "9" * 30 + "\n", "[worker] n_batch must be at most 2147483647"),
+])
+def test_huge_whole_numbers_are_refused(text, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        parse_config_text(text)
+
+
+# Every character TOML forbids raw in a basic string, and the two it escapes.
+AWKWARD = "".join(chr(c) for c in range(0x20)) + "\x7f" + '"\\' + "é ok"
+
+
+@pytest.mark.parametrize("value", [AWKWARD, 'x"\nport = 1\n[gpu]\nenabled = false\n#', "trailing backslash\\"])
+def test_strings_with_control_characters_round_trip(value):
+    config = dataclasses.replace(
+        Config(),
+        server=ServerConfig(api_key=value, cors_origins=(value, "http://localhost:3000")),
+        model=ModelConfig(path=value),
+    )
+    assert parse_config_text(config_to_toml(config)) == config
 
 
 def test_float_keys_accept_integers():
@@ -64,3 +111,12 @@ def test_the_commented_example_config_is_the_defaults():
     example = Path(__file__).resolve().parents[2] / "resources" / "config.example.toml"
     config = parse_config_text(example.read_text())
     assert config == Config(source=None)
+
+
+def test_log_dir_is_private_even_if_it_existed_world_readable(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    existing = tmp_path / "state" / "tray-app" / "log"
+    existing.mkdir(parents=True, mode=0o755)
+    os.chmod(existing, 0o755)
+    assert log_dir() == existing
+    assert stat.S_IMODE(os.stat(existing).st_mode) == 0o700

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Any, Mapping
 import platformdirs
 
 from .estimate import DEFAULT_GPU_RESERVE_MIB
-from .files import write_atomically
+from .files import make_private_dir, write_atomically
 
 APP_NAME = "tray-app"
 DEFAULT_PORT = 8642
@@ -42,6 +43,8 @@ class ServerConfig:
     # A client that has not sent its headers, or its body, in this long is cut off.
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    # Open client connections at once; past it a new one gets a 503 at once.
+    max_connections: int = 256
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("server", "max_body_bytes"): (1024, None),
     ("server", "header_timeout_s"): (0.1, None),
     ("server", "body_timeout_s"): (0.1, None),
+    ("server", "max_connections"): (1, 65536),
     ("gpu", "n_gpu_layers"): (-1, None),
     ("gpu", "n_ctx"): (64, None),
     ("gpu", "max_concurrency"): (1, None),
@@ -151,6 +155,10 @@ _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("worker", "backoff_cap_s"): (0.0, None),
     ("worker", "n_batch"): (1, None),
 }
+# The ceiling of every whole number: several become C `int` arguments to
+# llama.cpp (n_ctx, n_batch, n_gpu_layers, n_threads), where a larger value
+# wraps around, and none of the others has a sane value above it.
+_INT_MAX = 2**31 - 1
 
 
 def config_dir() -> Path:
@@ -162,7 +170,8 @@ def default_config_path() -> Path:
 
 
 def log_dir() -> Path:
-    return Path(platformdirs.user_log_dir(APP_NAME))
+    """The log directory, created private: worker logs can hold prompts and answers."""
+    return make_private_dir(Path(platformdirs.user_log_dir(APP_NAME)))
 
 
 def models_dir() -> Path:
@@ -187,13 +196,22 @@ def _coerce(section: str, key: str, expected: Any, value: Any) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, got {value!r}")
         return value
+    low, high = _BOUNDS.get((section, key), (None, None))
     if isinstance(expected, int):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where} must be a whole number, got {value!r}")
+        high = _INT_MAX if high is None else min(high, _INT_MAX)
     elif isinstance(expected, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where} must be a number, got {value!r}")
-        value = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # TOML integers have no size limit
+            number = math.inf
+        # nan compares false with every bound, so it would slip past them.
+        if not math.isfinite(number):
+            raise ConfigError(f"{where} must be a finite number, got {value!r}")
+        value = number
     elif isinstance(expected, str):
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string, got {value!r}")
@@ -201,8 +219,11 @@ def _coerce(section: str, key: str, expected: Any, value: Any) -> Any:
     elif isinstance(expected, tuple):
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+        if (section, key) == ("server", "allowed_hosts") and any("*" in v for v in value):
+            raise ConfigError(f"{where} takes host names, not wildcards: a '*' would switch off the Host "
+                              "check that blocks DNS rebinding; list each name clients use, e.g. "
+                              '["myhost.lan"]')
         return tuple(value)
-    low, high = _BOUNDS.get((section, key), (None, None))
     if low is not None and value < low:
         raise ConfigError(f"{where} must be at least {low}, got {value}")
     if high is not None and value > high:
@@ -286,11 +307,24 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-        return f'"{escaped}"'
+        return '"' + "".join(_toml_char(c) for c in value) + '"'
     if isinstance(value, tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} to TOML")
+
+
+# TOML basic strings may not hold control characters (U+0000-U+001F, U+007F)
+# raw: a raw newline would end the value, and the rest would be read as keys.
+_TOML_SHORT_ESCAPES = {"\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r",
+                       '"': '\\"', "\\": "\\\\"}
+
+
+def _toml_char(char: str) -> str:
+    if char in _TOML_SHORT_ESCAPES:
+        return _TOML_SHORT_ESCAPES[char]
+    if char < " " or char == "\x7f":
+        return f"\\u{ord(char):04X}"
+    return char
 
 
 def save_config(config: Config, path: str | os.PathLike | None = None) -> Path:

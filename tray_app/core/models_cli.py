@@ -175,10 +175,9 @@ def read_headroom(config: Config, url: str, *, simulate_requested: bool) -> Head
 def _fetch_status(url: str, config: Config) -> tuple[dict[str, Any] | None, str]:
     import httpx
 
-    from .security import effective_api_key
+    from .security import bearer_header, effective_api_key
 
-    key = effective_api_key(config.server.api_key)
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = bearer_header(effective_api_key(config.server.api_key))
     try:
         response = httpx.get(f"{url.rstrip('/')}/status", headers=headers, timeout=STATUS_TIMEOUT_S)
     except httpx.HTTPError:

@@ -38,8 +38,15 @@ def is_loopback(host: str) -> bool:
 
 
 def effective_api_key(configured: str) -> str:
-    """The environment wins, so a key need not be written to disk."""
+    """The one rule for which key is in force, `configured` being [server] api_key.
+    The environment wins, so a key need not be written to disk. The server checks
+    requests against this and every client of ours sends it, so they can't disagree."""
     return os.environ.get(API_KEY_ENV, "") or configured
+
+
+def bearer_header(api_key: str) -> dict[str, str]:
+    """The Authorization header a client sends with `api_key`; none without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def bind_problem(host: str, api_key: str) -> str | None:
@@ -75,9 +82,8 @@ class AccessPolicy:
         if not host_header:
             return False
         name = host_name(host_header)
-        if "*" in self.allowed_hosts or name in self.allowed_hosts:
-            return True
-        if is_loopback(name):
+        # Exact names only: a wildcard would let a rebinding page's name through too.
+        if name in self.allowed_hosts or is_loopback(name):
             return True
         # Bound to a LAN address: clients use that address (or a configured name).
         return not is_loopback(self.bound_host) and self.bound_host not in ("0.0.0.0", "::") and name == self.bound_host

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from ..core.security import bearer_header
 from .records import RequestRecord
 
 # Seconds without a byte before the client gives up on a request. Generous:
@@ -35,12 +36,14 @@ class DrillClock:
 
 
 class DrillClient:
-    def __init__(self, base_url: str, clock: DrillClock, on_done: Callable[[RequestRecord], None] | None = None):
+    def __init__(self, base_url: str, clock: DrillClock, on_done: Callable[[RequestRecord], None] | None = None,
+                 api_key: str = ""):
         self.base_url = base_url.rstrip("/")
         self.clock = clock
         self._on_done = on_done
         self.http = httpx.Client(
             base_url=self.base_url,
+            headers=bearer_header(api_key),
             timeout=httpx.Timeout(connect=10.0, read=READ_TIMEOUT_S, write=30.0, pool=120.0),
             limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
         )

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from ..core.admission import GPU_OUT_REASONS
+from ..core.security import bearer_header
 from .client import DrillClock
 
 GPU_OUT_REASON_CODES = frozenset(reason.value for reason in GPU_OUT_REASONS)
@@ -46,8 +47,9 @@ class RequestTrace:
 
 
 class StatusMonitor:
-    def __init__(self, base_url: str, clock: DrillClock, interval_s: float = SAMPLE_INTERVAL_S) -> None:
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=5.0)
+    def __init__(self, base_url: str, clock: DrillClock, interval_s: float = SAMPLE_INTERVAL_S,
+                 api_key: str = "") -> None:
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=bearer_header(api_key), timeout=5.0)
         self._clock = clock
         self._interval = interval_s
         self._stop = threading.Event()

@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from ..core.config import parse_config_text
+from ..core.security import bearer_header, effective_api_key
 from ..core.worker import free_loopback_port
 from . import plan as plans
 from .pressure import Pressure, RealGpuPressure, SimulatedPressure
@@ -52,6 +54,8 @@ class Target:
     """What every target offers; fault injection only where `can_inject` is true."""
 
     url: str
+    # What the service checks requests against (security.effective_api_key); "" = none.
+    api_key: str = ""
     description: str
     simulated: bool
     can_inject: bool = False
@@ -68,15 +72,16 @@ class Target:
 
 
 class LiveService(Target):
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, api_key: str = "") -> None:
         self.url = url.rstrip("/")
+        self.api_key = api_key
         self.device = "live service"
         self.description = f"live service at {self.url} (no faults injected)"
         self.simulated = False
 
     def start(self) -> dict[str, Any]:
         try:
-            status = httpx.get(f"{self.url}/status", timeout=10.0).json()
+            status = httpx.get(f"{self.url}/status", headers=bearer_header(self.api_key), timeout=10.0).json()
         except (httpx.HTTPError, ValueError) as exc:
             raise TargetError(f"no tray-app service answers at {self.url} ({type(exc).__name__}: {exc})") from None
         self.simulated = bool((status.get("gpu") or {}).get("simulated"))
@@ -94,6 +99,8 @@ class OwnService(Target):
         self.port = free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config_text = plans.service_config(simulated=simulated)
+        # The service inherits our environment, so a TRAY_APP_API_KEY there is its key.
+        self.api_key = effective_api_key(parse_config_text(self.config_text).server.api_key)
         self._model = model
         self._process: subprocess.Popen | None = None
         self._log_path = workdir / "service.log"
@@ -118,12 +125,13 @@ class OwnService(Target):
         self._log = open(self._log_path, "wb")
         self._process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         status = self._wait_ready()
-        self.pressure = SimulatedPressure(self.url) if self.simulated else RealGpuPressure(self.url, status, self.workdir)
+        self.pressure = (SimulatedPressure(self.url, self.api_key) if self.simulated
+                         else RealGpuPressure(self.url, status, self.workdir))
         return status
 
     def _wait_ready(self) -> dict[str, Any]:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        with httpx.Client(base_url=self.url, timeout=5.0) as http:
+        with httpx.Client(base_url=self.url, headers=bearer_header(self.api_key), timeout=5.0) as http:
             while time.monotonic() < deadline:
                 assert self._process is not None
                 if self._process.poll() is not None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any, Callable
 
 from PySide6.QtCore import QByteArray, QObject, QTimer, QUrl, Signal
 from PySide6.QtNetwork import QNetworkAccessManager, QNetworkProxy, QNetworkReply, QNetworkRequest
 
+from ..core.security import bearer_header, effective_api_key
 from .viewmodel import error_message
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
@@ -42,11 +42,13 @@ class ServiceClient(QObject):
 
     def __init__(self, base_url: str, *, interval_ms: int = 1000, api_key: str | None = None,
                  parent: QObject | None = None) -> None:
+        """`api_key` is the configured one ([server] api_key); TRAY_APP_API_KEY
+        overrides it, by the same rule the service applies to requests."""
         super().__init__(parent)
         self.nam = QNetworkAccessManager(self)
         self._base_url = ""
         self.set_base_url(base_url)
-        self._api_key = api_key if api_key is not None else os.environ.get("TRAY_APP_API_KEY", "")
+        self._api_key = effective_api_key(api_key or "")
         self._timer = QTimer(self)
         self._timer.setInterval(interval_ms)
         self._timer.timeout.connect(self.poll_now)
@@ -88,8 +90,8 @@ class ServiceClient(QObject):
         request = QNetworkRequest(QUrl(self._base_url + path))
         request.setTransferTimeout(timeout_ms)
         request.setAttribute(QNetworkRequest.Attribute.Http2AllowedAttribute, False)
-        if self._api_key:
-            request.setRawHeader(b"Authorization", f"Bearer {self._api_key}".encode())
+        for name, value in bearer_header(self._api_key).items():
+            request.setRawHeader(name.encode(), value.encode())
         return request
 
     # ----- polling -----------------------------------------------------------------------

@@ -1,0 +1,27 @@
+"""The tray sends the key the service checks: the environment's over the config's."""
+
+from __future__ import annotations
+
+import pytest
+
+from tray_app.core.security import API_KEY_ENV
+from tray_app.ui.client import ServiceClient
+
+
+def sent_authorization(client: ServiceClient) -> bytes:
+    return client.request("/status").rawHeader("Authorization").data()
+
+
+@pytest.mark.parametrize("environment, configured, expected", [
+    ("from-env", "from-config", b"Bearer from-env"),
+    (None, "from-config", b"Bearer from-config"),
+    ("from-env", None, b"Bearer from-env"),
+    (None, None, b""),
+])
+def test_the_tray_resolves_the_key_as_the_service_does(qtbot, monkeypatch, environment, configured, expected):
+    if environment is None:
+        monkeypatch.delenv(API_KEY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(API_KEY_ENV, environment)
+    client = ServiceClient("http://127.0.0.1:9", api_key=configured)
+    assert sent_authorization(client) == expected

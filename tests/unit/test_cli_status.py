@@ -1,0 +1,45 @@
+"""`tray-app status` against a service that requires an API key."""
+
+from __future__ import annotations
+
+import pytest
+
+from tray_app.cli import main
+from tray_app.core.security import API_KEY_ENV
+
+
+@pytest.fixture
+def no_key_in_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    # The user's own config must not leak a key into the test.
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
+
+
+def config_with_key(tmp_path, key: str):
+    path = tmp_path / "config.toml"
+    path.write_text(f'[server]\napi_key = "{key}"\n')
+    return path
+
+
+def test_status_sends_the_configured_key(key_checking_service, no_key_in_environment, tmp_path, capsys):
+    config = config_with_key(tmp_path, key_checking_service.api_key)
+    assert main(["status", "--url", key_checking_service.url, "--config", str(config)]) == 0
+    assert key_checking_service.authorizations == ["Bearer the-right-key"]
+    assert "fake-model" in capsys.readouterr().out
+
+
+def test_status_sends_the_environment_key_over_the_configured_one(key_checking_service, no_key_in_environment,
+                                                                   monkeypatch, tmp_path):
+    monkeypatch.setenv(API_KEY_ENV, key_checking_service.api_key)
+    config = config_with_key(tmp_path, "a-stale-key")
+    assert main(["status", "--url", key_checking_service.url, "--config", str(config)]) == 0
+    assert key_checking_service.authorizations == ["Bearer the-right-key"]
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_status_refused_is_an_error_not_an_empty_status(key_checking_service, no_key_in_environment, capsys,
+                                                         as_json):
+    assert main(["status", "--url", key_checking_service.url, *(["--json"] if as_json else [])]) != 0
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "HTTP 401" in err and API_KEY_ENV in err
