@@ -8,6 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tray_app.core import gguf_info
+
 
 LONG_PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
@@ -96,3 +98,17 @@ def background(live):
         live.http.delete(f"/v1/requests/{request.request_id}")
     for request in started:
         request.done.wait(60)
+
+
+@pytest.fixture
+def parser_threads(monkeypatch) -> list[threading.Thread]:
+    """The threads the real model-file parser runs on, as the dialog calls it."""
+    threads: list[threading.Thread] = []
+    real_parser = gguf_info.read_model_info
+
+    def recording_parser(path):
+        threads.append(threading.current_thread())
+        return real_parser(path)
+
+    monkeypatch.setattr(gguf_info, "read_model_info", recording_parser)
+    return threads

@@ -4,6 +4,7 @@ not saved; good ones are written to the config file (and only they)."""
 from __future__ import annotations
 
 import sys
+import threading
 import tomllib
 from pathlib import Path
 
@@ -32,6 +33,13 @@ def dialog(qtbot, config_file: Path):
     return dialog
 
 
+def save(qtbot, dialog) -> bool:
+    """Press Save and wait for its answer: the values are checked off the GUI thread."""
+    with qtbot.waitSignal(dialog.save_finished, timeout=10_000) as finished:
+        dialog.save()
+    return finished.args[0]
+
+
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("gpu_ctx", "10", "[gpu] n_ctx must be at least 64, got 10"),
     ("cpu_ctx", "2k", "must be a whole number, got '2k'"),
@@ -46,7 +54,7 @@ def test_an_invalid_value_is_shown_next_to_its_field_and_not_saved(qtbot, dialog
     saved: list = []
     dialog.saved.connect(lambda *args: saved.append(args))
     dialog.edits[field].setText(value)
-    assert dialog.save() is False
+    assert save(qtbot, dialog) is False
     error = dialog.errors[field]
     assert error.isVisible()
     assert message in error.text()
@@ -61,10 +69,10 @@ def test_an_invalid_value_is_shown_next_to_its_field_and_not_saved(qtbot, dialog
     assert not error.isVisible()
 
 
-def test_several_bad_fields_each_get_their_own_message(dialog, config_file) -> None:
+def test_several_bad_fields_each_get_their_own_message(qtbot, dialog, config_file) -> None:
     dialog.edits["gpu_ctx"].setText("1")
     dialog.edits["port"].setText("http")
-    assert dialog.save() is False
+    assert save(qtbot, dialog) is False
     assert "[gpu] n_ctx must be at least 64" in dialog.errors["gpu_ctx"].text()
     assert "must be a whole number" in dialog.errors["port"].text()
     assert not dialog.errors["cpu_ctx"].isVisible()
@@ -77,7 +85,7 @@ def test_valid_changes_are_saved_and_handed_on(qtbot, dialog, config_file) -> No
     dialog.edits["port"].setText("18999")
     dialog.edits["model_path"].setText(model)
     with qtbot.waitSignal(dialog.saved, timeout=5000) as saved:
-        assert dialog.save() is True
+        assert save(qtbot, dialog) is True
     new_config, changes = saved.args
     assert changes == {"cpu": {"n_ctx": 1024}, "server": {"port": 18999}, "model": {"path": model}}
     assert new_config.cpu.n_ctx == 1024 and new_config.server.port == 18999
@@ -95,7 +103,7 @@ def test_valid_changes_are_saved_and_handed_on(qtbot, dialog, config_file) -> No
 def test_saving_nothing_changed_writes_nothing(qtbot, dialog, config_file) -> None:
     saved: list = []
     dialog.saved.connect(lambda *args: saved.append(args))
-    assert dialog.save() is True
+    assert save(qtbot, dialog) is True
     assert saved == []
     assert config_file.read_text() == FILE_TEXT
 
@@ -108,5 +116,57 @@ def test_without_a_file_it_saves_to_the_default_place(qtbot, tmp_path, monkeypat
     qtbot.addWidget(dialog)
     assert str(default_config_path()) in dialog.note.text()
     dialog.edits["gpu_ctx"].setText("2048")
-    assert dialog.save() is True
+    assert save(qtbot, dialog) is True
     assert tomllib.loads(default_config_path().read_text())["gpu"]["n_ctx"] == 2048
+
+
+def test_model_files_are_read_off_the_gui_thread(qtbot, dialog, config_file, parser_threads) -> None:
+    # A stranger's model file can take seconds to read; the GUI must not wait for it.
+    dialog.edits["model_path"].setText(str(bundled_model_path()))
+    dialog.edits["fallback_path"].setText(sys.executable)
+    assert save(qtbot, dialog) is False
+    assert len(parser_threads) == 2
+    assert threading.main_thread() not in parser_threads
+    assert "is not a GGUF file" in dialog.errors["fallback_path"].text()
+    assert not dialog.errors["model_path"].isVisible()
+    assert config_file.read_text() == FILE_TEXT
+
+
+def test_save_cannot_be_pressed_again_while_checking(qtbot, dialog, config_file) -> None:
+    dialog.edits["model_path"].setText(str(bundled_model_path()))
+    with qtbot.waitSignal(dialog.save_finished, timeout=10_000) as finished:
+        dialog.save()
+        check = dialog.pending_check
+        assert check is not None and not dialog.save_button.isEnabled()
+        dialog.save()  # a second press joins the check under way
+        assert dialog.pending_check is check
+    assert finished.args == [True]
+    assert dialog.save_button.isEnabled()
+    assert tomllib.loads(config_file.read_text())["model"]["path"] == str(bundled_model_path())
+
+
+def test_cancel_while_checking_saves_nothing(qtbot, dialog, config_file) -> None:
+    outcomes: list = []
+    dialog.saved.connect(lambda *args: outcomes.append(("saved", args)))
+    dialog.save_finished.connect(lambda ok: outcomes.append(("finished", ok)))
+    dialog.edits["port"].setText("18998")
+    dialog.save()
+    check = dialog.pending_check
+    # The answer reaches the GUI thread only through its event loop, so it
+    # cannot arrive before this reject().
+    with qtbot.waitSignal(check.delivered, timeout=10_000):
+        dialog.reject()
+    assert outcomes == []
+    assert config_file.read_text() == FILE_TEXT
+    assert dialog.pending_check is None and dialog.save_button.isEnabled()
+
+
+def test_values_edited_while_checking_are_checked_again(qtbot, dialog, config_file) -> None:
+    dialog.edits["port"].setText("18998")
+    with qtbot.waitSignal(dialog.save_finished, timeout=10_000) as finished:
+        dialog.save()
+        # Typed before the first check could answer (it answers through the event loop).
+        dialog.edits["port"].setText("http")
+    assert finished.args == [False]
+    assert "must be a whole number, got 'http'" in dialog.errors["port"].text()
+    assert config_file.read_text() == FILE_TEXT

@@ -279,8 +279,9 @@ def test_copy_api_url_and_open_logs(qtbot, controller, live, monkeypatch) -> Non
     assert opened == [str(__import__("pathlib").Path(worker_log).parent)]
 
 
-def test_choose_model_validates_the_file_and_saves_it(qtbot, live, tmp_path, monkeypatch) -> None:
+def test_choose_model_validates_the_file_and_saves_it(qtbot, live, tmp_path, monkeypatch, parser_threads) -> None:
     import sys
+    import threading
 
     from PySide6.QtWidgets import QMessageBox
 
@@ -294,14 +295,21 @@ def test_choose_model_validates_the_file_and_saves_it(qtbot, live, tmp_path, mon
     warnings: list[str] = []
     monkeypatch.setattr(QMessageBox, "warning", staticmethod(lambda parent, title, text: warnings.append(text)))
 
+
+    # The file is read off the GUI thread; its verdict arrives through the event loop.
     monkeypatch.setattr(settings, "choose_model_file", lambda parent, start="": sys.executable)
     controller.choose_model_action.trigger()
+    with qtbot.waitSignal(controller.model_check.delivered, timeout=10_000):
+        pass
     assert len(warnings) == 1 and "is not a GGUF file" in warnings[0]
     assert config_file.read_text() == "[cpu]\nn_ctx = 2048\n"
 
     model = str(bundled_model_path())
     monkeypatch.setattr(settings, "choose_model_file", lambda parent, start="": model)
     controller.choose_model_action.trigger()
+    with qtbot.waitSignal(controller.model_check.delivered, timeout=10_000):
+        pass
+    assert len(parser_threads) == 2 and threading.main_thread() not in parser_threads
     assert load_config(config_file).model.path == model
     assert controller.config.model.path == model
     assert controller.notices[-1][1] == "Settings saved"

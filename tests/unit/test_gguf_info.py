@@ -4,10 +4,13 @@ import importlib.util
 import os
 import shutil
 import struct
+import tracemalloc
 from pathlib import Path
 
 import pytest
+from gguf import GGUFValueType
 
+from tray_app.core import gguf_info
 from tray_app.core.gguf_info import ModelFileError, ModelInfo, read_model_info
 
 
@@ -190,4 +193,178 @@ def test_absurd_counts_fail_fast(tmp_path: Path) -> None:
     # A corrupt header claiming 2^62 metadata entries must not be walked entry by entry.
     absurd = tmp_path / "absurd.gguf"
     absurd.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2**62) + b"\x00" * 4096)
-    assert "truncated or corrupt" in error_for(absurd)
+    assert "is corrupt (it claims 4,611,686,018,427,387,904 metadata entries" in error_for(absurd)
+
+
+# --- Hostile files, built byte by byte ---------------------------------------
+# A stranger's file can claim anything; these check that each claim is capped
+# before it costs time or memory, and that every failure is a ModelFileError.
+
+UINT8, UINT32, INT32 = GGUFValueType.UINT8, GGUFValueType.UINT32, GGUFValueType.INT32
+FLOAT32, STRING, ARRAY, UINT64 = GGUFValueType.FLOAT32, GGUFValueType.STRING, GGUFValueType.ARRAY, GGUFValueType.UINT64
+SPARSE_FILE_BYTES = 512 << 20  # as in the defect report: free on disk, and past every file-size check
+
+
+def gguf_string(text: str | bytes) -> bytes:
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def entry(key: str, value_type: GGUFValueType, payload: bytes) -> bytes:
+    return gguf_string(key) + struct.pack("<I", value_type) + payload
+
+
+def array_header(item_type: GGUFValueType, length: int) -> bytes:
+    return struct.pack("<IQ", item_type, length)
+
+
+def hand_built_model(*, extra: tuple[bytes, ...] = (), block_count: bytes = struct.pack("<I", 2),
+                     block_count_type: GGUFValueType = UINT32, architecture: str = "llama",
+                     tensor_count: int | None = None, metadata_count: int | None = None) -> bytes:
+    """A complete, tiny llama-architecture GGUF file: 2 blocks of one F32 norm each."""
+    metadata = [
+        entry("general.architecture", STRING, gguf_string(architecture)),
+        entry(f"{architecture}.block_count", block_count_type, block_count),
+        entry(f"{architecture}.embedding_length", UINT32, struct.pack("<I", 8)),
+        entry(f"{architecture}.attention.head_count", UINT32, struct.pack("<I", 2)),
+        entry("tokenizer.ggml.tokens", ARRAY, array_header(STRING, 3) + b"".join(map(gguf_string, "abc"))),
+        *extra,
+    ]
+    tensors = [  # name, n_dims, dims, type F32 (0), offset
+        gguf_string(f"blk.{block}.attn_norm.weight") + struct.pack("<I", 1) + struct.pack("<QIQ", 8, 0, 32 * block)
+        for block in range(2)
+    ]
+    header = b"GGUF" + struct.pack(
+        "<IQQ", 3, len(tensors) if tensor_count is None else tensor_count,
+        len(metadata) if metadata_count is None else metadata_count,
+    ) + b"".join(metadata) + b"".join(tensors)
+    header += bytes(-len(header) % 32)  # tensor data starts aligned
+    return header + bytes(64)
+
+
+def test_the_hand_built_model_is_read(tmp_path: Path) -> None:
+    # The baseline every hostile variant below departs from.
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(hand_built_model())
+    info = read_model_info(model)
+    assert (info.architecture, info.n_layer, info.n_embd, info.n_head, info.n_vocab) == ("llama", 2, 8, 2, 3)
+    assert info.layer_bytes == (32, 32)
+
+
+def sparse_file(path: Path, header: bytes) -> Path:
+    path.write_bytes(header)
+    os.truncate(path, SPARSE_FILE_BYTES)  # the rest reads as zeros and takes no disk
+    return path
+
+
+def peak_traced_bytes(action) -> int:
+    tracemalloc.start()
+    try:
+        action()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+@pytest.mark.parametrize(("claim", "header"), [
+    ("16,777,216 tensors", hand_built_model(tensor_count=2**24)),
+    ("16,777,216 metadata entries", hand_built_model(metadata_count=2**24)),
+    ("67,108,864 array items", hand_built_model(extra=(entry("big", ARRAY, array_header(UINT32, 2**26)),))),
+    ("268,435,456 bytes in a string",
+     hand_built_model(extra=(entry("general.name", STRING, struct.pack("<Q", 2**28)),))),
+], ids=["tensors", "metadata", "array", "string"])
+def test_a_sparse_file_cannot_buy_work_with_zeros(tmp_path: Path, claim: str, header: bytes) -> None:
+    # Each claim fits in the 512 MiB the file says it has, so a file-size
+    # check lets it through; before the caps each cost gigabytes of RAM.
+    hostile = sparse_file(tmp_path / "sparse.gguf", header)
+    messages: list[str] = []
+    peak = peak_traced_bytes(lambda: messages.append(error_for(hostile)))
+    assert f"is corrupt (it claims {claim}, more than the " in messages[0]
+    assert peak < 4 << 20
+
+
+def test_a_header_past_the_size_cap_is_refused(tmp_path: Path) -> None:
+    # 20 strings of the largest allowed length: each within its cap, but
+    # together more header than any model has, so the walk stops at the cap.
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + entry("tokenizer.ggml.tokens", ARRAY, array_header(STRING, 20))
+    hostile = sparse_file(tmp_path / "sparse.gguf", header)
+    with open(hostile, "r+b") as file:
+        for index in range(20):
+            file.seek(len(header) + index * (8 + gguf_info.MAX_STRING_BYTES))
+            file.write(struct.pack("<Q", gguf_info.MAX_STRING_BYTES))
+    assert "is corrupt (the header runs past 64 MiB" in error_for(hostile)
+
+
+@pytest.mark.parametrize(("value", "value_type", "complaint"), [
+    (struct.pack("<Q", 2**40), UINT64, "llama.block_count is 1,099,511,627,776, more than the 512 llama.cpp allows"),
+    (struct.pack("<I", 513), UINT32, "llama.block_count is 513, more than the 512 llama.cpp allows"),
+    (struct.pack("<I", 0), UINT32, "llama.block_count is 0"),
+    (struct.pack("<f", float("nan")), FLOAT32, "llama.block_count is nan, not a count"),
+], ids=["2^40", "513", "0", "nan"])
+def test_block_count_must_be_what_llama_cpp_accepts(tmp_path: Path, value: bytes, value_type: GGUFValueType,
+                                                    complaint: str) -> None:
+    # block_count sizes a list per layer: 2^40 of them was a MemoryError.
+    model = tmp_path / "blocks.gguf"
+    model.write_bytes(hand_built_model(block_count=value, block_count_type=value_type))
+    assert f"is corrupt ({complaint})" in error_for(model)
+
+
+def test_per_layer_head_counts_are_bounded_by_the_layer_cap(tmp_path: Path) -> None:
+    per_layer = entry("llama.attention.head_count_kv", ARRAY,
+                      array_header(INT32, 600) + struct.pack("<600i", *[2] * 600))
+    model = tmp_path / "heads.gguf"
+    model.write_bytes(hand_built_model(extra=(per_layer,)))
+    assert "llama.attention.head_count_kv has 600 per-layer values; llama.cpp allows at most 512" in error_for(model)
+
+
+def test_per_layer_head_counts_within_the_cap_take_the_widest_layer(tmp_path: Path) -> None:
+    per_layer = entry("llama.attention.head_count_kv", ARRAY, array_header(INT32, 2) + struct.pack("<2i", 1, 2))
+    model = tmp_path / "heads.gguf"
+    model.write_bytes(hand_built_model(extra=(per_layer,)))
+    assert read_model_info(model).n_head_kv == 2
+
+
+def nested_arrays(depth: int) -> bytes:
+    """An array of arrays ... `depth` arrays deep, the innermost an empty array of bytes."""
+    return entry("nested", ARRAY, array_header(ARRAY, 1) * (depth - 1) + array_header(UINT8, 0))
+
+
+def test_arrays_may_nest_only_a_few_deep(tmp_path: Path) -> None:
+    model = tmp_path / "nested.gguf"
+    model.write_bytes(hand_built_model(extra=(nested_arrays(gguf_info.MAX_ARRAY_NESTING),)))
+    assert read_model_info(model).n_layer == 2
+    for depth in (gguf_info.MAX_ARRAY_NESTING + 1, 100_000):  # 100,000 deep was a RecursionError
+        model.write_bytes(hand_built_model(extra=(nested_arrays(depth),)))
+        assert "is corrupt (its metadata arrays nest more than 4 deep)" in error_for(model)
+
+
+def test_an_architecture_name_cannot_smuggle_lines_into_the_message(tmp_path: Path) -> None:
+    model = tmp_path / "arch.gguf"
+    model.write_bytes(hand_built_model(architecture="llama\nRun rm -rf ~ to fix this"))
+    assert "general.architecture is 'llama\\nRun rm -rf ~ to fix this', not an architecture name" in error_for(model)
+
+
+def test_tensor_names_from_the_file_are_quoted_on_one_line(tmp_path: Path) -> None:
+    # A tensor name with a newline, whose data lies past the end of the file.
+    model = tmp_path / "names.gguf"
+    full = hand_built_model().replace(b"\x16\x00\x00\x00\x00\x00\x00\x00blk.1.attn_norm.weight",
+                                      b"\x16\x00\x00\x00\x00\x00\x00\x00blk.1.attn\nnorm.weight")
+    model.write_bytes(full[:-20])
+    assert "truncated or corrupt (tensor 'blk.1.attn\\nnorm.weight' ends at byte" in error_for(model)
+
+
+def test_every_truncation_of_a_valid_file_is_a_model_error(tmp_path: Path) -> None:
+    # Cut anywhere, from inside the magic to inside the tensor data, the
+    # answer is the one-line error, never another exception.
+    per_layer = entry("llama.attention.head_count_kv", ARRAY, array_header(INT32, 2) + struct.pack("<2i", 1, 2))
+    template = entry("tokenizer.chat_template", STRING, gguf_string("{{ messages }}"))
+    full = hand_built_model(extra=(per_layer, template, nested_arrays(2)))
+    model = tmp_path / "cut.gguf"
+    model.write_bytes(full)
+    assert read_model_info(model).n_head_kv == 2
+    for length in range(len(full)):
+        model.write_bytes(full[:length])
+        message = error_for(model)
+        assert any(reason in message for reason in ("is empty", "not a GGUF file", "truncated or corrupt")), (
+            length, message)

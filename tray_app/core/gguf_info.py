@@ -9,14 +9,21 @@ tables (quant block sizes, file-type names) from the ``gguf`` package.
 
 Every failure surfaces as a one-line ``ModelFileError`` that names the file
 and says what to do; nothing here lets a traceback reach the user.
+
+Files may come from strangers, and a sparse file can claim gigabytes of
+header for free, so every count is capped before it is walked and the whole
+header is capped in size: parsing a hostile file costs bounded time and memory.
 """
 
 from __future__ import annotations
 
+import array
+import math
 import mmap
 import os
 import re
 import struct
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +35,25 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_GGUF_VERSIONS = (2, 3)  # v1 predates 64-bit counts; llama.cpp refuses it too
 DEFAULT_ALIGNMENT = 32  # GGUF spec default when general.alignment is absent
 MAX_TENSOR_DIMS = 4  # GGML_MAX_DIMS; more means the header is garbage
+
+# Caps on what a header may claim.  A sparse file makes file-size checks
+# worthless (gigabytes of zeros cost nothing on disk), so these bound the work
+# and memory a hostile file can demand.  Each is far above any real model.
+MAX_TENSOR_COUNT = 262_144  # the largest real models have a few thousand tensors
+MAX_METADATA_COUNT = 65_536  # real models have under a hundred key-value pairs
+MAX_ARRAY_LENGTH = 1 << 22  # vocabularies and merge lists reach ~500k entries
+MAX_STRING_BYTES = 4 << 20  # the longest values, chat templates, are tens of KiB
+MAX_ARRAY_NESTING = 4  # llama.cpp rejects arrays of arrays; 1 level is all real files use
+# Everything before the tensor data.  Big-vocabulary models need ~10 MiB; the
+# cap also bounds the total walk, since every walked item uses header bytes.
+MAX_HEADER_BYTES = 64 << 20
+# llama.cpp keeps per-layer hyperparameters in arrays of this size and refuses
+# a larger block_count (LLAMA_MAX_LAYERS).
+LLAMA_MAX_LAYERS = 512
+# llama.cpp reads the other hyperparameters as uint32.
+MAX_HYPERPARAMETER = 2**32 - 1
+# Longest problem description quoted from a file in an error message.
+_MAX_DETAIL_CHARS = 300
 
 # Hints appended to errors: the user fixes these by pointing the app elsewhere
 # or re-downloading, so the message says exactly that.
@@ -48,7 +74,13 @@ _SCALAR_FORMATS: dict[GGUFValueType, str] = {
     GGUFValueType.FLOAT64: "d",
 }
 
+# Numeric arrays are kept as array.array: memory equals the bytes in the file,
+# where a tuple of Python numbers would take up to 36 times that.  "B" stands
+# in for bool, which array.array lacks; only truthiness is ever read.
+_ARRAY_TYPECODES: dict[GGUFValueType, str] = {**_SCALAR_FORMATS, GGUFValueType.BOOL: "B"}
+
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")
+_ARCHITECTURE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # llama.cpp's are like "llama", "gpt-oss", "ernie4_5"
 
 
 class ModelFileError(Exception):
@@ -82,7 +114,7 @@ class ModelInfo:
         return sum(self.layer_bytes) + self.non_layer_bytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # up to MAX_TENSOR_COUNT of these: keep them small
 class _TensorEntry:
     name: str
     quant_type: GGMLQuantizationType
@@ -92,9 +124,11 @@ class _TensorEntry:
 
 
 @dataclass(frozen=True)
-class _StringArray:
-    """Stands in for a string array we skipped: only its length matters to us."""
+class _SkippedArray:
+    """Stands in for an array of strings or arrays that we walked past without
+    keeping: only its length matters to us."""
 
+    item_type: GGUFValueType
     length: int
 
 
@@ -113,63 +147,88 @@ class _HeaderCursor:
     def __init__(self, buffer: mmap.mmap, byte_order: str) -> None:
         self._buffer = buffer
         self._byte_order = byte_order
+        self._read_length = struct.Struct(byte_order + "Q").unpack_from
+        self._limit = min(len(buffer), MAX_HEADER_BYTES)
         self.position = 0
 
+    def _past_limit(self) -> Exception:
+        if self._limit < len(self._buffer):
+            return _Corrupt(f"the header runs past {MAX_HEADER_BYTES >> 20} MiB, far beyond any real model's")
+        return _Truncated()
+
     def expect_at_least(self, n_bytes: int) -> None:
-        # Counts come from the file; checking them up front keeps a corrupt
-        # count from spinning through billions of empty entries.
-        if self.position + n_bytes > len(self._buffer):
-            raise _Truncated
+        # Called with the smallest size a claimed count needs, before walking
+        # it, so a count the file cannot hold fails at once.
+        if self.position + n_bytes > self._limit:
+            raise self._past_limit()
 
     def unpack(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
-        if self.position + size > len(self._buffer):
-            raise _Truncated
+        self.expect_at_least(size)
         (value,) = struct.unpack_from(self._byte_order + fmt, self._buffer, self.position)
         self.position += size
         return value
 
-    def string(self) -> str:
-        length = self.unpack("Q")
-        end = self.position + length
-        if end > len(self._buffer):
-            raise _Truncated
-        raw = self._buffer[self.position : end]
-        self.position = end
+    def count(self, what: str, maximum: int) -> int:
+        value = self.unpack("Q")
+        if value > maximum:
+            raise _Corrupt(f"it claims {value:,} {what}, more than the {maximum:,} allowed")
+        return value
+
+    def string(self, what: str = "bytes in a string") -> str:
+        length = self.count(what, MAX_STRING_BYTES)
+        self.expect_at_least(length)
+        raw = self._buffer[self.position : self.position + length]
+        self.position += length
         return raw.decode("utf-8", errors="replace")
 
     def skip_strings(self, count: int) -> None:
-        # Vocabularies hold 10^5 strings: skip by length, never decode.
+        # Vocabularies hold 10^5 strings: skip by length, never decode.  The
+        # loop is the hot path for real models, hence the local names.
         self.expect_at_least(count * 8)
+        buffer, limit, read_length, position = self._buffer, self._limit, self._read_length, self.position
         for _ in range(count):
-            length = self.unpack("Q")  # advances past the length field first
-            self.position += length
-        if self.position > len(self._buffer):
-            raise _Truncated
+            if position + 8 > limit:
+                raise self._past_limit()
+            (length,) = read_length(buffer, position)
+            if length > MAX_STRING_BYTES:
+                raise _Corrupt(f"it claims {length:,} bytes in a string, more than the {MAX_STRING_BYTES:,} allowed")
+            position += 8 + length
+        self.position = position
+        self.expect_at_least(0)
 
     def value(self, value_type: int) -> Any:
         value_type = _value_type(value_type)
         if value_type is GGUFValueType.STRING:
             return self.string()
         if value_type is GGUFValueType.ARRAY:
-            return self._array()
+            return self._array(depth=1)
         return self.unpack(_SCALAR_FORMATS[value_type])
 
-    def _array(self) -> Any:
+    def _array(self, depth: int) -> Any:
+        if depth > MAX_ARRAY_NESTING:
+            raise _Corrupt(f"its metadata arrays nest more than {MAX_ARRAY_NESTING} deep")
         item_type = _value_type(self.unpack("I"))
-        count = self.unpack("Q")
+        length = self.count("array items", MAX_ARRAY_LENGTH)
         if item_type is GGUFValueType.STRING:
-            self.skip_strings(count)
-            return _StringArray(count)
+            self.skip_strings(length)
+            return _SkippedArray(item_type, length)
         if item_type is GGUFValueType.ARRAY:
-            self.expect_at_least(count * 12)  # each nested array: type u32 + count u64
-            return tuple(self._array() for _ in range(count))
-        item_format = _SCALAR_FORMATS[item_type]
-        total = struct.calcsize(item_format) * count
+            self.expect_at_least(length * 12)  # each nested array: type u32 + count u64
+            for _ in range(length):
+                self._array(depth + 1)
+            return _SkippedArray(item_type, length)
+        total = struct.calcsize(_SCALAR_FORMATS[item_type]) * length
         self.expect_at_least(total)
-        values = struct.unpack_from(f"{self._byte_order}{count}{item_format}", self._buffer, self.position)
+        values = array.array(_ARRAY_TYPECODES[item_type])
+        values.frombytes(self._buffer[self.position : self.position + total])
+        if self._byte_order != _NATIVE_BYTE_ORDER:
+            values.byteswap()
         self.position += total
         return values
+
+
+_NATIVE_BYTE_ORDER = "<" if sys.byteorder == "little" else ">"
 
 
 def _value_type(raw: int) -> GGUFValueType:
@@ -180,9 +239,14 @@ def _value_type(raw: int) -> GGUFValueType:
 
 
 def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
+    """The one place parse failures become ModelFileError: whatever goes wrong
+    inside (our own checks or an error nobody foresaw), the caller gets one
+    line that names the file."""
     model_path = Path(path)
     try:
         return _read_model_info(model_path)
+    except ModelFileError as error:
+        raise ModelFileError(_one_line(str(error))) from None
     except FileNotFoundError:
         raise ModelFileError(f"model file {model_path} does not exist: {_POINT_ELSEWHERE}") from None
     except IsADirectoryError:
@@ -195,12 +259,34 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
             "give your user read access to it or move it somewhere you own"
         ) from None
     except _Truncated as problem:
-        raise ModelFileError(f"model file {model_path} is truncated or corrupt ({problem}): {_REDOWNLOAD}") from None
+        raise ModelFileError(
+            f"model file {model_path} is truncated or corrupt ({_detail(problem)}): {_REDOWNLOAD}"
+        ) from None
     except _Corrupt as problem:
-        raise ModelFileError(f"model file {model_path} is corrupt ({problem}): {_REDOWNLOAD}") from None
+        raise ModelFileError(f"model file {model_path} is corrupt ({_detail(problem)}): {_REDOWNLOAD}") from None
     except OSError as error:
         reason = error.strerror or str(error)
-        raise ModelFileError(f"model file {model_path} cannot be read ({reason}): {_POINT_ELSEWHERE}") from None
+        raise ModelFileError(
+            f"model file {model_path} cannot be read ({_detail(reason)}): {_POINT_ELSEWHERE}"
+        ) from None
+    except Exception as error:  # noqa: BLE001 - a hostile header must not become a traceback
+        # MemoryError and RecursionError are Exceptions too; KeyboardInterrupt is not, and passes.
+        raise ModelFileError(
+            f"model file {model_path} is corrupt ({type(error).__name__}: {_detail(error)}): {_REDOWNLOAD}"
+        ) from None
+
+
+def _detail(problem: object) -> str:
+    return _one_line(str(problem), limit=_MAX_DETAIL_CHARS)
+
+
+def _one_line(text: str, limit: int | None = None) -> str:
+    # Messages quote names and values from the file, which may hold newlines,
+    # control characters or megabytes of text; the user gets one short line.
+    flat = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    if limit is not None and len(flat) > limit:
+        return flat[: limit - 1] + "…"
+    return flat
 
 
 def _read_model_info(model_path: Path) -> ModelInfo:
@@ -215,7 +301,7 @@ def _read_model_info(model_path: Path) -> ModelInfo:
         # llama.cpp refuses these too ("data is not within the file bounds").
         if data_start + tensor.end_offset > file_size:
             raise _Truncated(
-                f"tensor {tensor.name} ends at byte {data_start + tensor.end_offset:,} but the file has {file_size:,}"
+                f"tensor {tensor.name!r} ends at byte {data_start + tensor.end_offset:,} but the file has {file_size:,}"
             )
     return _build_info(model_path, file_size, metadata, tensors)
 
@@ -242,13 +328,13 @@ def _parse_header(buffer: mmap.mmap, model_path: Path) -> tuple[dict[str, Any], 
             f"model file {model_path} uses GGUF version {version}, which is not supported: "
             "download a current .gguf build of the model"
         )
-    tensor_count = cursor.unpack("Q")
-    metadata_count = cursor.unpack("Q")
+    tensor_count = cursor.count("tensors", MAX_TENSOR_COUNT)
+    metadata_count = cursor.count("metadata entries", MAX_METADATA_COUNT)
 
     cursor.expect_at_least(metadata_count * 12 + tensor_count * 24)  # smallest possible entries
     metadata: dict[str, Any] = {}
     for _ in range(metadata_count):
-        key = cursor.string()
+        key = cursor.string("bytes in a metadata key")
         metadata[key] = cursor.value(cursor.unpack("I"))
 
     tensors = [_read_tensor_entry(cursor) for _ in range(tensor_count)]
@@ -260,10 +346,10 @@ def _parse_header(buffer: mmap.mmap, model_path: Path) -> tuple[dict[str, Any], 
 
 
 def _read_tensor_entry(cursor: _HeaderCursor) -> _TensorEntry:
-    name = cursor.string()
+    name = cursor.string("bytes in a tensor name")
     n_dims = cursor.unpack("I")
     if n_dims > MAX_TENSOR_DIMS:
-        raise _Corrupt(f"tensor {name} claims {n_dims} dimensions")
+        raise _Corrupt(f"tensor {name!r} claims {n_dims} dimensions")
     dims = [cursor.unpack("Q") for _ in range(n_dims)]
     raw_type = cursor.unpack("I")
     offset = cursor.unpack("Q")
@@ -271,7 +357,7 @@ def _read_tensor_entry(cursor: _HeaderCursor) -> _TensorEntry:
         quant_type = GGMLQuantizationType(raw_type)
     except ValueError:
         raise _Corrupt(
-            f"tensor {name} has type {raw_type}, unknown to the installed gguf package; "
+            f"tensor {name!r} has type {raw_type}, unknown to the installed gguf package; "
             "upgrading gguf may also fix this"
         ) from None
     block_size, type_size = GGML_QUANT_SIZES[quant_type]
@@ -279,7 +365,7 @@ def _read_tensor_entry(cursor: _HeaderCursor) -> _TensorEntry:
     for dim in dims:
         n_elements *= dim
     if dims and dims[0] % block_size:
-        raise _Corrupt(f"tensor {name} row of {dims[0]} is not a multiple of its {block_size}-element blocks")
+        raise _Corrupt(f"tensor {name!r} row of {dims[0]} is not a multiple of its {block_size}-element blocks")
     n_bytes = n_elements // block_size * type_size
     return _TensorEntry(name, quant_type, n_elements, n_bytes, offset + n_bytes)
 
@@ -293,12 +379,20 @@ def _build_info(model_path: Path, file_size: int, metadata: dict[str, Any], tens
             )
         return metadata[key]
 
-    def count(key: str, *, default: int = 0, required: bool = False) -> int:
-        return _as_count(require(key) if required else metadata.get(key, default), key)
+    def count(key: str, *, default: int = 0, required: bool = False, maximum: int = MAX_HYPERPARAMETER) -> int:
+        return _as_count(require(key) if required else metadata.get(key, default), key, maximum)
 
-    architecture = str(require("general.architecture"))
+    architecture = require("general.architecture")
+    # It prefixes the keys we look up and appears in messages, so a hostile
+    # value must not smuggle dots, newlines or megabytes into either.
+    if not isinstance(architecture, str) or not _ARCHITECTURE_NAME.fullmatch(architecture):
+        raise _Corrupt(f"general.architecture is {_shorten(architecture)}, not an architecture name")
     prefix = f"{architecture}."
-    n_layer = count(prefix + "block_count", required=True)
+    # block_count sizes layer_bytes and the fit search, so it is the one
+    # count that must be small, and a model without blocks is no model.
+    n_layer = count(prefix + "block_count", required=True, maximum=LLAMA_MAX_LAYERS)
+    if n_layer == 0:
+        raise _Corrupt(f"{prefix}block_count is 0")
     n_embd = count(prefix + "embedding_length", required=True)
     # Some architectures store per-layer head counts as arrays; the widest
     # layer bounds the KV cache, so take the maximum to stay conservative.
@@ -322,7 +416,7 @@ def _build_info(model_path: Path, file_size: int, metadata: dict[str, Any], tens
             non_layer_bytes += tensor.n_bytes
 
     tokens = metadata.get("tokenizer.ggml.tokens")
-    if isinstance(tokens, _StringArray):
+    if isinstance(tokens, _SkippedArray) and tokens.item_type is GGUFValueType.STRING:
         n_vocab = tokens.length
     else:
         n_vocab = count(prefix + "vocab_size", default=0)
@@ -353,12 +447,27 @@ def _build_info(model_path: Path, file_size: int, metadata: dict[str, Any], tens
     )
 
 
-def _as_count(value: Any, key: str) -> int:
-    if isinstance(value, tuple):  # per-layer values
+def _as_count(value: Any, key: str, maximum: int) -> int:
+    if isinstance(value, array.array):  # per-layer values
+        if len(value) > LLAMA_MAX_LAYERS:
+            raise _Corrupt(f"{key} has {len(value):,} per-layer values; llama.cpp allows at most {LLAMA_MAX_LAYERS}")
         value = max(value, default=0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise _Corrupt(f"{key} is {value!r}, not a count")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise _Corrupt(f"{key} is {_shorten(value)}, not a count")
+    if value > maximum:
+        raise _Corrupt(f"{key} is {value:,}, more than the {maximum:,} llama.cpp allows")
     return int(value)
+
+
+def _shorten(value: Any) -> str:
+    # The value may be a megabyte string or a _SkippedArray; repr a bounded part.
+    text = repr(value)
+    return text if len(text) <= 80 else text[:79] + "…"
 
 
 def _file_type_name(raw_file_type: Any, tensors: list[_TensorEntry]) -> str:

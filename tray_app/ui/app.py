@@ -9,11 +9,11 @@ normal window and says why.
 from __future__ import annotations
 
 import logging
-import logging.handlers
 import os
 import signal
 import socket
 import sys
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,6 +23,7 @@ from PySide6.QtWidgets import QApplication, QMenu, QMessageBox, QSystemTrayIcon,
 
 from ..core import autostart
 from ..core.config import Config, ConfigError, log_dir
+from ..core.files import PrivateRotatingFileHandler, make_private_dir
 from . import viewmodel as vm
 from .client import ServiceClient
 from .host import ServiceHost, base_url_for
@@ -61,6 +62,7 @@ class TrayController(QObject):
         self._panel = None
         self._chat = None
         self._settings = None
+        self.model_check = None  # the BackgroundCall reading a chosen model file, while it runs
 
         self._build_actions()
         if tray_available is None:
@@ -197,14 +199,31 @@ class TrayController(QObject):
         self.client.restart_workers()
 
     def choose_model(self) -> None:
-        from ..core.gguf_info import ModelFileError, read_model_info
-        from .settings import choose_model_file, save_changes
+        from ..core.gguf_info import read_model_info
+        from .background import BackgroundCall
+        from .settings import choose_model_file
 
         path = choose_model_file(None, self.config.model.path)
         if not path:
             return
+        call: BackgroundCall | None = None
+
+        def on_done(future: Future) -> None:
+            self._on_model_checked(call, path, future)
+
+        # A stranger's file can take seconds to read: not on the GUI thread.
+        call = BackgroundCall(lambda: read_model_info(path), on_done)
+        self.model_check = call
+
+    def _on_model_checked(self, call: object, path: str, future: Future) -> None:
+        from ..core.gguf_info import ModelFileError
+        from .settings import save_changes
+
+        if call is not self.model_check:
+            return  # another model was chosen meanwhile: its check decides
+        self.model_check = None
         try:
-            read_model_info(path)
+            future.result()
         except ModelFileError as exc:
             QMessageBox.warning(None, "tray-app: not a usable model", str(exc))
             return
@@ -231,7 +250,7 @@ class TrayController(QObject):
 
     def open_logs(self) -> None:
         folder = self._logs_folder()
-        folder.mkdir(parents=True, exist_ok=True)
+        make_private_dir(folder)
         if not QDesktopServices.openUrl(QUrl.fromLocalFile(str(folder))):
             QGuiApplication.clipboard().setText(str(folder))
             self.notify("logs", "Logs folder", f"{folder}\n(no file manager answered; the path is on the clipboard)")
@@ -392,9 +411,8 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level, format=fmt)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        folder = log_dir()
-        folder.mkdir(parents=True, exist_ok=True)
-        handler = logging.handlers.RotatingFileHandler(folder / "tray-app.log", maxBytes=2_000_000, backupCount=3)
+        folder = log_dir()  # made private (0700) if it is new
+        handler = PrivateRotatingFileHandler(folder / "tray-app.log", maxBytes=2_000_000, backupCount=3)
         handler.setFormatter(logging.Formatter(fmt))
         logging.getLogger().addHandler(handler)
     except OSError as exc:

@@ -1,17 +1,20 @@
 """The settings dialog: model paths, context caps, reserve, port, GPU layers.
 
 Each value is checked with the core's own rules (apply_overrides, and
-read_model_info for model files); a bad one gets its message next to its
-field and nothing is saved. Save writes only the changed keys into the config
+read_model_info for model files) on a worker thread, since reading a model
+header can take seconds; a bad one gets its message next to its field and
+nothing is saved. Save writes only the changed keys into the config
 file (so command-line flags of this run are not persisted) and hands the new
 config to whoever restarts the service.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import shiboken6
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPushButton,
@@ -20,6 +23,7 @@ from PySide6.QtWidgets import (
 
 from ..core.config import Config, ConfigError, apply_overrides, default_config_path, load_config, save_config
 from . import viewmodel as vm
+from .background import BackgroundCall
 from .icons import state_icon
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
@@ -43,10 +47,14 @@ def save_changes(config: Config, changes: dict[str, dict[str, Any]]) -> tuple[Co
 class SettingsDialog(QDialog):
     # (the new config, the changed keys) after a successful save
     saved = Signal(object, object)
+    # Once a save() has been checked: True if it saved (or had nothing to save), False if not.
+    save_finished = Signal(bool)
 
     def __init__(self, config: Config, *, can_apply: bool = True, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.config = config
+        # The check of the values save() was called with, while it runs.
+        self.pending_check: BackgroundCall | None = None
         self.setWindowTitle("tray-app: settings")
         self.setWindowIcon(state_icon(vm.GPU))
         self.setMinimumWidth(620)
@@ -134,8 +142,40 @@ class SettingsDialog(QDialog):
                 self.edits[name].setFocus()
                 break
 
-    def save(self) -> bool:
-        overrides, errors = vm.validate_settings(self.config, self.values())
+    def save(self) -> None:
+        """Check the values off the GUI thread, then save them or show what is
+        wrong; `save_finished` tells which."""
+        if self.pending_check is not None:
+            return  # Save pressed again: the check under way answers for both
+        self.save_button.setEnabled(False)
+        self._check(self.values())
+
+    def _check(self, values: dict[str, str]) -> None:
+        config = self.config
+        call: BackgroundCall | None = None
+
+        def on_done(future: Future) -> None:
+            self._on_checked(call, values, future)
+
+        call = BackgroundCall(lambda: vm.validate_settings(config, values), on_done)
+        self.pending_check = call
+
+    def _on_checked(self, call: BackgroundCall | None, values: dict[str, str], future: Future) -> None:
+        if not shiboken6.isValid(self) or call is not self.pending_check:
+            return  # the dialog was cancelled (or deleted) while the check ran
+        if self.values() != values:
+            self._check(self.values())  # edited while being checked: the new values are the ones to save
+            return
+        self.pending_check = None
+        self.save_button.setEnabled(True)
+        self.save_finished.emit(self._save_checked(*future.result()))
+
+    def reject(self) -> None:
+        self.pending_check = None  # its answer no longer matters
+        self.save_button.setEnabled(True)
+        super().reject()
+
+    def _save_checked(self, overrides: dict[str, dict[str, Any]], errors: dict[str, str]) -> bool:
         if errors:
             self.show_errors(errors)
             return False

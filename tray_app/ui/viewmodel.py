@@ -591,6 +591,8 @@ def validate_settings(config: Any, values: Mapping[str, str],
 
     A message is only for its own field, so the dialog can show it next to it.
     Values equal to the current config are still returned in the overrides.
+    Model paths are checked by reading the file's header, which can take
+    seconds for a stranger's file: call this off the GUI thread.
     """
     from ..core.config import ConfigError, apply_overrides
     from ..core.gguf_info import ModelFileError, read_model_info
