@@ -4,21 +4,26 @@
 
 1. Model load to ready, per worker (the supervisor's own measurement).
 2. Time to first token and tokens per second for the same prompts, sent
-   straight to the CPU worker's port and through the router (X-Force-Path: cpu),
-   interleaved in one run, with the router/direct ratio.
+   straight to a llama-cpp-python server started on its own with the CPU
+   worker's settings (the anchor: the workers themselves only answer the
+   router) and through the router (X-Force-Path: cpu), interleaved in one
+   run, with the router/direct ratio.
 3. The service process's own RSS (workers excluded) and its CPU use while idle.
 4. Failover latency: kill -9 the GPU worker while a streaming request is in
    prompt evaluation, and time from the kill to the first byte the client gets
    (served by the CPU), against the CPU worker's own time to first token for
-   the same prompt.
+   the same prompt. Then the same with SIGSTOP (a frozen worker), where the
+   time is mostly detection: the liveness check, not a deadline, finds it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -87,14 +92,15 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="service_bench_") as tmp:
         service = RunningService(Path(tmp), CONFIG)
+        anchor = None
         try:
             status = service.wait_ready()
             print("== model load to ready ==")
             for worker in status["workers"]:
                 print(f"  {worker['role']} worker: {worker['last_load_s']:.2f} s")
 
-            cpu_port = next(w for w in status["workers"] if w["role"] == "cpu")["port"]
-            direct = httpx.Client(base_url=f"http://127.0.0.1:{cpu_port}", timeout=120)
+            anchor = start_anchor(Path(tmp))
+            direct = httpx.Client(base_url=anchor.url, timeout=120)
             routed = httpx.Client(base_url=service.url, timeout=120)
             rows = {"direct": [], "router": []}
             # Warm both paths so the first measurement isn't a cold cache.
@@ -132,43 +138,90 @@ def main() -> int:
             print(f"  RSS {own.memory_info().rss / 2**20:.1f} MiB, idle CPU {idle_cpu:.2f} % "
                   f"over {args.idle_s:g} s (1 core = 100 %)")
 
-            print("== failover latency (kill -9 of the GPU worker before its first token) ==")
             cpu_ttft = []
             for _ in range(3):
                 stream_timing(direct, "/v1/chat/completions", "Name a colour.", 2)
                 cpu_ttft.append(stream_timing(direct, "/v1/chat/completions", LONG_PROMPT, 4)[0])
-            results = []
-            for attempt in range(3):
-                service.reset()
-                stream_timing(direct, "/v1/chat/completions", "Name a colour.", 2)  # flush the CPU's prefix cache
-                gpu_pid = service.worker("gpu")["pid"]
-                killed_at = []
-
-                def kill_when_running(request_id: str) -> None:
-                    service.wait_for(lambda s: any(r["id"] == request_id and r["state"] == "running"
-                                                   and r["path"] == "gpu" for r in s["requests"]),
-                                     interval=0.005, what="running on gpu")
-                    killed_at.append(time.perf_counter())
-                    os.kill(gpu_pid, signal.SIGKILL)
-
-                request_id = f"failover-{attempt}"
-                killer = threading.Thread(target=kill_when_running, args=(request_id,))
-                killer.start()
-                started = time.perf_counter()
-                first_byte, _, _, headers = stream_timing(routed, "/v1/chat/completions", LONG_PROMPT, 4,
-                                                          {"X-Request-Id": request_id})
-                killer.join()
-                if headers.get("x-route-reason") != "gpu_failed_replayed":
-                    print(f"  attempt {attempt}: GPU answered before the kill; not counted")
-                    continue
-                results.append(started + first_byte - killed_at[0])
-            print(f"  CPU worker's own TTFT for the prompt (direct): {median(cpu_ttft) * 1000:.0f} ms")
-            if results:
-                print(f"  kill -> first CPU byte at the client: median {median(results) * 1000:.0f} ms "
-                      f"over {len(results)} runs; overhead {(median(results) - median(cpu_ttft)) * 1000:+.0f} ms")
+            for sig, what in ((signal.SIGKILL, "kill -9 of"), (signal.SIGSTOP, "SIGSTOP (freeze) of")):
+                print(f"== failover latency ({what} the GPU worker before its first token) ==")
+                results = [r for r in (failover_once(service, direct, routed, sig, f"failover-{sig.name}-{n}")
+                                       for n in range(3)) if r is not None]
+                print(f"  CPU's own TTFT for the prompt (direct): {median(cpu_ttft) * 1000:.0f} ms")
+                if results:
+                    print(f"  fault -> first CPU byte at the client: median {median(results) * 1000:.0f} ms "
+                          f"over {len(results)} runs; detection and overhead "
+                          f"{(median(results) - median(cpu_ttft)) * 1000:+.0f} ms")
         finally:
             service.stop()
+            if anchor is not None:
+                anchor.stop()
     return 0
+
+
+class Anchor:
+    """llama-cpp-python's server on its own, launched with the CPU worker's settings."""
+
+    def __init__(self, tmp: Path) -> None:
+        from tray_app.core.config import bundled_model_path
+        from tray_app.core.worker import free_loopback_port
+
+        port = free_loopback_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(tmp / "anchor.log", "wb")
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", str(bundled_model_path()), "--host", "127.0.0.1",
+             "--port", str(port), "--n_ctx", "2048", "--n_gpu_layers", "0", "--interrupt_requests", "False",
+             "--logits_all", "False"], stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("the anchor server did not start")
+
+    def stop(self) -> None:
+        self._process.terminate()
+        self._process.wait(30)
+        self._log.close()
+
+
+def start_anchor(tmp: Path) -> Anchor:
+    return Anchor(tmp)
+
+
+def failover_once(service, direct: httpx.Client, routed: httpx.Client, sig: signal.Signals,
+                  request_id: str) -> float | None:
+    """Seconds from the fault to the first byte the client gets, or None if
+    the GPU answered before the fault landed."""
+    service.reset()
+    # The replay must evaluate the whole prompt, as the anchor did: flush the
+    # service's CPU worker's prefix cache (it may hold this prompt from the last run).
+    stream_timing(routed, "/v1/chat/completions", "Name a colour.", 2, {"X-Force-Path": "cpu"})
+    gpu_pid = service.worker("gpu")["pid"]
+    faulted_at = []
+
+    def fault_when_running() -> None:
+        service.wait_for(lambda s: any(r["id"] == request_id and r["state"] == "running"
+                                       and r["path"] == "gpu" for r in s["requests"]),
+                         interval=0.005, what="running on gpu")
+        faulted_at.append(time.perf_counter())
+        os.kill(gpu_pid, sig)
+
+    faulter = threading.Thread(target=fault_when_running)
+    faulter.start()
+    started = time.perf_counter()
+    first_byte, _, _, headers = stream_timing(routed, "/v1/chat/completions", LONG_PROMPT, 4,
+                                              {"X-Request-Id": request_id})
+    faulter.join()
+    if sig is signal.SIGSTOP:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(gpu_pid, signal.SIGCONT)
+    if headers.get("x-route-reason") != "gpu_failed_replayed":
+        print(f"  {request_id}: GPU answered before the fault; not counted")
+        return None
+    return started + first_byte - faulted_at[0]
 
 
 if __name__ == "__main__":

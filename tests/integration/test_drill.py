@@ -33,7 +33,7 @@ def test_short_drill_passes_and_writes_its_report(tmp_path):
 
     # Every phase ran; none was skipped on the drill's own service.
     ran = {p["number"]: p for p in report["phases"] if p["number"]}
-    assert sorted(ran) == list(range(1, 9)) and not any(p["skipped"] for p in ran.values())
+    assert sorted(ran) == list(range(1, 10)) and not any(p["skipped"] for p in ran.values())
     numbers = report["numbers"]
     assert numbers["lost_requests"] == 0 and numbers["duplicated_side_effects"] == 0
     assert numbers["tool_calls_ran_twice"] == [] and len(numbers["tool_executions"]) >= 2
@@ -44,6 +44,9 @@ def test_short_drill_passes_and_writes_its_report(tmp_path):
             ("cpu", "gpu_unavailable"), ("gpu", "admitted")} <= routes
     assert any(r["error_code"] == "gpu_worker_failed" and r["connection_survived"] for r in report["requests"])
     assert any(r["outcome"] == "canceled" for r in report["requests"])
+    # The poison request failed alone, and its retry was refused without running.
+    poisoned = [r for r in report["requests"] if r["error_code"] == "request_crashed_worker"]
+    assert [r["outcome"] for r in poisoned] == ["error", "rejected"]
     assert all(f["recovery_s"] is not None for f in numbers["gpu_recovery"]) and len(numbers["gpu_recovery"]) >= 3
     assert numbers["token_agreement"]["pairs"] >= 2
     assert numbers["degraded"]["intervals"] and numbers["min_available_ram_mib"]["value"] > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -301,3 +302,58 @@ def test_a_failed_stream_does_not_pin_its_idempotency_key(fresh):
         lines = [line for line in retry.iter_lines() if line.startswith("data:")]
         assert "x-idempotent-replay" not in retry.headers
     assert lines[-1] == "data: [DONE]"
+
+
+def test_a_frozen_gpu_worker_is_found_in_seconds_and_the_request_replays(fresh):
+    gpu_pid = fresh.worker("gpu")["pid"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(chat, fresh, LONG_ANSWER, 60, {"X-Request-Id": "frozen-1"})
+        fresh.wait_for(lambda s: running_on(s, "frozen-1", "gpu"), what="request running on gpu")
+        os.kill(gpu_pid, signal.SIGSTOP)
+        try:
+            response = future.result()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(gpu_pid, signal.SIGCONT)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-served-by"] == "cpu"
+    assert response.headers["x-route-reason"] == "gpu_failed_replayed"
+    status = fresh.wait_workers_ready()
+    replay = next(e for e in status["events"] if e["kind"] == "replay" and e["id"] == "frozen-1")
+    # Found by the liveness check, not by the first-token or inter-token deadline.
+    assert "stopped" in replay["reason"], replay
+
+
+def test_a_request_that_crashes_the_gpu_worker_is_not_replayed_and_is_quarantined(fresh):
+    before = fresh.status()
+    gpu_before = next(w for w in before["workers"] if w["role"] == "gpu")
+    cpu_before = next(w for w in before["workers"] if w["role"] == "cpu")
+    poison = {"messages": [{"role": "user", "content": "Write a long poem about a crash."}], "max_tokens": 60,
+              "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(fresh.http.post, "/v1/chat/completions", json=poison,
+                             headers={"X-Request-Id": "poison-1"})
+        fresh.wait_for(lambda s: running_on(s, "poison-1", "gpu"), what="poison running on gpu")
+        # What a bad input does to llama.cpp: a segfault while it serves this request.
+        os.kill(gpu_before["pid"], signal.SIGSEGV)
+        response = future.result()
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "request_crashed_worker"
+    assert "SIGSEGV" in response.json()["error"]["message"]
+    status = fresh.wait_workers_ready()
+    assert not any(e["kind"] == "replay" and e["id"] == "poison-1" for e in status["events"])
+    gpu_after = next(w for w in status["workers"] if w["role"] == "gpu")
+    assert gpu_after["restarts"] == gpu_before["restarts"] + 1
+
+    retry = fresh.http.post("/v1/chat/completions", json={**poison, "stream": True})
+    assert retry.status_code == 400 and retry.json()["error"]["code"] == "request_crashed_worker"
+    other = fresh.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Say hi."}],
+                                                          "max_tokens": 4, "temperature": 0})
+    assert other.status_code == 200
+    cpu_only = fresh.http.post("/v1/chat/completions", headers={"X-Force-Path": "cpu"},
+                               json={"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4})
+    assert cpu_only.status_code == 200
+    final = fresh.status()
+    assert next(w for w in final["workers"] if w["role"] == "gpu")["restarts"] == gpu_before["restarts"] + 1
+    assert next(w for w in final["workers"] if w["role"] == "cpu")["pid"] == cpu_before["pid"]
+    assert final["breaker"]["state"] == "closed"

@@ -4,6 +4,7 @@ envelope, cuts off slow clients, and survives a crash without hanging anyone."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import shutil
 import socket
@@ -13,9 +14,11 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from tests.harness import BASE_CONFIG, RunningService, wait_gone
+from tests.hostile_bodies import HOSTILE_BODIES, acceptable
 from tray_app.core.config import bundled_model_path
 
 pytestmark = pytest.mark.integration
@@ -25,13 +28,21 @@ HARDENED = BASE_CONFIG + """
 header_timeout_s = 1.0
 body_timeout_s = 1.0
 cors_origins = ["http://localhost:3000"]
+max_connections = 24
 """
 HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
+# Variables llama-cpp-python's server would read as its own settings if a
+# worker inherited them: HOST would put it on the LAN, PORT/CONFIG_FILE would
+# stop it from starting, API_KEY would lock the router out.
+HOSTILE_ENVIRONMENT = {"HOST": "0.0.0.0", "PORT": "1", "API_KEY": "from-the-shell",
+                       "CONFIG_FILE": "/nonexistent/config.json"}
+
+
 @pytest.fixture(scope="module")
 def hardened(tmp_path_factory):
-    running = RunningService(tmp_path_factory.mktemp("hardened"), HARDENED)
+    running = RunningService(tmp_path_factory.mktemp("hardened"), HARDENED, env=HOSTILE_ENVIRONMENT)
     try:
         running.wait_ready()
         yield running
@@ -204,3 +215,92 @@ def test_worker_logs_rotate_and_are_capped(tmp_path):
     files = sorted(tmp_path.glob("cpu-worker.log*"))
     assert len(files) == LOG_FILE_BACKUPS + 1
     assert all(f.stat().st_size <= LOG_FILE_BYTES + 2000 for f in files)
+
+
+def test_workers_ignore_the_shell_environment_and_refuse_requests_without_the_secret(hardened):
+    # The service started (the fixture) with HOST/PORT/API_KEY/CONFIG_FILE set.
+    for worker in hardened.status()["workers"]:
+        process = psutil.Process(worker["pid"])
+        listening = [c.laddr for c in process.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
+        direct = httpx.post(f"http://127.0.0.1:{worker['port']}/v1/chat/completions", json=HI, timeout=30)
+        assert direct.status_code in (401, 403), direct.text
+        # The secret is handed over in the environment, never in argv (ps shows argv to every user).
+        cmdline = " ".join(process.cmdline())
+        assert "api_key" not in cmdline and "Bearer" not in cmdline
+    assert hardened.http.post("/v1/chat/completions", json=HI).status_code == 200
+
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_BODIES))
+def test_hostile_bodies_get_a_4xx_in_the_envelope(hardened, name):
+    response = hardened.http.post("/v1/chat/completions", content=HOSTILE_BODIES[name],
+                                  headers={"Content-Type": "application/json"})
+    assert acceptable(name, response.status_code), (response.status_code, response.text[:300])
+    if response.status_code >= 400:
+        assert set(response.json()["error"]) >= {"message", "type", "code"}
+    assert hardened.http.get("/status").status_code == 200
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-1", "1e999", "1" + "0" * 400])
+def test_admin_pressure_refuses_what_would_break_status(hardened, value):
+    response = hardened.http.post("/admin/gpu", content=f'{{"simulated_pressure_mib": {value}}}'.encode(),
+                                  headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert hardened.http.get("/status").status_code == 200
+
+
+def test_a_body_that_is_never_read_does_not_hold_the_connection(hardened):
+    # Rejected before its body is read: the server must not wait for the
+    # other 99,999 bytes on a connection it will never use again. A byte sent
+    # after the answer used to cancel the keep-alive timer and hold it forever.
+    with socket.create_connection(("127.0.0.1", hardened.port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100000\r\n\r\nx")
+        reply = sock.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+        time.sleep(0.5)
+        with contextlib.suppress(OSError):
+            sock.sendall(b"y")
+        sock.settimeout(8)
+        closed = False
+        with contextlib.suppress(socket.timeout):
+            try:
+                while sock.recv(65536):  # the rest of the answer, then the end
+                    pass
+                closed = True
+            except ConnectionResetError:
+                closed = True
+    assert closed, "the connection stayed open"
+
+
+def test_connections_past_the_limit_are_refused_in_the_envelope(hardened):
+    sockets = []
+    try:
+        for _ in range(24):
+            sockets.append(socket.create_connection(("127.0.0.1", hardened.port), timeout=10))
+        reply = _raw(hardened.port, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n", 0)
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert reply.startswith(b"HTTP/1.1 503") and b"too_many_connections" in reply, reply[:300]
+    hardened.wait_for(lambda s: True)  # and the server still answers once they are gone
+    assert hardened.http.get("/health").status_code == 200
+
+
+def test_twins_with_one_request_id_never_both_run(hardened):
+    # Long enough to still be running when its twins arrive (they come within milliseconds).
+    body = {"messages": [{"role": "user", "content": "word " * 300}], "max_tokens": 64, "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(hardened.http.post, "/v1/chat/completions", json=body,
+                               headers={"X-Request-Id": "twin-id-1"}) for _ in range(4)]
+        statuses = sorted(f.result().status_code for f in futures)
+    assert statuses.count(200) == 1 and statuses.count(409) == 3, statuses
+    assert hardened.status()["accounting"]["duplicate_executions"] == 0
+
+
+def test_idempotency_keys_are_bounded(hardened):
+    long_key = hardened.http.post("/v1/chat/completions", json=HI, headers={"Idempotency-Key": "k" * 300})
+    assert long_key.status_code == 400 and error_code(long_key) == "invalid_idempotency_key"
+    first = hardened.http.post("/v1/chat/completions", json=HI, headers={"Idempotency-Key": "bounded-key-1"})
+    again = hardened.http.post("/v1/chat/completions", json=HI, headers={"Idempotency-Key": "bounded-key-1"})
+    assert first.status_code == again.status_code == 200 and again.headers["x-idempotent-replay"] == "true"

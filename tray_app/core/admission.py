@@ -42,6 +42,38 @@ GPU_OUT_REASONS = frozenset({
 })
 
 
+# Cells kept free at the end of a context. llama-cpp-python's completion loop
+# skips its max_tokens check while a multi-byte UTF-8 character is still
+# incomplete (up to 3 byte tokens), and our prompt count can differ from the
+# worker's by a token where the chat template meets the BOS. Without this
+# margin a generation can run off the end of the KV cache, which kills the
+# stream ("failed to find a memory slot") instead of ending it with "length".
+CONTEXT_SAFETY_TOKENS = 8
+# OpenAI's documented default for the legacy completions API.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def token_limit(prompt_tokens: int, requested: int | None, context_caps: list[int], *,
+                chat: bool) -> int:
+    """The generation limit a request runs with: sent to the worker as
+    max_tokens, and the number admission plans with. Always explicit.
+
+    The client's limit, bounded by the room left after the prompt in the
+    largest context; the request then ends with finish_reason "length".
+    Without one, a completion gets OpenAI's 16 tokens and a chat may fill the
+    smallest context the prompt fits in, so a replay on the other path can
+    run with the very same limit. A prompt that fits nowhere keeps a limit of
+    1 and admission refuses it as over every context.
+    """
+    rooms = sorted(cap - CONTEXT_SAFETY_TOKENS - prompt_tokens for cap in context_caps)
+    largest = rooms[-1] if rooms else 0
+    if requested is None:
+        if not chat:
+            return max(1, min(COMPLETION_DEFAULT_MAX_TOKENS, largest))
+        return max(1, next((room for room in rooms if room >= 1), largest))
+    return max(1, min(requested, largest))
+
+
 @dataclass(frozen=True)
 class RequestShape:
     prompt_tokens: int

@@ -108,6 +108,22 @@ class ExitReport:
         return f"exit code {self.returncode}"
 
 
+# Crashes that are bugs reached by the input being processed (a bad pointer, a
+# bad instruction, a division by zero), not resource failures: out of memory
+# ends in an error exit or SIGABRT, a lost device in SIGABRT, the kernel's OOM
+# killer in SIGKILL. Re-running the request that caused one of these would
+# crash the next worker the same way.
+INPUT_CRASH_SIGNALS = frozenset({
+    "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "STATUS_ACCESS_VIOLATION", "STATUS_ILLEGAL_INSTRUCTION",
+    "STATUS_STACK_OVERFLOW",
+})
+
+
+def is_input_crash(report: ExitReport) -> bool:
+    """True when a worker that died mid-request most likely died of the request."""
+    return report.kind is ExitKind.CRASH and report.signal_name in INPUT_CRASH_SIGNALS
+
+
 def classify_exit(returncode: int | None, log_tail: Sequence[str], stop_requested: bool) -> ExitReport:
     """Classify how a worker ended.  returncode < 0 means killed by signal -returncode."""
     signal_name = _crash_code_name(returncode)

@@ -32,10 +32,18 @@ class GuardedH11Protocol(H11Protocol):
     unparseable or oversized requests in the OpenAI error envelope."""
 
     header_timeout_s = 10.0
+    # Open connections the server holds at once; past it a new one is refused
+    # at once, so idle or slow clients can't take every file descriptor.
+    max_connections = 256
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
+        if len(self.connections) > self.max_connections:
+            self._reply_and_close(503, "too_many_connections",
+                                  f"the server already holds {self.max_connections} connections "
+                                  "([server] max_connections); retry shortly")
+            return
         self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -48,9 +56,20 @@ class GuardedH11Protocol(H11Protocol):
             self._disarm_header_timer()
 
     def on_response_complete(self) -> None:
+        # Read before the base class starts the next cycle, which resets both sides to IDLE.
+        body_unread = self.conn.their_state is h11.SEND_BODY
         super().on_response_complete()
-        if not self.transport.is_closing():
-            self._arm_header_timer()
+        if self.transport.is_closing():
+            return
+        if body_unread:
+            # Answered before its body was read (a rejection, or a route that
+            # takes no body): the rest of the body would have to be read and
+            # thrown away before the connection could serve another request.
+            # Close it instead, so a client can't hold it open by never
+            # finishing a body it declared.
+            self.transport.close()
+            return
+        self._arm_header_timer()
 
     def send_400_response(self, msg: str) -> None:
         self._reply_and_close(400, "invalid_http_request",
@@ -111,7 +130,8 @@ def build_server(config: Config, service: Service | None = None, log_level: str 
         allowed_hosts=config.server.allowed_hosts, cors_origins=config.server.cors_origins,
     )
     protocol = type("ConfiguredGuardedH11Protocol", (GuardedH11Protocol,),
-                    {"header_timeout_s": config.server.header_timeout_s})
+                    {"header_timeout_s": config.server.header_timeout_s,
+                     "max_connections": config.server.max_connections})
     server = server_class(uvicorn.Config(
         AccessGuard(app, policy), host=config.server.host, port=config.server.port, http=protocol,
         log_level=log_level.lower(), access_log=False, lifespan="on", timeout_graceful_shutdown=10,

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .admission import Reason
+from .admission import Decision, Reason
 
 
 class JobKind(str, enum.Enum):
@@ -44,6 +44,11 @@ class Attempt:
     ended_at: float | None = None
     tokens: int = 0
     outcome: str = "running"   # "completed", "failed: ...", "canceled"
+    # The worker's exit count when this attempt began (see Worker.exit_after).
+    worker_exits: int = 0
+    # The worker accepted the request (answered with headers): only then can
+    # its input be what crashed the worker.
+    reached_worker: bool = False
 
 
 @dataclass
@@ -72,6 +77,11 @@ class Job:
     committed: bool = False
     # This request is the circuit breaker's half-open probe of the GPU.
     half_open_probe: bool = False
+    # Admission's verdict, once made.
+    decision: Decision | None = None
+    # What the request asks, without how it is delivered: the key a request
+    # that crashed a worker is quarantined under.
+    fingerprint: str = ""
 
     def cancel(self, why: str) -> None:
         if not self.canceled.is_set():
@@ -119,6 +129,12 @@ class JobFailed(Exception):
 class WorkerFailure(Exception):
     """The worker broke while serving (crash, reset, OOM, hang): replace it,
     and replay the request elsewhere if nothing was sent yet."""
+
+    def __init__(self, message: str, *, process_may_have_died: bool = False) -> None:
+        super().__init__(message)
+        # The connection broke the way it does when the process dies: how it
+        # died (its exit signal) decides whether the request itself was the cause.
+        self.process_may_have_died = process_may_have_died
 
 
 class WorkerRequestError(Exception):

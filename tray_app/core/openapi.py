@@ -60,7 +60,13 @@ def build_openapi(max_tokens: int, max_messages: int) -> dict[str, Any]:
                             "type": "object", "required": ["role", "content"],
                             "properties": {
                                 "role": {"type": "string", "enum": ["system", "user", "assistant"]},
-                                "content": {"type": "string"},
+                                "content": {"anyOf": [
+                                    {"type": "string"},
+                                    {"type": "array", "maxItems": 8, "items": {
+                                        "type": "object", "required": ["type", "text"],
+                                        "properties": {"type": {"type": "string", "enum": ["text"]},
+                                                       "text": {"type": "string"}}}},
+                                ]},
                             }}},
                         **sampling,
                     }}}}},

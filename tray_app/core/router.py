@@ -22,8 +22,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
+from .idempotency import IdempotencyStore
 from .jobs import Job, JobFailed, JobKind, new_request_id
+from .openai_request import InvalidRequest, constrain_output, flatten_content
 from .openapi import build_openapi
+from .quarantine import request_fingerprint
 from .service import Service
 
 MAX_MESSAGES = 1024
@@ -53,7 +56,11 @@ def _number(low: float | None = None, high: float | None = None, whole: bool = F
 
     def check(value: Any) -> str | None:
         ok_type = isinstance(value, int) if whole else isinstance(value, (int, float))
-        if isinstance(value, bool) or not ok_type or not math.isfinite(value):
+        if isinstance(value, bool) or not ok_type:
+            return f"must be {kind}{bounds}"
+        # Compared as they are: a 400-digit integer is a valid JSON number
+        # that overflows float(), so it must not be converted to be checked.
+        if isinstance(value, float) and not math.isfinite(value):
             return f"must be {kind}{bounds}"
         if (low is not None and value < low) or (high is not None and value > high):
             return f"must be {kind}{bounds}"
@@ -61,10 +68,27 @@ def _number(low: float | None = None, high: float | None = None, whole: bool = F
     return check
 
 
+# Longer than any real stop sequence; the worker searches the answer for every
+# stop string after every token, so a huge one only costs CPU.
+MAX_STOP_CHARS = 1000
+
+
 def _stop(value: Any) -> str | None:
     items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or len(items) > 4 or not all(isinstance(i, str) and i for i in items):
-        return "must be a non-empty string or a list of up to 4 non-empty strings"
+    if (not isinstance(items, list) or len(items) > 4
+            or not all(isinstance(i, str) and 0 < len(i) <= MAX_STOP_CHARS for i in items)):
+        return f"must be a non-empty string or a list of up to 4 non-empty strings of at most {MAX_STOP_CHARS} characters"
+    return None
+
+
+def _logit_bias(value: Any) -> str | None:
+    problem = "must be an object mapping token ids to a bias from -100 to 100"
+    if not isinstance(value, dict) or len(value) > 1024:
+        return problem + " (at most 1024 entries)"
+    in_range = _number(-100, 100)
+    for token, bias in value.items():
+        if not token.isdigit() or len(token) > 9 or in_range(bias):
+            return problem
     return None
 
 
@@ -85,7 +109,7 @@ SAMPLING_RULES = {
     "presence_penalty": _number(-2, 2),
     "repeat_penalty": _number(0, None),
     "stop": _stop,
-    "logit_bias": _of_type(dict, "an object of token id -> bias"),
+    "logit_bias": _logit_bias,
     "user": _of_type(str, "a string"),
     "response_format": _of_type(dict, "an object"),
     "tools": _of_type(list, "a list"),
@@ -93,10 +117,11 @@ SAMPLING_RULES = {
 }
 
 
-class _Invalid(Exception):
-    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
+# More memory than any GPU has: a bigger number is a typo or an attack.
+PRESSURE_RULE = _number(0, 16 * 1024 * 1024)
+
+
+_Invalid = InvalidRequest
 
 
 class AggregatingSink:
@@ -140,6 +165,7 @@ class AggregatingSink:
             "object": "chat.completion",
             "created": created,
             "model": self._model(job),
+            "system_fingerprint": self._fingerprint(),
             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
             "usage": _usage(job.prompt_tokens, completion_tokens),
         }
@@ -160,12 +186,37 @@ class AggregatingSink:
             "object": "text_completion",
             "created": created,
             "model": self._model(job),
+            "system_fingerprint": self._fingerprint(),
             "choices": [{"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish_reason}],
             "usage": _usage(job.prompt_tokens, completion_tokens),
         }
 
     def _model(self, job: Job) -> str:
         return self.events[0].get("model", "") if self.events else ""
+
+    def _fingerprint(self) -> str | None:
+        return self.events[0].get("system_fingerprint") if self.events else None
+
+
+def _wants_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def _usage_chunk(job: Job, last_event: dict[str, Any]) -> dict[str, Any]:
+    """The last chunk OpenAI sends for stream_options.include_usage: no
+    choices, the usage of the whole request (of its one execution, after a
+    replay too: the replay started from nothing)."""
+    completion_tokens = job.attempts[-1].tokens if job.attempts else 0
+    return {
+        "id": last_event.get("id"),
+        "object": "chat.completion.chunk" if job.kind is JobKind.CHAT else "text_completion",
+        "created": last_event.get("created", int(time.time())),
+        "model": last_event.get("model"),
+        "system_fingerprint": last_event.get("system_fingerprint"),
+        "choices": [],
+        "usage": _usage(job.prompt_tokens, completion_tokens),
+    }
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -194,6 +245,7 @@ def _sse(payload: Any) -> bytes:
 class Router:
     def __init__(self, service: Service) -> None:
         self.service = service
+        self.idempotency = IdempotencyStore()
 
     # ----- small routes -----------------------------------------------------
 
@@ -216,8 +268,17 @@ class Router:
         if self.service.fallback_model_id not in ids:
             ids.append(self.service.fallback_model_id)
         created = int(self.service.started_at)
+        config = self.service.config
+        # What a client may ask of each model here, so it can adapt rather
+        # than learn from a 400.
+        capabilities = {
+            "max_choices": MAX_N, "logprobs": False, "vision": False, "tools": True,
+            "structured_output": ["json_object", "json_schema", "grammar"],
+            "context_length": max(config.gpu.n_ctx, config.cpu.n_ctx),
+        }
         return JSONResponse({"object": "list", "data": [
-            {"id": model_id, "object": "model", "created": created, "owned_by": "local"} for model_id in ids]})
+            {"id": model_id, "object": "model", "created": created, "owned_by": "local",
+             "capabilities": capabilities} for model_id in ids]})
 
     async def cancel(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
@@ -237,10 +298,11 @@ class Router:
                 return error_response(400, "'paused' must be true or false", "invalid_value", param="paused")
             self.service.set_gpu_paused(body["paused"])
         if "simulated_pressure_mib" in body:
-            value = body["simulated_pressure_mib"]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                return error_response(400, "'simulated_pressure_mib' must be a number >= 0", "invalid_value",
+            problem = PRESSURE_RULE(body["simulated_pressure_mib"])
+            if problem:
+                return error_response(400, f"'simulated_pressure_mib' {problem}", "invalid_value",
                                       param="simulated_pressure_mib")
+            value = body["simulated_pressure_mib"]
             try:
                 self.service.set_simulated_pressure(float(value))
             except ValueError as exc:
@@ -280,39 +342,62 @@ class Router:
             return await self._admit_and_run(request, kind, body, request_id, force_cpu, deadline_s)
         fingerprint = hashlib.sha256(json.dumps([kind.value, body], sort_keys=True).encode()).hexdigest()
         try:
-            entry = self.service.idempotency_lookup(idempotency_key, fingerprint)
+            entry = self.idempotency.lookup(idempotency_key, fingerprint)
+            if entry is not None:
+                return await self._replay_idempotent(entry, base_headers)
         except JobFailed as failure:
             return _failed_response(failure, base_headers)
-        if entry is not None:
-            return await self._replay_idempotent(entry, base_headers)
         # Claimed before any await: a twin arriving meanwhile finds the claim
         # and waits for this result instead of running again.
-        claim = self.service.idempotency_claim(idempotency_key, fingerprint, request_id)
+        claim = self.idempotency.claim(idempotency_key, fingerprint, request_id)
         try:
             response = await self._admit_and_run(request, kind, body, request_id, force_cpu, deadline_s)
         except BaseException:
-            self.service.idempotency_forget(idempotency_key)
+            self.idempotency.forget(idempotency_key, request_id)
             _resolve(claim, ("json", 500, {}, json.dumps(error_body(
                 "the first request with this Idempotency-Key failed inside the server; retry it",
                 "internal_error", "server_error")).encode()))
             raise
-        self._settle_claim(claim, idempotency_key, response)
+        self._settle_claim(claim, idempotency_key, request_id, response)
         return response
 
     async def _admit_and_run(self, request: Request, kind: JobKind, body: dict[str, Any], request_id: str,
                              force_cpu: bool, deadline_s: float | None) -> Response:
         base_headers = {"X-Request-Id": request_id}
         job = Job(id=request_id, kind=kind, body=body, stream=bool(body.get("stream")))
-        if request_id in self.service.jobs:
+        # Registered before the first await, so a twin with the same id that
+        # arrives while this one's prompt is counted finds it taken.
+        if not self.service.register(job):
             return error_response(409, f"a request with X-Request-Id {request_id!r} is already in flight; "
                                   "send a new id, or an Idempotency-Key to share its result", "duplicate_request_id",
                                   headers=base_headers)
+        handed_over = False
+        try:
+            response = await self._admit(request, job, base_headers, force_cpu, deadline_s)
+            handed_over = response is None
+            if handed_over:
+                # From here execute() owns the job and unregisters it when it ends.
+                if job.stream:
+                    return await self._stream(request, job, force_cpu, deadline_s)
+                return await self._aggregate(request, job, force_cpu, deadline_s)
+            return response
+        finally:
+            if not handed_over:
+                self.service.unregister(job)
+
+    async def _admit(self, request: Request, job: Job, base_headers: dict[str, str], force_cpu: bool,
+                     deadline_s: float | None) -> Response | None:
+        """None if the job was admitted (its decision is on job.decision); else the refusal."""
+        body = job.body
+        job.fingerprint = request_fingerprint(job.kind.value, body)
+        refused = self.service.quarantined(job)
+        if refused is not None:
+            return _failed_response(refused, base_headers)
         try:
             job.prompt_tokens = await self._count_prompt(job)
         except _Invalid as bad:
             return error_response(bad.status, bad.message, bad.code, param=bad.param, headers=base_headers)
-        requested = body.get("max_tokens", body.get("max_completion_tokens"))
-        job.max_tokens = int(requested) if requested is not None else self.service.default_max_tokens(job.prompt_tokens)
+        job.max_tokens = self.service.token_limit(job.prompt_tokens, _requested_limit(body), job.kind is JobKind.CHAT)
 
         decision = self.service.decide(job, force_cpu=force_cpu, deadline_s=deadline_s)
         if not decision.accepted:
@@ -323,27 +408,26 @@ class Router:
             if decision.estimated_latency_s is not None:
                 headers["X-Estimated-Latency"] = f"{decision.estimated_latency_s:.2f}"
             return _failed_response(failure, headers)
-        if job.stream:
-            return await self._stream(request, job, decision, force_cpu, deadline_s)
-        return await self._aggregate(request, job, decision, force_cpu, deadline_s)
+        job.decision = decision
+        return None
 
-    def _settle_claim(self, claim: asyncio.Future, key: str, response: Response) -> None:
+    def _settle_claim(self, claim: asyncio.Future, key: str, request_id: str, response: Response) -> None:
         """Keep a result (an answer, or a client error that would repeat); let
         go of the key after a failure, so a retry with it runs for real."""
         if isinstance(response, _RecordedStream):
             def finished(recorded) -> None:
                 chunks = recorded[2]
                 if not chunks or chunks[-1] != b"data: [DONE]\n\n":
-                    self.service.idempotency_forget(key)
+                    self.idempotency.forget(key, request_id)
                 _resolve(claim, recorded)
             response.on_finish = finished
             return
         if response.status_code >= 500 or response.status_code in (408, 409, 499):
-            self.service.idempotency_forget(key)
+            self.idempotency.forget(key, request_id)
         _resolve(claim, ("json", response.status_code, dict(response.headers), response.body))
 
     async def _replay_idempotent(self, entry, base_headers: dict[str, str]) -> Response:
-        recorded = await asyncio.shield(entry.done)
+        recorded = await self.idempotency.wait(entry)
         kind = recorded[0]
         if kind == "json":
             _, status, headers, body = recorded
@@ -388,10 +472,7 @@ class Router:
                 if content is not None and not isinstance(content, (str, list)):
                     raise _Invalid(400, f"messages[{index}].content must be a string or a list of parts",
                                    "invalid_type", f"messages[{index}].content")
-                if content is None:
-                    # An assistant turn that only called tools has content null in
-                    # the OpenAI shape; the chat template and the worker need a string.
-                    message["content"] = ""
+            flatten_content(messages, self.service.model_id)
         else:
             prompt = body.get("prompt")
             if prompt is None:
@@ -411,18 +492,25 @@ class Router:
                                "this server offers", "max_tokens_too_large", field)
         n = body.get("n", 1)
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or n > MAX_N):
-            raise _Invalid(400, f"'n' must be {MAX_N}: this server generates one choice per request", "invalid_value", "n")
+            raise _Invalid(400, f"'n' must be {MAX_N}: this server generates one choice per request "
+                           "(capabilities.max_choices in GET /v1/models); send several requests instead",
+                           "invalid_value", "n")
         stream = body.get("stream", False)
         if stream is not None and not isinstance(stream, bool):
             raise _Invalid(400, "'stream' must be true or false", "invalid_type", "stream")
         if body.get("logprobs") or body.get("top_logprobs"):
-            raise _Invalid(400, "logprobs are not supported: workers run without per-token logits to save memory",
+            raise _Invalid(400, "logprobs are not available here: the llama-cpp-python workers would have to keep "
+                           "the logits of every context position (about 1.5 GiB at 8k context for a 135M model), "
+                           "so they run without them (capabilities.logprobs in GET /v1/models)",
                            "unsupported_parameter", "logprobs")
         for field, rule in SAMPLING_RULES.items():
             if body.get(field) is not None:
                 problem = rule(body[field])
                 if problem:
                     raise _Invalid(400, f"'{field}' {problem}", "invalid_value", field)
+        counter = self.service.counter
+        assert counter is not None
+        constrain_output(body, counter.grammar_problem)
 
     async def _count_prompt(self, job: Job) -> int:
         counter = self.service.counter
@@ -449,11 +537,11 @@ class Router:
             headers["X-Queue-Wait"] = f"{job.queue_wait_s:.3f}"
         return headers
 
-    async def _aggregate(self, request: Request, job: Job, decision, force_cpu, deadline_s) -> Response:
+    async def _aggregate(self, request: Request, job: Job, force_cpu, deadline_s) -> Response:
         sink = AggregatingSink()
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
         try:
-            await self.service.execute(job, sink, decision, force_cpu, deadline_s)
+            await self.service.execute(job, sink, job.decision, force_cpu, deadline_s)
         except JobFailed as failure:
             return _failed_response(failure, self._route_headers(job))
         finally:
@@ -461,13 +549,13 @@ class Router:
         body = sink.chat_response(job) if job.kind is JobKind.CHAT else sink.completion_response(job)
         return JSONResponse(body, headers=self._route_headers(job))
 
-    async def _stream(self, request: Request, job: Job, decision, force_cpu, deadline_s) -> Response:
+    async def _stream(self, request: Request, job: Job, force_cpu, deadline_s) -> Response:
         sink = QueueSink(job)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
 
         async def run() -> None:
             try:
-                await self.service.execute(job, sink, decision, force_cpu, deadline_s)
+                await self.service.execute(job, sink, job.decision, force_cpu, deadline_s)
                 sink.queue.put_nowait(("done", None))
             except JobFailed as failure:
                 sink.queue.put_nowait(("failed", failure))
@@ -486,11 +574,15 @@ class Router:
                      first: tuple[str, Any]) -> AsyncIterator[bytes]:
         kind, value = first
         finished = False
+        last_event: dict[str, Any] = {}
         try:
             while True:
                 if kind == "event":
+                    last_event = value
                     yield _sse(value)
                 elif kind == "done":
+                    if _wants_usage(job.body):
+                        yield _sse(_usage_chunk(job, last_event))
                     yield b"data: [DONE]\n\n"
                     finished = True
                     return
@@ -571,13 +663,53 @@ async def _json_object(request: Request) -> dict[str, Any]:
     raw = await _read_limited(request, server.max_body_bytes, server.body_timeout_s)
     if not raw:
         raise _Invalid(400, "the request body is empty; send a JSON object", "invalid_json")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _Invalid(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    body = parse_json_body(raw)
     if not isinstance(body, dict):
         raise _Invalid(400, "the request body must be a JSON object", "invalid_json")
     return body
+
+
+# Deeper than any real request (tool schemas nest a dozen levels at most);
+# deeper structures only exist to exhaust a recursive walker somewhere.
+MAX_JSON_DEPTH = 64
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number; send a finite number")
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """Strict JSON: no NaN/Infinity (they can't be sent back in a response,
+    and no sampling field means anything with them), bounded nesting, and
+    every failure a 400 in the envelope rather than a 500 from a parser."""
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise _Invalid(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", "invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _Invalid(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    if _depth_over(body, MAX_JSON_DEPTH):
+        raise _Invalid(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", "invalid_json")
+    return body
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    # Iterative, so the check itself can't be what overflows the stack.
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def _requested_limit(body: dict[str, Any]) -> int | None:
+    """The client's generation limit under either name; the smaller if both."""
+    limits = [body[f] for f in ("max_tokens", "max_completion_tokens") if body.get(f) is not None]
+    return min(limits) if limits else None
 
 
 def _routing_headers(request: Request) -> tuple[bool, float | None]:
@@ -628,6 +760,11 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         HttpRoute("/metrics", router.metrics, methods=["GET"]),
         HttpRoute("/v1/chat/completions", router.chat_completions, methods=["POST"]),
         HttpRoute("/v1/completions", router.completions, methods=["POST"]),
+        # The same routes without /v1, as llama.cpp's server offers them, for
+        # clients configured with a base URL that lacks it.
+        HttpRoute("/models", router.models, methods=["GET"]),
+        HttpRoute("/chat/completions", router.chat_completions, methods=["POST"]),
+        HttpRoute("/completions", router.completions, methods=["POST"]),
         HttpRoute("/v1/requests/{request_id}", router.cancel, methods=["DELETE"]),
         HttpRoute("/admin/gpu", router.admin_gpu, methods=["POST"]),
         HttpRoute("/admin/restart", router.admin_restart, methods=["POST"]),

@@ -29,6 +29,14 @@ class LaunchRequest:
     # For a simulated device: what the worker would allocate, and what is free.
     simulated_vram_need_mib: float | None = None
     simulated_vram_free_mib: float | None = None
+    # The secret the worker must demand of every request (see Worker).
+    api_key: str | None = None
+
+
+# The worker wrapper takes the secret from here and removes it from its
+# environment, so it is never in argv (visible to every user in ps) and never
+# inherited by anything the worker starts.
+WORKER_KEY_VARIABLE = "TRAY_APP_WORKER_KEY"
 
 
 class WorkerRuntime(Protocol):
@@ -87,11 +95,16 @@ class LlamaCppPythonRuntime:
         return args
 
     def environment(self, launch: LaunchRequest) -> dict[str, str]:
+        from .worker_main import parent_pid_environment  # here, not at the top: worker_main imports this module
+
+        env = parent_pid_environment()
+        if launch.api_key:
+            env[WORKER_KEY_VARIABLE] = launch.api_key
         if launch.n_gpu_layers == 0:
             # A CUDA build at -ngl 0 still makes a CUDA context and a GPU compute
             # buffer; the CPU fallback must not be able to run out of VRAM.
-            return {"CUDA_VISIBLE_DEVICES": ""}
-        return {}
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        return env
 
     async def probe(self, client: httpx.AsyncClient, base_url: str) -> bool:
         # The server loads the model before it listens, so an answer from

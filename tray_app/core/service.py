@@ -11,27 +11,30 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 import json
 import logging
 import os
+import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import httpx
+import llama_cpp
 
 from . import estimate
 from .admission import (
-    GPU_OUT_REASONS, CpuView, Decision, GpuView, Reason, RequestShape, Route, decide,
+    GPU_OUT_REASONS, CpuView, Decision, GpuView, Reason, RequestShape, Route, decide, token_limit,
 )
 from .breaker import BreakerPolicy, BreakerState, CircuitBreaker
 from .config import Config, log_dir as default_log_dir
-from .exits import ExitKind, mentions_out_of_memory
+from .exits import ExitKind, is_input_crash, mentions_out_of_memory
 from .gguf_info import ModelInfo, read_model_info
 from .jobs import Attempt, Job, JobFailed, JobState, PathSpeed, WorkerFailure, WorkerRequestError
 from .lanes import Lane, Redirected
 from .metrics import ServiceMetrics
+from .quarantine import Quarantine
 from .runtime import LlamaCppPythonRuntime, WorkerRuntime
 from .telemetry import (
     GpuReader, MemorySnapshot, NvmlGpuReader, SimulatedGpu, TelemetryHistory,
@@ -44,11 +47,21 @@ log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
 GPU_FOOTPRINT_OWNER = "gpu-worker"
-# Tokens assumed for a request that sets no max_tokens, for estimates only.
-DEFAULT_MAX_TOKENS = 256
-IDEMPOTENCY_TTL_S = 600.0
+# The answer length of "a typical new request", for the degraded banner's estimate.
+TYPICAL_ANSWER_TOKENS = 256
 SAMPLE_INTERVAL_S = 1.0
 CPU_FIRST_TOKEN_TIMEOUT_S = 600.0
+# How often a request that waits on a worker asks whether the process can
+# still make progress at all (see Worker.liveness_problem).
+LIVENESS_INTERVAL_S = 1.0
+# After a connection breaks, how long to wait for the worker's exit status,
+# which says whether the request crashed it (SIGSEGV) or something else did.
+INPUT_CRASH_WAIT_S = 3.0
+STREAM_END_EXIT_WAIT_S = 1.0
+# The GPU's first-token deadline: this much slack plus this many times the
+# prefill time its measured speed predicts (a busy host, a cold cache).
+FIRST_TOKEN_SLACK_S = 15.0
+FIRST_TOKEN_FACTOR = 5.0
 EXECUTION_LEDGER_SIZE = 10_000
 
 
@@ -58,14 +71,6 @@ class Sink(Protocol):
     def emit(self, event: dict[str, Any]) -> None: ...
 
     def reset(self) -> None: ...
-
-
-@dataclass
-class _IdempotencyEntry:
-    fingerprint: str
-    created: float
-    job_id: str
-    done: asyncio.Future
 
 
 class Service:
@@ -89,6 +94,11 @@ class Service:
         )
         self.model_id = self.model_info.path.stem
         self.fallback_model_id = self.fallback_info.path.stem
+        engine = f"llama-cpp-python {llama_cpp.__version__}"
+        # OpenAI's system_fingerprint: the same value means the same engine
+        # build and model file, so same-seed answers are comparable.
+        self.fingerprints = {"gpu": system_fingerprint(engine, self.model_info.path),
+                             "cpu": system_fingerprint(engine, self.fallback_info.path)}
         self.counter: PromptCounter | None = None
         self.equivalence: dict[str, Any] = {"equivalent": True, "detail": "same model file on both paths"}
 
@@ -145,6 +155,7 @@ class Service:
         self.history = TelemetryHistory()
         self.metrics = ServiceMetrics(self)
         self.jobs: dict[str, Job] = {}
+        self.quarantine = Quarantine(clock)
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
         # Completed executions per request id (bounded): the evidence that no
@@ -157,7 +168,6 @@ class Service:
         self._gpu_failed_at: float | None = None
         self._degraded_since: float | None = None
         self._degraded_reason: str | None = None
-        self._idempotency: dict[str, _IdempotencyEntry] = {}
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=5.0),
                                        limits=httpx.Limits(max_connections=64, max_keepalive_connections=0))
         self._sampler: asyncio.Task | None = None
@@ -280,6 +290,21 @@ class Service:
         self._note("canceled", id=request_id, state=state_was)
         return {"id": request_id, "object": "request.cancel", "canceled": True, "state_was": state_was}
 
+    def register(self, job: Job) -> bool:
+        """Take the job's id for as long as it lives; False if the id is in use."""
+        if job.id in self.jobs:
+            return False
+        self.jobs[job.id] = job
+        return True
+
+    def quarantined(self, job: Job) -> JobFailed | None:
+        """The refusal for a request that recently crashed a worker, or None."""
+        return self.quarantine.refusal(job.fingerprint, job.id)
+
+    def unregister(self, job: Job) -> None:
+        if self.jobs.get(job.id) is job:
+            del self.jobs[job.id]
+
     # ----- admission ------------------------------------------------------------
 
     def shape_of(self, job: Job, force_cpu: bool, deadline_s: float | None) -> RequestShape:
@@ -288,8 +313,9 @@ class Service:
             force_cpu=force_cpu or self.gpu_paused, deadline_s=deadline_s, is_replay=job.replayed,
         )
 
-    def default_max_tokens(self, prompt_tokens: int) -> int:
-        return max(1, min(DEFAULT_MAX_TOKENS, max(self.config.gpu.n_ctx, self.config.cpu.n_ctx) - prompt_tokens))
+    def token_limit(self, prompt_tokens: int, requested: int | None, chat: bool) -> int:
+        caps = [self.config.cpu.n_ctx] + ([self.config.gpu.n_ctx] if self.gpu_worker is not None else [])
+        return token_limit(prompt_tokens, requested, caps, chat=chat)
 
     def gpu_out_reason(self) -> str | None:
         """Why the GPU path can't take work right now, or None if it can."""
@@ -363,6 +389,9 @@ class Service:
     def decide(self, job: Job, force_cpu: bool = False, deadline_s: float | None = None) -> Decision:
         """Gather the inputs and ask the pure admission function. No await in
         here, so nothing can change between what we read and what we decide."""
+        # A fresh decision starts without a probe: one this job took earlier
+        # (before a redirect) goes back, or the breaker would wait for it forever.
+        self._release_probe(job)
         gpu = self._gpu_view(job)
         half_open_probe = False
         if gpu is not None and gpu.out_reason is None and self.breaker.state is BreakerState.HALF_OPEN:
@@ -412,6 +441,9 @@ class Service:
                     if not decision.accepted:
                         raise _rejection(decision)
                 except WorkerFailure as failure:
+                    crashed_by_input = await self._crashed_by_input(job, "gpu", failure)
+                    if crashed_by_input is not None:
+                        raise crashed_by_input from None
                     self._on_gpu_failure(job, str(failure))
                     if job.committed:
                         raise JobFailed(
@@ -429,6 +461,9 @@ class Service:
             try:
                 await self._run_on(job, "cpu", sink)
             except WorkerFailure as failure:
+                crashed_by_input = await self._crashed_by_input(job, "cpu", failure)
+                if crashed_by_input is not None:
+                    raise crashed_by_input from None
                 job.first_failure = job.first_failure or str(failure)
                 self.cpu_worker.report_failure(str(failure))
                 self._note("cpu_failure", id=job.id, reason=str(failure))
@@ -439,9 +474,36 @@ class Service:
             self._release_probe(job)
             raise JobFailed(502, "worker_error", f"the model server failed on this request: {error}") from None
         finally:
+            # Every way out passes here, so a probe the job still holds (a
+            # cancel, a client error, an unexpected exception) is given back;
+            # success and GPU failure have already settled theirs.
+            self._release_probe(job)
             job.state = JobState.DONE
-            self.jobs.pop(job.id, None)
+            self.unregister(job)
             self._refresh_degraded()
+
+    async def _crashed_by_input(self, job: Job, path: str, failure: WorkerFailure) -> JobFailed | None:
+        """The error for a request that crashed its worker, or None when the
+        worker failed for reasons of its own (memory, a kill, a hang).
+
+        A replay is for failures of the path, not of the request: a request
+        that segfaults a healthy worker would segfault the other one too. So
+        it is quarantined (a retry gets this same answer without reaching a
+        worker) and never re-run."""
+        worker = self.gpu_worker if path == "gpu" else self.cpu_worker
+        if not failure.process_may_have_died or worker is None or not job.attempts:
+            return None
+        if not job.attempts[-1].reached_worker:
+            return None  # it never got in: a worker that was already dying refused it
+        report = await worker.exit_after(job.attempts[-1].worker_exits, INPUT_CRASH_WAIT_S)
+        if report is None or not is_input_crash(report):
+            return None
+        detail = f"it crashed the {path} model server ({report.signal_name})"
+        job.first_failure = job.first_failure or detail
+        self.quarantine.add(job.fingerprint, detail)
+        self._note("request_crashed_worker", id=job.id, path=path, signal=report.signal_name,
+                   committed=job.committed)
+        return self.quarantine.refusal(job.fingerprint, job.id)
 
     async def _run_on(self, job: Job, path: str, sink: Sink) -> None:
         lane = self.lanes[path]
@@ -486,30 +548,51 @@ class Service:
             if path == "gpu":
                 raise Redirected(f"the GPU worker is {worker.state.value}")
             await self._wait_worker_ready(job, worker)
-        attempt = Attempt(path, self._clock())
+        attempt = Attempt(path, self._clock(), worker_exits=worker.exits)
         job.attempts.append(attempt)
         body = dict(job.body)
         body.pop("model", None)
+        # Always an explicit limit, the one admission planned with: the
+        # worker's own default may be none at all, and it does not know the
+        # current API's name max_completion_tokens.
+        body.pop("max_completion_tokens", None)
+        body["max_tokens"] = job.max_tokens
         body["stream"] = True
         body.pop("stream_options", None)
         if path == "gpu":
-            first_timeout, token_timeout = self.config.gpu.first_token_timeout_s, self.config.gpu.token_timeout_s
+            first_timeout, token_timeout = self._gpu_first_token_timeout_s(job), self.config.gpu.token_timeout_s
         else:
             first_timeout, token_timeout = CPU_FIRST_TOKEN_TIMEOUT_S, CPU_FIRST_TOKEN_TIMEOUT_S
         canceled = asyncio.ensure_future(job.canceled.wait())
         done_seen = False
         named_tool_calls: set[tuple[int, int]] = set()
+        # Until the first token one deadline covers the wait for the headers
+        # (llama-cpp-python sends them after prefill) and for the first event.
+        first_deadline = time.monotonic() + first_timeout
+
+        def wait_limit() -> float:
+            if attempt.first_token_at is None:
+                return max(0.0, first_deadline - time.monotonic())
+            return token_timeout
+
+        async def from_worker(awaitable):
+            result = await _wait_on_worker(awaitable, canceled, wait_limit(), worker.liveness_problem)
+            if result is _CANCELED:
+                attempt.outcome = "canceled"
+                raise _canceled(job, "while it ran")
+            return result
+
         try:
-            async with self._http.stream("POST", f"{worker.base_url}{job.kind.upstream_path}", json=body) as response:
+            request = self._http.build_request("POST", f"{worker.base_url}{job.kind.upstream_path}", json=body,
+                                               headers=worker.auth_headers)
+            response = await from_worker(self._http.send(request, stream=True))
+            try:
+                attempt.reached_worker = True
                 if response.status_code >= 400:
                     await self._upstream_error(response)
                 lines = response.aiter_lines()
                 while True:
-                    timeout = first_timeout if attempt.first_token_at is None else token_timeout
-                    line = await _next_line(lines, canceled, timeout)
-                    if line is _CANCELED:
-                        attempt.outcome = "canceled"
-                        raise _canceled(job, "while it ran")
+                    line = await from_worker(lines.__anext__())
                     if line is None:
                         break
                     if not line.startswith("data:"):
@@ -527,8 +610,14 @@ class Service:
                             attempt.first_token_at = self._clock()
                     event["id"] = _response_id(job)
                     event["model"] = worker.spec.model_name
+                    event["system_fingerprint"] = self.fingerprints[path]
                     _drop_repeated_tool_names(event, named_tool_calls)
                     sink.emit(event)
+            finally:
+                await response.aclose()
+        except WorkerFailure as failure:
+            attempt.outcome = f"failed: {failure}"
+            raise
         except asyncio.TimeoutError:
             attempt.outcome = "failed: hang"
             raise WorkerFailure(
@@ -536,7 +625,11 @@ class Service:
             ) from None
         except (httpx.TransportError, httpx.StreamError) as exc:
             attempt.outcome = f"failed: {type(exc).__name__}"
-            raise WorkerFailure(f"connection to the {path} worker broke: {type(exc).__name__}: {exc}") from None
+            # Refused at connect: the request never reached the process, so
+            # it can't be what killed it.
+            attempt.reached_worker = not isinstance(exc, httpx.ConnectError)
+            raise WorkerFailure(f"connection to the {path} worker broke: {type(exc).__name__}: {exc}",
+                                process_may_have_died=True) from None
         finally:
             canceled.cancel()
             attempt.ended_at = self._clock()
@@ -544,8 +637,12 @@ class Service:
             attempt.outcome = "failed: truncated"
             # The connection closed cleanly: the server's generator raised for
             # this input. Only a dead process makes it a worker failure.
-            if worker.pid is None or worker.state is not WorkerState.READY:
-                raise WorkerFailure("the worker's stream ended without [DONE] and the worker is gone")
+            # A process killed mid-answer can close the connection before it is
+            # reaped, so give its exit a moment to show.
+            exited = await worker.exit_after(attempt.worker_exits, STREAM_END_EXIT_WAIT_S)
+            if exited is not None or worker.state is not WorkerState.READY:
+                raise WorkerFailure("the worker's stream ended without [DONE] and the worker is gone",
+                                    process_may_have_died=True)
             raise WorkerRequestError("the model server ended the answer early without saying why; "
                                      f"see {worker.log_path}")
         attempt.outcome = "completed"
@@ -558,6 +655,13 @@ class Service:
         if path == "gpu":
             self.breaker.record_success()
             job.half_open_probe = False
+
+    def _gpu_first_token_timeout_s(self, job: Job) -> float:
+        """How long the GPU may take to its first token before we call it hung:
+        generous against the prefill time its measured speed predicts, and
+        never more than the configured ceiling."""
+        expected_s = job.prompt_tokens / max(1.0, self.speeds["gpu"].prompt_tokens_per_s)
+        return min(self.config.gpu.first_token_timeout_s, FIRST_TOKEN_SLACK_S + FIRST_TOKEN_FACTOR * expected_s)
 
     def _count_execution(self, request_id: str) -> None:
         self.completed_total += 1
@@ -577,7 +681,8 @@ class Service:
             payload = {}
         error = payload.get("error") if isinstance(payload, dict) else None
         message = (error or {}).get("message") if isinstance(error, dict) else None
-        message = message or (payload.get("detail") if isinstance(payload, dict) else None) or raw.decode("utf-8", "replace")[:300]
+        message = message or (payload.get("detail") if isinstance(payload, dict) else None) or raw.decode("utf-8", "replace")
+        message = client_safe(str(message))
         if 400 <= response.status_code < 500:
             raise JobFailed(response.status_code, "invalid_request", f"the model server rejected the request: {message}",
                             err_type="invalid_request_error")
@@ -623,31 +728,6 @@ class Service:
             self.breaker.release_probe()
         job.half_open_probe = False
 
-    # ----- idempotency ------------------------------------------------------------
-
-    def idempotency_lookup(self, key: str, fingerprint: str) -> _IdempotencyEntry | None:
-        self._expire_idempotency()
-        entry = self._idempotency.get(key)
-        if entry is not None and entry.fingerprint != fingerprint:
-            raise JobFailed(422, "idempotency_key_reused",
-                            f"Idempotency-Key {key!r} was already used with a different request body in the last "
-                            f"{IDEMPOTENCY_TTL_S / 60:g} minutes; use a new key for a new request",
-                            err_type="invalid_request_error")
-        return entry
-
-    def idempotency_claim(self, key: str, fingerprint: str, job_id: str) -> asyncio.Future:
-        future = asyncio.get_running_loop().create_future()
-        self._idempotency[key] = _IdempotencyEntry(fingerprint, self._clock(), job_id, future)
-        return future
-
-    def idempotency_forget(self, key: str) -> None:
-        self._idempotency.pop(key, None)
-
-    def _expire_idempotency(self) -> None:
-        now = self._clock()
-        for key in [k for k, e in self._idempotency.items() if now - e.created > IDEMPOTENCY_TTL_S]:
-            del self._idempotency[key]
-
     # ----- degraded mode and status -------------------------------------------------
 
     def _refresh_degraded(self) -> None:
@@ -681,7 +761,7 @@ class Service:
     def degraded(self) -> dict[str, Any]:
         self._refresh_degraded()
         # What a typical new request (64 prompt tokens, default max_tokens) would wait now.
-        estimated = round(self._cpu_backlog_s() + self._service_time_s(64, DEFAULT_MAX_TOKENS, "cpu"), 2)
+        estimated = round(self._cpu_backlog_s() + self._service_time_s(64, TYPICAL_ANSWER_TOKENS, "cpu"), 2)
         return {
             "active": self._degraded_since is not None,
             "reason": self._degraded_reason,
@@ -732,7 +812,9 @@ class Service:
             "breaker": self.breaker.snapshot(),
             "queues": {name: lane.snapshot() for name, lane in self.lanes.items()},
             "degraded": self.degraded(),
-            "requests": [self._request_status(job) for job in self.jobs.values()],
+            # Jobs still being admitted hold their id but have no path or place yet.
+            "requests": [self._request_status(job) for job in self.jobs.values()
+                         if job.state is not JobState.ADMITTING],
             "recent_decisions": list(self.recent)[-20:],
             "speeds": {path: {"tokens_per_s": round(s.tokens_per_s, 2), "samples": s.samples}
                        for path, s in self.speeds.items()},
@@ -805,21 +887,35 @@ async def _no_wait() -> float:
 _CANCELED = object()
 
 
-async def _next_line(lines, canceled: asyncio.Future, timeout: float):
-    """The next SSE line, None at the end, _CANCELED if the job was canceled;
-    raises TimeoutError when the worker goes quiet for `timeout` seconds."""
-    next_line = asyncio.ensure_future(lines.__anext__())
-    done, _ = await asyncio.wait({next_line, canceled}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    if next_line in done:
+async def _wait_on_worker(awaitable, canceled: asyncio.Future, timeout: float,
+                          liveness: Callable[[], str | None]):
+    """The result of `awaitable` (the response, or the next SSE line: None at
+    the end), or _CANCELED if the job was canceled meanwhile. Raises
+    TimeoutError when the worker gives nothing for `timeout` seconds, and
+    WorkerFailure as soon as `liveness` says the process can't progress."""
+    pending = asyncio.ensure_future(awaitable)
+    deadline = time.monotonic() + timeout
+    problem = None
+    while True:
+        wait_s = min(LIVENESS_INTERVAL_S, max(0.0, deadline - time.monotonic()))
+        done, _ = await asyncio.wait({pending, canceled}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        if done:
+            break
+        problem = liveness()
+        if problem is not None or time.monotonic() >= deadline:
+            break
+    if pending in done:
         try:
-            return next_line.result()
+            return pending.result()
         except StopAsyncIteration:
             return None
-    next_line.cancel()
+    pending.cancel()
     with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, httpx.HTTPError):
-        await next_line
+        await pending
     if canceled in done:
         return _CANCELED
+    if problem is not None:
+        raise WorkerFailure(problem)
     raise asyncio.TimeoutError
 
 
@@ -849,6 +945,35 @@ def _carries_token(event: dict[str, Any]) -> bool:
         if choice.get("text"):
             return True
     return False
+
+
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.\-+@~]+){2,}")
+
+
+def client_safe(message: str) -> str:
+    """A worker's error message as a client may see it: one line, no
+    traceback, no file system paths (they tell an attacker the install
+    layout), and short."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    kept = [line for line in lines if not line.startswith(("Traceback", "File ", "^", "~"))]
+    # A traceback's last line is the exception; otherwise the first few lines
+    # (a validation error names the field on the next ones).
+    text = kept[-1] if kept and lines[0].startswith("Traceback") else "; ".join(kept[:3])
+    return _PATH.sub("<path>", text)[:300] or "no detail"
+
+
+def system_fingerprint(engine: str, model_path: Path) -> str:
+    """A stable id of engine build plus model file, cheap for a 40 GB file:
+    its size and its first and last MiB (the GGUF header, the last tensors)."""
+    digest = hashlib.sha256(engine.encode())
+    size = model_path.stat().st_size
+    digest.update(str(size).encode())
+    with open(model_path, "rb") as handle:
+        digest.update(handle.read(MIB))
+        if size > 2 * MIB:
+            handle.seek(-MIB, os.SEEK_END)
+            digest.update(handle.read(MIB))
+    return "fp_" + digest.hexdigest()[:12]
 
 
 def _response_id(job: Job) -> str:

@@ -13,6 +13,7 @@ import enum
 import logging
 import logging.handlers
 import os
+import secrets
 import signal
 import socket
 import time
@@ -21,7 +22,9 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
+import psutil
 
+from .files import PrivateRotatingFileHandler, make_private_dir
 from .exits import ExitKind, ExitReport, classify_exit
 from .runtime import LaunchRequest, WorkerRuntime
 
@@ -55,6 +58,26 @@ def backoff_delay(attempt: int, base_s: float, cap_s: float) -> float:
     if attempt < 0:
         raise ValueError("attempt must be >= 0")
     return min(cap_s, base_s * (2 ** min(attempt, 30)))
+
+
+# What a worker inherits from our environment: what it needs to find its
+# libraries, its locale and its device, and to size its threads. Nothing else:
+# llama-cpp-python's server reads unprefixed settings (HOST, PORT, API_KEY,
+# CONFIG_FILE, ...) from the environment, so a stray variable in the user's
+# shell could put a worker on the LAN or stop it from starting.
+_INHERITED_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR",
+    "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "SYSTEMROOT",
+})
+_INHERITED_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "HIP_", "ROCR_", "GGML_", "OMP_", "OPENBLAS_", "MKL_",
+                       "GOMP_", "KMP_")
+
+
+def worker_environment(parent: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
+    """The environment a worker starts with: an allowlist of ours, plus the runtime's own."""
+    kept = {name: value for name, value in parent.items()
+            if name in _INHERITED_NAMES or name.startswith(_INHERITED_PREFIXES)}
+    return {**kept, **extra}
 
 
 def free_loopback_port() -> int:
@@ -127,12 +150,19 @@ class Worker:
         self._log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._file_log = self._make_file_logger(log_dir)
         self.last_exit: ExitReport | None = None
+        # How many processes have exited so far: a request notes it when it
+        # starts, to ask afterwards how *its* process ended.
+        self.exits = 0
         self.restarts = 0
         self.ready_since: float | None = None
         self.last_ready_duration_s: float | None = None
         self.unhealthy_reason: str | None = None
         self.gave_up: str | None = None
-        self._http = httpx.AsyncClient()
+        # The worker's port is on loopback, where any local process or web
+        # page could reach it: it answers only requests that carry this
+        # secret, which only the router knows, so nothing skips admission.
+        self._secret = secrets.token_urlsafe(32)
+        self._http = httpx.AsyncClient(headers=self.auth_headers)
 
     # ----- read side -----------------------------------------------------
 
@@ -156,6 +186,29 @@ class Worker:
     @property
     def base_url(self) -> str | None:
         return f"http://127.0.0.1:{self._port}" if self._port else None
+
+    def liveness_problem(self) -> str | None:
+        """Why the process can make no progress right now, or None. Cheap
+        enough to ask every second while a request waits on it: a frozen
+        worker (SIGSTOP, a debugger) is found in seconds, not at the
+        first-token deadline."""
+        process = self._process
+        if process is None or process.returncode is not None:
+            return "the worker process is gone"
+        try:
+            status = psutil.Process(process.pid).status()
+        except psutil.Error:
+            return "the worker process is gone"
+        if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+            return "the worker process is stopped (SIGSTOP or a debugger) and makes no progress"
+        if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return "the worker process has exited"
+        return None
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """Headers every request to this worker must carry."""
+        return {"Authorization": f"Bearer {self._secret}"}
 
     @property
     def log_path(self) -> Path:
@@ -197,6 +250,20 @@ class Worker:
             return self._state
 
         return await asyncio.wait_for(_wait(), timeout)
+
+    async def exit_after(self, exits_seen: int, timeout: float) -> ExitReport | None:
+        """How the process that was running when `exits` was `exits_seen`
+        ended, waiting up to `timeout` for it; None if it is still running."""
+        async def _wait() -> None:
+            while self.exits <= exits_seen:
+                self._state_changed.clear()
+                await self._state_changed.wait()
+
+        try:
+            await asyncio.wait_for(_wait(), timeout)
+        except asyncio.TimeoutError:
+            return None
+        return self.last_exit
 
     async def ensure_ready(self, timeout: float | None = None) -> bool:
         """Start if needed and wait for READY; False if it gave up or timed out."""
@@ -292,6 +359,7 @@ class Worker:
             n_threads=self.spec.n_threads,
             simulated_vram_need_mib=extras.simulated_vram_need_mib,
             simulated_vram_free_mib=extras.simulated_vram_free_mib,
+            api_key=self._secret,
         )
         argv = self.runtime.argv(launch)
         self._log_tail.clear()
@@ -300,7 +368,7 @@ class Worker:
         # No shell: the model path is one argv element whatever it contains.
         process = await asyncio.create_subprocess_exec(
             *argv,
-            env={**os.environ, **self.runtime.environment(launch)},
+            env=worker_environment(dict(os.environ), self.runtime.environment(launch)),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
@@ -374,6 +442,8 @@ class Worker:
 
     def _record_exit(self, report: ExitReport, stop: bool, immediate: bool, was_ready: bool) -> "Worker._Outcome":
         self.last_exit = report
+        self.exits += 1
+        self._state_changed.set()
         self._process = None
         self.ready_since = None
         self._file_log.info("---- %s worker exited: %s", self.role, report.describe())
@@ -465,11 +535,11 @@ class Worker:
         self._hooks.on_event(WorkerEvent(self.role, state, exit))
 
     def _make_file_logger(self, log_dir: Path) -> logging.Logger:
-        log_dir.mkdir(parents=True, exist_ok=True)
+        make_private_dir(log_dir)
         logger = logging.getLogger(f"tray_app.worker_output.{self.spec.role}.{id(self)}")
         logger.propagate = False
         logger.setLevel(logging.INFO)
-        handler = logging.handlers.RotatingFileHandler(
+        handler = PrivateRotatingFileHandler(
             log_dir / f"{self.spec.role}-worker.log", maxBytes=LOG_FILE_BYTES, backupCount=LOG_FILE_BACKUPS,
             encoding="utf-8",
         )

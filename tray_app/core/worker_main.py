@@ -21,17 +21,36 @@ import runpy
 import signal
 import sys
 
+from tray_app.core.runtime import WORKER_KEY_VARIABLE
+
 _PR_SET_PDEATHSIG = 1
+# The supervisor's pid, set by whoever launches this wrapper. Only the parent
+# knows it for certain: by the time this process can call os.getppid(), a dead
+# parent has already been replaced by init (or a subreaper).
+PARENT_PID_ENV = "TRAY_APP_PARENT_PID"
+
+
+def parent_pid_environment() -> dict[str, str]:
+    """What a launcher adds to the worker's environment, read in the launcher."""
+    return {PARENT_PID_ENV: str(os.getpid())}
+
+
+def _expected_parent_pid() -> int:
+    value = os.environ.get(PARENT_PID_ENV, "")
+    if value.isdigit():
+        return int(value)
+    # A launcher that does not say: reading it now narrows the race but cannot close it.
+    return os.getppid()
 
 
 def _die_with_parent() -> None:
     if not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
+    expected = _expected_parent_pid()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    # The parent may have died between fork and prctl; then nobody will kill us.
-    if os.getppid() != parent:
+    # The parent may have died before prctl; then nobody will kill us.
+    if os.getppid() != expected:
         os._exit(1)
 
 
@@ -65,6 +84,11 @@ def main(argv: list[str] | None = None) -> None:
     if options.sim_vram_need_mib is not None and options.sim_vram_free_mib is not None:
         _simulated_allocation(options.sim_vram_need_mib, options.sim_vram_free_mib)
 
+    # Only sys.argv changes here, not the argv the kernel shows in ps.
+    key = os.environ.pop(WORKER_KEY_VARIABLE, None)
+    if key:
+        # One argv element: a key may begin with "-", which argparse would take for an option.
+        server_args += [f"--api_key={key}"]
     sys.argv = ["llama_cpp.server", *server_args]
     runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
 

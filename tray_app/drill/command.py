@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import shutil
 import sys
 import tempfile
@@ -25,10 +26,11 @@ EXIT_INTERRUPTED = 130
 
 DESCRIPTION = """\
 The failover drill: starts its own service (a simulated GPU when NVML finds
-none, the real GPU otherwise), runs eight phases of traffic and faults
+none, the real GPU otherwise), runs nine phases of traffic and faults
 against it (requests over the GPU profile, streaming, a cancel in the CPU
 queue, 8 concurrent clients, agents with a counted tool, shrinking VRAM, an
-allocation failure, a GPU worker killed mid-request), and writes report.json,
+allocation failure, a GPU worker killed mid-request, a request that crashes
+the GPU worker), and writes report.json,
 report.md and a latency plot. With --url it checks a running service instead,
 without injecting faults.
 
@@ -51,7 +53,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="check an already-running service instead of starting one; no faults are injected")
     parser.add_argument("--out", metavar="DIR", default="drill-report",
                         help="where report.json, report.md and latency.png go (default: ./drill-report)")
-    parser.add_argument("--phases", metavar="LIST", help="only these phases, e.g. 1,2,8 (default: all eight)")
+    parser.add_argument("--phases", metavar="LIST", help="only these phases, e.g. 1,2,8 (default: all nine)")
     parser.add_argument("--simulated-gpu", action="store_true",
                         help="use the simulated GPU even when a real one is present")
     parser.add_argument("--model", metavar="GGUF", help="model for the drill's own service (default: the bundled one)")
@@ -81,8 +83,16 @@ def run_drill(args: argparse.Namespace) -> int:
     workdir: Path | None = None
     notes: list[str] = []
     if args.url:
-        target = LiveService(args.url)
-        notes.append("live check: requests only; phases 7 and 8 (faults) are skipped and phase 6 takes no VRAM")
+        from ..core.config import ConfigError, load_config
+        from ..core.security import effective_api_key
+
+        try:
+            configured_key = load_config().server.api_key
+        except ConfigError as exc:
+            print(f"tray-app drill: error: {exc}", file=sys.stderr)
+            return EXIT_COULD_NOT_RUN
+        target = LiveService(args.url, effective_api_key(configured_key))
+        notes.append("live check: requests only; phases 7, 8 and 9 (faults) are skipped and phase 6 takes no VRAM")
     else:
         simulated, device, why = detect_device(args.simulated_gpu)
         workdir = Path(tempfile.mkdtemp(prefix="tray-app-drill-"))
@@ -171,12 +181,17 @@ def assemble_report(drill: Any, target: Any, plan_name: str, notes: list[str], s
 
 
 def _keep_logs(workdir: Path, into: Path) -> None:
-    """The service's and workers' logs next to the report of a failed drill, for whoever reads it."""
-    into.mkdir(parents=True, exist_ok=True)
+    """The service's and workers' logs next to the report of a failed drill, for whoever reads it.
+    Owner-only, like the logs they copy: they hold the drill's prompts and answers."""
+    from ..core.files import PRIVATE_FILE_MODE, make_private_dir
+
+    make_private_dir(into)
     for source in [workdir / "service.log", workdir / "config.toml", *sorted(workdir.glob("vram-holder-*.log")),
                    *sorted((workdir / "state").rglob("*.log*"))]:
         if source.is_file():
-            shutil.copy2(source, into / source.name)
+            copy = into / source.name
+            shutil.copy2(source, copy)
+            os.chmod(copy, PRIVATE_FILE_MODE)
 
 
 def _parse_phases(text: str | None, known: set[int]) -> set[int] | None:
@@ -186,7 +201,7 @@ def _parse_phases(text: str | None, known: set[int]) -> set[int] | None:
     for part in text.split(","):
         part = part.strip()
         if not part.isdigit() or int(part) not in known:
-            raise ValueError(f"--phases: {part!r} is not a phase number (1-8)")
+            raise ValueError(f"--phases: {part!r} is not a phase number (1-9)")
         chosen.add(int(part))
     return chosen
 

@@ -25,6 +25,8 @@ from typing import Any, Protocol
 
 import httpx
 
+from ..core.security import bearer_header
+
 MIB = 1024 * 1024
 HOLDER_READY_TIMEOUT_S = 120.0
 MAX_HOLDERS = 12
@@ -50,8 +52,8 @@ class SimulatedPressure:
     kind = "simulated"
     starve_before_kill = True
 
-    def __init__(self, url: str) -> None:
-        self._http = httpx.Client(base_url=url, timeout=10.0)
+    def __init__(self, url: str, api_key: str = "") -> None:
+        self._http = httpx.Client(base_url=url, headers=bearer_header(api_key), timeout=10.0)
 
     def _gpu(self) -> dict[str, Any]:
         return self._http.get("/status").json()["gpu"]
@@ -134,6 +136,7 @@ class RealGpuPressure:
 
     def _spawn_holder(self, mib: float) -> Holder:
         from ..core.worker import free_loopback_port
+        from ..core.worker_main import parent_pid_environment
 
         n_ctx, n_ubatch, estimated = holder_size(self.info, mib)
         port = free_loopback_port()
@@ -145,7 +148,8 @@ class RealGpuPressure:
                 "--n_gpu_layers", "-1", "--n_ctx", str(n_ctx), "--n_batch", str(n_ubatch),
                 "--n_ubatch", str(n_ubatch), "--logits_all", "False"]
         with open(log_path, "wb") as log:
-            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                       env={**os.environ, **parent_pid_environment()})
         holder = Holder(process, port, n_ctx, n_ubatch, estimated, log_path)
         deadline = time.monotonic() + HOLDER_READY_TIMEOUT_S
         while time.monotonic() < deadline:

@@ -1,4 +1,4 @@
-"""Runs the eight phases against a target and keeps everything that happened.
+"""Runs the nine phases against a target and keeps everything that happened.
 
 Each phase sends ordinary OpenAI requests (every one becomes a
 RequestRecord), injects its fault where the target allows it, and adds
@@ -56,6 +56,7 @@ PHASES = (
     (6, "shrinking_vram", "Short, long and parallel prompts as free VRAM shrinks"),
     (7, "alloc_failure", "Allocation failure before generation"),
     (8, "gpu_worker_reset", "GPU worker killed mid-request"),
+    (9, "poison_request", "A request that crashes the GPU worker, among normal traffic"),
 )
 
 OVER_CAP_MAX_TOKENS = 16
@@ -66,6 +67,8 @@ BLOCKER_TOKENS = 64
 AGENT_TOOL_TOKENS = 64
 AGENT_ANSWER_TOKENS = 32
 RESET_TOKENS = 48
+# Requests sent while the poison request crashes the GPU worker.
+POISON_NEIGHBOURS = 4
 KILL_AFTER_STREAMED_TOKENS = 3
 STATUS_WAIT_S = 60.0
 RECOVERY_WAIT_S = 150.0
@@ -82,8 +85,8 @@ class Drill:
         self.run_tag = f"drill-{secrets.token_hex(2)}"
         self.records: list[RequestRecord] = []
         self._records_lock = threading.Lock()
-        self.client = DrillClient(target.url, self.clock, on_done=self._record_done)
-        self.monitor = StatusMonitor(target.url, self.clock)
+        self.client = DrillClient(target.url, self.clock, on_done=self._record_done, api_key=target.api_key)
+        self.monitor = StatusMonitor(target.url, self.clock, api_key=target.api_key)
         self.ledger = ToolLedger()
         self.faults: list[dict[str, Any]] = []
         self.phases: list[PhaseResult] = []
@@ -121,7 +124,7 @@ class Drill:
             self.duration_s = self.clock.now()
 
     def _run_phase(self, result: PhaseResult) -> None:
-        self.progress.phase(f"phase {result.number}/8: {result.title}")
+        self.progress.phase(f"phase {result.number}/{len(PHASES)}: {result.title}")
         result.started_s = self.clock.now()
         result.skipped = self._skip_reason(result.number)
         try:
@@ -150,7 +153,7 @@ class Drill:
                         "exceeds the GPU profile but fits in RAM")
         if number == 6 and not has_gpu_path:
             return "the service has no GPU worker"
-        if number in (7, 8):
+        if number in (7, 8, 9):
             if not self.target.can_inject:
                 return "fault injection is off against a live service (--url)"
             if not has_gpu_path:
@@ -682,3 +685,45 @@ class Drill:
                 "partial_id": victim.id, "full_id": final.id, "partial": list(victim.output_tokens),
                 "full": list(final.output_tokens or []), "partial_path": victim.served_by, "full_path": final.served_by,
             })
+
+    # ----- phase 9 ------------------------------------------------------------------------------------
+
+    def _phase_poison_request(self, phase: PhaseResult) -> None:
+        """A request that crashes the worker serving it (a segfault, which is
+        what bad input does to llama.cpp) is not replayed onto the CPU, is
+        refused when retried, and costs the GPU worker one restart; the
+        requests around it are all answered."""
+        before = self.client.status()
+        gpu_before = gpu_worker(before)
+        cpu_before = next(w for w in before["workers"] if w["role"] == "cpu")
+        poison_body = self._chat(STORY + " (poison)")
+        poison = self._record(phase, "poison: the GPU worker segfaults serving it", max_tokens=RESET_TOKENS,
+                              expect="error")
+        normal = [self._record(phase, f"normal traffic #{i + 1}", stream=i % 2 == 1, forced_cpu=i % 2 == 0,
+                               max_tokens=8, prompt_key=f"poison-neighbour-{i}") for i in range(POISON_NEIGHBOURS)]
+        with ThreadPoolExecutor(1 + len(normal)) as pool:
+            done = self._send_in(pool, poison, poison_body)
+            status = self._wait_running(poison.id, "gpu", min_tokens=1)
+            neighbours = [self._send_in(pool, record, self._chat(SHORT_PROMPTS[i % len(SHORT_PROMPTS)]))
+                          for i, record in enumerate(normal)]
+            self._kill_gpu(phase, status, signal.SIGSEGV, poison.id, "GPU worker segfaults on one request")
+            done.result()
+            for neighbour in neighbours:
+                neighbour.result()
+        phase.check("the poison request failed with request_crashed_worker and was not replayed",
+                    poison.error_code == "request_crashed_worker" and poison.route_reason != "gpu_failed_replayed",
+                    f"{poison.status} {poison.error_code}, served by {poison.served_by}/{poison.route_reason}")
+        retry = self._send(self._record(phase, "poison retried unchanged", max_tokens=RESET_TOKENS,
+                                        expect="rejected", retry_of=poison.id), poison_body)
+        phase.check("its unchanged retry is refused at once, no worker touched",
+                    retry.error_code == "request_crashed_worker", f"{retry.status} {retry.error_code}")
+        unanswered = [r.id for r in normal if not self._answered(r)]
+        phase.check("every request around it was answered", not unanswered,
+                    f"{len(normal) - len(unanswered)}/{len(normal)}" + (f"; not: {unanswered}" if unanswered else ""))
+        after = self.client.wait_status(lambda s: gpu_worker(s).get("state") == "ready", RECOVERY_WAIT_S,
+                                        interval=0.1, what="GPU worker back")
+        cpu_after = next(w for w in after["workers"] if w["role"] == "cpu")
+        restarts = gpu_worker(after)["restarts"] - gpu_before["restarts"]
+        phase.check("the GPU worker restarted once and the CPU worker not at all",
+                    restarts == 1 and cpu_after["pid"] == cpu_before["pid"],
+                    f"GPU restarts: {restarts}; CPU pid {cpu_before['pid']} -> {cpu_after['pid']}")

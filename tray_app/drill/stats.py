@@ -19,7 +19,7 @@ ADMISSION_REJECTION_CODES = frozenset({
     "cpu_queue_full", "ram_floor", "deadline_too_short", "cpu_context_cap", "context_length_exceeded",
     "no_worker", "invalid_json", "invalid_type", "invalid_value", "invalid_header", "missing_field",
     "too_many_messages", "unsupported_parameter", "invalid_messages", "model_not_found", "body_too_large",
-    "duplicate_request_id", "idempotency_key_reused",
+    "duplicate_request_id", "idempotency_key_reused", "request_crashed_worker",
 })
 
 # What a request ended as, from the client's side.
@@ -279,6 +279,8 @@ def meets_expectation(expect: str, result: str) -> bool:
         "answer_or_rejected": {OK, REJECTED},
         "canceled": {CANCELED},
         "error_event": {ERROR},
+        "error": {ERROR},
+        "rejected": {REJECTED},
         "any": {OK, REJECTED, CANCELED, ERROR, LOST},
     }
     return result in allowed.get(expect, {OK})

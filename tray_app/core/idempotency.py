@@ -1,0 +1,106 @@
+"""Idempotency-Key: one execution per key, its result handed to every retry.
+
+The store is bounded in every direction a client controls: how many keys it
+keeps, how long a key may be, how long an entry lives, and how long a twin
+waits for the first request's result. Entries sit in insertion order, which
+is also expiry order (one TTL for all), so expiring is a pop from the front,
+never a scan of the whole store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .jobs import JobFailed
+
+IDEMPOTENCY_TTL_S = 600.0
+MAX_ENTRIES = 2048
+# Stripe allows 255; a UUID is 36. Longer keys only cost memory.
+MAX_KEY_LENGTH = 255
+# A twin waits this long for the first request's result, then gets a 409 it
+# can retry; the first request keeps running and its result is kept.
+WAIT_TIMEOUT_S = 900.0
+
+
+@dataclass
+class IdempotencyEntry:
+    fingerprint: str
+    created: float
+    job_id: str
+    done: asyncio.Future
+
+
+class IdempotencyStore:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *, ttl_s: float = IDEMPOTENCY_TTL_S,
+                 max_entries: int = MAX_ENTRIES, wait_timeout_s: float = WAIT_TIMEOUT_S) -> None:
+        self._clock = clock
+        self._ttl_s = ttl_s
+        self._max_entries = max_entries
+        self._wait_timeout_s = wait_timeout_s
+        self._entries: collections.OrderedDict[str, IdempotencyEntry] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def check_key(key: str) -> None:
+        if len(key) > MAX_KEY_LENGTH or not key.isprintable():
+            raise JobFailed(400, "invalid_idempotency_key",
+                            f"Idempotency-Key must be at most {MAX_KEY_LENGTH} printable characters "
+                            f"(this one has {len(key)}); a UUID is a good key",
+                            err_type="invalid_request_error", param="Idempotency-Key")
+
+    def lookup(self, key: str, fingerprint: str) -> IdempotencyEntry | None:
+        """The entry a retry should answer from, None if the key is new.
+        Raises JobFailed (422) for a key reused with another body."""
+        self.check_key(key)
+        self._expire()
+        entry = self._entries.get(key)
+        if entry is not None and entry.fingerprint != fingerprint:
+            raise JobFailed(422, "idempotency_key_reused",
+                            f"Idempotency-Key {key!r} was already used with a different request body in the last "
+                            f"{self._ttl_s / 60:g} minutes; use a new key for a new request",
+                            err_type="invalid_request_error")
+        return entry
+
+    def claim(self, key: str, fingerprint: str, job_id: str) -> asyncio.Future:
+        """Take the key for a request about to run. Call with no await since
+        lookup(), so a twin arriving meanwhile finds the claim and waits."""
+        future = asyncio.get_running_loop().create_future()
+        self._entries.pop(key, None)
+        self._entries[key] = IdempotencyEntry(fingerprint, self._clock(), job_id, future)
+        while len(self._entries) > self._max_entries:
+            # The oldest goes first: under a flood of fresh keys a retry of a
+            # recent request still finds its result.
+            self._entries.popitem(last=False)
+        return future
+
+    def forget(self, key: str, job_id: str | None = None) -> None:
+        """Let go of a key after a failure, so a retry with it runs for real.
+        With job_id, only that request's claim (not a newer one) is dropped."""
+        entry = self._entries.get(key)
+        if entry is not None and (job_id is None or entry.job_id == job_id):
+            del self._entries[key]
+
+    async def wait(self, entry: IdempotencyEntry) -> Any:
+        """The first request's recorded result; JobFailed (409) if it is still
+        running after the wait deadline."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(entry.done), self._wait_timeout_s)
+        except asyncio.TimeoutError:
+            raise JobFailed(409, "idempotency_key_in_progress",
+                            f"the first request with this Idempotency-Key ({entry.job_id}) is still running after "
+                            f"{self._wait_timeout_s:g} s; retry later with the same key to get its result",
+                            err_type="invalid_request_error", retry_after_s=30.0) from None
+
+    def _expire(self) -> None:
+        cutoff = self._clock() - self._ttl_s
+        while self._entries:
+            oldest = next(iter(self._entries.values()))
+            if oldest.created > cutoff:
+                return
+            self._entries.popitem(last=False)
