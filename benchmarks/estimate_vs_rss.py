@@ -1,4 +1,4 @@
-"""Check tray_app.core.estimate's host numbers against real CPU workers.
+"""Check tray_app.core.memory.estimate's host numbers against real CPU workers.
 
 For each context size it starts the stock llama-cpp-python server exactly as
 the tray app does, waits for GET /v1/models, sends one short chat completion
@@ -29,10 +29,10 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tray_app.core.estimate import MIB, WorkerSettings, estimate_worker
-from tray_app.core.exits import classify_exit
-from tray_app.core.gguf_info import read_model_info
-from tray_app.core.runtime import LaunchRequest, LlamaCppPythonRuntime
+from tray_app.core.memory.estimate import MIB, WorkerSettings, estimate_worker
+from tray_app.core.engine.exits import classify_exit
+from tray_app.core.memory.gguf_info import read_model_info
+from tray_app.core.engine.runtime import LaunchRequest, LlamaCppPythonRuntime
 
 READY_TIMEOUT_S = 180
 REQUEST_TIMEOUT_S = 900  # a full 8k context takes ~2 minutes on two cores

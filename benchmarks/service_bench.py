@@ -163,7 +163,7 @@ class Anchor:
 
     def __init__(self, tmp: Path) -> None:
         from tray_app.core.config import bundled_model_path
-        from tray_app.core.worker import free_loopback_port
+        from tray_app.core.engine.worker import free_loopback_port
 
         port = free_loopback_port()
         self.url = f"http://127.0.0.1:{port}"

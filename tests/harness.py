@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tray_app.core.worker import free_loopback_port, pid_alive
+from tray_app.core.engine.worker import free_loopback_port, pid_alive
 
 READY_TIMEOUT_S = 120
 

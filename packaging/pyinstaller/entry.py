@@ -2,7 +2,7 @@
 
 It is `tray-app` (tray_app.cli), plus a small stand-in for `python -m`: the
 supervisor starts each llama.cpp worker as
-`sys.executable -m tray_app.core.worker_main ...` (core/runtime.py), and in
+`sys.executable -m tray_app.core.engine.worker_main ...` (core/runtime.py), and in
 a frozen app sys.executable is this binary, not a Python interpreter.
 """
 
@@ -13,7 +13,7 @@ import sys
 
 # Only these modules may be run with `-m`: the worker wrapper the supervisor
 # starts, and the desktop-integration helper the README points users at.
-RUNNABLE_MODULES = ("tray_app.core.worker_main", "tray_app.core.autostart")
+RUNNABLE_MODULES = ("tray_app.core.engine.worker_main", "tray_app.desktop.autostart")
 
 
 def main() -> int:

@@ -205,8 +205,8 @@ def test_after_sigkill_a_restart_reclaims_the_port_and_inflight_clients_get_an_e
 
 
 def test_worker_logs_rotate_and_are_capped(tmp_path):
-    from tray_app.core.runtime import LlamaCppPythonRuntime
-    from tray_app.core.worker import LOG_FILE_BACKUPS, LOG_FILE_BYTES, Worker, WorkerSpec
+    from tray_app.core.engine.runtime import LlamaCppPythonRuntime
+    from tray_app.core.engine.worker import LOG_FILE_BACKUPS, LOG_FILE_BYTES, Worker, WorkerSpec
 
     worker = Worker(WorkerSpec("cpu", bundled_model_path(), "m", 512, 0), LlamaCppPythonRuntime(), tmp_path)
     line = "x" * 1000

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tray_app.core.config import Config, bundled_model_path
-from tray_app.core.worker import free_loopback_port
+from tray_app.core.engine.worker import free_loopback_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tray_app.core.autostart import desktop_entry, enable
-from tray_app.core.runtime import LaunchRequest, LlamaCppPythonRuntime
+from tray_app.desktop.autostart import desktop_entry, enable
+from tray_app.core.engine.runtime import LaunchRequest, LlamaCppPythonRuntime
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGING = REPO / "packaging"
@@ -46,8 +46,8 @@ def desktop_file_validate(path: Path) -> subprocess.CompletedProcess[str]:
 def test_packaged_entries_are_renderings_of_the_one_template(name, autostart):
     expected = desktop_entry(["tray-app"], autostart=autostart)
     assert (PACKAGING / name).read_text() == expected, (
-        f"packaging/{name} drifted from the template in tray_app/core/autostart.py; regenerate it with\n"
-        f"  .venv/bin/python -c \"from tray_app.core.autostart import desktop_entry; "
+        f"packaging/{name} drifted from the template in tray_app/desktop/autostart.py; regenerate it with\n"
+        f"  .venv/bin/python -c \"from tray_app.desktop.autostart import desktop_entry; "
         f"open('packaging/{name}', 'w').write(desktop_entry(['tray-app'], autostart={autostart}))\"")
 
 
@@ -149,7 +149,7 @@ def test_the_spec_parses_and_builds_from_the_entry_script():
     assert "tray-app" in strings  # the binary run.sh starts
     assert 'exec "$here/tray-app" "$@"' in (PACKAGING / "pyinstaller" / "run.sh").read_text()
     # Started by name, never imported, so PyInstaller would miss it without this.
-    assert "tray_app.core.worker_main" in strings
+    assert "tray_app.core.engine.worker_main" in strings
 
 
 def test_the_frozen_entry_understands_how_the_supervisor_starts_workers():
@@ -168,7 +168,7 @@ def run_entry(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
 
 
 def test_the_entry_runs_an_allowed_module_like_python_m(tmp_path):
-    result = run_entry("-m", "tray_app.core.autostart", "status",
+    result = run_entry("-m", "tray_app.desktop.autostart", "status",
                        env={"XDG_CONFIG_HOME": str(tmp_path), "XDG_CONFIG_DIRS": str(tmp_path / "none")})
     assert result.returncode == 0, result.stderr
     assert f"start on login: off ({tmp_path}/autostart/tray-app.desktop)" in result.stdout

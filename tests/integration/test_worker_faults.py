@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from tray_app.core.config import bundled_model_path
-from tray_app.core.exits import ExitKind
-from tray_app.core.runtime import LaunchRequest, LlamaCppPythonRuntime
-from tray_app.core.worker import RestartPolicy, Worker, WorkerHooks, WorkerSpec, WorkerState, LaunchExtras
+from tray_app.core.engine.exits import ExitKind
+from tray_app.core.engine.runtime import LaunchRequest, LlamaCppPythonRuntime
+from tray_app.core.engine.worker import RestartPolicy, Worker, WorkerHooks, WorkerSpec, WorkerState, LaunchExtras
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tray_app.core import gguf_info
+from tray_app.core.memory import gguf_info
 
 
 LONG_PROMPT = "Write a long story about a lighthouse keeper and the sea."

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tray_app.core.security import API_KEY_ENV
+from tray_app.core.api.security import API_KEY_ENV
 from tray_app.ui.client import ServiceClient
 
 

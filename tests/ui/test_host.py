@@ -9,7 +9,7 @@ import pytest
 
 from tests.harness import BASE_CONFIG, wait_gone
 from tray_app.core.config import apply_overrides, load_config
-from tray_app.core.worker import free_loopback_port
+from tray_app.core.engine.worker import free_loopback_port
 from tray_app.ui import viewmodel as vm
 from tray_app.ui.app import TrayController
 from tray_app.ui.client import ServiceClient

@@ -316,7 +316,7 @@ def test_choose_model_validates_the_file_and_saves_it(qtbot, live, tmp_path, mon
 
 
 def test_start_on_login_toggle_writes_and_removes_the_autostart_entry(qtbot, controller, tmp_path, monkeypatch) -> None:
-    from tray_app.core import autostart
+    from tray_app.desktop import autostart
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.setenv("XDG_CONFIG_DIRS", str(tmp_path / "system"))

@@ -1,7 +1,7 @@
 import pytest
 
 from tray_app.core.config import bundled_model_path
-from tray_app.core.gguf_info import ModelInfo, read_model_info
+from tray_app.core.memory.gguf_info import ModelInfo, read_model_info
 
 
 @pytest.fixture(scope="session")

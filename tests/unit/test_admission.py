@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from tray_app.core.admission import (
+from tray_app.core.dispatch.admission import (
     CpuView, GpuView, LaneState, Reason, RequestShape, Route, decide, estimate_cpu_latency_s,
 )
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tray_app.core import autostart
-from tray_app.core.autostart import (
+from tray_app.desktop import autostart
+from tray_app.desktop.autostart import (
     autostart_path,
     current_launch_command,
     desktop_entry,

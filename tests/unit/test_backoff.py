@@ -1,6 +1,6 @@
 import pytest
 
-from tray_app.core.worker import backoff_delay
+from tray_app.core.engine.worker import backoff_delay
 
 
 def test_doubles_from_base_until_the_cap():

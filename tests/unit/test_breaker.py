@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tray_app.core.breaker import BreakerPolicy, BreakerState, CircuitBreaker
+from tray_app.core.dispatch.breaker import BreakerPolicy, BreakerState, CircuitBreaker
 
 
 class FakeClock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tray_app.cli import main
-from tray_app.core.security import API_KEY_ENV
+from tray_app.core.api.security import API_KEY_ENV
 
 
 @pytest.fixture

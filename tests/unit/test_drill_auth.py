@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tray_app.core.security import API_KEY_ENV
+from tray_app.core.api.security import API_KEY_ENV
 from tray_app.drill.client import DrillClient, DrillClock
 from tray_app.drill.monitor import StatusMonitor
 from tray_app.drill.pressure import SimulatedPressure

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tray_app.core.estimate import (
+from tray_app.core.memory.estimate import (
     MIB,
     WorkerSettings,
     compute_buffer_bytes,
@@ -14,7 +14,7 @@ from tray_app.core.estimate import (
     layers_offloaded,
     request_vram_bytes,
 )
-from tray_app.core.gguf_info import ModelInfo
+from tray_app.core.memory.gguf_info import ModelInfo
 
 
 

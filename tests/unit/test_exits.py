@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tray_app.core.exits import ExitKind, classify_exit
+from tray_app.core.engine.exits import ExitKind, classify_exit
 
 SIGABRT, SIGKILL, SIGTERM, SIGSEGV, SIGILL = 6, 9, 15, 11, 4
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tray_app.core.estimate import MIB, WorkerSettings, estimate_worker
-from tray_app.core.fit import (
+from tray_app.core.memory.estimate import MIB, WorkerSettings, estimate_worker
+from tray_app.core.memory.fit import (
     CONTEXT_STEP,
     Headroom,
     Profile,
@@ -16,7 +16,7 @@ from tray_app.core.fit import (
     format_mib,
     headroom_from_status,
 )
-from tray_app.core.gguf_info import ModelInfo
+from tray_app.core.memory.gguf_info import ModelInfo
 
 RESERVE = 512
 FLOOR = 1024

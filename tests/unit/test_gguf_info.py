@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from gguf import GGUFValueType
 
-from tray_app.core import gguf_info
-from tray_app.core.gguf_info import ModelFileError, ModelInfo, read_model_info
+from tray_app.core.memory import gguf_info
+from tray_app.core.memory.gguf_info import ModelFileError, ModelInfo, read_model_info
 
 
 def _smollm2_path() -> Path:
@@ -177,7 +177,7 @@ def test_unreadable_file(tmp_path: Path) -> None:
 
 def test_permission_error_is_reported_even_as_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Root ignores chmod 000, so make open() fail the way it does for a normal user.
-    from tray_app.core import gguf_info
+    from tray_app.core.memory import gguf_info
 
     def refuse(*_args: object, **_kwargs: object) -> None:
         raise PermissionError(13, "Permission denied")

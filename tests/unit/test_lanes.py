@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from tray_app.core.lanes import Lane, Redirected
+from tray_app.core.dispatch.lanes import Lane, Redirected
 
 
 async def test_slots_are_handed_over_in_order():

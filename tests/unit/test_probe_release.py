@@ -11,11 +11,11 @@ import asyncio
 
 import pytest
 
-from tray_app.core.admission import Route
-from tray_app.core.breaker import BreakerState
+from tray_app.core.dispatch.admission import Route
+from tray_app.core.dispatch.breaker import BreakerState
 from tray_app.core.config import parse_config_text
-from tray_app.core.jobs import Job, JobFailed, JobKind, WorkerFailure, WorkerRequestError
-from tray_app.core.lanes import Redirected
+from tray_app.core.dispatch.jobs import Job, JobFailed, JobKind, WorkerFailure, WorkerRequestError
+from tray_app.core.dispatch.lanes import Redirected
 from tray_app.core.service import Service, _canceled
 
 CONFIG = """

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from tray_app.core.config import ConfigError, parse_config_text
-from tray_app.core.security import API_KEY_ENV, AccessPolicy, bearer_header, effective_api_key
+from tray_app.core.api.security import API_KEY_ENV, AccessPolicy, bearer_header, effective_api_key
 
 
 def policy(allowed_hosts=()) -> AccessPolicy:

@@ -1,4 +1,4 @@
-"""Unit tests for tray_app.core.telemetry.
+"""Unit tests for tray_app.core.memory.telemetry.
 
 NVML is faked with a small module object that carries the *real* pynvml
 exception classes, so the reader's except clauses are exercised against what
@@ -21,8 +21,8 @@ import pytest
 
 pynvml = pytest.importorskip("pynvml")
 
-from tray_app.core import telemetry  # noqa: E402
-from tray_app.core.telemetry import (  # noqa: E402
+from tray_app.core.memory import telemetry  # noqa: E402
+from tray_app.core.memory.telemetry import (  # noqa: E402
     MIB,
     UNKNOWN_GPU,
     GpuDevice,

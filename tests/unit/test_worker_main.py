@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from tray_app.core.worker_main import PARENT_PID_ENV
+from tray_app.core.engine.worker_main import PARENT_PID_ENV
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 
 # Exits 0 only if _die_with_parent lets the process go on.
-SURVIVES = "from tray_app.core.worker_main import _die_with_parent; _die_with_parent()"
+SURVIVES = "from tray_app.core.engine.worker_main import _die_with_parent; _die_with_parent()"
 
 
 def _run_wrapper_check(expected_parent: str) -> int:

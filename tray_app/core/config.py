@@ -18,8 +18,8 @@ from typing import Any, Mapping
 
 import platformdirs
 
-from .estimate import DEFAULT_GPU_RESERVE_MIB
 from .files import make_private_dir, write_atomically
+from .memory.estimate import DEFAULT_GPU_RESERVE_MIB
 
 APP_NAME = "tray-app"
 DEFAULT_PORT = 8642

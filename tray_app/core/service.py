@@ -23,25 +23,25 @@ from typing import Any, Callable, Protocol
 import httpx
 import llama_cpp
 
-from . import estimate
-from .admission import (
+from .api.metrics import ServiceMetrics
+from .config import Config, log_dir as default_log_dir
+from .dispatch.admission import (
     GPU_OUT_REASONS, CpuView, Decision, GpuView, Reason, RequestShape, Route, decide, token_limit,
 )
-from .breaker import BreakerPolicy, BreakerState, CircuitBreaker
-from .config import Config, log_dir as default_log_dir
-from .exits import ExitKind, is_input_crash, mentions_out_of_memory
-from .gguf_info import ModelInfo, read_model_info
-from .jobs import Attempt, Job, JobFailed, JobState, PathSpeed, WorkerFailure, WorkerRequestError
-from .lanes import Lane, Redirected
-from .metrics import ServiceMetrics
-from .quarantine import Quarantine
-from .runtime import LlamaCppPythonRuntime, WorkerRuntime
-from .telemetry import (
-    GpuReader, MemorySnapshot, NvmlGpuReader, SimulatedGpu, TelemetryHistory,
-    detect_gpu_offload_support, read_host, wait_for_vram_recovery,
+from .dispatch.breaker import BreakerPolicy, BreakerState, CircuitBreaker
+from .dispatch.jobs import Attempt, Job, JobFailed, JobState, PathSpeed, WorkerFailure, WorkerRequestError
+from .dispatch.lanes import Lane, Redirected
+from .dispatch.quarantine import Quarantine
+from .engine.exits import ExitKind, is_input_crash, mentions_out_of_memory
+from .engine.runtime import LlamaCppPythonRuntime, WorkerRuntime
+from .engine.worker import LaunchExtras, RestartPolicy, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
+from .memory import estimate
+from .memory.gguf_info import ModelInfo, read_model_info
+from .memory.telemetry import (
+    GpuReader, MemorySnapshot, NvmlGpuReader, SimulatedGpu, TelemetryHistory, detect_gpu_offload_support, read_host,
+    wait_for_vram_recovery,
 )
 from .tokens import PromptCounter
-from .worker import LaunchExtras, RestartPolicy, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from ..core.security import bearer_header
+from ..core.api.security import bearer_header
 from .records import RequestRecord
 
 # Seconds without a byte before the client gives up on a request. Generous:

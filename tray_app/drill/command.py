@@ -83,8 +83,8 @@ def run_drill(args: argparse.Namespace) -> int:
     workdir: Path | None = None
     notes: list[str] = []
     if args.url:
+        from ..core.api.security import effective_api_key
         from ..core.config import ConfigError, load_config
-        from ..core.security import effective_api_key
 
         try:
             configured_key = load_config().server.api_key

@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 
-from ..core.admission import GPU_OUT_REASONS
-from ..core.security import bearer_header
+from ..core.api.security import bearer_header
+from ..core.dispatch.admission import GPU_OUT_REASONS
 from .client import DrillClock
 
 GPU_OUT_REASON_CODES = frozenset(reason.value for reason in GPU_OUT_REASONS)

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from ..core.security import bearer_header
+from ..core.api.security import bearer_header
 
 MIB = 1024 * 1024
 HOLDER_READY_TIMEOUT_S = 120.0
@@ -99,8 +99,8 @@ class RealGpuPressure:
     starve_before_kill = False
 
     def __init__(self, url: str, status: dict[str, Any], workdir: Path) -> None:
-        from ..core.gguf_info import read_model_info
-        from ..core.telemetry import NvmlGpuReader
+        from ..core.memory.gguf_info import read_model_info
+        from ..core.memory.telemetry import NvmlGpuReader
 
         gpu_worker = next(w for w in status["workers"] if w["role"] == "gpu")
         self.model_path = Path(gpu_worker["model_path"])
@@ -135,15 +135,15 @@ class RealGpuPressure:
                             f"{target_free_mib:.0f} MiB (free: {self.free_mib():.0f} MiB)")
 
     def _spawn_holder(self, mib: float) -> Holder:
-        from ..core.worker import free_loopback_port
-        from ..core.worker_main import parent_pid_environment
+        from ..core.engine.worker import free_loopback_port
+        from ..core.engine.worker_main import parent_pid_environment
 
         n_ctx, n_ubatch, estimated = holder_size(self.info, mib)
         port = free_loopback_port()
         log_path = self._workdir / f"vram-holder-{len(self.holders) + 1}.log"
         # worker_main ties the holder's life to ours (PR_SET_PDEATHSIG): a
         # drill that dies can't leave VRAM taken.
-        argv = [sys.executable, "-m", "tray_app.core.worker_main", "--",
+        argv = [sys.executable, "-m", "tray_app.core.engine.worker_main", "--",
                 "--model", str(self.model_path), "--host", "127.0.0.1", "--port", str(port),
                 "--n_gpu_layers", "-1", "--n_ctx", str(n_ctx), "--n_batch", str(n_ubatch),
                 "--n_ubatch", str(n_ubatch), "--logits_all", "False"]
@@ -185,7 +185,7 @@ def holder_size(info: Any, target_mib: float) -> tuple[int, int, float]:
     Not more than the target unless even the smallest holder is bigger: the
     next holder closes the gap, and an overshoot could starve the GPU worker
     when the step wanted headroom."""
-    from ..core.estimate import WorkerSettings, estimate_worker
+    from ..core.memory.estimate import WorkerSettings, estimate_worker
 
     def size(n_ctx: int, n_ubatch: int) -> float:
         settings = WorkerSettings(n_ctx=n_ctx, n_gpu_layers=-1, n_batch=n_ubatch, n_ubatch=n_ubatch, logits_all=False)

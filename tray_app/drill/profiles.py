@@ -27,10 +27,10 @@ import httpx
 import psutil
 
 from ..core.config import bundled_model_path
-from ..core.estimate import MIB, WorkerSettings, estimate_worker
-from ..core.gguf_info import ModelInfo, read_model_info
-from ..core.runtime import LaunchRequest, LlamaCppPythonRuntime
-from ..core.worker import free_loopback_port
+from ..core.engine.runtime import LaunchRequest, LlamaCppPythonRuntime
+from ..core.engine.worker import free_loopback_port
+from ..core.memory.estimate import MIB, WorkerSettings, estimate_worker
+from ..core.memory.gguf_info import ModelInfo, read_model_info
 
 PROFILE_CTX = 2048
 RUNS = 3
@@ -153,7 +153,7 @@ def _one_stream(base: str) -> tuple[float | None, float | None]:
 
 
 def _device_used_mib() -> float | None:
-    from ..core.telemetry import NvmlGpuReader
+    from ..core.memory.telemetry import NvmlGpuReader
 
     reader = NvmlGpuReader()
     try:
@@ -163,7 +163,7 @@ def _device_used_mib() -> float | None:
 
 
 def _process_vram_mib(pid: int) -> float | None:
-    from ..core.telemetry import NvmlGpuReader
+    from ..core.memory.telemetry import NvmlGpuReader
 
     reader = NvmlGpuReader()
     try:

@@ -19,30 +19,16 @@ from typing import Any
 
 import httpx
 
-from . import plan as plans
-from . import stats
+from . import plan as plans, stats
 from .agent import (
-    FORCE_TOOL,
-    ORDER_IDS,
-    TOOLS,
-    AgentRun,
-    ToolLedger,
-    check_tool_call,
-    first_turn_messages,
-    second_turn_messages,
+    FORCE_TOOL, ORDER_IDS, TOOLS, AgentRun, ToolLedger, check_tool_call, first_turn_messages, second_turn_messages,
 )
 from .client import DrillClient, DrillClock, DrillTimeout
 from .monitor import StatusMonitor
 from .pressure import PressureError
 from .progress import Progress
 from .prompts import (
-    COMPLETION_PROMPTS,
-    OVER_CAP_QUESTIONS,
-    SHORT_ANSWER_QUESTIONS,
-    SHORT_PROMPTS,
-    STORY,
-    PromptSizer,
-    sized_message,
+    COMPLETION_PROMPTS, OVER_CAP_QUESTIONS, SHORT_ANSWER_QUESTIONS, SHORT_PROMPTS, STORY, PromptSizer, sized_message,
 )
 from .records import FINDING, INVARIANT, PhaseResult, RequestRecord
 from .target import OwnService, Target, TargetError, gpu_worker

@@ -20,9 +20,9 @@ from typing import Any
 
 import httpx
 
+from ..core.api.security import bearer_header, effective_api_key
 from ..core.config import parse_config_text
-from ..core.security import bearer_header, effective_api_key
-from ..core.worker import free_loopback_port
+from ..core.engine.worker import free_loopback_port
 from . import plan as plans
 from .pressure import Pressure, RealGpuPressure, SimulatedPressure
 
@@ -34,7 +34,7 @@ def detect_device(force_simulated: bool) -> tuple[bool, str, str]:
     simulated_name = f"simulated GPU ({plans.SIMULATED_GPU_MIB} MiB)"
     if force_simulated:
         return True, simulated_name, "--simulated-gpu was given"
-    from ..core.telemetry import NvmlGpuReader, detect_gpu_offload_support
+    from ..core.memory.telemetry import NvmlGpuReader, detect_gpu_offload_support
 
     reader = NvmlGpuReader()
     try:

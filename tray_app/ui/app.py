@@ -21,7 +21,7 @@ from PySide6.QtCore import QObject, QSocketNotifier, QTimer, QUrl, Signal
 from PySide6.QtGui import QAction, QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import QApplication, QMenu, QMessageBox, QSystemTrayIcon, QToolButton, QWidget
 
-from ..core import autostart
+from ..desktop import autostart
 from ..core.config import Config, ConfigError, log_dir
 from ..core.files import PrivateRotatingFileHandler, make_private_dir
 from . import viewmodel as vm
@@ -199,7 +199,7 @@ class TrayController(QObject):
         self.client.restart_workers()
 
     def choose_model(self) -> None:
-        from ..core.gguf_info import read_model_info
+        from ..core.memory.gguf_info import read_model_info
         from .background import BackgroundCall
         from .settings import choose_model_file
 
@@ -216,7 +216,7 @@ class TrayController(QObject):
         self.model_check = call
 
     def _on_model_checked(self, call: object, path: str, future: Future) -> None:
-        from ..core.gguf_info import ModelFileError
+        from ..core.memory.gguf_info import ModelFileError
         from .settings import save_changes
 
         if call is not self.model_check:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from PySide6.QtCore import QByteArray, QObject, QTimer, QUrl, Signal
 from PySide6.QtNetwork import QNetworkAccessManager, QNetworkProxy, QNetworkReply, QNetworkRequest
 
-from ..core.security import bearer_header, effective_api_key
+from ..core.api.security import bearer_header, effective_api_key
 from .viewmodel import error_message
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 

@@ -164,7 +164,7 @@ class ServiceHost(QObject):
     # ----- the thread --------------------------------------------------------------------
 
     def _run(self, config: Config) -> None:
-        from ..core.http_server import ThreadedServer, build_server
+        from ..core.api.http_server import ThreadedServer, build_server
 
         problem = port_problem(config.server.host, config.server.port)
         if problem:

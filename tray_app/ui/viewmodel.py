@@ -595,7 +595,7 @@ def validate_settings(config: Any, values: Mapping[str, str],
     seconds for a stranger's file: call this off the GUI thread.
     """
     from ..core.config import ConfigError, apply_overrides
-    from ..core.gguf_info import ModelFileError, read_model_info
+    from ..core.memory.gguf_info import ModelFileError, read_model_info
 
     overrides: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}

@@ -22,12 +22,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
+from ..dispatch.jobs import Job, JobFailed, JobKind, new_request_id
+from ..dispatch.quarantine import request_fingerprint
+from ..service import Service
 from .idempotency import IdempotencyStore
-from .jobs import Job, JobFailed, JobKind, new_request_id
 from .openai_request import InvalidRequest, constrain_output, flatten_content
 from .openapi import build_openapi
-from .quarantine import request_fingerprint
-from .service import Service
 
 MAX_MESSAGES = 1024
 MAX_N = 1

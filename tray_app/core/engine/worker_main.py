@@ -21,7 +21,7 @@ import runpy
 import signal
 import sys
 
-from tray_app.core.runtime import WORKER_KEY_VARIABLE
+from tray_app.core.engine.runtime import WORKER_KEY_VARIABLE
 
 _PR_SET_PDEATHSIG = 1
 # The supervisor's pid, set by whoever launches this wrapper. Only the parent
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         own, server_args = argv[:split], argv[split + 1:]
     else:
         own, server_args = [], argv
-    parser = argparse.ArgumentParser(prog="tray_app.core.worker_main")
+    parser = argparse.ArgumentParser(prog="tray_app.core.engine.worker_main")
     parser.add_argument("--sim-vram-need-mib", type=float)
     parser.add_argument("--sim-vram-free-mib", type=float)
     options = parser.parse_args(own)

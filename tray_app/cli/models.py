@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import DEFAULT_PORT, Config, ConfigError, apply_overrides, load_config, models_dir
-from .fit import Headroom, ModelFit, Profile, describe_fit, fit_model, format_mib, headroom_from_status
-from .gguf_info import ModelFileError, ModelInfo, read_model_info
+from ..core.config import DEFAULT_PORT, Config, ConfigError, apply_overrides, load_config, models_dir
+from ..core.memory.fit import Headroom, ModelFit, Profile, describe_fit, fit_model, format_mib, headroom_from_status
+from ..core.memory.gguf_info import ModelFileError, ModelInfo, read_model_info
 
 # A service on loopback answers /status in milliseconds; waiting longer only
 # delays the listing when nothing is there.
@@ -175,7 +175,7 @@ def read_headroom(config: Config, url: str, *, simulate_requested: bool) -> Head
 def _fetch_status(url: str, config: Config) -> tuple[dict[str, Any] | None, str]:
     import httpx
 
-    from .security import bearer_header, effective_api_key
+    from ..core.api.security import bearer_header, effective_api_key
 
     headers = bearer_header(effective_api_key(config.server.api_key))
     try:
@@ -194,7 +194,7 @@ def _fetch_status(url: str, config: Config) -> tuple[dict[str, Any] | None, str]
 
 
 def _read_directly(config: Config, why_not_service: str) -> HeadroomReading:
-    from .telemetry import NvmlGpuReader, SimulatedGpu, read_host
+    from ..core.memory.telemetry import NvmlGpuReader, SimulatedGpu, read_host
 
     host = read_host()
     if config.gpu.simulate_mib > 0:

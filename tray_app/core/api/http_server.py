@@ -14,11 +14,10 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .config import Config
-from .router import create_app
+from ..config import Config
+from ..service import Service
+from .app import create_app
 from .security import MAX_HEADER_BYTES, AccessGuard, AccessPolicy, effective_api_key
-from .service import Service
-
 
 
 def _envelope(status: int, code: str, message: str) -> tuple[list[tuple[bytes, bytes]], bytes]:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import warnings
 import threading
 import time
 import types
+import warnings
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field

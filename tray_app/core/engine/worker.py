@@ -24,7 +24,7 @@ from typing import Callable
 import httpx
 import psutil
 
-from .files import PrivateRotatingFileHandler, make_private_dir
+from ..files import PrivateRotatingFileHandler, make_private_dir
 from .exits import ExitKind, ExitReport, classify_exit
 from .runtime import LaunchRequest, WorkerRuntime
 

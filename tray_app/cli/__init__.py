@@ -8,10 +8,10 @@ import logging
 import sys
 from typing import Any, Sequence
 
-from .core.config import DEFAULT_PORT, Config, ConfigError, apply_overrides, load_config
-from .core.gguf_info import ModelFileError
-from .core.models_cli import add_models_parser, run_models
-from .drill.command import add_drill_parser, run_drill
+from ..core.config import DEFAULT_PORT, Config, ConfigError, apply_overrides, load_config
+from ..core.memory.gguf_info import ModelFileError
+from ..drill.command import add_drill_parser, run_drill
+from .models import add_models_parser, run_models
 
 
 def _add_service_options(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +78,7 @@ def _fail(message: str) -> int:
 
 
 def serve(config: Config, log_level: str = "INFO") -> int:
-    from .core.http_server import build_server
+    from ..core.api.http_server import build_server
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # One line per worker probe would drown the log.
@@ -95,7 +95,7 @@ def serve(config: Config, log_level: str = "INFO") -> int:
 def print_status(url: str, as_json: bool, api_key: str = "") -> int:
     import httpx
 
-    from .core.security import API_KEY_ENV, bearer_header
+    from ..core.api.security import API_KEY_ENV, bearer_header
 
     try:
         response = httpx.get(f"{url.rstrip('/')}/status", headers=bearer_header(api_key), timeout=5.0)
@@ -114,7 +114,7 @@ def print_status(url: str, as_json: bool, api_key: str = "") -> int:
     if as_json:
         print(json.dumps(data, indent=2))
         return 0
-    from .core.status_text import render_status
+    from .status_text import render_status
 
     print(render_status(data))
     return 0
@@ -140,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         args = parser.parse_args(["tray"])
     if command == "status":
-        from .core.security import effective_api_key
+        from ..core.api.security import effective_api_key
 
         try:
             configured_key = load_config(args.config).server.api_key
@@ -154,12 +154,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         # Fail fast, with one line, before anything is started.
-        from .core.gguf_info import read_model_info
+        from ..core.memory.gguf_info import read_model_info
 
         read_model_info(config.model_path())
         if config.model.fallback_path:
             read_model_info(config.fallback_model_path())
-        from .core.security import bind_problem, effective_api_key
+        from ..core.api.security import bind_problem, effective_api_key
 
         problem = bind_problem(config.server.host, effective_api_key(config.server.api_key))
         if problem:
@@ -169,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "serve":
         return serve(config, args.log_level)
     try:
-        from .ui.app import run_tray
+        from ..ui.app import run_tray
     except ImportError as exc:
         return _fail(f"the tray needs PySide6 and a display ({exc}); use `tray-app serve` on a headless machine")
     return run_tray(config, args.log_level)

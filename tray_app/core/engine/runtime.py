@@ -58,7 +58,7 @@ class WorkerRuntime(Protocol):
 class LlamaCppPythonRuntime:
     """llama-cpp-python's OpenAI server, started through our thin wrapper.
 
-    The wrapper (tray_app.core.worker_main) ties the worker's life to ours and
+    The wrapper (tray_app.core.engine.worker_main) ties the worker's life to ours and
     plays the simulated device's allocator; the rest is the stock server.
     """
 
@@ -70,7 +70,7 @@ class LlamaCppPythonRuntime:
         self._python = python
 
     def argv(self, launch: LaunchRequest) -> list[str]:
-        args = [self._python, "-m", "tray_app.core.worker_main"]
+        args = [self._python, "-m", "tray_app.core.engine.worker_main"]
         if launch.simulated_vram_need_mib is not None and launch.simulated_vram_free_mib is not None:
             args += [
                 "--sim-vram-need-mib", f"{launch.simulated_vram_need_mib:.1f}",

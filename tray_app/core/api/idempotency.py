@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .jobs import JobFailed
+from ..dispatch.jobs import JobFailed
 
 IDEMPOTENCY_TTL_S = 600.0
 MAX_ENTRIES = 2048

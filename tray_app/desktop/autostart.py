@@ -11,7 +11,7 @@ Start-on-login follows the XDG Autostart spec: a user entry in
 $XDG_CONFIG_HOME/autostart overrides a system one of the same name in
 $XDG_CONFIG_DIRS/autostart, and ``Hidden=true`` turns an entry off.
 
-Run as ``python -m tray_app.core.autostart {status,enable,disable,install-menu}``.
+Run as ``python -m tray_app.desktop.autostart {status,enable,disable,install-menu}``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .files import write_atomically
-from .config import APP_NAME
+from ..core.config import APP_NAME
+from ..core.files import write_atomically
 
 DESKTOP_FILE_NAME = f"{APP_NAME}.desktop"
 ICON_NAME = APP_NAME
@@ -235,7 +235,7 @@ def _write_atomically(path: Path, content: str | bytes) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tray_app.core.autostart",
+    parser = argparse.ArgumentParser(prog="python -m tray_app.desktop.autostart",
                                      description="Start-on-login and the application menu entry (XDG desktops).")
     parser.add_argument("action", choices=["status", "enable", "disable", "install-menu"])
     parser.add_argument("command", nargs="*", help="the command the entry runs (default: this install's tray-app)")

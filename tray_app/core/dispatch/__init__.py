@@ -1,0 +1,1 @@
+"""Where a request runs: pure admission and breaker, lanes, jobs, quarantine."""

@@ -1,0 +1,1 @@
+"""Running llama.cpp servers: one owner task per process, the runtimes behind one seam, exit classification."""

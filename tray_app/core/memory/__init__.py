@@ -1,0 +1,1 @@
+"""What fits where: GPU/host telemetry, GGUF metadata, the memory estimator, fit advice."""

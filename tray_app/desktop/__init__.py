@@ -1,0 +1,1 @@
+"""Desktop integration: the menu entry and start-on-login."""
