@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tray_app.core.engine.worker_main import PARENT_PID_ENV
+from tray_app.core.engine.runtime import PARENT_PID_ENV
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 

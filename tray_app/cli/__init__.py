@@ -84,7 +84,7 @@ def serve(config: Config, log_level: str = "INFO") -> int:
     # One line per worker probe would drown the log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     server, service = build_server(config, log_level=log_level)
-    gpu = service.gpu_disabled_reason or (
+    gpu = service.dispatcher.gpu_missing_reason or (
         f"simulated {config.gpu.simulate_mib} MiB" if service.simulated else "NVIDIA GPU")
     print(f"tray-app: serving {service.model_id} on http://{config.server.host}:{config.server.port}/v1 "
           f"(GPU path: {gpu})", file=sys.stderr, flush=True)

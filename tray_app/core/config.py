@@ -18,6 +18,8 @@ from typing import Any, Mapping
 
 import platformdirs
 
+from .dispatch.breaker import BreakerPolicy
+from .engine.worker import RestartPolicy
 from .files import make_private_dir, write_atomically
 from .memory.estimate import DEFAULT_GPU_RESERVE_MIB
 
@@ -82,19 +84,12 @@ class CpuConfig:
     assumed_tokens_per_s: float = 10.0
 
 
+# [breaker] is the circuit breaker's BreakerPolicy itself, and [worker] the
+# workers' RestartPolicy plus n_batch: each policy is written once, where it is
+# used, and the config hands it over as it is (engine and dispatch never import
+# the config).
 @dataclass(frozen=True)
-class BreakerConfig:
-    failure_threshold: int = 3
-    window_s: float = 60.0
-    cooldown_s: float = 30.0
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    ready_timeout_s: float = 180.0
-    stop_timeout_s: float = 5.0
-    backoff_base_s: float = 0.5
-    backoff_cap_s: float = 30.0
+class WorkerConfig(RestartPolicy):
     n_batch: int = 512
 
 
@@ -104,7 +99,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     cpu: CpuConfig = field(default_factory=CpuConfig)
-    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     # Where the file came from, for messages and for saving; None = defaults only.
     source: Path | None = None
@@ -121,7 +116,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "gpu": GpuConfig,
     "cpu": CpuConfig,
-    "breaker": BreakerConfig,
+    "breaker": BreakerPolicy,
     "worker": WorkerConfig,
 }
 

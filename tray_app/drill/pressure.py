@@ -136,7 +136,7 @@ class RealGpuPressure:
 
     def _spawn_holder(self, mib: float) -> Holder:
         from ..core.engine.worker import free_loopback_port
-        from ..core.engine.worker_main import parent_pid_environment
+        from ..core.engine.runtime import parent_pid_environment
 
         n_ctx, n_ubatch, estimated = holder_size(self.info, mib)
         port = free_loopback_port()

@@ -25,69 +25,22 @@ from starlette.routing import Route as HttpRoute
 from ..dispatch.jobs import Job, JobFailed, JobKind, new_request_id
 from ..dispatch.quarantine import request_fingerprint
 from ..service import Service
+from . import bounds
+from .errors import error_bytes, error_response, failed_response, failure_body
 from .idempotency import IdempotencyStore
 from .openai_request import InvalidRequest, constrain_output, flatten_content
 from .openapi import build_openapi
 
 MAX_MESSAGES = 1024
-MAX_N = 1
-
-
-def error_body(message: str, code: str, err_type: str = "invalid_request_error", param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-
-
-def error_response(status: int, message: str, code: str, err_type: str = "invalid_request_error",
-                   param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, code, err_type, param), status_code=status, headers=headers)
-
-
-def _failed_response(failure: JobFailed, headers: dict[str, str]) -> JSONResponse:
-    extra = dict(headers)
-    if failure.retry_after_s is not None:
-        extra["Retry-After"] = str(int(math.ceil(failure.retry_after_s)))
-    return error_response(failure.status, failure.message, failure.code, failure.err_type, failure.param, extra)
-
-
-def _number(low: float | None = None, high: float | None = None, whole: bool = False):
-    kind = "a whole number" if whole else "a number"
-    bounds = (f" from {low:g} to {high:g}" if low is not None and high is not None
-              else f" >= {low:g}" if low is not None else "")
-
-    def check(value: Any) -> str | None:
-        ok_type = isinstance(value, int) if whole else isinstance(value, (int, float))
-        if isinstance(value, bool) or not ok_type:
-            return f"must be {kind}{bounds}"
-        # Compared as they are: a 400-digit integer is a valid JSON number
-        # that overflows float(), so it must not be converted to be checked.
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"must be {kind}{bounds}"
-        if (low is not None and value < low) or (high is not None and value > high):
-            return f"must be {kind}{bounds}"
-        return None
-    return check
-
-
-# Longer than any real stop sequence; the worker searches the answer for every
-# stop string after every token, so a huge one only costs CPU.
-MAX_STOP_CHARS = 1000
-
-
-def _stop(value: Any) -> str | None:
-    items = [value] if isinstance(value, str) else value
-    if (not isinstance(items, list) or len(items) > 4
-            or not all(isinstance(i, str) and 0 < len(i) <= MAX_STOP_CHARS for i in items)):
-        return f"must be a non-empty string or a list of up to 4 non-empty strings of at most {MAX_STOP_CHARS} characters"
-    return None
 
 
 def _logit_bias(value: Any) -> str | None:
-    problem = "must be an object mapping token ids to a bias from -100 to 100"
-    if not isinstance(value, dict) or len(value) > 1024:
-        return problem + " (at most 1024 entries)"
-    in_range = _number(-100, 100)
+    problem = (f"must be an object mapping token ids to a bias from {bounds.LOGIT_BIAS.low:g} "
+               f"to {bounds.LOGIT_BIAS.high:g}")
+    if not isinstance(value, dict) or len(value) > bounds.MAX_LOGIT_BIAS_ENTRIES:
+        return problem + f" (at most {bounds.MAX_LOGIT_BIAS_ENTRIES} entries)"
     for token, bias in value.items():
-        if not token.isdigit() or len(token) > 9 or in_range(bias):
+        if not token.isdigit() or len(token) > 9 or bounds.LOGIT_BIAS.problem(bias):
             return problem
     return None
 
@@ -99,16 +52,8 @@ def _of_type(kind: type, name: str):
 # Fields passed through to the worker: checked here so a bad value is a 400
 # that names the field, not an exception inside the model server.
 SAMPLING_RULES = {
-    "temperature": _number(0, 2),
-    "top_p": _number(0, 1),
-    "min_p": _number(0, 1),
-    "typical_p": _number(0, 1),
-    "top_k": _number(0, None, whole=True),
-    "seed": _number(0, 2**32 - 1, whole=True),
-    "frequency_penalty": _number(-2, 2),
-    "presence_penalty": _number(-2, 2),
-    "repeat_penalty": _number(0, None),
-    "stop": _stop,
+    **{field: rule.problem for field, rule in bounds.SAMPLING.items()},
+    "stop": bounds.stop_problem,
     "logit_bias": _logit_bias,
     "user": _of_type(str, "a string"),
     "response_format": _of_type(dict, "an object"),
@@ -118,7 +63,7 @@ SAMPLING_RULES = {
 
 
 # More memory than any GPU has: a bigger number is a typo or an attack.
-PRESSURE_RULE = _number(0, 16 * 1024 * 1024)
+PRESSURE_RULE = bounds.Range(False, 0, 16 * 1024 * 1024).problem
 
 
 _Invalid = InvalidRequest
@@ -245,6 +190,7 @@ def _sse(payload: Any) -> bytes:
 class Router:
     def __init__(self, service: Service) -> None:
         self.service = service
+        self.dispatcher = service.dispatcher
         self.idempotency = IdempotencyStore()
 
     # ----- small routes -----------------------------------------------------
@@ -272,7 +218,7 @@ class Router:
         # What a client may ask of each model here, so it can adapt rather
         # than learn from a 400.
         capabilities = {
-            "max_choices": MAX_N, "logprobs": False, "vision": False, "tools": True,
+            "max_choices": bounds.MAX_N, "logprobs": False, "vision": False, "tools": True,
             "structured_output": ["json_object", "json_schema", "grammar"],
             "context_length": max(config.gpu.n_ctx, config.cpu.n_ctx),
         }
@@ -307,7 +253,7 @@ class Router:
                 self.service.set_simulated_pressure(float(value))
             except ValueError as exc:
                 return error_response(409, str(exc), "not_simulated")
-        return JSONResponse({"gpu_paused": self.service.gpu_paused, "gpu": self.service.status()["gpu"]})
+        return JSONResponse({"gpu_paused": self.service.gpu_paused, "gpu": self.service.gpu_status()})
 
     async def admin_restart(self, request: Request) -> Response:
         self.service.restart_workers()
@@ -346,7 +292,7 @@ class Router:
             if entry is not None:
                 return await self._replay_idempotent(entry, base_headers)
         except JobFailed as failure:
-            return _failed_response(failure, base_headers)
+            return failed_response(failure, base_headers)
         # Claimed before any await: a twin arriving meanwhile finds the claim
         # and waits for this result instead of running again.
         claim = self.idempotency.claim(idempotency_key, fingerprint, request_id)
@@ -354,9 +300,9 @@ class Router:
             response = await self._admit_and_run(request, kind, body, request_id, force_cpu, deadline_s)
         except BaseException:
             self.idempotency.forget(idempotency_key, request_id)
-            _resolve(claim, ("json", 500, {}, json.dumps(error_body(
-                "the first request with this Idempotency-Key failed inside the server; retry it",
-                "internal_error", "server_error")).encode()))
+            _resolve(claim, ("json", 500, {}, error_bytes(
+                500, "the first request with this Idempotency-Key failed inside the server; retry it",
+                "internal_error")))
             raise
         self._settle_claim(claim, idempotency_key, request_id, response)
         return response
@@ -364,52 +310,28 @@ class Router:
     async def _admit_and_run(self, request: Request, kind: JobKind, body: dict[str, Any], request_id: str,
                              force_cpu: bool, deadline_s: float | None) -> Response:
         base_headers = {"X-Request-Id": request_id}
-        job = Job(id=request_id, kind=kind, body=body, stream=bool(body.get("stream")))
+        job = Job(id=request_id, kind=kind, body=body, stream=bool(body.get("stream")),
+                  force_cpu=force_cpu, deadline_s=deadline_s)
+        job.fingerprint = request_fingerprint(kind.value, body)
         # Registered before the first await, so a twin with the same id that
         # arrives while this one's prompt is counted finds it taken.
-        if not self.service.register(job):
+        if not self.dispatcher.register(job):
             return error_response(409, f"a request with X-Request-Id {request_id!r} is already in flight; "
                                   "send a new id, or an Idempotency-Key to share its result", "duplicate_request_id",
                                   headers=base_headers)
-        handed_over = False
-        try:
-            response = await self._admit(request, job, base_headers, force_cpu, deadline_s)
-            handed_over = response is None
-            if handed_over:
-                # From here execute() owns the job and unregisters it when it ends.
-                if job.stream:
-                    return await self._stream(request, job, force_cpu, deadline_s)
-                return await self._aggregate(request, job, force_cpu, deadline_s)
-            return response
-        finally:
-            if not handed_over:
-                self.service.unregister(job)
-
-    async def _admit(self, request: Request, job: Job, base_headers: dict[str, str], force_cpu: bool,
-                     deadline_s: float | None) -> Response | None:
-        """None if the job was admitted (its decision is on job.decision); else the refusal."""
-        body = job.body
-        job.fingerprint = request_fingerprint(job.kind.value, body)
-        refused = self.service.quarantined(job)
-        if refused is not None:
-            return _failed_response(refused, base_headers)
         try:
             job.prompt_tokens = await self._count_prompt(job)
-        except _Invalid as bad:
-            return error_response(bad.status, bad.message, bad.code, param=bad.param, headers=base_headers)
-        job.max_tokens = self.service.token_limit(job.prompt_tokens, _requested_limit(body), job.kind is JobKind.CHAT)
-
-        decision = self.service.decide(job, force_cpu=force_cpu, deadline_s=deadline_s)
-        if not decision.accepted:
-            failure = JobFailed(decision.status, decision.reason.value, decision.detail,
-                                err_type="invalid_request_error" if decision.status < 500 else "server_error",
-                                retry_after_s=decision.retry_after_s)
-            headers = {**base_headers, "X-Route-Reason": decision.reason.value}
-            if decision.estimated_latency_s is not None:
-                headers["X-Estimated-Latency"] = f"{decision.estimated_latency_s:.2f}"
-            return _failed_response(failure, headers)
-        job.decision = decision
-        return None
+        except BaseException as exc:
+            self.dispatcher.unregister(job)
+            if isinstance(exc, _Invalid):
+                return error_response(exc.status, exc.message, exc.code, param=exc.param, headers=base_headers)
+            raise
+        job.max_tokens = self.dispatcher.token_limit(job.prompt_tokens, _requested_limit(body),
+                                                     job.kind is JobKind.CHAT)
+        # From here the dispatcher owns the job: it decides, runs, and unregisters it.
+        if job.stream:
+            return await self._stream(request, job)
+        return await self._aggregate(request, job)
 
     def _settle_claim(self, claim: asyncio.Future, key: str, request_id: str, response: Response) -> None:
         """Keep a result (an answer, or a client error that would repeat); let
@@ -483,16 +405,17 @@ class Router:
             if not prompt:
                 raise _Invalid(400, "'prompt' is empty; send at least one character", "empty_prompt", "prompt")
         largest_context = max(self.service.config.gpu.n_ctx, self.service.config.cpu.n_ctx)
-        for field in ("max_tokens", "max_completion_tokens"):
+        for field in bounds.TOKEN_LIMIT_FIELDS:
             value = body.get(field)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise _Invalid(400, f"'{field}' must be a whole number >= 1", "invalid_value", field)
+            problem = bounds.TOKENS.problem(value) if value is not None else None
+            if problem:
+                raise _Invalid(400, f"'{field}' {problem}", "invalid_value", field)
             if value is not None and value > largest_context:
                 raise _Invalid(400, f"'{field}' is {value}; the limit is {largest_context}, the largest context "
                                "this server offers", "max_tokens_too_large", field)
         n = body.get("n", 1)
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or n > MAX_N):
-            raise _Invalid(400, f"'n' must be {MAX_N}: this server generates one choice per request "
+        if n is not None and bounds.N.problem(n):
+            raise _Invalid(400, f"'n' must be {bounds.MAX_N}: this server generates one choice per request "
                            "(capabilities.max_choices in GET /v1/models); send several requests instead",
                            "invalid_value", "n")
         stream = body.get("stream", False)
@@ -529,33 +452,35 @@ class Router:
             "X-Served-By": job.path or "none",
             "X-Route-Reason": job.reason.value if job.reason else "none",
         }
+        estimated = job.estimated_latency_s
         if job.path == "cpu":
             headers["X-Fallback-Model"] = self.service.fallback_model_id
-            estimated = job.estimated_latency_s
             headers["X-Estimated-Latency"] = f"{estimated:.2f}" if estimated is not None else "unknown"
+        elif estimated is not None:  # refused at admission: what the CPU would have taken
+            headers["X-Estimated-Latency"] = f"{estimated:.2f}"
         if job.queue_wait_s:
             headers["X-Queue-Wait"] = f"{job.queue_wait_s:.3f}"
         return headers
 
-    async def _aggregate(self, request: Request, job: Job, force_cpu, deadline_s) -> Response:
+    async def _aggregate(self, request: Request, job: Job) -> Response:
         sink = AggregatingSink()
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
         try:
-            await self.service.execute(job, sink, job.decision, force_cpu, deadline_s)
+            await self.dispatcher.run(job, sink)
         except JobFailed as failure:
-            return _failed_response(failure, self._route_headers(job))
+            return failed_response(failure, self._route_headers(job))
         finally:
             watcher.cancel()
         body = sink.chat_response(job) if job.kind is JobKind.CHAT else sink.completion_response(job)
         return JSONResponse(body, headers=self._route_headers(job))
 
-    async def _stream(self, request: Request, job: Job, force_cpu, deadline_s) -> Response:
+    async def _stream(self, request: Request, job: Job) -> Response:
         sink = QueueSink(job)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
 
         async def run() -> None:
             try:
-                await self.service.execute(job, sink, job.decision, force_cpu, deadline_s)
+                await self.dispatcher.run(job, sink)
                 sink.queue.put_nowait(("done", None))
             except JobFailed as failure:
                 sink.queue.put_nowait(("failed", failure))
@@ -566,7 +491,7 @@ class Router:
         first_kind, first_value = await sink.queue.get()
         if first_kind == "failed":
             watcher.cancel()
-            return _failed_response(first_value, self._route_headers(job))
+            return failed_response(first_value, self._route_headers(job))
         headers = self._route_headers(job)
         return _RecordedStream(self._relay(job, sink, task, watcher, (first_kind, first_value)), headers)
 
@@ -588,7 +513,7 @@ class Router:
                     return
                 else:
                     failure: JobFailed = value
-                    yield _sse(error_body(failure.message, failure.code, failure.err_type))
+                    yield _sse(failure_body(failure))
                     finished = True
                     return
                 kind, value = await sink.queue.get()
@@ -786,4 +711,4 @@ async def _method_not_allowed(request: Request, exc: Exception) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error", "server_error")
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")

@@ -8,7 +8,6 @@ runs, so they are handled here, in a small subclass of its h11 protocol.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import h11
 import uvicorn
@@ -17,13 +16,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ..config import Config
 from ..service import Service
 from .app import create_app
+from .errors import error_bytes
 from .security import MAX_HEADER_BYTES, AccessGuard, AccessPolicy, effective_api_key
-
-
-def _envelope(status: int, code: str, message: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
-    return [(b"content-type", b"application/json"), (b"connection", b"close")], body
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -97,7 +91,8 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()
 
     def _reply_and_close(self, status: int, code: str, message: str) -> None:
-        headers, body = _envelope(status, code, message)
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        body = error_bytes(status, message, code)
         try:
             if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                 self.transport.write(self.conn.send(h11.Response(status_code=status, headers=headers)))

@@ -52,7 +52,7 @@ class IdempotencyStore:
             raise JobFailed(400, "invalid_idempotency_key",
                             f"Idempotency-Key must be at most {MAX_KEY_LENGTH} printable characters "
                             f"(this one has {len(key)}); a UUID is a good key",
-                            err_type="invalid_request_error", param="Idempotency-Key")
+                            param="Idempotency-Key")
 
     def lookup(self, key: str, fingerprint: str) -> IdempotencyEntry | None:
         """The entry a retry should answer from, None if the key is new.
@@ -63,8 +63,7 @@ class IdempotencyStore:
         if entry is not None and entry.fingerprint != fingerprint:
             raise JobFailed(422, "idempotency_key_reused",
                             f"Idempotency-Key {key!r} was already used with a different request body in the last "
-                            f"{self._ttl_s / 60:g} minutes; use a new key for a new request",
-                            err_type="invalid_request_error")
+                            f"{self._ttl_s / 60:g} minutes; use a new key for a new request")
         return entry
 
     def claim(self, key: str, fingerprint: str, job_id: str) -> asyncio.Future:
@@ -95,7 +94,7 @@ class IdempotencyStore:
             raise JobFailed(409, "idempotency_key_in_progress",
                             f"the first request with this Idempotency-Key ({entry.job_id}) is still running after "
                             f"{self._wait_timeout_s:g} s; retry later with the same key to get its result",
-                            err_type="invalid_request_error", retry_after_s=30.0) from None
+                            retry_after_s=30.0) from None
 
     def _expire(self) -> None:
         cutoff = self._clock() - self._ttl_s

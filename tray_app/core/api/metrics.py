@@ -1,20 +1,17 @@
 """Prometheus metrics for home-lab dashboards, at GET /metrics.
 
 Counters and histograms are updated as things happen; gauges (headroom,
-queues, breaker) are read from the service when Prometheus scrapes, so they
-can't go stale. Each service gets its own registry: two services in one
+queues, breaker) are read from the /status snapshot when Prometheus scrapes,
+so they can't go stale and can't disagree with /status. Each service gets its own registry: two services in one
 process (tests, the tray) never share numbers.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
-
-if TYPE_CHECKING:
-    from ..service import Service
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 TPS_BUCKETS = (1, 2, 5, 10, 20, 40, 80, 160, 320)
@@ -22,7 +19,7 @@ BREAKER_STATES = ("closed", "open", "half_open")
 
 
 class ServiceMetrics:
-    def __init__(self, service: "Service") -> None:
+    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("tray_app_requests", "Admission decisions, by path and route reason",
                                 ["path", "reason"], registry=self.registry)
@@ -34,59 +31,57 @@ class ServiceMetrics:
                               ["path"], buckets=TTFT_BUCKETS, registry=self.registry)
         self.tokens_per_second = Histogram("tray_app_tokens_per_second", "Generation speed per path",
                                            ["path"], buckets=TPS_BUCKETS, registry=self.registry)
-        self.registry.register(_LiveGauges(service))
+        self.registry.register(_LiveGauges(status))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _LiveGauges:
-    def __init__(self, service: "Service") -> None:
-        self._service = service
+    """Gauges read from the same /status snapshot every other reader gets."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+        self._status = status
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        service = self._service
-        snapshot = service.latest_snapshot()
-        gpu = snapshot.gpu
+        status = self._status()
+        gpu, ram = status["gpu"], status["ram"]
         known = GaugeMetricFamily("tray_app_vram_known", "1 when free VRAM can be read (0 = unknown)")
-        known.add_metric([], 1.0 if gpu.available else 0.0)
+        known.add_metric([], 1.0 if gpu.get("available") else 0.0)
         yield known
-        if gpu.free_mib is not None and gpu.total_mib is not None:
-            yield _gauge("tray_app_vram_total_mib", "GPU memory in total", gpu.total_mib)
-            yield _gauge("tray_app_vram_free_mib", "GPU memory free", gpu.free_mib)
+        if gpu.get("free_mib") is not None and gpu.get("total_mib") is not None:
+            yield _gauge("tray_app_vram_total_mib", "GPU memory in total", gpu["total_mib"])
+            yield _gauge("tray_app_vram_free_mib", "GPU memory free", gpu["free_mib"])
             yield _gauge("tray_app_vram_headroom_mib", "GPU memory free above the reserve",
-                         gpu.free_mib - service.config.gpu.reserve_mib)
-        yield _gauge("tray_app_ram_available_mib", "Host RAM available", snapshot.host.available_mib)
+                         gpu["free_mib"] - gpu["reserve_mib"])
+        yield _gauge("tray_app_ram_available_mib", "Host RAM available", ram["available_mib"])
         yield _gauge("tray_app_ram_headroom_mib", "Host RAM available above the CPU path's floor",
-                     snapshot.host.available_mib - service.config.cpu.ram_floor_mib)
-        state = service.breaker.state.value
+                     ram["available_mib"] - ram["floor_mib"])
         breaker = GaugeMetricFamily("tray_app_breaker_state", "1 for the breaker's current state", labels=["state"])
         for name in BREAKER_STATES:
-            breaker.add_metric([name], 1.0 if name == state else 0.0)
+            breaker.add_metric([name], 1.0 if name == status["breaker"]["state"] else 0.0)
         yield breaker
         degraded = GaugeMetricFamily("tray_app_degraded", "1 while the CPU serves because the GPU path can't")
-        degraded.add_metric([], 1.0 if service.degraded()["active"] else 0.0)
+        degraded.add_metric([], 1.0 if status["degraded"]["active"] else 0.0)
         yield degraded
         depth = GaugeMetricFamily("tray_app_queue_depth", "Requests waiting, per path", labels=["path"])
         age = GaugeMetricFamily("tray_app_queue_oldest_age_seconds", "Age of the oldest waiting request",
                                 labels=["path"])
         running = GaugeMetricFamily("tray_app_requests_running", "Requests running, per path", labels=["path"])
-        for name, lane in service.lanes.items():
-            snap = lane.snapshot()
-            depth.add_metric([name], snap["depth"])
-            age.add_metric([name], snap["oldest_age_s"])
-            running.add_metric([name], snap["running"])
+        for name, lane in status["queues"].items():
+            depth.add_metric([name], lane["depth"])
+            age.add_metric([name], lane["oldest_age_s"])
+            running.add_metric([name], lane["running"])
         yield from (depth, age, running)
         ready = GaugeMetricFamily("tray_app_worker_ready", "1 when the worker is ready", labels=["role"])
-        for worker in (service.gpu_worker, service.cpu_worker):
-            if worker is not None:
-                ready.add_metric([worker.role], 1.0 if worker.state.value == "ready" else 0.0)
+        for worker in status["workers"]:
+            ready.add_metric([worker["role"]], 1.0 if worker["state"] == "ready" else 0.0)
         yield ready
         executions = GaugeMetricFamily("tray_app_duplicate_executions", "Requests that completed more than once")
-        executions.add_metric([], service.duplicate_executions)
+        executions.add_metric([], status["accounting"]["duplicate_executions"])
         yield executions
 
 

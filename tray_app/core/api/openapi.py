@@ -1,12 +1,16 @@
 """The router's OpenAPI 3.0 description, served at GET /openapi.json.
 
-Written by hand because the router is plain Starlette; the fuzz test
-(schemathesis) holds every response to it, so it can't drift silently.
+Written by hand because the router is plain Starlette, except the bounds of
+the checked request fields, which come from bounds.py like the validator's
+rules; the fuzz test (schemathesis) holds every response to it, so it can't
+drift silently.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from .bounds import request_properties
 
 ERROR = {"$ref": "#/components/schemas/Error"}
 ERROR_RESPONSE = {"description": "an error in the OpenAI envelope",
@@ -20,13 +24,9 @@ def _errors(*codes: int) -> dict[str, Any]:
 def build_openapi(max_tokens: int, max_messages: int) -> dict[str, Any]:
     sampling = {
         "model": {"type": "string"},
-        "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_tokens},
-        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
         "stream": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 1, "maximum": 1},
-        "seed": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},
-        "stop": {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4},
+        # The bounds the router checks, from the table its validator is built from.
+        **request_properties(max_tokens),
     }
     completion_errors = _errors(400, 401, 403, 404, 408, 409, 413, 415, 422, 431)
     json_or_sse = {

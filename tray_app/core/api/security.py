@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import json
 import os
 from dataclasses import dataclass
 from typing import Iterable
+
+from .errors import error_bytes
 
 API_KEY_ENV = "TRAY_APP_API_KEY"
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "ip6-localhost"})
@@ -101,8 +102,7 @@ class AccessPolicy:
 
 
 def _envelope(status: int, code: str, message: str, extra_headers: list[tuple[bytes, bytes]] = ()):
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+    body = error_bytes(status, message, code)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                *extra_headers]
     return status, headers, body

@@ -23,6 +23,7 @@ class BreakerState(str, Enum):
 
 @dataclass(frozen=True)
 class BreakerPolicy:
+    # Also the [breaker] section of the config, as it is.
     failure_threshold: int = 3
     window_s: float = 60.0
     cooldown_s: float = 30.0

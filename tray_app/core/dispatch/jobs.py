@@ -79,6 +79,9 @@ class Job:
     half_open_probe: bool = False
     # Admission's verdict, once made.
     decision: Decision | None = None
+    # What the client asked of routing: X-Force-Path: cpu, X-Request-Timeout.
+    force_cpu: bool = False
+    deadline_s: float | None = None
     # What the request asks, without how it is delivered: the key a request
     # that crashed a worker is quarantined under.
     fingerprint: str = ""
@@ -112,16 +115,32 @@ class Job:
         }
 
 
-class JobFailed(Exception):
-    """A job ends with an error the client should see, in the OpenAI envelope."""
+# OpenAI's error type for each HTTP status that has its own; any other 4xx is
+# an invalid_request_error, any 5xx a server_error.
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                429: "rate_limit_error"}
 
-    def __init__(self, status: int, code: str, message: str, *, err_type: str = "server_error",
+
+def error_type(status: int) -> str:
+    """The OpenAI error `type` for an HTTP status: the one place it is decided,
+    for every error the router sends (api.errors builds the envelope with it).
+    Here rather than in the api package so JobFailed can use it too."""
+    if status >= 500:
+        return "server_error"
+    return _ERROR_TYPES.get(status, "invalid_request_error")
+
+
+class JobFailed(Exception):
+    """A job ends with an error the client should see, in the OpenAI envelope.
+    err_type defaults to the status's type (error_type)."""
+
+    def __init__(self, status: int, code: str, message: str, *, err_type: str | None = None,
                  retry_after_s: float | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
-        self.err_type = err_type
+        self.err_type = err_type or error_type(status)
         self.retry_after_s = retry_after_s
         self.param = param
 

@@ -16,10 +16,6 @@ from typing import Callable
 from .admission import LaneState
 
 
-class Canceled(Exception):
-    """The request was canceled while it waited."""
-
-
 class Redirected(Exception):
     """The lane can no longer serve its waiters (e.g. the GPU failed)."""
 
@@ -128,15 +124,6 @@ class Lane:
                 if not waiter.future.done():
                     waiter.future.cancel()
         self.release(request_id)
-
-    def cancel_waiting(self, request_id: str) -> bool:
-        for waiter in self._waiting:
-            if waiter.request_id == request_id:
-                self._waiting.remove(waiter)
-                if not waiter.future.done():
-                    waiter.future.set_exception(Canceled(request_id))
-                return True
-        return False
 
     def redirect_waiting(self, reason: str) -> int:
         """Send every waiter away with `reason`; returns how many."""

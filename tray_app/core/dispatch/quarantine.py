@@ -55,8 +55,7 @@ class Quarantine:
             400, "request_crashed_worker",
             f"request {request_id} was not run: this request (or one identical to it) {what_it_did}, so it is not "
             f"re-run on another worker and is refused for {self._ttl_s / 60:g} minutes (another {left_s:.0f} s). "
-            "Retrying it unchanged will not help; change the request or report it as a bug in the model server.",
-            err_type="invalid_request_error")
+            "Retrying it unchanged will not help; change the request or report it as a bug in the model server.")
 
     def _expire(self) -> None:
         cutoff = self._clock() - self._ttl_s

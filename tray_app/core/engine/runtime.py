@@ -8,6 +8,7 @@ this interface.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,15 @@ class LaunchRequest:
 # environment, so it is never in argv (visible to every user in ps) and never
 # inherited by anything the worker starts.
 WORKER_KEY_VARIABLE = "TRAY_APP_WORKER_KEY"
+# The supervisor's pid, set by whoever launches the wrapper. Only the parent
+# knows it for certain: by the time the child can call os.getppid(), a dead
+# parent has already been replaced by init (or a subreaper).
+PARENT_PID_ENV = "TRAY_APP_PARENT_PID"
+
+
+def parent_pid_environment() -> dict[str, str]:
+    """What a launcher adds to the worker wrapper's environment, read in the launcher."""
+    return {PARENT_PID_ENV: str(os.getpid())}
 
 
 class WorkerRuntime(Protocol):
@@ -95,8 +105,6 @@ class LlamaCppPythonRuntime:
         return args
 
     def environment(self, launch: LaunchRequest) -> dict[str, str]:
-        from .worker_main import parent_pid_environment  # here, not at the top: worker_main imports this module
-
         env = parent_pid_environment()
         if launch.api_key:
             env[WORKER_KEY_VARIABLE] = launch.api_key

@@ -47,10 +47,11 @@ class WorkerState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    backoff_base_s: float = 0.5
-    backoff_cap_s: float = 30.0
+    # Also the [worker] section of the config (config.WorkerConfig extends it).
     ready_timeout_s: float = 180.0
     stop_timeout_s: float = 5.0
+    backoff_base_s: float = 0.5
+    backoff_cap_s: float = 30.0
 
 
 def backoff_delay(attempt: int, base_s: float, cap_s: float) -> float:
@@ -300,11 +301,16 @@ class Worker:
         else:
             self._command.put_nowait((_Command.RESTART, reason))
 
-    def report_failure(self, reason: str) -> None:
-        """A request failed on this worker: mark it unhealthy and replace it."""
-        if self._state in (WorkerState.READY, WorkerState.STARTING):
-            self.unhealthy_reason = reason
-            self._set_state(WorkerState.UNHEALTHY)
+    def report_failure(self, reason: str, process: int | None = None) -> None:
+        """A request failed on this worker: ask the owner to replace it. The
+        owner marks it unhealthy; callers keep work away from it themselves
+        meanwhile (see Backend), they never write its state.
+
+        `process` is `exits` as it was when the failing request started: a
+        report about a process that has exited since is moot, and must not
+        take down its healthy replacement."""
+        if process is not None and process != self.exits:
+            return
         self._command.put_nowait((_Command.FAILED, reason))
 
     async def close(self) -> None:
@@ -389,6 +395,9 @@ class Worker:
                 self.unhealthy_reason = None
                 self._set_state(WorkerState.READY)
                 command, why_replaced = await self._wait_exit_or_command(exited)
+                if command is _Command.FAILED:
+                    self.unhealthy_reason = why_replaced
+                    self._set_state(WorkerState.UNHEALTHY)
                 if command is _Command.FAILED and await self._exits_within(exited, FAILURE_GRACE_S):
                     # The failure the router saw was the process dying: classify
                     # it as the crash it is, not as something we did.

@@ -21,18 +21,9 @@ import runpy
 import signal
 import sys
 
-from tray_app.core.engine.runtime import WORKER_KEY_VARIABLE
+from tray_app.core.engine.runtime import PARENT_PID_ENV, WORKER_KEY_VARIABLE
 
 _PR_SET_PDEATHSIG = 1
-# The supervisor's pid, set by whoever launches this wrapper. Only the parent
-# knows it for certain: by the time this process can call os.getppid(), a dead
-# parent has already been replaced by init (or a subreaper).
-PARENT_PID_ENV = "TRAY_APP_PARENT_PID"
-
-
-def parent_pid_environment() -> dict[str, str]:
-    """What a launcher adds to the worker's environment, read in the launcher."""
-    return {PARENT_PID_ENV: str(os.getpid())}
 
 
 def _expected_parent_pid() -> int:

@@ -1,0 +1,1002 @@
+"""The request path in-process: Dispatcher + Backend with fakes.
+
+No model, no process, no network. Each backend keeps the real lane logic of
+`Backend.run` (queue, cancel, redirect, still_open) and replaces only
+`_stream`, the one place that talks to a worker, with a scripted coroutine.
+Memory readings, the breaker's clock and the worker are fakes whose numbers
+each test chooses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import pytest
+
+from tray_app.core.api.idempotency import MAX_KEY_LENGTH, IdempotencyStore
+from tray_app.core.dispatch.admission import Reason, Route
+from tray_app.core.dispatch.backend import INPUT_CRASH_WAIT_S, Backend, Deadlines, canceled_error
+from tray_app.core.dispatch.breaker import BreakerPolicy, BreakerState, CircuitBreaker
+from tray_app.core.dispatch.dispatcher import Costs, Dispatcher, Limits
+from tray_app.core.dispatch.jobs import (
+    Attempt, Job, JobFailed, JobKind, JobState, PathSpeed, WorkerFailure, WorkerRequestError,
+)
+from tray_app.core.dispatch.lanes import Lane, Redirected
+from tray_app.core.dispatch.quarantine import QUARANTINE_S
+from tray_app.core.engine.exits import ExitKind, ExitReport
+from tray_app.core.engine.worker import WorkerState
+from tray_app.core.memory.telemetry import GpuDevice, GpuReading, HostReading, MemorySnapshot, UNKNOWN_GPU
+
+GPU_N_CTX = 4096
+CPU_N_CTX = 8192
+RESERVE_MIB = 500.0
+RAM_FLOOR_MIB = 1000.0
+CPU_TOKENS_PER_S = 10.0
+CPU_PROMPT_TOKENS_PER_S = 100.0
+SIGSEGV = ExitReport(ExitKind.CRASH, -11, "SIGSEGV", None)
+SIGKILL = ExitReport(ExitKind.CRASH, -9, "SIGKILL", None)
+CHUNK = {"choices": [{"index": 0, "delta": {"content": "hi"}}]}
+
+
+# ----- fakes ---------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeWorker:
+    """What Backend and Dispatcher read of a worker, and nothing more."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.state = WorkerState.READY
+        self.exits = 0
+        self.gave_up: str | None = None
+        self.unhealthy_reason: str | None = None
+        self.last_exit: ExitReport | None = None
+        self.failures: list[str] = []
+        self.exit_report: ExitReport | None = None  # what exit_after answers
+        self.exit_after_calls: list[tuple[int, float]] = []
+        self.exit_gate: asyncio.Event | None = None  # set: exit_after waits for it
+
+    def report_failure(self, reason: str, process: int | None = None) -> None:
+        assert process in (None, self.exits), "a report about a process that exited since"
+        self.failures.append(reason)
+
+    async def exit_after(self, exits_seen: int, timeout: float) -> ExitReport | None:
+        self.exit_after_calls.append((exits_seen, timeout))
+        if self.exit_gate is not None:
+            await self.exit_gate.wait()
+        return self.exit_report
+
+    def liveness_problem(self) -> str | None:
+        return None
+
+
+Script = Callable[[Job, Any, Attempt], Awaitable[None]]
+
+
+async def complete(job: Job, sink, attempt: Attempt) -> None:
+    attempt.reached_worker = True
+    sink.emit(dict(CHUNK))
+    attempt.tokens += 1
+
+
+class FakeBackend(Backend):
+    """The real Backend, except the exchange with the worker is a script.
+    `scripts[job.id]` wins over `script`, so tests can script each request."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.script: Script = complete
+        self.scripts: dict[str, Script] = {}
+        self.calls: list[str] = []
+
+    async def _stream(self, job: Job, sink) -> Attempt:
+        self.calls.append(job.id)
+        attempt = Attempt(self.path, self._clock(), worker_exits=self.worker.exits)
+        job.attempts.append(attempt)
+        await self.scripts.get(job.id, self.script)(job, sink, attempt)
+        attempt.outcome = "completed"
+        attempt.ended_at = self._clock()
+        return attempt
+
+
+class Events:
+    def __init__(self) -> None:
+        self.notes: list[tuple[str, dict]] = []
+        self.changes = 0
+        self.decisions: list[tuple[str, Route, Reason]] = []
+        self.completions: list[tuple[str, str]] = []
+        self.gpu_failures: list[tuple[str, str]] = []
+
+    def note(self, kind: str, **data: Any) -> None:
+        self.notes.append((kind, data))
+
+    def changed(self) -> None:
+        self.changes += 1
+
+    def decided(self, job: Job, decision) -> None:
+        self.decisions.append((job.id, decision.route, decision.reason))
+
+    def completed(self, job: Job, attempt: Attempt) -> None:
+        self.completions.append((job.id, attempt.path))
+
+    def gpu_failed(self, job: Job, reason: str) -> None:
+        self.gpu_failures.append((job.id, reason))
+
+    def kinds(self) -> list[str]:
+        return [kind for kind, _ in self.notes]
+
+
+class FakeMemory:
+    """Returns a MemorySnapshot with the numbers the test set."""
+
+    def __init__(self, free_mib: float = 8000.0, host_mib: float = 16000.0) -> None:
+        self.free_mib = free_mib
+        self.host_mib = host_mib
+        self.gpu_readable = True
+
+    def __call__(self) -> MemorySnapshot:
+        if self.gpu_readable:
+            device = GpuDevice(index=0, name="fake", total_mib=10000.0, used_mib=10000.0 - self.free_mib,
+                               free_mib=self.free_mib)
+            gpu = GpuReading(available=True, simulated=False, devices=(device,))
+        else:
+            gpu = UNKNOWN_GPU("NVML stopped answering")
+        host = HostReading(total_mib=32000.0, available_mib=self.host_mib, swap_total_mib=0.0, swap_used_mib=0.0)
+        return MemorySnapshot(taken_at=0.0, gpu=gpu, host=host)
+
+
+class Sink:
+    """Records what reaches the client. `streaming` models a streaming client:
+    the first emit commits the job, as the HTTP layer does."""
+
+    def __init__(self, job: Job | None = None, streaming: bool = False) -> None:
+        self.job = job
+        self.streaming = streaming
+        self.events: list[dict] = []
+        self.resets = 0
+
+    def emit(self, event: dict) -> None:
+        self.events.append(event)
+        if self.streaming and self.job is not None:
+            self.job.committed = True
+
+    def reset(self) -> None:
+        self.resets += 1
+        self.events.clear()
+
+
+@dataclass
+class Rig:
+    dispatcher: Dispatcher
+    gpu: FakeBackend
+    cpu: FakeBackend
+    events: Events
+    memory: FakeMemory
+    clock: FakeClock
+    breaker: CircuitBreaker
+
+
+def make_backend(path: str, slots: int, queue: int, speed: PathSpeed, clock: FakeClock) -> FakeBackend:
+    deadlines = Deadlines(first_token_s=lambda job: 30.0, between_tokens_s=10.0, ready_s=5.0)
+    return FakeBackend(path, FakeWorker(path), Lane(path, slots, queue, clock), speed, None, deadlines,
+                       fingerprint="fp_test", clock=clock)
+
+
+def make_rig(*, with_gpu: bool = True, gpu_slots: int = 1, gpu_queue: int = 2, cpu_slots: int = 1,
+             cpu_queue: int = 2, threshold: int = 3, cooldown_s: float = 5.0) -> Rig:
+    clock = FakeClock()
+    events = Events()
+    memory = FakeMemory()
+    breaker = CircuitBreaker(BreakerPolicy(failure_threshold=threshold, window_s=60.0, cooldown_s=cooldown_s), clock)
+    gpu = make_backend("gpu", gpu_slots, gpu_queue, PathSpeed(100.0, 1000.0), clock)
+    cpu = make_backend("cpu", cpu_slots, cpu_queue, PathSpeed(CPU_TOKENS_PER_S, CPU_PROMPT_TOKENS_PER_S), clock)
+    backends = {"gpu": gpu, "cpu": cpu} if with_gpu else {"cpu": cpu}
+    dispatcher = Dispatcher(
+        Limits(gpu_n_ctx=GPU_N_CTX, cpu_n_ctx=CPU_N_CTX, reserve_mib=RESERVE_MIB, ram_floor_mib=RAM_FLOOR_MIB),
+        backends, breaker, memory,
+        Costs(gpu_mib=lambda tokens: tokens * 1.0, cpu_mib=lambda tokens: tokens * 0.5),
+        events, gpu_missing_reason=None if with_gpu else "no GPU in this machine", clock=clock,
+    )
+    return Rig(dispatcher, gpu, cpu, events, memory, clock, breaker)
+
+
+@pytest.fixture
+def rig() -> Rig:
+    return make_rig()
+
+
+def make_job(request_id: str = "req-1", *, prompt: int = 10, max_tokens: int = 10,
+             kind: JobKind = JobKind.CHAT, fingerprint: str | None = None) -> Job:
+    job = Job(id=request_id, kind=kind, body={"messages": [{"role": "user", "content": request_id}]}, stream=False)
+    job.prompt_tokens, job.max_tokens = prompt, max_tokens
+    job.fingerprint = fingerprint if fingerprint is not None else f"fp-{request_id}"
+    return job
+
+
+async def run_job(rig: Rig, job: Job, sink: Sink | None = None) -> Sink:
+    sink = sink or Sink(job)
+    assert rig.dispatcher.register(job)
+    await rig.dispatcher.run(job, sink)
+    return sink
+
+
+async def failed(rig: Rig, job: Job, sink: Sink | None = None) -> JobFailed:
+    with pytest.raises(JobFailed) as caught:
+        await run_job(rig, job, sink)
+    return caught.value
+
+
+def start(rig: Rig, job: Job, sink: Sink | None = None) -> asyncio.Task:
+    assert rig.dispatcher.register(job)
+    return asyncio.create_task(rig.dispatcher.run(job, sink or Sink(job)))
+
+
+async def until(condition: Callable[[], bool], spins: int = 200) -> None:
+    """Let the loop run until condition holds (bounded, no wall-clock waits)."""
+    for _ in range(spins):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
+
+
+class Gate:
+    """A script that holds its slot until released, honouring a cancel the
+    way the real stream does."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def __call__(self, job: Job, sink, attempt: Attempt) -> None:
+        attempt.reached_worker = True
+        self.started.set()
+        released = asyncio.ensure_future(self.release.wait())
+        canceled = asyncio.ensure_future(job.canceled.wait())
+        await asyncio.wait({released, canceled}, return_when=asyncio.FIRST_COMPLETED)
+        released.cancel()
+        canceled.cancel()
+        if job.canceled.is_set():
+            raise canceled_error(job, "while it ran")
+        sink.emit(dict(CHUNK))
+
+
+def raising(exc: BaseException, *, emit_first: bool = False, reached: bool = True) -> Script:
+    async def script(job: Job, sink, attempt: Attempt) -> None:
+        attempt.reached_worker = reached
+        if emit_first:
+            sink.emit(dict(CHUNK))
+        raise exc
+
+    return script
+
+
+def half_open(rig: Rig) -> None:
+    rig.breaker.trip("a GPU failure before this test")
+    rig.clock.now += 6  # past the 5 s cooldown: one probe allowed
+    assert rig.breaker.state is BreakerState.HALF_OPEN
+
+
+def probe_is_free(breaker: CircuitBreaker) -> bool:
+    """True if a new request could become the probe, i.e. none is held."""
+    taken = breaker.try_acquire()
+    if taken:
+        breaker.release_probe()
+    return taken
+
+
+def lanes_empty(rig: Rig) -> bool:
+    return not (rig.gpu.lane.running_ids or rig.gpu.lane.waiting_ids
+                or rig.cpu.lane.running_ids or rig.cpu.lane.waiting_ids)
+
+
+async def hold_the_gpu_and_queue_one(rig):
+    """A request holds the only GPU slot (until gate.release) and a second waits in the GPU queue."""
+    gate = Gate()
+    rig.gpu.scripts["holder"] = gate
+    holder = start(rig, make_job("holder"))
+    await gate.started.wait()
+    waiter = make_job("waiter")
+    task = start(rig, waiter)
+    await until(lambda: rig.gpu.lane.waiting_ids == ["waiter"])
+    return gate, holder, waiter, task
+
+
+# ----- the happy path and the execution ledger ------------------------------------------------
+
+
+async def test_admitted_to_gpu_completes_once_and_unregisters(rig):
+    job = make_job()
+    sink = await run_job(rig, job)
+    assert rig.events.decisions == [("req-1", Route.GPU, Reason.ADMITTED)]
+    assert rig.events.completions == [("req-1", "gpu")]
+    assert rig.gpu.calls == ["req-1"] and rig.cpu.calls == []
+    assert rig.dispatcher.completed_total == 1 and rig.dispatcher.duplicate_executions == 0
+    assert rig.dispatcher._executions == {"req-1": 1}
+    assert "req-1" not in rig.dispatcher.jobs and job.state is JobState.DONE
+    assert sink.events == [CHUNK] and sink.resets == 0
+    assert lanes_empty(rig) and rig.events.changes >= 1
+    assert rig.dispatcher.recent[-1]["route"] == "gpu"
+
+
+async def test_duplicate_id_is_refused_while_the_first_lives(rig):
+    first, twin = make_job("same"), make_job("same")
+    assert rig.dispatcher.register(first)
+    assert rig.dispatcher.register(twin) is False
+    assert rig.dispatcher.jobs["same"] is first
+    rig.dispatcher.unregister(twin)  # a twin's unregister must not free the first's id
+    assert rig.dispatcher.jobs["same"] is first
+    await rig.dispatcher.run(first, Sink(first))
+    assert rig.dispatcher.register(make_job("same"))  # free again once the first ended
+
+
+async def test_ledger_counts_a_second_execution_of_one_id_as_a_duplicate(rig):
+    await run_job(rig, make_job("again"))
+    await run_job(rig, make_job("again"))
+    assert rig.dispatcher.completed_total == 2
+    assert rig.dispatcher.duplicate_executions == 1
+    assert rig.dispatcher._executions["again"] == 2
+
+
+# ----- GPU failure: replay, commit, CPU failure, request errors -------------------------------
+
+
+async def test_gpu_failure_before_the_first_byte_is_replayed_once_on_cpu(rig):
+    rig.gpu.script = raising(WorkerFailure("CUDA error: out of memory"))
+    job = make_job()
+    sink = await run_job(rig, job)
+    assert rig.gpu.calls == ["req-1"] and rig.cpu.calls == ["req-1"]
+    assert job.replayed and job.reason is Reason.GPU_FAILED_REPLAYED and job.path == "cpu"
+    assert sink.resets == 1 and sink.events == [CHUNK]
+    assert "replay" in rig.events.kinds() and "gpu_failure" in rig.events.kinds()
+    assert rig.gpu.worker.failures == ["CUDA error: out of memory"]
+    assert rig.events.gpu_failures == [("req-1", "CUDA error: out of memory")]
+    assert rig.events.completions == [("req-1", "cpu")]
+    assert rig.dispatcher.completed_total == 1 and rig.dispatcher.duplicate_executions == 0
+    assert job.first_failure == "CUDA error: out of memory"
+    assert rig.breaker.snapshot()["recent_failures"] == 1
+    # The failed process gets no more work until it is replaced.
+    assert "being replaced" in rig.dispatcher.gpu_out_reason()
+
+
+async def test_partial_output_to_a_buffering_client_is_discarded_and_replayed(rig):
+    rig.gpu.script = raising(WorkerFailure("connection reset"), emit_first=True)
+    rig.cpu.script = complete
+    job = make_job()
+    sink = await run_job(rig, job, Sink(job, streaming=False))
+    assert sink.resets == 1 and sink.events == [CHUNK]  # only the CPU's answer is left
+    assert rig.cpu.calls == ["req-1"]
+
+
+async def test_mid_stream_gpu_failure_after_bytes_were_sent_is_not_replayed(rig):
+    rig.gpu.script = raising(WorkerFailure("connection reset"), emit_first=True)
+    job = make_job()
+    error = await failed(rig, job, Sink(job, streaming=True))
+    assert (error.status, error.code) == (502, "gpu_worker_failed")
+    assert rig.cpu.calls == [] and not job.replayed
+    assert rig.gpu.worker.failures == ["connection reset"]
+    assert rig.events.gpu_failures == [("req-1", "connection reset")]
+    assert rig.dispatcher.completed_total == 0 and "req-1" not in rig.dispatcher.jobs
+
+
+async def test_cpu_failure_is_a_502_and_does_not_touch_the_breaker(rig):
+    rig.cpu.script = raising(WorkerFailure("connection reset"))
+    job = make_job()
+    job.force_cpu = True
+    error = await failed(rig, job)
+    assert (error.status, error.code) == (502, "cpu_worker_failed")
+    assert rig.cpu.worker.failures == ["connection reset"] and rig.gpu.calls == []
+    assert "cpu_failure" in rig.events.kinds()
+    assert rig.breaker.snapshot()["recent_failures"] == 0
+    assert job.first_failure == "connection reset"
+
+
+async def test_a_replay_that_fails_on_cpu_too_is_not_run_a_third_time(rig):
+    rig.gpu.script = raising(WorkerFailure("gpu broke"))
+    rig.cpu.script = raising(WorkerFailure("cpu broke"))
+    job = make_job()
+    error = await failed(rig, job)
+    assert (error.status, error.code) == (502, "cpu_worker_failed")
+    assert rig.gpu.calls == ["req-1"] and rig.cpu.calls == ["req-1"]
+    assert job.first_failure == "gpu broke"  # the first cause is the one kept
+
+
+async def test_replay_refused_when_the_cpu_worker_is_down(rig):
+    rig.gpu.script = raising(WorkerFailure("gpu broke"))
+    rig.cpu.worker.gave_up = "the CPU worker crashed 5 times"
+    job = make_job()
+    error = await failed(rig, job)
+    assert (error.status, error.code) == (503, "no_worker")
+    assert rig.cpu.calls == [] and job.replayed
+
+
+async def test_worker_request_error_is_a_502_without_replay(rig):
+    rig.gpu.script = raising(WorkerRequestError("the server raised for this input"))
+    error = await failed(rig, make_job())
+    assert (error.status, error.code) == (502, "worker_error")
+    assert rig.cpu.calls == [] and rig.gpu.worker.failures == []
+    assert rig.breaker.snapshot()["recent_failures"] == 0
+    assert rig.dispatcher.gpu_out_reason() is None  # the worker stays in service
+
+
+async def test_client_error_from_the_worker_reaches_the_client_as_is(rig):
+    rig.gpu.script = raising(JobFailed(400, "invalid_request", "the model server rejected the request"))
+    error = await failed(rig, make_job())
+    assert (error.status, error.code) == (400, "invalid_request")
+    assert rig.cpu.calls == [] and rig.gpu.worker.failures == []
+
+
+# ----- the half-open probe ----------------------------------------------------------------------
+
+
+async def test_probe_released_when_canceled_while_running(rig):
+    half_open(rig)
+    gate = Gate()
+    rig.gpu.script = gate
+    job = make_job()
+    task = start(rig, job)
+    await gate.started.wait()
+    assert job.half_open_probe and not probe_is_free(rig.breaker)
+    assert rig.dispatcher.cancel("req-1", "the client disconnected")["state_was"] == "running"
+    with pytest.raises(JobFailed) as caught:
+        await task
+    assert caught.value.code == "request_canceled"
+    assert probe_is_free(rig.breaker) and rig.breaker.state is BreakerState.HALF_OPEN
+    assert lanes_empty(rig)
+
+
+async def test_probe_released_when_canceled_while_queued(rig):
+    gate = Gate()
+    rig.gpu.scripts["holder"] = gate
+    holder = start(rig, make_job("holder"))  # breaker closed: an ordinary request
+    await gate.started.wait()
+    half_open(rig)
+    probe = make_job("probe")
+    task = start(rig, probe)
+    await until(lambda: rig.gpu.lane.waiting_ids == ["probe"])
+    assert probe.half_open_probe and probe.decision.route is Route.GPU_QUEUE
+    assert not probe_is_free(rig.breaker)
+    assert rig.dispatcher.cancel("probe", "canceled by the test")["state_was"] == "queued"
+    with pytest.raises(JobFailed) as caught:
+        await task
+    assert caught.value.code == "request_canceled"
+    assert probe_is_free(rig.breaker)
+    assert rig.gpu.lane.waiting_ids == [] and rig.gpu.calls == ["holder"]
+    gate.release.set()
+    await holder
+
+
+async def test_probe_released_on_a_client_error_from_the_worker(rig):
+    half_open(rig)
+    rig.gpu.script = raising(JobFailed(400, "invalid_request", "rejected"))
+    await failed(rig, make_job())
+    assert probe_is_free(rig.breaker) and rig.breaker.state is BreakerState.HALF_OPEN
+
+
+async def test_probe_released_when_redirected_after_it_was_taken(rig):
+    half_open(rig)
+    rig.gpu.script = raising(Redirected("the GPU worker is restarting"))
+    job = make_job()
+    await run_job(rig, job)
+    assert job.path == "cpu" and job.reason is Reason.GPU_UNAVAILABLE
+    assert job.reason_detail == "the GPU worker is restarting"
+    assert rig.cpu.calls == ["req-1"]
+    assert probe_is_free(rig.breaker) and rig.breaker.state is BreakerState.HALF_OPEN
+
+
+async def test_a_redirected_job_running_on_cpu_does_not_hold_the_probe(rig):
+    half_open(rig)
+    rig.gpu.script = raising(Redirected("the GPU worker is restarting"))
+    gate = Gate()
+    rig.cpu.script = gate
+    task = start(rig, make_job())
+    await gate.started.wait()
+    try:
+        assert probe_is_free(rig.breaker)
+    finally:
+        gate.release.set()
+        await task
+
+
+async def test_probe_released_on_an_unexpected_exception(rig):
+    half_open(rig)
+    rig.gpu.script = raising(RuntimeError("a bug"))
+    job = make_job()
+    with pytest.raises(RuntimeError, match="a bug"):
+        await run_job(rig, job)
+    assert probe_is_free(rig.breaker)
+    assert lanes_empty(rig) and "req-1" not in rig.dispatcher.jobs
+
+
+async def test_probe_released_on_a_worker_request_error(rig):
+    half_open(rig)
+    rig.gpu.script = raising(WorkerRequestError("the server raised for this input"))
+    error = await failed(rig, make_job())
+    assert error.code == "worker_error"
+    assert probe_is_free(rig.breaker) and rig.breaker.state is BreakerState.HALF_OPEN
+
+
+async def test_probe_released_when_the_task_itself_is_cancelled(rig):
+    half_open(rig)
+    gate = Gate()
+    rig.gpu.script = gate
+    task = start(rig, make_job())
+    await gate.started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert probe_is_free(rig.breaker) and lanes_empty(rig) and rig.dispatcher.jobs == {}
+
+
+async def test_a_failed_probe_reopens_the_breaker_and_replays_on_cpu(rig):
+    half_open(rig)
+    rig.gpu.script = raising(WorkerFailure("CUDA error: out of memory"))
+    job = make_job()
+    await run_job(rig, job)
+    assert rig.breaker.state is BreakerState.OPEN
+    assert job.reason is Reason.GPU_FAILED_REPLAYED and rig.cpu.calls == ["req-1"]
+    assert not job.half_open_probe
+
+
+async def test_a_successful_probe_closes_the_breaker(rig):
+    half_open(rig)
+    job = make_job()
+    await run_job(rig, job)
+    assert rig.gpu.calls == ["req-1"]
+    assert rig.breaker.state is BreakerState.CLOSED and not job.half_open_probe
+
+
+async def test_while_the_probe_runs_other_requests_go_to_cpu(rig):
+    half_open(rig)
+    gate = Gate()
+    rig.gpu.scripts["probe"] = gate
+    probe = start(rig, make_job("probe"))
+    await gate.started.wait()
+    other = make_job("other")
+    await run_job(rig, other)
+    assert other.path == "cpu" and other.reason is Reason.GPU_UNAVAILABLE
+    assert "probe" in other.reason_detail
+    gate.release.set()
+    await probe
+    assert rig.breaker.state is BreakerState.CLOSED
+
+
+async def test_open_breaker_sends_requests_to_cpu_with_its_reason(rig):
+    rig.breaker.trip("three GPU failures")
+    job = make_job()
+    await run_job(rig, job)
+    assert job.reason is Reason.GPU_UNAVAILABLE and "circuit breaker is open" in job.reason_detail
+    assert rig.gpu.calls == []
+
+
+# ----- cancel ------------------------------------------------------------------------------------
+
+
+async def test_cancel_while_queued_leaves_an_empty_queue(rig):
+    gate, holder, waiter, task = await hold_the_gpu_and_queue_one(rig)
+    row = {r["id"]: r for r in rig.dispatcher.request_status()}["waiter"]
+    assert row["state"] == "queued" and row["queue_position"] == 1
+    assert rig.dispatcher.cancel("waiter", "the client went away") == {
+        "id": "waiter", "object": "request.cancel", "canceled": True, "state_was": "queued"}
+    with pytest.raises(JobFailed) as caught:
+        await task
+    assert (caught.value.status, caught.value.code) == (499, "request_canceled")
+    assert "queue" in caught.value.message
+    assert rig.gpu.lane.waiting_ids == [] and rig.gpu.lane.running_ids == ["holder"]
+    assert rig.gpu.calls == ["holder"] and rig.cpu.calls == []
+    gate.release.set()
+    await holder
+    assert lanes_empty(rig)
+
+
+async def test_cancel_while_running_frees_the_slot(rig):
+    gate = Gate()
+    rig.gpu.script = gate
+    job = make_job()
+    task = start(rig, job)
+    await gate.started.wait()
+    assert rig.dispatcher.cancel("req-1", "stop")["state_was"] == "running"
+    with pytest.raises(JobFailed) as caught:
+        await task
+    assert (caught.value.status, caught.value.code) == (499, "request_canceled")
+    assert lanes_empty(rig) and rig.dispatcher.completed_total == 0
+    assert rig.dispatcher.cancel("req-1", "again") is None  # gone once done
+    assert rig.dispatcher.cancel("no-such-id", "stop") is None
+
+
+async def test_cancel_all_cancels_every_live_request(rig):
+    gate = Gate()
+    rig.gpu.script = gate
+    tasks = [start(rig, make_job("a")), start(rig, make_job("b"))]
+    await until(lambda: rig.gpu.lane.waiting_ids == ["b"])
+    rig.dispatcher.cancel_all("shutting down")
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert [getattr(r, "code", r) for r in results] == ["request_canceled"] * 2
+    assert lanes_empty(rig)
+
+
+# ----- admission: refusals and the CPU path -----------------------------------------------------
+
+
+async def test_deadline_too_short_for_the_cpu_is_refused_when_the_gpu_is_out(rig):
+    rig.gpu.worker.state = WorkerState.UNHEALTHY
+    job = make_job(prompt=100, max_tokens=100)  # CPU: 100/10 + 100/100 = 11 s
+    job.deadline_s = 5.0
+    error = await failed(rig, job)
+    assert (error.status, error.code) == (503, "deadline_too_short")
+    assert error.retry_after_s == 1.0  # nothing ahead in the CPU lane
+    assert job.estimated_latency_s == 11.0
+    assert rig.gpu.calls == [] and rig.cpu.calls == []
+
+
+async def test_a_long_enough_deadline_runs_on_cpu(rig):
+    rig.gpu.worker.state = WorkerState.UNHEALTHY
+    job = make_job(prompt=100, max_tokens=100)
+    job.deadline_s = 11.0
+    await run_job(rig, job)
+    assert rig.cpu.calls == ["req-1"] and job.reason is Reason.GPU_UNAVAILABLE
+
+
+async def test_deadline_does_not_apply_to_the_gpu_path(rig):
+    job = make_job(prompt=100, max_tokens=100)
+    job.deadline_s = 0.5
+    await run_job(rig, job)
+    assert rig.gpu.calls == ["req-1"] and job.reason is Reason.ADMITTED
+
+
+async def test_cpu_queue_full_is_a_503_with_retry_after_from_the_backlog():
+    rig = make_rig(cpu_slots=1, cpu_queue=1)
+    rig.dispatcher.set_gpu_paused(True)
+    gate = Gate()
+    rig.cpu.script = gate
+    running, queued = start(rig, make_job("running")), start(rig, make_job("queued"))
+    await gate.started.wait()
+    assert rig.cpu.lane.waiting_ids == ["queued"]
+    # Each takes 10/10 + 10/100 = 1.1 s; the clock stands still, so 2.2 s of backlog.
+    assert rig.dispatcher.cpu_wait_s(10, 10) == pytest.approx(3.3)
+    refused = make_job("refused")
+    error = await failed(rig, refused)
+    assert (error.status, error.code) == (503, "cpu_queue_full")
+    assert error.retry_after_s == 3.0
+    assert rig.cpu.calls == ["running"]
+    gate.release.set()
+    await asyncio.gather(running, queued)
+    assert rig.cpu.calls == ["running", "queued"]
+
+
+async def test_prompt_over_every_context_is_a_400(rig):
+    job = make_job(prompt=CPU_N_CTX, max_tokens=1)
+    error = await failed(rig, job)
+    assert (error.status, error.code) == (400, "context_length_exceeded")
+    assert rig.events.decisions == [("req-1", Route.REJECT, Reason.CONTEXT_LENGTH_EXCEEDED)]
+    assert rig.gpu.calls == [] and rig.cpu.calls == [] and rig.dispatcher.jobs == {}
+
+
+async def test_over_the_gpu_context_runs_on_cpu(rig):
+    job = make_job(prompt=GPU_N_CTX, max_tokens=100)
+    await run_job(rig, job)
+    assert job.reason is Reason.GPU_CONTEXT_CAP and rig.cpu.calls == ["req-1"]
+
+
+async def test_vram_headroom_short_runs_on_cpu(rig):
+    rig.memory.free_mib = RESERVE_MIB + 19  # the request needs 20 MiB above the reserve
+    job = make_job()
+    await run_job(rig, job)
+    assert job.reason is Reason.GPU_VRAM_HEADROOM and rig.cpu.calls == ["req-1"]
+    assert rig.gpu.calls == []
+
+
+async def test_vram_headroom_just_enough_runs_on_gpu(rig):
+    rig.memory.free_mib = RESERVE_MIB + 20
+    job = make_job()
+    await run_job(rig, job)
+    assert job.reason is Reason.ADMITTED and rig.gpu.calls == ["req-1"]
+
+
+async def test_unknown_vram_is_gpu_unavailable(rig):
+    rig.memory.gpu_readable = False
+    job = make_job()
+    await run_job(rig, job)
+    assert job.reason is Reason.GPU_UNAVAILABLE and "can't be read" in job.reason_detail
+    assert "NVML stopped answering" in job.reason_detail
+    assert rig.cpu.calls == ["req-1"] and rig.gpu.calls == []
+
+
+async def test_ram_floor_refuses_the_cpu_path(rig):
+    rig.gpu.worker.state = WorkerState.STARTING
+    rig.memory.host_mib = RAM_FLOOR_MIB + 9  # the request needs 10 MiB of RAM
+    error = await failed(rig, make_job())
+    assert (error.status, error.code) == (503, "ram_floor")
+    assert rig.cpu.calls == []
+
+
+async def test_gpu_busy_with_a_full_queue_spills_to_cpu():
+    rig = make_rig(gpu_slots=1, gpu_queue=1, cpu_slots=2)
+    gate = Gate()
+    rig.gpu.script = gate
+    tasks = [start(rig, make_job("running")), start(rig, make_job("queued"))]
+    await until(lambda: rig.gpu.lane.waiting_ids == ["queued"])
+    spilled = make_job("spilled")
+    await run_job(rig, spilled)
+    assert spilled.reason is Reason.GPU_BUSY and rig.cpu.calls == ["spilled"]
+    gate.release.set()
+    await asyncio.gather(*tasks)
+    assert rig.gpu.calls == ["running", "queued"]
+
+
+async def test_no_gpu_configured_runs_on_cpu_with_the_reason():
+    rig = make_rig(with_gpu=False)
+    job = make_job()
+    await run_job(rig, job)
+    assert job.reason is Reason.GPU_UNAVAILABLE and rig.cpu.calls == ["req-1"]
+    assert rig.dispatcher.gpu_out_reason() == "no GPU in this machine"
+    assert rig.dispatcher.redirect_gpu_waiting("anything") == 0
+
+
+async def test_forced_cpu_by_the_client(rig):
+    job = make_job()
+    job.force_cpu = True
+    await run_job(rig, job)
+    assert job.reason is Reason.FORCED_CPU and rig.cpu.calls == ["req-1"] and rig.gpu.calls == []
+
+
+async def test_paused_gpu_forces_cpu_and_redirects_gpu_waiters(rig):
+    gate, holder, waiter, task = await hold_the_gpu_and_queue_one(rig)
+    rig.dispatcher.set_gpu_paused(True)
+    await task
+    assert waiter.reason is Reason.FORCED_CPU and rig.cpu.calls == ["waiter"]
+    assert "paused" in rig.dispatcher.gpu_out_reason()
+    later = make_job("later")
+    await run_job(rig, later)
+    assert later.reason is Reason.FORCED_CPU
+    rig.dispatcher.set_gpu_paused(False)
+    assert rig.dispatcher.gpu_out_reason() is None
+    gate.release.set()
+    await holder
+
+
+# ----- redirects ----------------------------------------------------------------------------------
+
+
+async def test_worker_dying_while_a_job_waits_redirects_it_before_it_runs(rig):
+    gate, holder, waiter, task = await hold_the_gpu_and_queue_one(rig)
+    assert waiter.decision.route is Route.GPU_QUEUE
+    rig.gpu.worker.state = WorkerState.UNHEALTHY
+    rig.gpu.worker.unhealthy_reason = "lost the device"
+    gate.release.set()  # the holder ends and hands its slot to the waiter
+    await asyncio.gather(holder, task)
+    assert rig.gpu.calls == ["holder"] and rig.cpu.calls == ["waiter"]
+    assert waiter.reason is Reason.GPU_UNAVAILABLE
+    assert waiter.reason_detail == "the GPU worker is unhealthy: lost the device"
+    assert lanes_empty(rig)
+
+
+async def test_redirect_gpu_waiting_sends_the_waiter_to_cpu(rig):
+    gate, holder, waiter, task = await hold_the_gpu_and_queue_one(rig)
+    assert rig.dispatcher.redirect_gpu_waiting("the GPU worker failed") == 1
+    await task
+    assert rig.cpu.calls == ["waiter"] and waiter.path == "cpu"
+    assert (waiter.reason, waiter.reason_detail) == (Reason.GPU_UNAVAILABLE, "the GPU worker failed")
+    gate.release.set()
+    await holder
+    assert rig.gpu.calls == ["holder"]
+
+
+async def test_a_gpu_failure_sends_every_waiter_to_cpu_and_replays_the_failed_job():
+    rig = make_rig(gpu_queue=2, cpu_slots=3)
+    failing = asyncio.Event()
+
+    async def fail_when_told(job, sink, attempt):
+        await failing.wait()
+        raise WorkerFailure("CUDA error: device lost")
+
+    rig.gpu.scripts["holder"] = fail_when_told
+    jobs = [make_job("holder"), make_job("w1"), make_job("w2")]
+    tasks = [start(rig, job) for job in jobs]
+    await until(lambda: rig.gpu.lane.waiting_ids == ["w1", "w2"] and rig.gpu.calls == ["holder"])
+    failing.set()
+    await asyncio.gather(*tasks)
+    assert rig.gpu.calls == ["holder"] and sorted(rig.cpu.calls) == ["holder", "w1", "w2"]
+    assert [job.reason for job in jobs] == [Reason.GPU_FAILED_REPLAYED, Reason.GPU_UNAVAILABLE,
+                                            Reason.GPU_UNAVAILABLE]
+    # w1 was handed the failed holder's slot and turned away by still_open; w2 by the redirect.
+    assert [data["redirected"] for kind, data in rig.events.notes if kind == "gpu_failure"] == [1]
+    assert rig.dispatcher.completed_total == 3 and rig.dispatcher.duplicate_executions == 0
+    assert lanes_empty(rig)
+
+
+async def test_a_waiter_is_not_sent_to_a_gpu_worker_whose_connection_just_broke(rig):
+    failing = asyncio.Event()
+
+    async def fail_when_told(job, sink, attempt):
+        attempt.reached_worker = True
+        await failing.wait()
+        raise WorkerFailure("connection broke", process_may_have_died=True)
+
+    rig.gpu.scripts["holder"] = fail_when_told
+    rig.gpu.worker.exit_gate = asyncio.Event()  # the exit status takes a moment to show
+    tasks = [start(rig, make_job("holder")), start(rig, make_job("waiter"))]
+    await until(lambda: rig.gpu.lane.waiting_ids == ["waiter"] and rig.gpu.calls == ["holder"])
+    failing.set()
+    await until(lambda: rig.gpu.worker.exit_after_calls != [])
+    for _ in range(20):
+        await asyncio.sleep(0)
+    try:
+        assert rig.gpu.calls == ["holder"]
+    finally:
+        rig.gpu.worker.exit_gate.set()
+        await asyncio.gather(*tasks)
+
+
+# ----- a request that crashes its worker --------------------------------------------------------
+
+
+async def test_input_crash_is_quarantined_not_replayed(rig):
+    rig.gpu.script = raising(WorkerFailure("connection broke", process_may_have_died=True), reached=True)
+    rig.gpu.worker.exit_report = SIGSEGV
+    job = make_job(fingerprint="fp-crasher")
+    error = await failed(rig, job)
+    assert (error.status, error.code) == (400, "request_crashed_worker")
+    assert rig.cpu.calls == [] and not job.replayed
+    assert rig.gpu.worker.exit_after_calls == [(0, INPUT_CRASH_WAIT_S)]
+    assert rig.breaker.snapshot()["recent_failures"] == 0 and rig.events.gpu_failures == []
+    assert "request_crashed_worker" in rig.events.kinds()
+    twin = rig.dispatcher.quarantined(make_job("twin", fingerprint="fp-crasher"))
+    assert twin is not None and (twin.status, twin.code) == (400, "request_crashed_worker")
+    assert "twin" in twin.message and "SIGSEGV" in twin.message
+    assert rig.dispatcher.quarantined(make_job("other", fingerprint="fp-other")) is None
+    rig.clock.now += QUARANTINE_S
+    assert rig.dispatcher.quarantined(make_job("later", fingerprint="fp-crasher")) is None
+
+
+async def test_input_crash_on_cpu_is_quarantined_too(rig):
+    rig.cpu.script = raising(WorkerFailure("connection broke", process_may_have_died=True))
+    rig.cpu.worker.exit_report = SIGSEGV
+    job = make_job(fingerprint="fp-crasher")
+    job.force_cpu = True
+    error = await failed(rig, job)
+    assert error.code == "request_crashed_worker"
+    assert "cpu" in error.message and rig.cpu.worker.failures == []
+
+
+async def test_refused_at_connect_is_replayed_without_asking_how_the_worker_died(rig):
+    rig.gpu.script = raising(WorkerFailure("connect refused", process_may_have_died=True), reached=False)
+    rig.gpu.worker.exit_report = SIGSEGV
+    job = make_job(fingerprint="fp-innocent")
+    await run_job(rig, job)
+    assert rig.cpu.calls == ["req-1"] and job.reason is Reason.GPU_FAILED_REPLAYED
+    assert rig.gpu.worker.exit_after_calls == []
+    assert rig.dispatcher.quarantined(job) is None
+
+
+async def test_a_worker_killed_by_the_oom_killer_is_not_an_input_crash(rig):
+    rig.gpu.script = raising(WorkerFailure("connection broke", process_may_have_died=True))
+    rig.gpu.worker.exit_report = SIGKILL
+    job = make_job()
+    await run_job(rig, job)
+    assert rig.gpu.worker.exit_after_calls == [(0, INPUT_CRASH_WAIT_S)]
+    assert rig.cpu.calls == ["req-1"] and rig.dispatcher.quarantined(job) is None
+    assert rig.breaker.snapshot()["recent_failures"] == 1
+
+
+# ----- degraded mode, token limits ------------------------------------------------------------
+
+
+async def test_degraded_cause_is_none_when_healthy(rig):
+    assert rig.dispatcher.degraded_cause() is None
+    assert rig.dispatcher.gpu_out_reason() is None
+
+
+async def test_degraded_cause_says_why_the_gpu_is_out(rig):
+    rig.gpu.worker.state = WorkerState.UNHEALTHY
+    rig.gpu.worker.unhealthy_reason = "lost the device"
+    assert rig.dispatcher.degraded_cause() == "the GPU worker is unhealthy: lost the device"
+
+
+async def test_degraded_cause_mentions_headroom_within_the_reserve(rig):
+    rig.memory.free_mib = RESERVE_MIB
+    cause = rig.dispatcher.degraded_cause()
+    assert cause is not None and "headroom" in cause and "500 MiB free" in cause
+    rig.memory.free_mib = RESERVE_MIB + 1
+    assert rig.dispatcher.degraded_cause() is None
+
+
+async def test_degraded_cause_names_a_cpu_job_running_for_a_gpu_reason(rig):
+    gate = Gate()
+    rig.cpu.script = gate
+    task = start(rig, make_job(prompt=GPU_N_CTX, max_tokens=100))
+    await gate.started.wait()
+    assert rig.dispatcher.degraded_cause().startswith("gpu_context_cap: ")
+    gate.release.set()
+    await task
+    assert rig.dispatcher.degraded_cause() is None
+
+
+async def test_token_limit_chat_without_a_limit_fills_the_smallest_context_that_fits(rig):
+    assert rig.dispatcher.token_limit(100, None, chat=True) == GPU_N_CTX - 8 - 100
+    # Too long for the GPU's context: the CPU's room.
+    assert rig.dispatcher.token_limit(GPU_N_CTX, None, chat=True) == CPU_N_CTX - 8 - GPU_N_CTX
+
+
+async def test_token_limit_completion_defaults_to_16(rig):
+    assert rig.dispatcher.token_limit(100, None, chat=False) == 16
+
+
+async def test_token_limit_bounds_a_requested_limit_by_the_room_left(rig):
+    assert rig.dispatcher.token_limit(100, 50, chat=True) == 50
+    assert rig.dispatcher.token_limit(100, 100_000, chat=True) == CPU_N_CTX - 8 - 100
+    assert rig.dispatcher.token_limit(CPU_N_CTX, 10, chat=True) == 1  # fits nowhere: admission refuses it
+
+
+async def test_token_limit_without_a_gpu_uses_only_the_cpu_context():
+    rig = make_rig(with_gpu=False)
+    assert rig.dispatcher.token_limit(100, None, chat=True) == CPU_N_CTX - 8 - 100
+
+
+# ----- Idempotency-Key twins ------------------------------------------------------------------
+
+
+async def test_idempotent_twin_gets_the_first_result():
+    store = IdempotencyStore(FakeClock())
+    assert store.lookup("key-1", "fp") is None
+    done = store.claim("key-1", "fp", "req-first")
+    entry = store.lookup("key-1", "fp")
+    assert entry is not None and entry.job_id == "req-first"
+    twin = asyncio.create_task(store.wait(entry))
+    await asyncio.sleep(0)
+    assert not twin.done()
+    done.set_result({"answer": 42})
+    assert await twin == {"answer": 42}
+
+
+async def test_idempotency_key_reused_with_another_body_is_a_422():
+    store = IdempotencyStore(FakeClock())
+    store.claim("key-1", "fp-a", "req-first")
+    with pytest.raises(JobFailed) as caught:
+        store.lookup("key-1", "fp-b")
+    assert (caught.value.status, caught.value.code) == (422, "idempotency_key_reused")
+
+
+async def test_idempotency_key_over_255_chars_is_a_400():
+    store = IdempotencyStore(FakeClock())
+    assert store.lookup("k" * MAX_KEY_LENGTH, "fp") is None
+    with pytest.raises(JobFailed) as caught:
+        store.lookup("k" * (MAX_KEY_LENGTH + 1), "fp")
+    assert (caught.value.status, caught.value.code) == (400, "invalid_idempotency_key")
+
+
+async def test_idempotency_entries_expire_in_time_order():
+    clock = FakeClock()
+    store = IdempotencyStore(clock, ttl_s=600.0)
+    store.claim("old", "fp", "req-old")
+    clock.now += 100
+    store.claim("new", "fp", "req-new")
+    clock.now += 550  # old is 650 s old, new 550 s
+    assert store.lookup("old", "fp") is None
+    assert store.lookup("new", "fp").job_id == "req-new"
+    assert len(store) == 1
+    clock.now += 50
+    assert store.lookup("new", "fp") is None and len(store) == 0
+
+
+async def test_idempotency_wait_deadline_is_a_409_and_keeps_the_first_running():
+    store = IdempotencyStore(FakeClock(), wait_timeout_s=0.01)
+    done = store.claim("key-1", "fp", "req-first")
+    entry = store.lookup("key-1", "fp")
+    with pytest.raises(JobFailed) as caught:
+        await store.wait(entry)
+    assert (caught.value.status, caught.value.code) == (409, "idempotency_key_in_progress")
+    assert caught.value.retry_after_s == 30.0
+    assert not done.cancelled()  # the first request's result can still be recorded
+    done.set_result("late")
+    assert await store.wait(store.lookup("key-1", "fp")) == "late"

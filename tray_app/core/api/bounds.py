@@ -1,0 +1,99 @@
+"""The bounds of the request fields the router checks, written once.
+
+The request validator (app.py) and the OpenAPI schema (openapi.py) are both
+built from these, so what the server accepts and what it documents can't
+drift apart (the fuzz test holds the server to the schema).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+
+class Range(NamedTuple):
+    """A number from low to high, both included; None is no bound."""
+
+    whole: bool
+    low: float | None = None
+    high: float | None = None
+
+    def problem(self, value: Any) -> str | None:
+        """What is wrong with value, for the message after the field's name; None if it is in range."""
+        ok_type = isinstance(value, int) if self.whole else isinstance(value, (int, float))
+        if (isinstance(value, bool) or not ok_type
+                # Compared as they are: a 400-digit integer is a valid JSON number
+                # that overflows float(), so it must not be converted to be checked.
+                or (isinstance(value, float) and not math.isfinite(value))
+                or (self.low is not None and value < self.low)
+                or (self.high is not None and value > self.high)):
+            return f"must be {self.describe()}"
+        return None
+
+    def describe(self) -> str:
+        kind = "a whole number" if self.whole else "a number"
+        if self.low is not None and self.high is not None:
+            return f"{kind} from {self.low:g} to {self.high:g}"
+        return f"{kind} >= {self.low:g}" if self.low is not None else kind
+
+    def schema(self) -> dict[str, Any]:
+        schema: dict[str, Any] = {"type": "integer" if self.whole else "number"}
+        if self.low is not None:
+            schema["minimum"] = self.low
+        if self.high is not None:
+            schema["maximum"] = self.high
+        return schema
+
+
+# Numeric sampling fields passed through to the worker: checked first so a bad
+# value is a 400 that names the field, not an exception inside the model server.
+SAMPLING = {
+    "temperature": Range(False, 0, 2),
+    "top_p": Range(False, 0, 1),
+    "min_p": Range(False, 0, 1),
+    "typical_p": Range(False, 0, 1),
+    "top_k": Range(True, 0),
+    "seed": Range(True, 0, 2**32 - 1),
+    "frequency_penalty": Range(False, -2, 2),
+    "presence_penalty": Range(False, -2, 2),
+    "repeat_penalty": Range(False, 0),
+}
+
+# max_tokens and max_completion_tokens; the top is the largest context the
+# server offers, known only at run time (Range._replace(high=...)).
+TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
+TOKENS = Range(True, 1)
+
+# Choices per request: the workers generate one.
+MAX_N = 1
+N = Range(True, 1, MAX_N)
+
+# Stop sequences: a string, or a list of up to MAX_STOP strings. Longer than
+# any real stop sequence; the worker searches the answer for every stop string
+# after every token, so a huge one only costs CPU.
+MAX_STOP = 4
+MAX_STOP_CHARS = 1000
+
+# logit_bias: token id -> bias.
+LOGIT_BIAS = Range(False, -100, 100)
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+def stop_problem(value: Any) -> str | None:
+    items = [value] if isinstance(value, str) else value
+    if (not isinstance(items, list) or len(items) > MAX_STOP
+            or not all(isinstance(i, str) and 0 < len(i) <= MAX_STOP_CHARS for i in items)):
+        return (f"must be a non-empty string or a list of up to {MAX_STOP} non-empty strings "
+                f"of at most {MAX_STOP_CHARS} characters")
+    return None
+
+
+def request_properties(max_tokens: int) -> dict[str, Any]:
+    """The OpenAPI schema of the checked fields that both completion routes take."""
+    return {
+        **{field: TOKENS._replace(high=max_tokens).schema() for field in TOKEN_LIMIT_FIELDS},
+        **{field: bounds.schema() for field, bounds in SAMPLING.items()},
+        "n": N.schema(),
+        "stop": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+                 "maxItems": MAX_STOP},
+    }

@@ -1,0 +1,401 @@
+"""One path a request can run on: its worker, its lane, its measured speed,
+and how a request is streamed through it.
+
+Everything that depends on talking to a llama.cpp server lives here: the
+proxy, SSE parsing, liveness while waiting, upstream-error classification and
+llama-cpp-python's quirks. The dispatcher decides *where* a request runs; a
+backend only runs it and says how it ended, by returning or raising:
+
+- Redirected: nothing ran, decide again (the GPU is no longer usable);
+- WorkerFailure: the worker broke (replace it; maybe replay elsewhere);
+- WorkerRequestError: the worker is fine but failed this request;
+- JobFailed: an answer for the client (a 4xx from the worker, a cancel).
+
+The backend never writes its worker's state: it tells the worker's owner
+task (`report_failure`) and, until a new process is up, remembers itself
+that the old one failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import httpx
+
+from ..engine.exits import ExitReport, is_input_crash, mentions_out_of_memory
+from ..engine.worker import Worker, WorkerState
+from .jobs import Attempt, Job, JobFailed, JobState, PathSpeed, WorkerFailure, WorkerRequestError
+from .lanes import Lane, Redirected
+
+# How often a request that waits on a worker asks whether the process can
+# still make progress at all (see Worker.liveness_problem).
+LIVENESS_INTERVAL_S = 1.0
+# After a connection breaks, how long to wait for the worker's exit status,
+# which says whether the request crashed it (SIGSEGV) or something else did.
+INPUT_CRASH_WAIT_S = 3.0
+STREAM_END_EXIT_WAIT_S = 1.0
+
+
+class Sink(Protocol):
+    """Where a job's output goes. `emit` hands an event towards the client."""
+
+    def emit(self, event: dict[str, Any]) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """How long a worker may stay silent before it counts as hung."""
+
+    first_token_s: Callable[[Job], float]
+    between_tokens_s: float
+    ready_s: float  # how long a request waits for a starting worker
+
+
+class Backend:
+    def __init__(self, path: str, worker: Worker, lane: Lane, speed: PathSpeed, http: httpx.AsyncClient,
+                 deadlines: Deadlines, *, fingerprint: str, clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        self.path = path
+        self.worker = worker
+        self.lane = lane
+        self.speed = speed
+        self.fingerprint = fingerprint
+        self._http = http
+        self._deadlines = deadlines
+        self._clock = clock
+        self._on_change = on_change
+        # The process (by Worker.exits when it started) that failed a request:
+        # it gets no more work, even while its owner has not replaced it yet.
+        self._failed_process: int | None = None
+
+    # ----- read side -----------------------------------------------------------
+
+    def out_reason(self) -> str | None:
+        """Why this worker can't take a request right now, or None."""
+        worker = self.worker
+        if worker.state is not WorkerState.READY:
+            detail = worker.unhealthy_reason or (worker.last_exit.describe() if worker.last_exit else None)
+            return f"the {self.path.upper()} worker is {worker.state.value}" + (f": {detail}" if detail else "")
+        if self._failed_process == worker.exits:
+            return f"the {self.path.upper()} worker failed a request and is being replaced"
+        return None
+
+    def can_queue(self) -> bool:
+        """A starting or restarting worker can take requests: they wait in its queue."""
+        return self.worker.gave_up is None and self.worker.state is not WorkerState.STOPPED
+
+    # ----- effects -------------------------------------------------------------
+
+    def report_failure(self, reason: str) -> None:
+        """The worker failed a request: keep work away from this process and
+        ask its owner to replace it."""
+        if self._failed_process is None:
+            self._failed_process = self.worker.exits
+        self.worker.report_failure(reason, process=self._failed_process)
+
+    async def crash_cause(self, job: Job, failure: WorkerFailure) -> ExitReport | None:
+        """How the process ended if this job's input is what crashed it, else None.
+        Only a request that got into the process can be the cause."""
+        if not failure.process_may_have_died or not job.attempts or not job.attempts[-1].reached_worker:
+            return None
+        report = await self.worker.exit_after(job.attempts[-1].worker_exits, INPUT_CRASH_WAIT_S)
+        return report if report is not None and is_input_crash(report) else None
+
+    async def run(self, job: Job, sink: Sink, still_open: Callable[[], str | None] = lambda: None) -> Attempt:
+        """Wait for a slot in the lane, then stream the job through the worker.
+        `still_open` is asked once the slot is ours: a reason means redirect."""
+        lane = self.lane
+        job.path = self.path
+        place = lane.join(job.id, front=job.replayed and self.path == "cpu")
+        if place is not None:
+            job.state = JobState.QUEUED
+        self._on_change()
+        acquire = asyncio.ensure_future(lane.wait(job.id, place) if place is not None else _no_wait())
+        canceled = asyncio.ensure_future(job.canceled.wait())
+        try:
+            done, _ = await asyncio.wait({acquire, canceled}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            acquire.cancel()
+            lane.leave(job.id)
+            raise
+        finally:
+            canceled.cancel()
+        if acquire not in done:
+            acquire.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await acquire
+            lane.leave(job.id)
+            raise canceled_error(job, f"while it waited in the {self.path} queue")
+        job.queue_wait_s = acquire.result()
+        try:
+            why_not = still_open()
+            if why_not is not None:
+                raise Redirected(why_not)
+            job.state = JobState.RUNNING
+            self._on_change()
+            return await self._stream(job, sink)
+        except WorkerFailure:
+            # Marked before the slot is freed: the next request in the lane
+            # must not be sent to the process that just broke.
+            self._failed_process = job.attempts[-1].worker_exits if job.attempts else self.worker.exits
+            raise
+        finally:
+            lane.release(job.id)
+
+    async def _stream(self, job: Job, sink: Sink) -> Attempt:
+        worker = self.worker
+        if self.out_reason() is not None:
+            if self.path == "gpu":
+                raise Redirected(self.out_reason() or "")
+            await self._wait_ready(job)
+        attempt = Attempt(self.path, self._clock(), worker_exits=worker.exits)
+        job.attempts.append(attempt)
+        body = _worker_body(job)
+        first_timeout = self._deadlines.first_token_s(job)
+        token_timeout = self._deadlines.between_tokens_s
+        canceled = asyncio.ensure_future(job.canceled.wait())
+        done_seen = False
+        named_tool_calls: set[tuple[int, int]] = set()
+        # Until the first token one deadline covers the wait for the headers
+        # (llama-cpp-python sends them after prefill) and for the first event.
+        first_deadline = time.monotonic() + first_timeout
+
+        def wait_limit() -> float:
+            if attempt.first_token_at is None:
+                return max(0.0, first_deadline - time.monotonic())
+            return token_timeout
+
+        async def from_worker(awaitable):
+            result = await _wait_on_worker(awaitable, canceled, wait_limit(), worker.liveness_problem)
+            if result is _CANCELED:
+                attempt.outcome = "canceled"
+                raise canceled_error(job, "while it ran")
+            return result
+
+        try:
+            request = self._http.build_request("POST", f"{worker.base_url}{job.kind.upstream_path}", json=body,
+                                               headers=worker.auth_headers)
+            response = await from_worker(self._http.send(request, stream=True))
+            try:
+                attempt.reached_worker = True
+                if response.status_code >= 400:
+                    await _upstream_error(response)
+                lines = response.aiter_lines()
+                while True:
+                    line = await from_worker(lines.__anext__())
+                    if line is None:
+                        break
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done_seen = True
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        _raise_upstream_failure(f"the worker reported an error: {event['error']}")
+                    if _carries_token(event):
+                        attempt.tokens += 1
+                        if attempt.first_token_at is None:
+                            attempt.first_token_at = self._clock()
+                    event["id"] = response_id(job)
+                    event["model"] = worker.spec.model_name
+                    event["system_fingerprint"] = self.fingerprint
+                    _drop_repeated_tool_names(event, named_tool_calls)
+                    sink.emit(event)
+            finally:
+                await response.aclose()
+        except WorkerFailure as failure:
+            attempt.outcome = f"failed: {failure}"
+            raise
+        except asyncio.TimeoutError:
+            attempt.outcome = "failed: hang"
+            raise WorkerFailure(
+                f"no output for {first_timeout if attempt.first_token_at is None else token_timeout:g} s"
+            ) from None
+        except (httpx.TransportError, httpx.StreamError) as exc:
+            attempt.outcome = f"failed: {type(exc).__name__}"
+            # Refused at connect: the request never reached the process, so
+            # it can't be what killed it.
+            attempt.reached_worker = not isinstance(exc, httpx.ConnectError)
+            raise WorkerFailure(f"connection to the {self.path} worker broke: {type(exc).__name__}: {exc}",
+                                process_may_have_died=True) from None
+        finally:
+            canceled.cancel()
+            attempt.ended_at = self._clock()
+        if not done_seen:
+            attempt.outcome = "failed: truncated"
+            # The connection closed cleanly: the server's generator raised for
+            # this input. Only a dead process makes it a worker failure; one
+            # killed mid-answer can close the connection before it is reaped,
+            # so give its exit a moment to show.
+            exited = await worker.exit_after(attempt.worker_exits, STREAM_END_EXIT_WAIT_S)
+            if exited is not None or worker.state is not WorkerState.READY:
+                raise WorkerFailure("the worker's stream ended without [DONE] and the worker is gone",
+                                    process_may_have_died=True)
+            raise WorkerRequestError("the model server ended the answer early without saying why; "
+                                     f"see {worker.log_path}")
+        attempt.outcome = "completed"
+        first = attempt.first_token_at or attempt.ended_at
+        self.speed.observe(attempt.tokens, attempt.ended_at - first, job.prompt_tokens, first - attempt.started_at)
+        return attempt
+
+    async def _wait_ready(self, job: Job) -> None:
+        worker = self.worker
+        if self._failed_process is not None and self._failed_process == worker.exits:
+            # The failed process is still on its way out: its replacement is the one to wait for.
+            await worker.exit_after(self._failed_process, self._deadlines.ready_s)
+        ready = asyncio.ensure_future(worker.ensure_ready(self._deadlines.ready_s))
+        canceled = asyncio.ensure_future(job.canceled.wait())
+        done, _ = await asyncio.wait({ready, canceled}, return_when=asyncio.FIRST_COMPLETED)
+        canceled.cancel()
+        if ready not in done:
+            ready.cancel()
+            raise canceled_error(job, f"while the {self.path} worker was starting")
+        if not ready.result():
+            raise JobFailed(503, "no_worker", f"the {self.path} worker is not available: "
+                            f"{worker.gave_up or worker.unhealthy_reason or 'it did not become ready'}",
+                            retry_after_s=30.0)
+
+
+# ----- the worker's wire format ------------------------------------------------------
+
+
+def _worker_body(job: Job) -> dict[str, Any]:
+    body = dict(job.body)
+    body.pop("model", None)
+    # Always an explicit limit, the one admission planned with: the worker's
+    # own default may be none at all, and it does not know the current API's
+    # name max_completion_tokens.
+    body.pop("max_completion_tokens", None)
+    body["max_tokens"] = job.max_tokens
+    # Always streamed from the worker: that gives cancellation, hang
+    # detection, token metering and replay while nothing was sent.
+    body["stream"] = True
+    body.pop("stream_options", None)
+    return body
+
+
+async def _upstream_error(response: httpx.Response) -> None:
+    raw = await response.aread()
+    try:
+        payload = json.loads(raw)
+    except ValueError:
+        payload = {}
+    error = payload.get("error") if isinstance(payload, dict) else None
+    message = (error or {}).get("message") if isinstance(error, dict) else None
+    message = message or (payload.get("detail") if isinstance(payload, dict) else None) or raw.decode("utf-8", "replace")
+    message = client_safe(str(message))
+    if 400 <= response.status_code < 500:
+        raise JobFailed(response.status_code, "invalid_request", f"the model server rejected the request: {message}")
+    _raise_upstream_failure(f"the worker answered HTTP {response.status_code}: {message or 'no detail'}")
+
+
+def _raise_upstream_failure(message: str) -> None:
+    if mentions_out_of_memory(message):
+        raise WorkerFailure(message)
+    if "validation error" in message:
+        # llama-cpp-python answers 500 for a request it finds invalid.
+        raise JobFailed(400, "invalid_request", f"the model server rejected the request: {message}")
+    raise WorkerRequestError(message)
+
+
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.\-+@~]+){2,}")
+
+
+def client_safe(message: str) -> str:
+    """A worker's error message as a client may see it: one line, no
+    traceback, no file system paths (they tell an attacker the install
+    layout), and short."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    kept = [line for line in lines if not line.startswith(("Traceback", "File ", "^", "~"))]
+    # A traceback's last line is the exception; otherwise the first few lines
+    # (a validation error names the field on the next ones).
+    text = kept[-1] if kept and lines[0].startswith("Traceback") else "; ".join(kept[:3])
+    return _PATH.sub("<path>", text)[:300] or "no detail"
+
+
+def _drop_repeated_tool_names(event: dict[str, Any], named: set[tuple[int, int]]) -> None:
+    """OpenAI streams a tool call's name once, in its first delta, and clients
+    append the fragments; llama-cpp-python repeats the name in every delta,
+    which would read as 'fnfnfn'. Keep only the first."""
+    for choice in event.get("choices") or ():
+        for call in (choice.get("delta") or {}).get("tool_calls") or ():
+            function = call.get("function")
+            if not isinstance(function, dict) or not function.get("name"):
+                continue
+            key = (choice.get("index", 0), call.get("index", 0))
+            if key in named:
+                function.pop("name")
+                call.pop("id", None)
+                call.pop("type", None)
+            else:
+                named.add(key)
+
+
+def _carries_token(event: dict[str, Any]) -> bool:
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta")
+        if delta is not None and (delta.get("content") or delta.get("tool_calls") or delta.get("function_call")):
+            return True
+        if choice.get("text"):
+            return True
+    return False
+
+
+def response_id(job: Job) -> str:
+    prefix = "chatcmpl" if job.kind.value == "chat" else "cmpl"
+    return f"{prefix}-{job.id}"
+
+
+def canceled_error(job: Job, where: str) -> JobFailed:
+    return JobFailed(499, "request_canceled", f"request {job.id} was canceled {where}: {job.cancel_reason}")
+
+
+# ----- waiting on a worker ---------------------------------------------------------------
+
+_CANCELED = object()
+
+
+async def _no_wait() -> float:
+    return 0.0
+
+
+async def _wait_on_worker(awaitable, canceled: asyncio.Future, timeout: float,
+                          liveness: Callable[[], str | None]):
+    """The result of `awaitable` (the response, or the next SSE line: None at
+    the end), or _CANCELED if the job was canceled meanwhile. Raises
+    TimeoutError when the worker gives nothing for `timeout` seconds, and
+    WorkerFailure as soon as `liveness` says the process can't progress."""
+    pending = asyncio.ensure_future(awaitable)
+    deadline = time.monotonic() + timeout
+    problem = None
+    while True:
+        wait_s = min(LIVENESS_INTERVAL_S, max(0.0, deadline - time.monotonic()))
+        done, _ = await asyncio.wait({pending, canceled}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        if done:
+            break
+        problem = liveness()
+        if problem is not None or time.monotonic() >= deadline:
+            break
+    if pending in done:
+        try:
+            return pending.result()
+        except StopAsyncIteration:
+            return None
+    pending.cancel()
+    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, httpx.HTTPError):
+        await pending
+    if canceled in done:
+        return _CANCELED
+    if problem is not None:
+        raise WorkerFailure(problem)
+    raise asyncio.TimeoutError

@@ -1,0 +1,394 @@
+"""Where each request runs, and what happens when that path fails.
+
+The dispatcher gathers admission's inputs (what the backends, the breaker
+and the latest memory reading say), calls the pure `admission.decide`, and
+carries the decision out through the backends: run, replay once on the CPU
+when the GPU fails before any byte was sent, redirect when the GPU closes
+while a request waits, quarantine a request that crashed its worker. It
+acts on the rest of the service only through `DispatchEvents`, so its tests
+drive it in-process with fake backends.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from ..memory.telemetry import MemorySnapshot
+from .admission import (
+    GPU_OUT_REASONS, CpuView, Decision, GpuView, Reason, RequestShape, Route, decide, token_limit,
+)
+from .backend import Backend, Sink
+from .breaker import BreakerState, CircuitBreaker
+from .jobs import Attempt, Job, JobFailed, JobState, WorkerFailure, WorkerRequestError
+from .lanes import Redirected
+from .quarantine import Quarantine
+
+log = logging.getLogger(__name__)
+
+EXECUTION_LEDGER_SIZE = 10_000
+RECENT_DECISIONS = 50
+
+
+class DispatchEvents(Protocol):
+    """What the dispatcher tells the rest of the service. Never asks anything."""
+
+    def note(self, kind: str, **data: Any) -> None:
+        """Something worth the event log (/status events, the tray's notifications)."""
+
+    def changed(self) -> None:
+        """Requests moved between states: degraded mode may have begun or ended."""
+
+    def decided(self, job: Job, decision: Decision) -> None: ...
+
+    def completed(self, job: Job, attempt: Attempt) -> None: ...
+
+    def gpu_failed(self, job: Job, reason: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The configuration the dispatcher decides with."""
+
+    gpu_n_ctx: int
+    cpu_n_ctx: int
+    reserve_mib: float
+    ram_floor_mib: float
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What one request of n tokens adds, in MiB, on each path (from the estimator)."""
+
+    gpu_mib: Callable[[int], float]
+    cpu_mib: Callable[[int], float]
+
+
+class Dispatcher:
+    def __init__(self, limits: Limits, backends: dict[str, Backend], breaker: CircuitBreaker,
+                 memory: Callable[[], MemorySnapshot], costs: Costs, events: DispatchEvents, *,
+                 gpu_missing_reason: str | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self.gpu = backends.get("gpu")
+        self.cpu = backends["cpu"]
+        self.breaker = breaker
+        self._memory = memory
+        self._costs = costs
+        self._events = events
+        self._clock = clock
+        self.gpu_missing_reason = gpu_missing_reason
+        self.gpu_paused = False
+        self.jobs: dict[str, Job] = {}
+        self.quarantine = Quarantine(clock)
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_DECISIONS)
+        # Completed executions per request id (bounded): the evidence that no
+        # request ran twice, for /status, the drill and the soak.
+        self._executions: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.completed_total = 0
+        self.duplicate_executions = 0
+
+    # ----- entry points --------------------------------------------------------------
+
+    def register(self, job: Job) -> bool:
+        """Take the job's id for as long as it lives; False if the id is in use.
+        Call before the first await of a request, so twins can't both run."""
+        if job.id in self.jobs:
+            return False
+        self.jobs[job.id] = job
+        return True
+
+    def unregister(self, job: Job) -> None:
+        if self.jobs.get(job.id) is job:
+            del self.jobs[job.id]
+
+    def quarantined(self, job: Job) -> JobFailed | None:
+        """The refusal for a request that recently crashed a worker, or None."""
+        return self.quarantine.refusal(job.fingerprint, job.id)
+
+    def token_limit(self, prompt_tokens: int, requested: int | None, chat: bool) -> int:
+        caps = [self.limits.cpu_n_ctx] + ([self.limits.gpu_n_ctx] if self.gpu is not None else [])
+        return token_limit(prompt_tokens, requested, caps, chat=chat)
+
+    async def run(self, job: Job, sink: Sink) -> None:
+        """Admit a registered job and run it to the end. Raises JobFailed for
+        every answer that is not the model's: a refusal, a failure, a cancel."""
+        try:
+            refusal = self.quarantined(job)
+            if refusal is not None:
+                raise refusal
+            decision = self.decide(job)
+            if not decision.accepted:
+                raise _rejection(decision)
+            await self._execute(job, sink, decision)
+        finally:
+            # Every way out passes here, so a probe the job still holds (a
+            # cancel, a client error, an unexpected exception) is given back;
+            # success and GPU failure have already settled theirs.
+            self._release_probe(job)
+            job.state = JobState.DONE
+            self.unregister(job)
+            self._events.changed()
+
+    def cancel(self, request_id: str, why: str) -> dict[str, Any] | None:
+        job = self.jobs.get(request_id)
+        if job is None or job.state is JobState.DONE:
+            return None
+        state_was = job.state.value
+        job.cancel(why)
+        self._events.note("canceled", id=request_id, state=state_was)
+        return {"id": request_id, "object": "request.cancel", "canceled": True, "state_was": state_was}
+
+    def cancel_all(self, why: str) -> None:
+        for job in list(self.jobs.values()):
+            job.cancel(why)
+
+    def set_gpu_paused(self, paused: bool) -> None:
+        self.gpu_paused = paused
+        if paused and self.gpu is not None:
+            self.gpu.lane.redirect_waiting("the GPU path was paused")
+
+    def redirect_gpu_waiting(self, reason: str) -> int:
+        return self.gpu.lane.redirect_waiting(reason) if self.gpu is not None else 0
+
+    # ----- reads ------------------------------------------------------------------------
+
+    def gpu_out_reason(self) -> str | None:
+        """Why the GPU path can't take work right now, or None if it can."""
+        if self.gpu is None:
+            return self.gpu_missing_reason
+        if self.gpu_paused:
+            return "the GPU path is paused (force CPU)"
+        out = self.gpu.out_reason()
+        if out is not None:
+            return out
+        if self.breaker.state is BreakerState.OPEN:
+            snap = self.breaker.snapshot()
+            return (f"the circuit breaker is open after repeated GPU failures "
+                    f"({snap.get('last_failure_reason')}); retrying in {snap.get('retry_in_s')} s")
+        reading = self._memory().gpu
+        if not reading.available:
+            return f"GPU memory can't be read: {reading.reason}"
+        return None
+
+    def degraded_cause(self) -> str | None:
+        """Why the CPU path serves instead of the GPU now, or None."""
+        out = self.gpu_out_reason()
+        if out is not None:
+            return out
+        free = self._memory().gpu.free_mib
+        if self.gpu is not None and free is not None and free <= self.limits.reserve_mib:
+            # Every new request would go to the CPU: say so steadily, not only
+            # while one happens to be in flight.
+            return (f"not enough VRAM headroom: {free:.0f} MiB free, within the "
+                    f"{self.limits.reserve_mib:g} MiB reserve")
+        for job in self.jobs.values():
+            if job.path == "cpu" and job.state in (JobState.QUEUED, JobState.RUNNING) and job.reason in GPU_OUT_REASONS:
+                return f"{job.reason.value}: {job.reason_detail}"
+        return None
+
+    def cpu_wait_s(self, prompt_tokens: int, max_tokens: int) -> float:
+        """What a new CPU request of this size would wait for its answer now."""
+        return self._cpu_backlog_s() + self._service_time_s(prompt_tokens, max_tokens, self.cpu)
+
+    def request_status(self) -> list[dict[str, Any]]:
+        # Jobs still being admitted hold their id but have no path or place yet.
+        rows = []
+        for job in self.jobs.values():
+            if job.state is JobState.ADMITTING:
+                continue
+            row = job.summary()
+            lane = self._backend(job.path).lane if job.path else None
+            row["queue_position"] = lane.position(job.id) if lane is not None else None
+            rows.append(row)
+        return rows
+
+    # ----- admission ----------------------------------------------------------------------
+
+    def decide(self, job: Job) -> Decision:
+        """Gather the inputs and ask the pure admission function. No await in
+        here, so nothing can change between what we read and what we decide."""
+        # A fresh decision starts without a probe: one this job took earlier
+        # (before a redirect) goes back, or the breaker would wait for it forever.
+        self._release_probe(job)
+        gpu = self._gpu_view(job)
+        half_open_probe = False
+        if gpu is not None and gpu.out_reason is None and self.breaker.state is BreakerState.HALF_OPEN:
+            if self.breaker.try_acquire():
+                half_open_probe = True
+            else:
+                gpu = GpuView(gpu.lane, "the circuit breaker is half-open and a probe request is testing the GPU",
+                              gpu.free_vram_mib, gpu.reserve_mib, gpu.request_vram_mib)
+        shape = RequestShape(prompt_tokens=job.prompt_tokens, max_tokens=job.max_tokens,
+                             force_cpu=job.force_cpu or self.gpu_paused, deadline_s=job.deadline_s,
+                             is_replay=job.replayed)
+        decision = decide(shape, gpu, self._cpu_view(job))
+        on_gpu = decision.route in (Route.GPU, Route.GPU_QUEUE)
+        if half_open_probe and not on_gpu:
+            self.breaker.release_probe()
+        job.half_open_probe = half_open_probe and on_gpu
+        self._apply(job, decision)
+        return decision
+
+    def _apply(self, job: Job, decision: Decision) -> None:
+        job.reason = decision.reason
+        job.reason_detail = decision.detail
+        job.decision = decision
+        if decision.estimated_latency_s is not None:
+            job.estimated_latency_s = decision.estimated_latency_s
+        self.recent.append({
+            "t": round(time.time(), 3), "id": job.id, "route": decision.route.value,
+            "reason": decision.reason.value, "detail": decision.detail,
+        })
+        self._events.decided(job, decision)
+
+    def _gpu_view(self, job: Job) -> GpuView | None:
+        if self.gpu is None:
+            return None
+        return GpuView(
+            lane=self.gpu.lane.state(self.limits.gpu_n_ctx),
+            out_reason=self.gpu_out_reason(),
+            free_vram_mib=self._memory().gpu.free_mib,
+            reserve_mib=self.limits.reserve_mib,
+            request_vram_mib=self._costs.gpu_mib(job.prompt_tokens + job.max_tokens),
+        )
+
+    def _cpu_view(self, job: Job) -> CpuView:
+        worker = self.cpu.worker
+        return CpuView(
+            lane=self.cpu.lane.state(self.limits.cpu_n_ctx),
+            can_serve=self.cpu.can_queue(),
+            out_reason=worker.gave_up or worker.unhealthy_reason,
+            host_available_mib=self._memory().host.available_mib,
+            ram_floor_mib=self.limits.ram_floor_mib,
+            request_ram_mib=self._costs.cpu_mib(job.prompt_tokens + job.max_tokens),
+            tokens_per_s=self.cpu.speed.tokens_per_s,
+            prompt_tokens_per_s=self.cpu.speed.prompt_tokens_per_s,
+            backlog_s=self._cpu_backlog_s(),
+        )
+
+    def _cpu_backlog_s(self) -> float:
+        lane = self.cpu.lane
+        total = 0.0
+        for job_id in lane.running_ids + lane.waiting_ids:
+            job = self.jobs.get(job_id)
+            if job is None:
+                continue
+            estimate_s = self._service_time_s(job.prompt_tokens, job.max_tokens, self.cpu)
+            if job.state is JobState.RUNNING and job.attempts:
+                estimate_s = max(0.0, estimate_s - (self._clock() - job.attempts[-1].started_at))
+            total += estimate_s
+        return total / max(1, lane.concurrency)
+
+    @staticmethod
+    def _service_time_s(prompt_tokens: int, max_tokens: int, backend: Backend) -> float:
+        speed = backend.speed
+        return max_tokens / speed.tokens_per_s + prompt_tokens / speed.prompt_tokens_per_s
+
+    # ----- execution ------------------------------------------------------------------------
+
+    async def _execute(self, job: Job, sink: Sink, decision: Decision) -> None:
+        """Run an admitted job, replaying once on the CPU if the GPU fails
+        before anything reached the client."""
+        try:
+            if decision.route in (Route.GPU, Route.GPU_QUEUE):
+                assert self.gpu is not None
+                try:
+                    self._completed(job, await self.gpu.run(job, sink, self.gpu_out_reason))
+                    return
+                except Redirected as redirected:
+                    # Nothing ran yet; decide again with what we know now.
+                    decision = self.decide(job)
+                    if decision.reason is Reason.ADMITTED:
+                        # The GPU said no once for this job: it goes to the CPU, and
+                        # a probe the fresh decision took goes back at once.
+                        self._release_probe(job)
+                        decision = Decision(Route.CPU, Reason.GPU_UNAVAILABLE, redirected.reason)
+                        self._apply(job, decision)
+                    if not decision.accepted:
+                        raise _rejection(decision) from None
+                except WorkerFailure as failure:
+                    await self._raise_if_crashed_by_input(job, self.gpu, failure)
+                    self._on_gpu_failure(job, str(failure))
+                    if job.committed:
+                        raise JobFailed(
+                            502, "gpu_worker_failed",
+                            f"the GPU worker failed after part of the answer was sent ({failure}); "
+                            "nothing was re-run. It is safe to retry this request.",
+                        ) from None
+                    sink.reset()
+                    job.replayed = True
+                    decision = self.decide(job)
+                    if not decision.accepted:
+                        raise _rejection(decision) from None
+                    self._events.note("replay", id=job.id, reason=str(failure))
+            try:
+                self._completed(job, await self.cpu.run(job, sink))
+            except WorkerFailure as failure:
+                await self._raise_if_crashed_by_input(job, self.cpu, failure)
+                job.first_failure = job.first_failure or str(failure)
+                self.cpu.report_failure(str(failure))
+                self._events.note("cpu_failure", id=job.id, reason=str(failure))
+                raise JobFailed(502, "cpu_worker_failed",
+                                f"the CPU worker failed while serving this request ({failure}); "
+                                "nothing was re-run. It is safe to retry this request.") from None
+        except WorkerRequestError as error:
+            raise JobFailed(502, "worker_error", f"the model server failed on this request: {error}") from None
+
+    async def _raise_if_crashed_by_input(self, job: Job, backend: Backend, failure: WorkerFailure) -> None:
+        """A request that crashed its worker is not replayed: a request that
+        segfaults a healthy worker would segfault the other one too. It is
+        quarantined, so a retry gets the same answer without reaching a worker."""
+        report = await backend.crash_cause(job, failure)
+        if report is None:
+            return
+        detail = f"it crashed the {backend.path} model server ({report.signal_name})"
+        job.first_failure = job.first_failure or detail
+        self.quarantine.add(job.fingerprint, detail)
+        self._events.note("request_crashed_worker", id=job.id, path=backend.path, signal=report.signal_name,
+                          committed=job.committed)
+        refusal = self.quarantine.refusal(job.fingerprint, job.id)
+        assert refusal is not None
+        raise refusal from None
+
+    def _completed(self, job: Job, attempt: Attempt) -> None:
+        self._count_execution(job.id)
+        if attempt.path == "gpu":
+            self.breaker.record_success()
+            job.half_open_probe = False
+        self._events.completed(job, attempt)
+
+    def _count_execution(self, request_id: str) -> None:
+        self.completed_total += 1
+        count = self._executions.pop(request_id, 0) + 1
+        self._executions[request_id] = count
+        if count > 1:
+            self.duplicate_executions += 1
+            log.error("request %s completed %d executions", request_id, count)
+        while len(self._executions) > EXECUTION_LEDGER_SIZE:
+            self._executions.popitem(last=False)
+
+    def _on_gpu_failure(self, job: Job, reason: str) -> None:
+        assert self.gpu is not None
+        job.first_failure = job.first_failure or reason
+        self._release_probe(job, failed=reason)
+        self.gpu.report_failure(reason)
+        moved = self.gpu.lane.redirect_waiting(f"the GPU worker failed: {reason}")
+        self._events.gpu_failed(job, reason)
+        self._events.note("gpu_failure", id=job.id, reason=reason, committed=job.committed, redirected=moved)
+
+    def _release_probe(self, job: Job, failed: str | None = None) -> None:
+        if failed is not None:
+            self.breaker.record_failure(failed)
+        elif job.half_open_probe:
+            self.breaker.release_probe()
+        job.half_open_probe = False
+
+    def _backend(self, path: str) -> Backend | None:
+        return self.gpu if path == "gpu" else self.cpu if path == "cpu" else None
+
+
+def _rejection(decision: Decision) -> JobFailed:
+    return JobFailed(decision.status, decision.reason.value, decision.detail, retry_after_s=decision.retry_after_s)

@@ -1,0 +1,91 @@
+"""What the service is doing, for everyone who looks: memory readings, the
+event log and degraded mode.
+
+The observer is advanced by the sampler's tick and by events (a request
+changed state, a worker changed state); reading it (`/status`, `/metrics`,
+the tray) never changes anything. That is why degraded mode starts and ends
+here, on an advance, and not inside a query.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Any, Callable
+
+from .memory.telemetry import GpuReader, MemorySnapshot, TelemetryHistory, read_host
+
+log = logging.getLogger(__name__)
+
+SAMPLE_INTERVAL_S = 1.0
+EVENT_LOG_SIZE = 100
+
+
+class Observer:
+    def __init__(self, gpu_reader: GpuReader, worker_pids: Callable[[], list[int]],
+                 degraded_cause: Callable[[], str | None]) -> None:
+        self._gpu_reader = gpu_reader
+        self._worker_pids = worker_pids
+        self._degraded_cause = degraded_cause
+        self.history = TelemetryHistory()
+        self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=EVENT_LOG_SIZE)
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self.degraded_since: float | None = None
+        self.degraded_reason: str | None = None
+        self._sampler: asyncio.Task | None = None
+
+    # ----- advancing -------------------------------------------------------------
+
+    def sample(self) -> MemorySnapshot:
+        """Read GPU and host memory now; blocking (NVML), so the loop runs it in a thread."""
+        snapshot = MemorySnapshot(time.time(), self._gpu_reader.read(), read_host(self._worker_pids()))
+        self.history.append(snapshot)
+        return snapshot
+
+    def advance(self) -> None:
+        """Re-evaluate degraded mode, noting when it starts and ends."""
+        reason = self._degraded_cause()
+        if reason is None:
+            if self.degraded_since is not None:
+                self.note("degraded_end", lasted_s=round(time.time() - self.degraded_since, 3))
+            self.degraded_since = None
+            self.degraded_reason = None
+            return
+        if self.degraded_since is None:
+            self.degraded_since = time.time()
+            self.note("degraded_start", reason=reason)
+        self.degraded_reason = reason
+
+    def note(self, kind: str, **data: Any) -> None:
+        event = {"t": round(time.time(), 3), "kind": kind, **data}
+        self.events.append(event)
+        for listener in self._listeners:
+            listener(event)
+
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        self._listeners.append(listener)
+
+    def start(self) -> None:
+        self._sampler = asyncio.create_task(self._sample_forever(), name="telemetry")
+
+    def stop(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+
+    async def _sample_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
+            try:
+                await asyncio.to_thread(self.sample)
+                self.advance()
+            except Exception:  # a sampler that dies would freeze every gauge
+                log.exception("telemetry sample failed")
+
+    # ----- reading ---------------------------------------------------------------
+
+    def latest(self) -> MemorySnapshot:
+        latest = self.history.latest()
+        assert latest is not None, "sample() runs once when the service is built"
+        return latest
