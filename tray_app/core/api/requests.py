@@ -1,0 +1,238 @@
+"""Reading a request: the body (strictly), the routing headers, and every
+field of a chat or completion checked against one table of bounds, so a bad
+value is a 400 that names the field rather than an exception in a worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from starlette.requests import Request
+
+from ..dispatch.jobs import JobKind
+from . import bounds
+from .openai_request import InvalidRequest, constrain_output, flatten_content
+
+_Invalid = InvalidRequest
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    main: str
+    served: frozenset[str]    # what /v1/models lists
+    accepted: frozenset[str]  # what the `model` field may say (also the file name, "default")
+
+
+MAX_MESSAGES = 1024
+
+
+
+def _logit_bias(value: Any) -> str | None:
+    problem = (f"must be an object mapping token ids to a bias from {bounds.LOGIT_BIAS.low:g} "
+               f"to {bounds.LOGIT_BIAS.high:g}")
+    if not isinstance(value, dict) or len(value) > bounds.MAX_LOGIT_BIAS_ENTRIES:
+        return problem + f" (at most {bounds.MAX_LOGIT_BIAS_ENTRIES} entries)"
+    for token, bias in value.items():
+        if not token.isdigit() or len(token) > 9 or bounds.LOGIT_BIAS.problem(bias):
+            return problem
+    return None
+
+
+def _of_type(kind: type, name: str):
+    return lambda value: None if isinstance(value, kind) else f"must be {name}"
+
+
+# Fields passed through to the worker: checked here so a bad value is a 400
+# that names the field, not an exception inside the model server.
+SAMPLING_RULES = {
+    **{field: rule.problem for field, rule in bounds.SAMPLING.items()},
+    "stop": bounds.stop_problem,
+    "logit_bias": _logit_bias,
+    "user": _of_type(str, "a string"),
+    "response_format": _of_type(dict, "an object"),
+    "tools": _of_type(list, "a list"),
+    "stream_options": _of_type(dict, "an object"),
+}
+
+
+# More memory than any GPU has: a bigger number is a typo or an attack.
+PRESSURE_RULE = bounds.Range(False, 0, 16 * 1024 * 1024).problem
+
+
+def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_context: int,
+             grammar_problem: Callable[[str], str | None]) -> None:
+    """Check a chat or completion body field by field, in place turning
+    what clients send into what a worker runs (content parts, structured
+    output). Raises InvalidRequest naming the field."""
+    model = body.get("model")
+    if model is not None:
+        if not isinstance(model, str):
+            raise _Invalid(400, "'model' must be a string", "invalid_type", "model")
+        if model not in models.accepted:
+            raise _Invalid(404, f"the model {model!r} does not exist here; available: "
+                           f"{', '.join(sorted(models.served))}", "model_not_found", "model")
+    if kind is JobKind.CHAT:
+        messages = body.get("messages")
+        if messages is None:
+            raise _Invalid(400, "'messages' is required: a list of {role, content} objects", "missing_field", "messages")
+        if not isinstance(messages, list) or not messages:
+            raise _Invalid(400, "'messages' must be a non-empty list", "invalid_type", "messages")
+        if len(messages) > MAX_MESSAGES:
+            raise _Invalid(400, f"'messages' has {len(messages)} items; the limit is {MAX_MESSAGES}",
+                           "too_many_messages", "messages")
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise _Invalid(400, f"messages[{index}] must be an object with a string 'role'",
+                               "invalid_type", f"messages[{index}]")
+            if message["role"] not in ("system", "user", "assistant", "tool", "function", "developer"):
+                raise _Invalid(400, f"messages[{index}].role {message['role']!r} is not a known role",
+                               "invalid_value", f"messages[{index}].role")
+            content = message.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                raise _Invalid(400, f"messages[{index}].content must be a string or a list of parts",
+                               "invalid_type", f"messages[{index}].content")
+        flatten_content(messages, models.main)
+    else:
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise _Invalid(400, "'prompt' is required", "missing_field", "prompt")
+        if not isinstance(prompt, str):
+            raise _Invalid(400, "'prompt' must be a string (token arrays and batches are not supported)",
+                           "invalid_type", "prompt")
+        if not prompt:
+            raise _Invalid(400, "'prompt' is empty; send at least one character", "empty_prompt", "prompt")
+    for field in bounds.TOKEN_LIMIT_FIELDS:
+        value = body.get(field)
+        problem = bounds.TOKENS.problem(value) if value is not None else None
+        if problem:
+            raise _Invalid(400, f"'{field}' {problem}", "invalid_value", field)
+        if value is not None and value > largest_context:
+            raise _Invalid(400, f"'{field}' is {value}; the limit is {largest_context}, the largest context "
+                           "this server offers", "max_tokens_too_large", field)
+    n = body.get("n", 1)
+    if n is not None and bounds.N.problem(n):
+        raise _Invalid(400, f"'n' must be {bounds.MAX_N}: this server generates one choice per request "
+                       "(capabilities.max_choices in GET /v1/models); send several requests instead",
+                       "invalid_value", "n")
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise _Invalid(400, "'stream' must be true or false", "invalid_type", "stream")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise _Invalid(400, "logprobs are not available here: the llama-cpp-python workers would have to keep "
+                       "the logits of every context position (about 1.5 GiB at 8k context for a 135M model), "
+                       "so they run without them (capabilities.logprobs in GET /v1/models)",
+                       "unsupported_parameter", "logprobs")
+    for field, rule in SAMPLING_RULES.items():
+        if body.get(field) is not None:
+            problem = rule(body[field])
+            if problem:
+                raise _Invalid(400, f"'{field}' {problem}", "invalid_value", field)
+    constrain_output(body, grammar_problem)
+
+
+async def _read_limited(request: Request, limit: int, timeout: float) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _Invalid(413, f"the request body is {int(declared)} bytes; the limit is {limit} bytes "
+                       "([server] max_body_bytes)", "body_too_large")
+    chunks, size = [], 0
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _Invalid(413, f"the request body is over the {limit}-byte limit ([server] max_body_bytes)",
+                               "body_too_large")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise _Invalid(408, f"the request body did not arrive within {timeout:g} s "
+                       "([server] body_timeout_s)", "request_timeout") from None
+    return b"".join(chunks)
+
+
+async def read_json_object(request: Request) -> dict[str, Any]:
+    server = request.app.state.service.config.server
+    raw = await _read_limited(request, server.max_body_bytes, server.body_timeout_s)
+    if not raw:
+        raise _Invalid(400, "the request body is empty; send a JSON object", "invalid_json")
+    body = parse_json_body(raw)
+    if not isinstance(body, dict):
+        raise _Invalid(400, "the request body must be a JSON object", "invalid_json")
+    return body
+
+
+# Deeper than any real request (tool schemas nest a dozen levels at most);
+# deeper structures only exist to exhaust a recursive walker somewhere.
+MAX_JSON_DEPTH = 64
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number; send a finite number")
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """Strict JSON: no NaN/Infinity (they can't be sent back in a response,
+    and no sampling field means anything with them), bounded nesting, and
+    every failure a 400 in the envelope rather than a 500 from a parser."""
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise _Invalid(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", "invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _Invalid(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    if _depth_over(body, MAX_JSON_DEPTH):
+        raise _Invalid(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", "invalid_json")
+    return body
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    # Iterative, so the check itself can't be what overflows the stack.
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def requested_limit(body: dict[str, Any]) -> int | None:
+    """The client's generation limit under either name; the smaller if both."""
+    limits = [body[f] for f in ("max_tokens", "max_completion_tokens") if body.get(f) is not None]
+    return min(limits) if limits else None
+
+
+def routing_headers(request: Request) -> tuple[bool, float | None]:
+    force = request.headers.get("x-force-path", "").strip().lower()
+    if force not in ("", "cpu", "auto"):
+        raise _Invalid(400, "X-Force-Path must be 'cpu' or 'auto'", "invalid_header", "X-Force-Path")
+    raw = request.headers.get("x-request-timeout")
+    deadline = None
+    if raw is not None:
+        try:
+            deadline = float(raw)
+        except ValueError:
+            raise _Invalid(400, "X-Request-Timeout must be a number of seconds", "invalid_header",
+                           "X-Request-Timeout") from None
+        if not math.isfinite(deadline) or deadline <= 0:
+            raise _Invalid(400, "X-Request-Timeout must be a positive number of seconds", "invalid_header",
+                           "X-Request-Timeout")
+    return force == "cpu", deadline
+
+
+def clean_request_id(raw: str | None) -> str | None:
+    if not raw:
+        return None
+    cleaned = raw.strip()
+    if not cleaned or len(cleaned) > 128 or not all(c.isalnum() or c in "-_.:" for c in cleaned):
+        return None
+    return cleaned

@@ -1,0 +1,151 @@
+"""Where a job's events go: collected into one OpenAI response object for
+JSON clients, or relayed as SSE, recorded for Idempotency-Key replays."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, AsyncIterator
+
+from starlette.responses import StreamingResponse
+
+from ..dispatch.jobs import Job, JobKind
+
+
+class AggregatingSink:
+    """Collects a worker's stream into one OpenAI response object."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+
+    def reset(self) -> None:
+        self.events.clear()
+
+    def chat_response(self, job: Job) -> dict[str, Any]:
+        content: list[str] = []
+        tool_calls: dict[int, dict[str, Any]] = {}
+        finish_reason = None
+        created = int(time.time())
+        for event in self.events:
+            created = event.get("created", created)
+            for choice in event.get("choices") or ():
+                delta = choice.get("delta") or {}
+                if delta.get("content"):
+                    content.append(delta["content"])
+                for call in delta.get("tool_calls") or ():
+                    slot = tool_calls.setdefault(call.get("index", 0), {
+                        "id": call.get("id"), "type": "function", "function": {"name": "", "arguments": ""}})
+                    function = call.get("function") or {}
+                    slot["id"] = slot["id"] or call.get("id")
+                    slot["function"]["name"] += function.get("name") or ""
+                    slot["function"]["arguments"] += function.get("arguments") or ""
+                if choice.get("finish_reason"):
+                    finish_reason = choice["finish_reason"]
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) if content or not tool_calls else None}
+        if tool_calls:
+            message["tool_calls"] = [tool_calls[i] for i in sorted(tool_calls)]
+        completion_tokens = job.attempts[-1].tokens if job.attempts else 0
+        return {
+            "id": f"chatcmpl-{job.id}",
+            "object": "chat.completion",
+            "created": created,
+            "model": self._model(job),
+            "system_fingerprint": self._fingerprint(),
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": _usage(job.prompt_tokens, completion_tokens),
+        }
+
+    def completion_response(self, job: Job) -> dict[str, Any]:
+        text: list[str] = []
+        finish_reason = None
+        created = int(time.time())
+        for event in self.events:
+            created = event.get("created", created)
+            for choice in event.get("choices") or ():
+                text.append(choice.get("text") or "")
+                if choice.get("finish_reason"):
+                    finish_reason = choice["finish_reason"]
+        completion_tokens = job.attempts[-1].tokens if job.attempts else 0
+        return {
+            "id": f"cmpl-{job.id}",
+            "object": "text_completion",
+            "created": created,
+            "model": self._model(job),
+            "system_fingerprint": self._fingerprint(),
+            "choices": [{"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish_reason}],
+            "usage": _usage(job.prompt_tokens, completion_tokens),
+        }
+
+    def _model(self, job: Job) -> str:
+        return self.events[0].get("model", "") if self.events else ""
+
+    def _fingerprint(self) -> str | None:
+        return self.events[0].get("system_fingerprint") if self.events else None
+
+
+def wants_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def usage_chunk(job: Job, last_event: dict[str, Any]) -> dict[str, Any]:
+    """The last chunk OpenAI sends for stream_options.include_usage: no
+    choices, the usage of the whole request (of its one execution, after a
+    replay too: the replay started from nothing)."""
+    completion_tokens = job.attempts[-1].tokens if job.attempts else 0
+    return {
+        "id": last_event.get("id"),
+        "object": "chat.completion.chunk" if job.kind is JobKind.CHAT else "text_completion",
+        "created": last_event.get("created", int(time.time())),
+        "model": last_event.get("model"),
+        "system_fingerprint": last_event.get("system_fingerprint"),
+        "choices": [],
+        "usage": _usage(job.prompt_tokens, completion_tokens),
+    }
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class QueueSink:
+    """Hands events to the SSE relay; the first emit commits the job."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self.job.committed = True
+        self.queue.put_nowait(("event", event))
+
+    def reset(self) -> None:
+        assert not self.job.committed, "a committed stream can't be reset"
+
+
+def sse(payload: Any) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+class RecordedStream(StreamingResponse):
+    """An SSE response that keeps what it sent, for Idempotency-Key replays."""
+
+    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+        self.chunks: list[bytes] = []
+        self.on_finish = None
+        self._route_headers = headers
+
+        async def recording() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in content:
+                    self.chunks.append(chunk)
+                    yield chunk
+            finally:
+                if self.on_finish is not None:
+                    self.on_finish(("stream", self._route_headers, list(self.chunks)))
+
+        super().__init__(recording(), media_type="text/event-stream", headers=headers)
