@@ -45,10 +45,20 @@ def run_schemathesis(url: str, seed: int, seconds: int, workdir: Path) -> tuple[
         capture_output=True, text=True, timeout=seconds + 300, cwd=workdir,
     )
     statuses: Counter = Counter()
+    examples: list[str] = []
     if har.exists():
         for entry in json.loads(har.read_text())["log"]["entries"]:
-            statuses[entry["response"]["status"]] += 1
-    summary = result.stdout.split("SUMMARY")[-1].strip().splitlines()[-12:]
+            status = entry["response"]["status"]
+            statuses[status] += 1
+            if status >= 500 and os.environ.get("TRAY_APP_FUZZ_DUMP"):
+                with open(os.environ["TRAY_APP_FUZZ_DUMP"], "a") as dump:
+                    dump.write(json.dumps(entry) + "\n")
+            if status >= 500 and len(examples) < 5:
+                sent = (entry["request"].get("postData") or {}).get("text", "")
+                answer = (entry["response"].get("content") or {}).get("text", "")
+                examples.append(f"{entry['request']['method']} {entry['request']['url']} {sent[:400]}\n"
+                                f"    -> {status} {answer[:400]}")
+    summary = result.stdout.split("SUMMARY")[-1].strip().splitlines()[-12:] + examples
     return statuses, summary
 
 

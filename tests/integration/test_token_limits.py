@@ -93,3 +93,20 @@ def test_a_completion_without_a_limit_gets_openais_default_of_16(small):
     body = response.json()
     assert body["usage"]["completion_tokens"] <= 16
     assert body["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+# Found by benchmarks/fuzz_random.py (seed 1789476834): a prompt of 4-byte
+# characters and a hot, repetition-loving sampler make the model emit byte
+# tokens that never complete a UTF-8 character. llama-cpp-python skips its
+# length check for every one of them and runs off the KV cache however large
+# the margin; the answer must still end with "length", not a 502.
+FUZZ_PROMPT = "Ø\U000fcc6d\U00076d57\U000cb5ce¹\x87ÀÖ<(\x00\U0009f0cdè\U000bab17"
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_output_that_never_completes_a_character_still_ends_with_length(small, attempt):
+    response = small.http.post("/v1/completions", json={
+        "prompt": FUZZ_PROMPT, "max_completion_tokens": 125, "n": 1,
+        "frequency_penalty": -1.8284665879213904, "temperature": 1.5252574763214284})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")

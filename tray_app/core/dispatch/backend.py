@@ -158,6 +158,7 @@ class Backend:
             await self._wait_ready(job)
         attempt = Attempt(self.path, self._clock(), worker_exits=worker.exits)
         job.attempts.append(attempt)
+        log_mark = worker.log_lines
         body = _worker_body(job)
         first_timeout = self._deadlines.first_token_s(job)
         token_timeout = self._deadlines.between_tokens_s
@@ -241,8 +242,15 @@ class Backend:
             if exited is not None or worker.state is not WorkerState.READY:
                 raise WorkerFailure("the worker's stream ended without [DONE] and the worker is gone",
                                     process_may_have_died=True)
-            raise WorkerRequestError("the model server ended the answer early without saying why; "
-                                     f"see {worker.log_path}")
+            if not _context_was_full(worker.log_since(log_mark)):
+                raise WorkerRequestError("the model server ended the answer early without saying why; "
+                                         f"see {worker.log_path}")
+            # llama-cpp-python's server ran off the end of its KV cache: it
+            # skips its own length check while the output is an incomplete
+            # UTF-8 sequence, which random bytes can keep up to the last cell.
+            # The answer reached the end of the context: it ends the way
+            # OpenAI ends such an answer, with finish_reason "length".
+            sink.emit(_length_event(job, self.fingerprint, worker.spec.model_name))
         attempt.outcome = "completed"
         first = attempt.first_token_at or attempt.ended_at
         self.speed.observe(attempt.tokens, attempt.ended_at - first, job.prompt_tokens, first - attempt.started_at)
@@ -297,6 +305,24 @@ async def _upstream_error(response: httpx.Response) -> None:
     if 400 <= response.status_code < 500:
         raise JobFailed(response.status_code, "invalid_request", f"the model server rejected the request: {message}")
     _raise_upstream_failure(f"the worker answered HTTP {response.status_code}: {message or 'no detail'}")
+
+
+# What llama.cpp logs when a decode finds no free KV cell: the context is full.
+_CONTEXT_FULL_MARKS = ("llama_decode returned 1", "failed to find a memory slot", "failed to find free space in the KV")
+
+
+def _context_was_full(log_lines: list[str]) -> bool:
+    return any(mark in line for line in log_lines for mark in _CONTEXT_FULL_MARKS)
+
+
+def _length_event(job: Job, fingerprint: str, model: str) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+    if job.kind.value == "chat":
+        choice["delta"] = {}
+    else:
+        choice["text"] = ""
+    return {"id": response_id(job), "object": "chat.completion.chunk" if job.kind.value == "chat" else "text_completion",
+            "created": int(time.time()), "model": model, "system_fingerprint": fingerprint, "choices": [choice]}
 
 
 def _raise_upstream_failure(message: str) -> None:

@@ -149,6 +149,7 @@ class Worker:
         self._command: asyncio.Queue[tuple[_Command, str]] = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self._log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self._log_lines = 0
         self._file_log = self._make_file_logger(log_dir)
         self.last_exit: ExitReport | None = None
         # How many processes have exited so far: a request notes it when it
@@ -217,6 +218,16 @@ class Worker:
 
     def log_tail(self, lines: int = 50) -> list[str]:
         return list(self._log_tail)[-lines:]
+
+    @property
+    def log_lines(self) -> int:
+        """How many lines the worker has written so far (a mark for log_since)."""
+        return self._log_lines
+
+    def log_since(self, mark: int) -> list[str]:
+        """The lines written after `mark` (as many as the tail still holds)."""
+        count = min(self._log_lines - mark, len(self._log_tail))
+        return list(self._log_tail)[-count:] if count > 0 else []
 
     def snapshot(self) -> dict:
         return {
@@ -509,6 +520,7 @@ class Worker:
                 return
             text = line.decode("utf-8", "replace").rstrip("\n")
             self._log_tail.append(text)
+            self._log_lines += 1
             self._file_log.info("%s", text)
 
     async def _sleep_unless_stopped(self, delay: float) -> bool:
