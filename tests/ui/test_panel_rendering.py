@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import copy
 
+from PySide6.QtCore import Qt
+
 from tray_app.ui import viewmodel as vm
 from tray_app.ui.client import ServiceClient
 from tray_app.ui.panel import HeadroomPanel
 
-from .test_viewmodel import READY
+from .test_viewmodel import READY, paused
 
 
 def two_gpus_one_worker_down() -> dict:
@@ -62,3 +64,86 @@ def test_panel_follows_devices_and_workers_coming_and_going(qtbot) -> None:
     assert not any(cell.isVisible() for cell in panel.worker_cells[1])
     assert panel.banner.values["reason"].text() == "No usable GPU: NVML: driver not loaded; serving CPU-only"
     assert not panel.grab().isNull()
+
+
+def degraded_with_cpu_requests(count: int) -> dict:
+    status = paused()
+    status["requests"] = [
+        {"id": f"queued-{n}", "state": "queued", "path": "cpu", "reason": "forced_cpu", "queue_position": n,
+         "age_s": 1.0, "estimated_latency_s": 20.0} for n in range(1, count + 1)]
+    status["degraded"]["cpu_queue_depth"] = count
+    return status
+
+
+def fed_panel(qtbot, status: dict) -> HeadroomPanel:
+    client = ServiceClient("http://127.0.0.1:9")  # never started: the test feeds snapshots
+    panel = HeadroomPanel(client, vm.History(), floor_mib=1024)
+    qtbot.addWidget(panel)
+    panel.show()
+    client.last_status = status
+    panel.refresh()
+    return panel
+
+
+def test_a_full_cpu_queue_lists_three_rows_then_a_count_and_fits_the_screen(qtbot) -> None:
+    panel = fed_panel(qtbot, degraded_with_cpu_requests(8))
+    banner = panel.banner
+    assert [banner.cancel_button(f"queued-{n}") is not None for n in range(1, 9)] == [True] * 3 + [False] * 5
+    assert banner.more_label.isVisible() and banner.more_label.text() == "5 more requests on the CPU, not listed"
+    eight_high = panel.body.sizeHint().height()
+    panel.client.last_status = degraded_with_cpu_requests(3)
+    panel.refresh()
+    # Five more requests cost one line, not five.
+    assert eight_high - panel.body.sizeHint().height() <= 2 * banner.more_label.sizeHint().height()
+    # The window never asks for more than the screen has; the rest scrolls.
+    assert panel.sizeHint().height() <= panel.screen().availableGeometry().height()
+    assert panel.minimumSizeHint().height() <= 768
+
+
+def test_a_long_model_name_is_elided_in_the_middle_with_the_whole_name_in_a_tooltip(qtbot) -> None:
+    status = paused()
+    name = "Meta-Llama-3.1-70B-Instruct-abliterated-" + "x" * 200 + "-Q4_K_M.gguf"
+    status["degraded"]["fallback_model"] = name
+    panel = fed_panel(qtbot, status)
+    label = panel.banner.values["model"]
+    qtbot.waitUntil(lambda: "…" in label.text())
+    assert label.text().startswith("Meta-Llama") and label.text().endswith("Q4_K_M.gguf")
+    assert label.toolTip() == name
+    assert panel.width() < 1000 and panel.sizeHint().width() < 1000
+
+
+def test_the_reserve_legend_says_the_configured_reserve_when_free_vram_is_short(qtbot) -> None:
+    status = copy.deepcopy(READY)
+    status["gpu"].update(free_mib=315.1, used_mib=1732.9)
+    status["gpu"]["devices"][0].update(free_mib=315.1, used_mib=1732.9)
+    panel = fed_panel(qtbot, status)
+    (block,) = panel.vram_blocks
+    legend = block.legend.text()
+    assert "reserve&nbsp;<b>512 MiB</b>" in legend and "315 MiB" not in legend
+    assert "512 MiB reserve" in block.warning.text()
+
+
+def test_a_gpu_reporting_zero_total_shows_unknown_without_a_warning(qtbot) -> None:
+    status = copy.deepcopy(READY)
+    status["gpu"].update(simulated=False, total_mib=0.0, free_mib=0.0, used_mib=0.0)
+    status["gpu"]["devices"][0].update(total_mib=0.0, free_mib=0.0, used_mib=0.0)
+    panel = fed_panel(qtbot, status)
+    (block,) = panel.vram_blocks
+    assert block.badge.text() == "UNKNOWN" and not block.warning.isVisible()
+    assert "0 MiB free of 0 MiB" not in block.caption.text()
+
+
+def test_a_failed_cancel_stays_in_the_footer_for_a_few_seconds(qtbot, monkeypatch) -> None:
+    panel = fed_panel(qtbot, degraded_with_cpu_requests(1))
+    monkeypatch.setattr(panel.client, "cancel", lambda request_id, callback: callback(
+        False, 404, None, f"no queued or running request has id '{request_id}'"))
+    qtbot.mouseClick(panel.banner.cancel_button("queued-1"), Qt.MouseButton.LeftButton)
+    failed = "Cancel failed: no queued or running request has id 'queued-1'"
+    assert panel.footer.text() == failed
+    assert panel.banner.cancel_button("queued-1").text() == "Cancel"  # the button is back
+    panel.refresh()  # the next poll
+    assert panel.footer.text() == failed
+    # Some seconds later the footer is the poll's again.
+    monkeypatch.setattr(panel.footer_note, "_clock", lambda: float("inf"))
+    panel.refresh()
+    assert panel.footer.text().startswith("SmolLM2 · ")

@@ -114,6 +114,33 @@ def test_vram_bar_shows_a_reserve_shortfall() -> None:
     assert "197 MiB below the 512 MiB reserve" in bar.warning
 
 
+def test_a_reserve_shortfall_still_names_the_configured_reserve() -> None:
+    data = status(gpu__free_mib=315.1, gpu__used_mib=1732.9)
+    data["gpu"]["devices"][0].update(free_mib=315.1, used_mib=1732.9)
+    (bar,) = vm.vram_bars(data)
+    (reserve,) = [s for s in bar.segments if s.key == "reserve"]
+    assert reserve.figure == data["gpu"]["reserve_mib"] == 512  # what the legend says
+    assert round(reserve.mib, 1) == 315.1                        # how much of the bar it takes
+    text = vm.tooltip_text(data)
+    assert "VRAM (simulated): 0 MiB headroom (197 MiB short of the reserve)" in text
+    assert "-197" not in text
+
+
+def test_ram_headroom_is_never_negative_in_the_tooltip() -> None:
+    data = status(ram__available_mib=800.0)
+    assert "RAM: 0 MiB headroom (224 MiB short of the floor)" in vm.tooltip_text(data, floor_mib=1024)
+
+
+def test_a_gpu_reporting_zero_total_is_unknown_not_full() -> None:
+    data = status(gpu__total_mib=0.0, gpu__free_mib=0.0, gpu__used_mib=0.0)
+    data["gpu"]["devices"][0].update(total_mib=0.0, free_mib=0.0, used_mib=0.0)
+    (bar,) = vm.vram_bars(data)
+    assert bar.segments == () and not bar.warning
+    assert bar.caption == "free VRAM unknown" and "0 MiB" not in bar.caption
+    assert "VRAM (simulated): unknown" in vm.tooltip_text(data)
+    assert vm.History().add(data, now=0).vram_total_mib is None
+
+
 def test_vram_bar_without_a_gpu() -> None:
     (bar,) = vm.vram_bars(status(gpu__available=False, gpu__reason="NVML not found"))
     assert bar.segments == () and "NVML not found" in bar.caption
@@ -146,7 +173,7 @@ def test_ram_floor_prefers_the_service_value() -> None:
 
 def test_tooltip_gives_headroom_numbers() -> None:
     text = vm.tooltip_text(READY, floor_mib=1024)
-    assert text.splitlines()[0] == "tray-app: serving on the gpu"
+    assert text.splitlines()[0] == "tray-app: serving on the GPU"
     assert "VRAM (simulated): 703 MiB headroom (1,215 MiB free of 2,048 MiB, 512 MiB reserved)" in text
     assert "RAM: 20.5 GiB headroom (21.5 GiB available of 23.5 GiB, 1,024 MiB floor)" in text
     degraded = vm.tooltip_text(paused(), floor_mib=1024)
@@ -178,9 +205,9 @@ def test_panel_banner_lists_cpu_requests_queued_first() -> None:
     assert banner.reason == "The GPU path is paused (force CPU)"
     assert banner.model == "SmolLM2"
     assert banner.limits == "context up to 2,048 tokens · 1 waiting (limit 8)"
-    assert banner.latency == "about 26 s per answer"
+    assert banner.latency == "a new request would wait about 26 s"
     assert [r.id for r in banner.requests] == ["short", "long"]
-    assert banner.requests[0].text == "short · 1st in the CPU queue · est. 32 s · 1.0 s old"
+    assert banner.requests[0].text == "short · 1st in the CPU queue · about 31 s left · 1.0 s old"
     assert banner.requests[1].text.startswith("long · running on the CPU")
 
 
@@ -194,9 +221,9 @@ def test_chat_banner_is_about_its_own_request() -> None:
     banner = vm.degraded_banner(data, own_request_id="mine")
     assert banner is not None
     assert [r.id for r in banner.requests] == ["mine"]
-    assert banner.requests[0].text == "Your request · 2nd in the CPU queue · est. 13 s"
+    assert banner.requests[0].text == "Your request · 2nd in the CPU queue · about 13 s left"
     assert "you are 2nd in the queue" in banner.limits
-    assert banner.latency == "about 13 s per answer"
+    assert banner.latency == "a new request would wait about 26 s"
 
 
 def test_chat_banner_shows_for_a_cpu_answer_outside_degraded_mode() -> None:
@@ -206,6 +233,42 @@ def test_chat_banner_shows_for_a_cpu_answer_outside_degraded_mode() -> None:
     banner = vm.degraded_banner(data, own_request_id="mine")
     assert banner is not None and banner.reason.startswith("Over the GPU context cap")
     assert vm.degraded_banner(data) is None  # the panel only shows degraded mode
+
+
+def test_idle_chat_banner_lists_no_other_clients_requests() -> None:
+    data = paused()
+    data["requests"] = [{"id": "other", "state": "running", "path": "cpu", "reason": "forced_cpu",
+                         "age_s": 2.0, "estimated_latency_s": 30.0}]
+    idle_chat = vm.degraded_banner(data, own_request_id=None, only_own=True)
+    assert idle_chat is not None and idle_chat.requests == () and idle_chat.more == 0
+    just_sent = vm.degraded_banner(data, own_request_id="mine-not-in-status-yet", only_own=True)
+    assert just_sent is not None and just_sent.requests == ()
+    assert [r.id for r in vm.degraded_banner(data).requests] == ["other"]  # the panel lists them all
+
+
+def test_rows_say_time_left_or_overdue_from_the_latest_poll() -> None:
+    request = {"id": "r", "state": "running", "path": "cpu", "estimated_latency_s": 30.0, "age_s": 8.0}
+    assert vm.time_left_text(request) == "about 22 s left"
+    assert vm.time_left_text({**request, "age_s": 29.8}) == "due now"
+    assert vm.time_left_text({**request, "age_s": 42.0}) == "overdue by 12 s"
+    assert vm.time_left_text({**request, "estimated_latency_s": None}) == ""
+    data = paused()
+    data["requests"] = [request]
+    first = vm.degraded_banner(data).requests[0].text
+    data["requests"] = [{**request, "age_s": 42.0}]
+    later = vm.degraded_banner(data).requests[0].text
+    assert "about 22 s left" in first and "overdue by 12 s" in later
+
+
+def test_banner_lists_three_requests_then_a_count() -> None:
+    data = paused()
+    data["requests"] = [{"id": f"q{n}", "state": "queued", "path": "cpu", "reason": "forced_cpu",
+                         "queue_position": n, "age_s": 1.0, "estimated_latency_s": 20.0} for n in range(1, 9)]
+    banner = vm.degraded_banner(data)
+    assert [r.id for r in banner.requests] == ["q1", "q2", "q3"]
+    assert banner.more == 5
+    data["requests"] = data["requests"][:3]
+    assert vm.degraded_banner(data).more == 0
 
 
 def test_banner_warns_about_a_different_fallback_model() -> None:
@@ -222,11 +285,13 @@ def test_humanize_reason() -> None:
 
 # ----- chat helpers ---------------------------------------------------------------------------
 
-def test_route_line() -> None:
+def test_route_line_says_reasons_in_words() -> None:
     assert vm.route_line("gpu", "admitted") == "served by GPU · admitted"
-    assert vm.route_line("cpu", "gpu_vram_headroom", "3.21") == "served by CPU · gpu_vram_headroom · est. 3.2 s"
-    assert vm.route_line("cpu", "forced_cpu", "unknown", "Small", took_s=4.0) == \
-        "served by CPU · forced_cpu · Small · took 4.0 s"
+    assert vm.route_line("cpu", "gpu_vram_headroom", progress="about 3.2 s left") == \
+        "served by CPU · not enough VRAM headroom · about 3.2 s left"
+    assert vm.route_line("cpu", "forced_cpu", "Small", took_s=4.0) == \
+        "served by CPU · GPU paused (force CPU) · Small · took 4.0 s"
+    assert vm.route_line("cpu", "some_new_reason") == "served by CPU · some new reason"
 
 
 def test_sse_parser_handles_split_chunks_and_done() -> None:
@@ -258,16 +323,64 @@ def test_history_keeps_the_window() -> None:
 
 
 def test_notifier_says_when_degraded_mode_starts_and_ends_once() -> None:
-    notifier = vm.DegradedNotifier()
-    assert notifier.update(None, host_starting=True) is None
-    assert notifier.update(READY) is None
-    start = notifier.update(paused())
+    notifier = vm.DegradedNotifier(settle_s=5, quiet_s=60)
+    assert notifier.update(None, host_starting=True, now=0) is None
+    assert notifier.update(READY, now=1) is None
+    assert notifier.update(paused(), now=2) is None  # not yet: it may be a blip
+    start = notifier.update(paused(), now=7)
     assert start is not None and start.kind == "degraded_start"
     assert "The GPU path is paused (force CPU)." in start.message and "SmolLM2" in start.message
-    assert notifier.update(paused()) is None
-    end = notifier.update(READY)
+    assert "a new request would wait about 26 s" in start.message
+    assert notifier.update(paused(), now=8) is None
+    end = notifier.update(READY, now=9)
     assert end is not None and end.kind == "degraded_end"
-    assert notifier.update(READY) is None
+    assert notifier.update(READY, now=10) is None
+
+
+def test_notifier_ignores_blips_and_stays_quiet_for_a_minute() -> None:
+    notifier = vm.DegradedNotifier(settle_s=5, quiet_s=60)
+    notices = []
+    for t in range(0, 20, 2):  # degraded for 1 s out of every 2: never settles
+        notices.append(notifier.update(paused(), now=t))
+        notices.append(notifier.update(READY, now=t + 1))
+    assert [n for n in notices if n] == []
+    assert notifier.update(paused(), now=100) is None
+    assert notifier.update(paused(), now=105).kind == "degraded_start"
+    assert notifier.update(READY, now=106).kind == "degraded_end"
+    # Back within the minute: no second pair of notices, however long it lasts.
+    assert all(notifier.update(paused(), now=t) is None for t in range(107, 165))
+    assert notifier.update(paused(), now=166).kind == "degraded_start"
+
+
+def busy_overflow() -> dict:
+    data = status()
+    data["degraded"].update(active=True, reason="gpu_busy: the GPU queue is full", since=1.0)
+    data["requests"] = [{"id": "overflow", "state": "running", "path": "cpu", "reason": "gpu_busy",
+                         "detail": "the GPU queue is full", "age_s": 1.0, "estimated_latency_s": 9.0}]
+    return data
+
+
+def test_a_busy_gpu_overflowing_to_the_cpu_is_not_announced_as_degraded() -> None:
+    notifier = vm.DegradedNotifier(settle_s=5, quiet_s=60)
+    assert vm.is_busy_overflow(busy_overflow()) and not vm.is_busy_overflow(paused())
+    assert all(notifier.update(busy_overflow(), now=t) is None for t in range(30))
+    assert notifier.update(READY, now=31) is None
+    assert vm.state_detail(busy_overflow()) == "The GPU is busy; the CPU takes the overflow."
+    assert vm.state_title(busy_overflow()) == vm.degraded_banner(busy_overflow()).title == vm.BUSY_TITLE
+    tooltip = vm.tooltip_text(busy_overflow())
+    assert tooltip.splitlines()[0] == "tray-app: busy: the CPU takes the GPU's overflow"
+    assert "Why: GPU busy: the GPU queue is full" in tooltip  # in words, not gpu_busy
+
+
+def test_timed_note_holds_for_a_few_seconds() -> None:
+    now = [100.0]
+    note = vm.TimedNote(hold_s=6, clock=lambda: now[0])
+    assert note.text() == ""
+    note.show("Cancel failed: gone")
+    now[0] += 5.9
+    assert note.text() == "Cancel failed: gone"
+    now[0] += 0.2
+    assert note.text() == ""
 
 
 # ----- settings -------------------------------------------------------------------------------

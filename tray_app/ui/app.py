@@ -72,6 +72,8 @@ class TrayController(QObject):
             self.tray = QSystemTrayIcon(state_icon(vm.STARTING), self)
             self.tray.setContextMenu(self.menu)
             self.tray.activated.connect(self._on_activated)
+            # A notification is about the service's state: clicking it shows the details.
+            self.tray.messageClicked.connect(self.show_panel)
             self.tray.setToolTip("tray-app: starting")
 
         client.status_changed.connect(self._on_status)
@@ -318,6 +320,9 @@ class TrayController(QObject):
         self.history.add(status)
         kind = vm.icon_kind(status)
         self._apply_state(kind, vm.tooltip_text(status, floor_mib=self.config.cpu.ram_floor_mib))
+        title = vm.state_title(status)  # a busy GPU's overflow is not called degraded
+        if self.state_action.text() != title:
+            self.state_action.setText(title)
         paused = bool((status.get("service") or {}).get("gpu_paused"))
         if self.force_cpu_action.isChecked() != paused:
             self.force_cpu_action.blockSignals(True)

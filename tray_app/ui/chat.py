@@ -228,7 +228,7 @@ class ChatWindow(QWidget):
         root.setSpacing(8)
         self.banner = DegradedBanner()
         self.banner.show_empty_note = False
-        self.banner.cancel_requested.connect(lambda _id: self.stop())
+        self.banner.cancel_requested.connect(self.cancel_request)
         root.addWidget(self.banner)
 
         self.transcript = QTextBrowser()
@@ -293,6 +293,7 @@ class ChatWindow(QWidget):
         stream.finished.connect(self._on_finished)
         stream.failed.connect(self._on_failed)
         stream.start()
+        self._update_banner(self.client.last_status)
         self.stop_button.setEnabled(True)
         self.send_button.setEnabled(False)
         self._set_state("Sent; waiting for the first token…")
@@ -303,6 +304,19 @@ class ChatWindow(QWidget):
         if self.stream is not None:
             self._set_state("Stopping…")
             self.stream.stop()
+
+    def cancel_request(self, request_id: str) -> None:
+        """A banner row's Cancel: exactly the request of that row."""
+        if request_id == self.request_id:
+            self.stop()
+            return
+
+        def done(ok: bool, code: int, data: Any, message: str) -> None:
+            if not ok:
+                self.banner.cancel_failed(request_id)
+                self._set_state(f"Cancel failed: {message}")
+
+        self.client.cancel(request_id, done)
 
     def clear(self) -> None:
         if self.busy:
@@ -321,15 +335,20 @@ class ChatWindow(QWidget):
 
     def _on_routed(self, route: dict) -> None:
         answer = self._answer
-        answer.meta = vm.route_line(route.get("served_by"), route.get("reason"), route.get("estimated_latency"),
-                                    route.get("fallback_model"))
         answer.route = route
+        answer.meta = self._route_line(answer)
         self._set_state(f"Generating on the {str(route.get('served_by') or '?').upper()}…")
         self._schedule_render()
 
     def _on_delta(self, text: str) -> None:
         self._answer.text += text
         self._schedule_render()
+
+    @staticmethod
+    def _route_line(answer: Turn, progress: str = "", took_s: float | None = None) -> str:
+        route = answer.route
+        return vm.route_line(route.get("served_by"), route.get("reason"), route.get("fallback_model"),
+                             progress=progress, took_s=took_s)
 
     def _took(self, answer: Turn) -> float:
         return time.monotonic() - answer.started
@@ -338,10 +357,8 @@ class ChatWindow(QWidget):
         stream, answer = self.stream, self._answer
         if stream is None:
             return
-        route = answer.route
         answer.pending = False
-        answer.meta = vm.route_line(route.get("served_by"), route.get("reason"), route.get("estimated_latency"),
-                                    route.get("fallback_model"), self._took(answer))
+        answer.meta = self._route_line(answer, took_s=self._took(answer))
         if reason == "length":
             answer.meta += " · stopped at max_tokens"
         self.history.append({"role": "assistant", "content": answer.text})
@@ -355,8 +372,7 @@ class ChatWindow(QWidget):
         answer.pending = False
         stopped = code == "request_canceled" or stream.stopping
         if route:
-            answer.meta = vm.route_line(route.get("served_by"), route.get("reason"), route.get("estimated_latency"),
-                                        route.get("fallback_model"), self._took(answer))
+            answer.meta = self._route_line(answer, took_s=self._took(answer))
         else:
             answer.meta = ""
         if stopped:
@@ -386,14 +402,24 @@ class ChatWindow(QWidget):
 
     def _on_status(self, status: dict) -> None:
         self._update_banner(status)
-        if self.stream is not None and not self.stream.status_code:
-            own = next((r for r in status.get("requests") or () if r.get("id") == self.stream.request_id), None)
+        if self.stream is None:
+            return
+        own = next((r for r in status.get("requests") or () if r.get("id") == self.stream.request_id), None)
+        answer = self._answer
+        if own is not None and answer.pending and answer.route:
+            # The estimate was made at admission; what is left of it changes every poll.
+            meta = self._route_line(answer, progress=vm.time_left_text(own))
+            if meta != answer.meta:
+                answer.meta = meta
+                self._schedule_render()
+        if not self.stream.status_code:
             if own is not None and own.get("state") == "queued":
                 lane = str(own.get("path") or "").upper()
                 self._set_state(f"Waiting in the {lane} queue, {vm._ordinal(own.get('queue_position') or 1)} in line…")
 
     def _update_banner(self, status: dict | None) -> None:
-        self.banner.set_banner(vm.degraded_banner(status, own_request_id=self.request_id) if status else None)
+        self.banner.set_banner(vm.degraded_banner(status, own_request_id=self.request_id, only_own=True)
+                               if status else None)
 
     # ----- rendering ---------------------------------------------------------------------
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QAction, QCloseEvent
 from PySide6.QtWidgets import (
-    QGridLayout, QGroupBox, QHBoxLayout, QLabel, QSizePolicy, QToolButton, QVBoxLayout, QWidget,
+    QFrame, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QLayout, QScrollArea, QSizePolicy, QToolButton, QVBoxLayout,
+    QWidget,
 )
 
 from . import viewmodel as vm
@@ -35,7 +36,21 @@ class HeadroomPanel(QWidget):
         self.setWindowIcon(state_icon(vm.GPU))
         self.setMinimumWidth(720)
 
-        root = QVBoxLayout(self)
+        # The content scrolls when it is taller than the screen (a 768-pixel
+        # laptop in degraded mode), instead of running off its bottom edge.
+        self.body = QWidget()
+        self.scroll = QScrollArea()
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.scroll.setWidget(self.body)
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        outer.addWidget(self.scroll)
+        root = QVBoxLayout(self.body)
+        # Never squeeze the content to fit the viewport (wrapped labels would
+        # overlap and buttons get clipped): it keeps its natural height and scrolls.
+        root.setSizeConstraint(QLayout.SizeConstraint.SetMinimumSize)
         root.setContentsMargins(14, 12, 14, 12)
         root.setSpacing(10)
 
@@ -103,10 +118,24 @@ class HeadroomPanel(QWidget):
         client.unreachable.connect(self._on_unreachable)
         self._last_status: Mapping[str, Any] | None = None
         self._last_error: str | None = None
+        # An error in the footer outlasts the polls that would overwrite it.
+        self.footer_note = vm.TimedNote()
         self.host_starting = False
         self.refresh()
 
     # ----- public ------------------------------------------------------------------------
+
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt name
+        """The content's size, as tall as the screen allows (a scroll area
+        alone would ask for a small fixed size)."""
+        hint = self.body.sizeHint()
+        width = hint.width() + self.scroll.verticalScrollBar().sizeHint().width()
+        screen = self.screen()
+        if screen is None:
+            return QSize(width, hint.height())
+        # Leave room for the title bar and a panel or taskbar.
+        room = screen.availableGeometry().height() - 60
+        return QSize(width, min(hint.height(), room))
 
     def add_action_button(self, action: QAction) -> QToolButton:
         button = QToolButton()
@@ -154,7 +183,8 @@ class HeadroomPanel(QWidget):
         def done(ok: bool, code: int, data: Any, message: str) -> None:
             if not ok:
                 self.banner.cancel_failed(request_id)
-                set_text(self.footer, f"Cancel failed: {message}")
+                self.footer_note.show(f"Cancel failed: {message}")
+                set_text(self.footer, self.footer_note.text())
 
         self.client.cancel(request_id, done)
 
@@ -168,12 +198,12 @@ class HeadroomPanel(QWidget):
         kind = vm.STARTING if self.host_starting else vm.DOWN
         self.header.set_state(kind, message)
         self.banner.set_banner(None)
-        set_text(self.footer, self.client.base_url)
+        set_text(self.footer, self.footer_note.text() or self.client.base_url)
 
     def _render(self, status: Mapping[str, Any]) -> None:
         self._last_status = status
         kind = vm.icon_kind(status)
-        self.header.set_state(kind, vm.state_detail(status))
+        self.header.set_state(kind, vm.state_detail(status), vm.state_title(status))
         self.banner.set_banner(vm.degraded_banner(status))
         bars = vm.vram_bars(status)
         while len(self.vram_blocks) < len(bars):
@@ -194,7 +224,7 @@ class HeadroomPanel(QWidget):
         self.vram_chart.set_samples(samples)
         self.ram_chart.set_samples(samples)
         model = (status.get("service") or {}).get("model") or ""
-        set_text(self.footer, f"{model} · {self.client.api_url}")
+        set_text(self.footer, self.footer_note.text() or f"{model} · {self.client.api_url}")
 
     @staticmethod
     def _align(column: int) -> Qt.AlignmentFlag:

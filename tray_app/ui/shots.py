@@ -119,9 +119,11 @@ class ScreenshotTour(QObject):
     def fit(widget: QWidget, width: int = 740) -> None:
         """Width fixed, height just what the content needs (nothing cut off)."""
         widget.resize(width, 100)
-        layout = widget.layout()
+        # The panel scrolls its `body` when the screen is short; a screenshot shows all of it.
+        content = getattr(widget, "body", widget)
+        layout = content.layout()
         height = layout.totalHeightForWidth(width) if layout is not None and layout.hasHeightForWidth() else -1
-        widget.resize(width, max(height, widget.minimumSizeHint().height(), widget.sizeHint().height()))
+        widget.resize(width, max(height, content.minimumSizeHint().height(), content.sizeHint().height()))
 
     def grab_window(self, widget: QWidget, name: str) -> None:
         self.save(widget.grab(), name)
@@ -235,6 +237,8 @@ class ScreenshotTour(QObject):
         self.stream("Name three famous lighthouses.", 200)
         yield ("until", self.cpu_requests(queued=1, total=2), 60, "one running and one queued CPU request")
         yield ("until", self.kind_is(vm.DEGRADED), 30, "degraded mode")
+        # Degraded mode is announced only once it has lasted a few seconds.
+        yield ("until", lambda: any(n[0] == "degraded_start" for n in c.notices), 30, "the degraded-mode notification")
         yield ("sleep", 1.6)
         self.fit(panel)
         yield ("sleep", 0.3)

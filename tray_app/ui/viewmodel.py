@@ -25,6 +25,8 @@ STATE_TITLES = {
     DOWN: "Down",
 }
 
+BUSY_TITLE = "Busy: the CPU takes the GPU's overflow"
+
 _BUSY_STATES = ("starting", "stopping")
 
 
@@ -59,19 +61,45 @@ def icon_kind(status: Mapping[str, Any] | None, *, host_starting: bool = False) 
     return DEGRADED
 
 
+def state_title(status: Mapping[str, Any] | None, *, host_starting: bool = False) -> str:
+    """The state in a few words; a busy GPU's overflow is not called degraded."""
+    if is_busy_overflow(status):
+        return BUSY_TITLE
+    return STATE_TITLES[icon_kind(status, host_starting=host_starting)]
+
+
 def state_detail(status: Mapping[str, Any] | None, error: str | None = None) -> str:
     """One line under the state title: why the state is what it is."""
     if status is None:
         return error or "the service is not answering"
     kind = icon_kind(status)
+    if kind == DEGRADED and is_busy_overflow(status):
+        return "The GPU is busy; the CPU takes the overflow."
     if kind == DEGRADED:
         degraded = status.get("degraded") or {}
-        text = f"The CPU worker answers with {degraded.get('fallback_model') or 'the fallback model'}"
+        # The model is named in the banner below, where a long name is elided
+        # to fit; here it would widen the window.
+        text = "The CPU worker answers with the fallback model"
         since = _num(degraded.get("since"))
         if since:
             text += " since " + time.strftime("%H:%M:%S", time.localtime(since))
         return text + "; details below."
     return humanize_reason((status.get("service") or {}).get("health_reason") or "")
+
+
+def is_busy_overflow(status: Mapping[str, Any] | None) -> bool:
+    """Degraded only because a burst overflowed a busy GPU to the CPU.
+
+    The service counts a `gpu_busy` overflow as degraded mode, but the GPU
+    path is up and serving: it comes and goes with every burst, so it must not
+    be announced like an outage.
+    """
+    if not status:
+        return False
+    degraded = status.get("degraded") or {}
+    reason = str(degraded.get("reason") or "")
+    return (bool(degraded.get("active")) and reason.partition(":")[0] == "gpu_busy"
+            and (status.get("gpu") or {}).get("path_out_reason") is None)
 
 
 # ----- numbers ------------------------------------------------------------------------
@@ -111,7 +139,14 @@ def _num(value: Any) -> float | None:
 class Segment:
     key: str      # worker | used | reserve | short | free
     label: str
-    mib: float
+    mib: float    # how much of the bar it takes
+    # What the legend says, when that differs from the width: a reserve that
+    # free memory only partly covers is still the configured reserve.
+    figure_mib: float | None = None
+
+    @property
+    def figure(self) -> float:
+        return self.mib if self.figure_mib is None else self.figure_mib
 
 
 @dataclass(frozen=True)
@@ -126,6 +161,12 @@ class Bar:
 
 def _clamp(value: float) -> float:
     return max(0.0, value)
+
+
+def _known_total(value: Any) -> float | None:
+    """A device that reports 0 MiB in all has not been read, not filled up."""
+    total = _num(value)
+    return total if total is not None and total > 0 else None
 
 
 def vram_bars(status: Mapping[str, Any]) -> list[Bar]:
@@ -148,7 +189,7 @@ def vram_bars(status: Mapping[str, Any]) -> list[Bar]:
     }]
     bars = []
     for position, device in enumerate(devices):
-        total = _num(device.get("total_mib"))
+        total = _known_total(device.get("total_mib"))
         free = _num(device.get("free_mib"))
         used = _num(device.get("used_mib"))
         name = device.get("name") or f"GPU {device.get('index', position)}"
@@ -181,7 +222,8 @@ def _headroom_segments(worker_label: str, worker_mib: float, used: float, kept_l
     if free >= kept:
         return [*segments, Segment("reserve", kept_label, kept), Segment("free", "headroom", free - kept)], ""
     warning = f"{what} is {fmt_mib(kept - free)} below the {fmt_mib(kept)} {kept_label}"
-    return [*segments, Segment("reserve", kept_label, free), Segment("free", "headroom", 0.0)], warning
+    return [*segments, Segment("reserve", kept_label, free, figure_mib=kept),
+            Segment("free", "headroom", 0.0)], warning
 
 
 def ram_floor_mib(status: Mapping[str, Any], fallback: float | None = None) -> float | None:
@@ -213,22 +255,34 @@ def ram_bar(status: Mapping[str, Any], floor_mib: float | None = None) -> Bar:
     return Bar("RAM · host", total, tuple(segments), caption, warning=warning)
 
 
+def headroom_text(free: float, kept: float, kept_label: str) -> str:
+    """'703 MiB headroom', or '0 MiB headroom (197 MiB short of the reserve)':
+    headroom is never negative."""
+    if free >= kept:
+        return f"{fmt_mib(free - kept)} headroom"
+    return f"0 MiB headroom ({fmt_mib(kept - free)} short of the {kept_label})"
+
+
 # ----- tooltip ------------------------------------------------------------------------
 
 def tooltip_text(status: Mapping[str, Any] | None, *, error: str | None = None,
                  host_starting: bool = False, floor_mib: float | None = None) -> str:
     kind = icon_kind(status, host_starting=host_starting)
-    title = f"tray-app: {STATE_TITLES[kind].lower()}" if kind != DEGRADED else "tray-app: degraded, the CPU is serving"
+    state = state_title(status, host_starting=host_starting)
+    # Lower-case only the first letter: "GPU" and "CPU" stay capitals.
+    title = f"tray-app: {state[:1].lower()}{state[1:]}"
+    if kind == DEGRADED and not is_busy_overflow(status):
+        title = "tray-app: degraded, the CPU is serving"
     if status is None:
         return f"{title}\n{error or ('starting the service' if host_starting else 'the service is not answering')}"
     lines = [title]
     gpu = status.get("gpu") or {}
     if gpu.get("available"):
-        free, total = _num(gpu.get("free_mib")), _num(gpu.get("total_mib"))
+        free, total = _num(gpu.get("free_mib")), _known_total(gpu.get("total_mib"))
         reserve = _num(gpu.get("reserve_mib")) or 0.0
         sim = " (simulated)" if gpu.get("simulated") else ""
         if free is not None and total is not None:
-            lines.append(f"VRAM{sim}: {fmt_mib(free - reserve)} headroom "
+            lines.append(f"VRAM{sim}: {headroom_text(free, reserve, 'reserve')} "
                          f"({fmt_mib(free, total)} free of {fmt_mib(total)}, {fmt_mib(reserve)} reserved)")
         else:
             lines.append(f"VRAM{sim}: unknown")
@@ -239,20 +293,25 @@ def tooltip_text(status: Mapping[str, Any] | None, *, error: str | None = None,
     floor = ram_floor_mib(status, floor_mib)
     if available is not None and total is not None:
         if floor:
-            lines.append(f"RAM: {fmt_mib(available - floor)} headroom "
+            lines.append(f"RAM: {headroom_text(available, floor, 'floor')} "
                          f"({fmt_mib(available, total)} available of {fmt_mib(total)}, {fmt_mib(floor)} floor)")
         else:
             lines.append(f"RAM: {fmt_mib(available)} available of {fmt_mib(total)}")
     if kind == DEGRADED:
         reason = (status.get("degraded") or {}).get("reason")
         if reason:
-            lines.append(f"Why: {reason}")
+            lines.append(f"Why: {reason_in_words(reason)}")
     elif kind == DOWN:
         lines.append((status.get("service") or {}).get("health_reason") or "")
     return "\n".join(line for line in lines if line)
 
 
 # ----- degraded banner ----------------------------------------------------------------
+
+# More rows than this would push the panel off a 768-pixel-high screen when
+# the CPU queue is full; the rest are counted instead.
+MAX_BANNER_ROWS = 3
+
 
 @dataclass(frozen=True)
 class BannerRequest:
@@ -270,6 +329,21 @@ class Banner:
     latency: str
     requests: tuple[BannerRequest, ...] = ()
     warning: str = ""
+    more: int = 0   # requests not listed in `requests`
+
+
+def time_left_text(request: Mapping[str, Any]) -> str:
+    """'about 12 s left' or 'overdue by 4 s', from the admission estimate and
+    the request's age now; '' when the service gave no estimate."""
+    estimate, age = _num(request.get("estimated_latency_s")), _num(request.get("age_s"))
+    if estimate is None:
+        return ""
+    left = estimate - (age or 0.0)
+    if left >= 0.5:
+        return f"about {fmt_seconds(left)} left"
+    if left > -0.5:
+        return "due now"
+    return f"overdue by {fmt_seconds(-left)}"
 
 
 def request_line(request: Mapping[str, Any], *, own: bool = False) -> str:
@@ -281,10 +355,10 @@ def request_line(request: Mapping[str, Any], *, own: bool = False) -> str:
         where = f"running on the {str(request.get('path') or '?').upper()}"
     else:
         where = str(state or "?")
-    latency = _num(request.get("estimated_latency_s"))
     parts = ["Your request" if own else str(request.get("id")), where]
-    if latency is not None:
-        parts.append(f"est. {fmt_seconds(latency)}")
+    left = time_left_text(request)
+    if left:
+        parts.append(left)
     age = _num(request.get("age_s"))
     if age is not None and not own:
         parts.append(f"{fmt_seconds(age)} old")
@@ -303,22 +377,35 @@ def cpu_requests(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return sorted(found, key=lambda r: (r.get("state") != "queued", r.get("queue_position") or 0, -(r.get("age_s") or 0)))
 
 
-def humanize_reason(reason: str | None) -> str:
-    """'gpu_vram_headroom: needs 27 MiB ...' -> 'Not enough VRAM headroom: needs 27 MiB ...'."""
+def reason_in_words(reason: str | None) -> str:
+    """'gpu_vram_headroom: needs 27 MiB ...' -> 'not enough VRAM headroom: needs 27 MiB ...'."""
     if not reason:
         return ""
     code, sep, detail = reason.partition(": ")
     if sep and code in ROUTE_REASONS:
         reason = f"{ROUTE_REASONS[code]}: {detail}"
-    return reason[:1].upper() + reason[1:]
+    return reason
 
 
-def degraded_banner(status: Mapping[str, Any] | None, *, own_request_id: str | None = None) -> Banner | None:
+def humanize_reason(reason: str | None) -> str:
+    """reason_in_words, as a sentence."""
+    words = reason_in_words(reason)
+    return words[:1].upper() + words[1:]
+
+
+def new_request_wait_text(status: Mapping[str, Any]) -> str:
+    latency_s = _num((status.get("degraded") or {}).get("estimated_latency_s"))
+    return f"a new request would wait about {fmt_seconds(latency_s)}" if latency_s is not None else "unknown"
+
+
+def degraded_banner(status: Mapping[str, Any] | None, *, own_request_id: str | None = None,
+                    only_own: bool = False) -> Banner | None:
     """The banner's content, or None when there is nothing to warn about.
 
-    With `own_request_id` (the chat window) the banner is about that request
-    only, and also shows when the request was sent to the CPU outside
-    degraded mode; without it (the panel) it lists every CPU request.
+    `only_own` (the chat window): the rows are the chat's own request only,
+    none while it is idle, so no Cancel there can touch another client's
+    request; the banner also shows when that request was sent to the CPU
+    outside degraded mode. Otherwise (the panel) it lists every CPU request.
     """
     if status is None:
         return None
@@ -345,22 +432,21 @@ def degraded_banner(status: Mapping[str, Any] | None, *, own_request_id: str | N
         limits += f" · you are {_ordinal(own['queue_position'])} in the queue"
     else:
         limits += f" · {depth} waiting" + (f" (limit {limit})" if limit is not None else "")
-    latency_s = _num((own or {}).get("estimated_latency_s")) if own_on_cpu else None
-    if latency_s is None:
-        latency_s = _num(degraded.get("estimated_latency_s"))
-    latency = f"about {fmt_seconds(latency_s)} per answer" if latency_s is not None else "unknown"
-    if own_request_id is not None:
-        rows = (BannerRequest(own_request_id, request_line(own, own=True)),) if own is not None else ()
+    if only_own or own_request_id is not None:
+        listed = [own] if own is not None else []
     else:
-        rows = tuple(BannerRequest(str(r.get("id")), request_line(r)) for r in cpu_requests(status))
+        listed = cpu_requests(status)
+    rows = tuple(BannerRequest(str(r.get("id")), request_line(r, own=r is own)) for r in listed[:MAX_BANNER_ROWS])
     return Banner(
-        title="Degraded mode: the CPU is serving",
-        reason=humanize_reason(reason), model=model, limits=limits, latency=latency, requests=rows, warning=warning,
+        title=BUSY_TITLE if is_busy_overflow(status) else "Degraded mode: the CPU is serving",
+        reason=humanize_reason(reason), model=model, limits=limits, latency=new_request_wait_text(status),
+        requests=rows, warning=warning, more=max(0, len(listed) - MAX_BANNER_ROWS),
     )
 
 
 # ----- chat ---------------------------------------------------------------------------
 
+# The one table of route reasons (X-Route-Reason, /status requests, degraded reasons) in words.
 ROUTE_REASONS = {
     "admitted": "admitted",
     "forced_cpu": "GPU paused (force CPU)",
@@ -372,28 +458,30 @@ ROUTE_REASONS = {
 }
 
 
-def route_line(served_by: str | None, reason: str | None, estimated_latency: str | None = None,
-               fallback_model: str | None = None, took_s: float | None = None) -> str:
-    """'served by GPU · admitted' or 'served by CPU · gpu_vram_headroom · est. 3.2 s'."""
+def route_reason_text(code: str | None) -> str:
+    """A route reason code in words; an unknown code without its underscores."""
+    if not code:
+        return ""
+    return ROUTE_REASONS.get(code, code.replace("_", " "))
+
+
+def route_line(served_by: str | None, reason: str | None, fallback_model: str | None = None, *,
+               progress: str = "", took_s: float | None = None) -> str:
+    """'served by GPU · admitted' or 'served by CPU · GPU busy · Small · about 3.2 s left'.
+
+    `progress` is the live part (time left or overdue, from the latest poll);
+    the estimate in the response headers is fixed at admission, so it is not used.
+    """
     parts = [f"served by {(served_by or 'unknown').upper()}"]
     if reason:
-        parts.append(reason)
-    if served_by == "cpu":
-        if fallback_model:
-            parts.append(fallback_model)
-        est = _num(_float_or_none(estimated_latency))
-        if est is not None:
-            parts.append(f"est. {fmt_seconds(est)}")
+        parts.append(route_reason_text(reason))
+    if served_by == "cpu" and fallback_model:
+        parts.append(fallback_model)
+    if progress:
+        parts.append(progress)
     if took_s is not None:
         parts.append(f"took {fmt_seconds(took_s)}")
     return " · ".join(parts)
-
-
-def _float_or_none(text: str | None) -> float | None:
-    try:
-        return float(text) if text not in (None, "", "unknown") else None
-    except ValueError:
-        return None
 
 
 DONE = "[DONE]"
@@ -498,7 +586,7 @@ class History:
         sample = Sample(
             t=now,
             vram_free_mib=_num(gpu.get("free_mib")) if available else None,
-            vram_total_mib=_num(gpu.get("total_mib")) if available else None,
+            vram_total_mib=_known_total(gpu.get("total_mib")) if available else None,
             vram_reserve_mib=_num(gpu.get("reserve_mib")),
             ram_available_mib=_num(ram.get("available_mib")),
             ram_total_mib=_num(ram.get("total_mib")),
@@ -525,28 +613,68 @@ class Notice:
 
 
 class DegradedNotifier:
-    """Turns a stream of snapshots into 'degraded mode started/ended' notices."""
+    """Turns a stream of snapshots into 'degraded mode started/ended' notices.
 
-    def __init__(self) -> None:
+    Debounced: degraded mode is announced only once it has lasted
+    `settle_s`, and not again within `quiet_s` of the last announcement, so a
+    flapping path doesn't post pairs of notices. A busy GPU overflowing to the
+    CPU is not announced at all (see is_busy_overflow).
+    """
+
+    def __init__(self, settle_s: float = 5.0, quiet_s: float = 60.0, clock=time.monotonic) -> None:
+        self.settle_s = settle_s
+        self.quiet_s = quiet_s
+        self._clock = clock
         self.notified_start = False
-        self._last_reason: str | None = None
+        self._degraded_since: float | None = None
+        self._last_start_notice: float | None = None
 
-    def update(self, status: Mapping[str, Any] | None, host_starting: bool = False) -> Notice | None:
+    def update(self, status: Mapping[str, Any] | None, host_starting: bool = False,
+               now: float | None = None) -> Notice | None:
+        now = self._clock() if now is None else now
         kind = icon_kind(status, host_starting=host_starting)
-        if kind == DEGRADED and not self.notified_start:
+        degraded = kind == DEGRADED and not is_busy_overflow(status)
+        if not degraded:
+            self._degraded_since = None
+        elif self._degraded_since is None:
+            self._degraded_since = now
+        if degraded and not self.notified_start:
+            settled = now - self._degraded_since >= self.settle_s
+            quiet = self._last_start_notice is None or now - self._last_start_notice >= self.quiet_s
+            if not (settled and quiet):
+                return None
             self.notified_start = True
-            degraded = (status or {}).get("degraded") or {}
-            reason = humanize_reason(degraded.get("reason") or "the GPU path is out")
-            self._last_reason = reason
-            latency = _num(degraded.get("estimated_latency_s"))
-            message = f"{reason}.\nThe CPU serves {degraded.get('fallback_model')}"
+            self._last_start_notice = now
+            info = (status or {}).get("degraded") or {}
+            reason = humanize_reason(info.get("reason") or "the GPU path is out")
+            message = f"{reason}.\nThe CPU serves {info.get('fallback_model')}"
+            latency = _num(info.get("estimated_latency_s"))
             if latency is not None:
-                message += f", about {fmt_seconds(latency)} per answer"
+                message += f"; a new request would wait about {fmt_seconds(latency)}"
             return Notice("Degraded mode: the CPU is serving", message + ".", "degraded_start")
         if kind == GPU and self.notified_start:
             self.notified_start = False
             return Notice("Back on the GPU", "Degraded mode ended: the GPU path is serving again.", "degraded_end")
         return None
+
+
+class TimedNote:
+    """A message that stays for `hold_s` before what the polls say takes over
+    again, so an error isn't overwritten by the next poll a second later."""
+
+    def __init__(self, hold_s: float = 6.0, clock=time.monotonic) -> None:
+        self.hold_s = hold_s
+        self._clock = clock
+        self._text = ""
+        self._until = 0.0
+
+    def show(self, text: str) -> None:
+        self._text = text
+        self._until = self._clock() + self.hold_s
+
+    def text(self) -> str:
+        """The message while it holds, else ''."""
+        return self._text if self._text and self._clock() < self._until else ""
 
 
 # ----- settings -----------------------------------------------------------------------

@@ -33,6 +33,32 @@ def set_text(label: QLabel, text: str) -> None:
         label.setText(text)
 
 
+class ElidedLabel(QLabel):
+    """One line that elides in the middle to fit its width, with the whole
+    text in the tooltip: a long model name keeps its start and its
+    quantization suffix, and never widens the window."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.full_text = ""
+        # Ignored: the layout decides the width, the text does not.
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+
+    def set_full_text(self, text: str) -> None:
+        if text != self.full_text:
+            self.full_text = text
+            self.setToolTip(text)
+            self._elide()
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt name
+        super().resizeEvent(event)
+        self._elide()
+
+    def _elide(self) -> None:
+        elided = self.fontMetrics().elidedText(self.full_text, Qt.TextElideMode.ElideMiddle, max(self.width(), 40))
+        set_text(self, elided)
+
+
 class HeadroomBar(QWidget):
     """A horizontal bar in segments (used / reserve / free) with the numbers inside."""
 
@@ -76,7 +102,7 @@ class HeadroomBar(QWidget):
                 painter.fillRect(seg_rect, SEGMENT_COLORS.get(segment.key, QColor("#cccccc")))
                 if segment.key == "reserve":
                     painter.fillRect(seg_rect, QBrush(QColor(0, 0, 0, 45), Qt.BrushStyle.BDiagPattern))
-                text = vm.fmt_mib(segment.mib)
+                text = vm.fmt_mib(segment.figure)
                 if metrics.horizontalAdvance(text) + 10 < width:
                     painter.setPen(SEGMENT_TEXT.get(segment.key, QColor("#000000")))
                     painter.drawText(seg_rect, Qt.AlignmentFlag.AlignCenter, text)
@@ -97,7 +123,7 @@ def legend_html(bar: vm.Bar) -> str:
             continue
         color = SEGMENT_COLORS.get(segment.key, QColor("#cccccc")).darker(110 if segment.key != "free" else 125).name()
         parts.append(f'<span style="color:{color}; font-size:large">&#9632;</span>&nbsp;'
-                     f'{html.escape(segment.label)}&nbsp;<b>{html.escape(vm.fmt_mib(segment.mib))}</b>')
+                     f'{html.escape(segment.label)}&nbsp;<b>{html.escape(vm.fmt_mib(segment.figure))}</b>')
     return "&nbsp;&nbsp;&nbsp; ".join(parts)
 
 
@@ -306,8 +332,8 @@ class DegradedBanner(QFrame):
             name = QLabel(label)
             name.setProperty("role", "key")
             name.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
-            value = QLabel()
-            value.setWordWrap(True)
+            value = ElidedLabel() if key == "model" else QLabel()
+            value.setWordWrap(key != "model")
             value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
             grid.addWidget(name, row, 0)
             grid.addWidget(value, row, 1)
@@ -321,6 +347,10 @@ class DegradedBanner(QFrame):
         self.rows_box = QVBoxLayout()
         self.rows_box.setSpacing(4)
         layout.addLayout(self.rows_box)
+        self.more_label = QLabel()
+        self.more_label.setProperty("role", "key")
+        self.more_label.hide()
+        layout.addWidget(self.more_label)
         self.empty_label = QLabel("No requests are waiting for the CPU.")
         self.empty_label.setProperty("role", "key")
         layout.addWidget(self.empty_label)
@@ -338,7 +368,7 @@ class DegradedBanner(QFrame):
             return
         set_text(self.title, banner.title)
         set_text(self.values["reason"], banner.reason)
-        set_text(self.values["model"], banner.model)
+        self.values["model"].set_full_text(banner.model)
         set_text(self.values["limits"], banner.limits)
         set_text(self.values["latency"], banner.latency)
         set_text(self.warning, banner.warning)
@@ -355,6 +385,9 @@ class DegradedBanner(QFrame):
             if self.rows_box.indexOf(row) != position:
                 self.rows_box.removeWidget(row)
                 self.rows_box.insertWidget(position, row)
+        set_text(self.more_label, f"{banner.more} more" + (" request" if banner.more == 1 else " requests")
+                 + " on the CPU, not listed")
+        self.more_label.setVisible(banner.more > 0)
         self.empty_label.setVisible(self.show_empty_note and not banner.requests)
         self.setVisible(True)
 
@@ -420,10 +453,10 @@ class StateHeader(QWidget):
         layout.addLayout(text, 1)
         self.kind: str | None = None
 
-    def set_state(self, kind: str, detail: str) -> None:
+    def set_state(self, kind: str, detail: str, title: str | None = None) -> None:
         if kind != self.kind:
             self.kind = kind
             self.icon.setPixmap(state_icon(kind).pixmap(36, 36))
             self.title.setStyleSheet(f"color: {STATE_COLORS[kind]};")
-        set_text(self.title, vm.STATE_TITLES[kind])
+        set_text(self.title, title or vm.STATE_TITLES[kind])
         set_text(self.detail, detail)
