@@ -1,11 +1,13 @@
 """The chat window and the tray controller fed with snapshots, no service:
-which request a Cancel reaches, the live time left, notification clicks."""
+which request a Cancel reaches, the live time left, streaming in place,
+notification and tray clicks, asking before a restart stops requests."""
 
 from __future__ import annotations
 
 import socket
 
 import pytest
+from PySide6.QtWidgets import QApplication, QMessageBox, QSystemTrayIcon
 
 from tray_app.core.config import Config
 from tray_app.ui.app import TrayController
@@ -34,6 +36,47 @@ def chat(qtbot, dead_url, monkeypatch):
     window.canceled: list[str] = []
     monkeypatch.setattr(client, "cancel", lambda request_id, callback=None: window.canceled.append(request_id))
     return window
+
+
+class Asked(list):
+    """The questions QMessageBox.question was asked, and the answer it gives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = QMessageBox.StandardButton.No
+
+    def question(self, parent, title, text, *args):
+        self.append(text)
+        return self.answer
+
+
+@pytest.fixture
+def asked(monkeypatch) -> Asked:
+    asked = Asked()
+    monkeypatch.setattr(QMessageBox, "question", staticmethod(asked.question))
+    return asked
+
+
+@pytest.fixture
+def fed_controller(dead_url, monkeypatch):
+    client = ServiceClient(dead_url)  # never started: the test feeds snapshots
+    controller = TrayController(client, Config(), tray_available=True)
+    controller.exit_app = lambda: None
+    controller.restarts = []
+    monkeypatch.setattr(client, "restart_workers", lambda callback=None: controller.restarts.append(True))
+    yield controller
+    # Windows go before the controller whose actions and menus they show.
+    controller.tray.hide()
+    for window in (controller._panel, controller._chat):
+        if window is not None:
+            window.hide()
+            window.deleteLater()
+    QApplication.processEvents()
+
+
+def feed(controller: TrayController, status: dict) -> None:
+    controller.client.last_status = status
+    controller.client.status_changed.emit(status)
 
 
 def with_cpu_requests(*requests: dict) -> dict:
@@ -76,17 +119,10 @@ def test_the_answer_line_says_time_left_then_overdue_on_each_poll(qtbot, chat) -
         assert chat.banner.values["latency"].text() == "a new request would wait about 26 s"
 
 
-def test_clicking_a_notification_opens_the_panel(qtbot, dead_url) -> None:
-    controller = TrayController(ServiceClient(dead_url), Config(), tray_available=True)
-    controller.exit_app = lambda: None
-    try:
-        assert controller._panel is None or not controller._panel.isVisible()
-        controller.tray.messageClicked.emit()
-        panel = controller.panel()
-        qtbot.addWidget(panel)
-        assert panel.isVisible()
-    finally:
-        controller.tray.hide()
+def test_clicking_a_notification_opens_the_panel(qtbot, fed_controller) -> None:
+    assert fed_controller._panel is None or not fed_controller._panel.isVisible()
+    fed_controller.tray.messageClicked.emit()
+    assert fed_controller.panel().isVisible()
 
 
 def test_a_burst_overflowing_a_busy_gpu_posts_no_notices(qtbot, dead_url) -> None:
@@ -99,3 +135,120 @@ def test_a_burst_overflowing_a_busy_gpu_posts_no_notices(qtbot, dead_url) -> Non
         client.status_changed.emit(READY)
         assert controller.notices == []
         assert controller.state_action.text() == vm.STATE_TITLES[vm.GPU]
+
+
+# ----- confirmations before a restart stops requests, and the tray click -------------------
+
+def test_restart_with_requests_running_asks_and_no_keeps_them(qtbot, fed_controller, asked) -> None:
+    status = with_cpu_requests({"id": "a", "age_s": 2.0})
+    status["requests"].append({"id": "b", "state": "queued", "path": "cpu", "queue_position": 1})
+    feed(fed_controller, status)
+    fed_controller.restart_action.trigger()
+    assert asked == ["1 running and 1 queued requests are in the service. Restarting the workers now will stop "
+                     "them; the clients get an error. Continue?"]
+    assert fed_controller.restarts == []
+    asked.answer = QMessageBox.StandardButton.Yes
+    fed_controller.restart_action.trigger()
+    assert len(asked) == 2
+    assert fed_controller.restarts == [True]
+
+
+def test_restart_of_an_idle_service_does_not_ask(qtbot, fed_controller, asked) -> None:
+    feed(fed_controller, READY)
+    fed_controller.restart_action.trigger()
+    assert asked == []
+    assert fed_controller.restarts == [True]
+
+
+class FakeHost:
+    """Stands in for the in-process service host: records restarts."""
+
+    starting = False
+    error = None
+
+    def __init__(self) -> None:
+        self.restarts: list[Config] = []
+
+    def restart(self, config: Config) -> None:
+        self.restarts.append(config)
+
+
+def test_choosing_a_model_with_requests_running_asks_first(qtbot, fed_controller, asked, tmp_path) -> None:
+    from concurrent.futures import Future
+
+    from tray_app.core.config import bundled_model_path
+
+    fed_controller.config = Config(source=tmp_path / "config.toml")
+    fed_controller.host = host = FakeHost()
+    feed(fed_controller, with_cpu_requests({"id": "a", "age_s": 2.0}))
+    checked: Future = Future()
+    checked.set_result(None)  # the model file was read and is usable
+    model = str(bundled_model_path())
+
+    def model_checked() -> None:
+        fed_controller.model_check = check = object()
+        fed_controller._on_model_checked(check, model, checked)
+
+    model_checked()
+    assert asked == ["1 running request is in the service. Switching the model now will stop it; "
+                     "the clients get an error. Continue?"]
+    assert host.restarts == [] and not (tmp_path / "config.toml").exists()
+    asked.answer = QMessageBox.StandardButton.Yes
+    model_checked()
+    assert [config.model.path for config in host.restarts] == [model]
+
+
+def test_tray_click_raises_a_buried_panel_and_hides_only_an_active_one(qtbot, fed_controller, monkeypatch) -> None:
+    panel = fed_controller.panel()
+    fed_controller.show_panel()
+    raised: list[str] = []
+    monkeypatch.setattr(panel, "raise_", lambda: raised.append("raise"))
+    monkeypatch.setattr(panel, "activateWindow", lambda: raised.append("activate"))
+    # Visible but buried under another window: not the active one.
+    monkeypatch.setattr(panel, "isActiveWindow", lambda: False)
+    fed_controller.tray.activated.emit(QSystemTrayIcon.ActivationReason.Trigger)
+    assert panel.isVisible()
+    assert raised == ["raise", "activate"]
+    monkeypatch.setattr(panel, "isActiveWindow", lambda: True)
+    fed_controller.tray.activated.emit(QSystemTrayIcon.ActivationReason.Trigger)
+    assert not panel.isVisible()
+
+
+# ----- streaming appends in place ------------------------------------------------------------
+
+def test_streaming_appends_in_place_and_keeps_a_selection(qtbot, chat, monkeypatch) -> None:
+    from tray_app.ui.chat import ChatStream
+
+    monkeypatch.setattr(ChatStream, "start", lambda self: None)  # the test plays the service
+    route = {"served_by": "gpu", "reason": "gpu_ready", "fallback_model": None}
+    chat.send("first question")
+    chat._on_routed(route)
+    chat._on_delta("first answer")
+    chat._on_finished("stop")
+    chat.send("second question")
+    chat._on_routed(route)
+    chat._on_delta("Once")
+    qtbot.waitUntil(lambda: "Once" in chat.transcript.toPlainText())
+
+    document = chat.transcript.document()
+    chat.transcript.setTextCursor(document.find("first answer"))
+    set_html_calls: list[str] = []
+    real_set_html = chat.transcript.setHtml
+    monkeypatch.setattr(chat.transcript, "setHtml",
+                        lambda text: (set_html_calls.append(text), real_set_html(text))[-1])
+    for chunk in (" upon", " a time,\nthere", " was a sea."):
+        chat._on_delta(chunk)
+        qtbot.waitUntil(lambda: not chat._render_pending)
+    assert "Once upon a time,\u2028there was a sea.\u25ae" in document.toPlainText().replace("\n", "\u2028")
+    assert set_html_calls == []
+    appended_end = document.find("sea.")
+    assert appended_end.charFormat().foreground().color() != document.find("\u25ae").charFormat().foreground().color()
+    assert chat.transcript.textCursor().selectedText() == "first answer"
+
+    # What was appended reads the same as a full redraw would.
+    appended = document.toPlainText()
+    chat._render()
+    assert document.toPlainText() == appended
+    assert chat.transcript.textCursor().selectedText() == "first answer"
+    chat._on_finished("stop")
+    assert chat.transcript.toPlainText().count("Once upon a time,") == 1

@@ -425,3 +425,16 @@ def test_worker_rows() -> None:
     rows = vm.worker_rows(READY)
     assert [(r.role, r.state, r.rss, r.vram, r.ctx) for r in rows] == [
         ("GPU", "ready", "280 MiB", "833 MiB", "4,096"), ("CPU", "ready", "235 MiB", "-", "2,048")]
+
+
+# ----- asking before a restart stops requests -----------------------------------------------
+
+def test_interruption_warning_counts_what_a_restart_would_stop() -> None:
+    assert vm.interruption_warning(READY, "Restarting the workers") is None
+    assert vm.interruption_warning(None, "Restarting the workers") is None
+    one = status(requests=[{"id": "a", "state": "queued", "path": "cpu"}])
+    assert vm.interruption_warning(one, "Switching the model") == (
+        "1 queued request is in the service. Switching the model now will stop it; the clients get an error. "
+        "Continue?")
+    two = status(requests=[{"id": "a", "state": "running", "path": "gpu"}, {"id": "b", "state": "running"}])
+    assert vm.interruption_warning(two, "Restarting the workers").startswith("2 running requests are")

@@ -198,7 +198,19 @@ class TrayController(QObject):
         self.client.set_gpu_paused(checked)
 
     def restart_workers(self) -> None:
-        self.client.restart_workers()
+        if self._confirm_interruption("Restarting the workers"):
+            self.client.restart_workers()
+
+    def _confirm_interruption(self, action: str) -> bool:
+        """Ask before `action` stops requests the last /status showed; an idle
+        service needs no dialog."""
+        question = vm.interruption_warning(self.client.last_status, action)
+        if question is None:
+            return True
+        answer = QMessageBox.question(None, "tray-app: stop the running requests?", question,
+                                      QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
+                                      QMessageBox.StandardButton.No)
+        return answer == QMessageBox.StandardButton.Yes
 
     def choose_model(self) -> None:
         from ..core.memory.gguf_info import read_model_info
@@ -228,6 +240,10 @@ class TrayController(QObject):
             future.result()
         except ModelFileError as exc:
             QMessageBox.warning(None, "tray-app: not a usable model", str(exc))
+            return
+        # Asked only now, once the file is known to be usable: the restart is
+        # what stops requests, and only a hosted service is restarted here.
+        if self.host is not None and not self._confirm_interruption("Switching the model"):
             return
         try:
             new_config, where = save_changes(self.config, {"model": {"path": path}})
@@ -389,7 +405,9 @@ class TrayController(QObject):
     def _on_activated(self, reason: QSystemTrayIcon.ActivationReason) -> None:
         if reason in (QSystemTrayIcon.ActivationReason.Trigger, QSystemTrayIcon.ActivationReason.DoubleClick):
             panel = self.panel()
-            if panel.isVisible() and reason == QSystemTrayIcon.ActivationReason.Trigger:
+            # A click toggles only a panel the user is looking at; one buried
+            # under other windows is brought up instead of hidden.
+            if panel.isVisible() and panel.isActiveWindow() and reason == QSystemTrayIcon.ActivationReason.Trigger:
                 panel.hide()
             else:
                 self.show_panel()

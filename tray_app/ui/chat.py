@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from PySide6.QtCore import QByteArray, QEvent, QObject, Qt, QTimer, Signal
-from PySide6.QtGui import QCloseEvent, QKeyEvent, QTextCursor
+from PySide6.QtGui import QCloseEvent, QKeyEvent, QTextCursor, QTextDocument
 from PySide6.QtNetwork import QNetworkReply, QNetworkRequest
 from PySide6.QtWidgets import (
     QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QTextBrowser, QVBoxLayout, QWidget,
@@ -219,6 +219,13 @@ class ChatWindow(QWidget):
         self.stream: ChatStream | None = None
         self._answer = Turn("assistant")
         self._render_pending = False
+        # Streaming appends to the document in place (a transcript-wide setHtml
+        # per chunk grows with the conversation and drops the user's
+        # selection); the whole transcript is drawn again only when more than
+        # the answer's text changed.
+        self._needs_full_render = True
+        self._answer_end: QTextCursor | None = None  # where the next fragment goes, while streaming
+        self._answer_chars_shown = 0                 # how much of the answer's text the document has
         self.setWindowTitle("tray-app: chat")
         self.setWindowIcon(state_icon(vm.GPU))
         self.resize(640, 620)
@@ -325,7 +332,7 @@ class ChatWindow(QWidget):
         self.turns.clear()
         self.history.clear()
         self.banner.set_banner(None)
-        self._render()
+        self._render(keep_selection=False)
 
     @property
     def request_id(self) -> str | None:
@@ -338,6 +345,7 @@ class ChatWindow(QWidget):
         answer.route = route
         answer.meta = self._route_line(answer)
         self._set_state(f"Generating on the {str(route.get('served_by') or '?').upper()}…")
+        self._needs_full_render = True
         self._schedule_render()
 
     def _on_delta(self, text: str) -> None:
@@ -411,6 +419,7 @@ class ChatWindow(QWidget):
             meta = self._route_line(answer, progress=vm.time_left_text(own))
             if meta != answer.meta:
                 answer.meta = meta
+                self._needs_full_render = True
                 self._schedule_render()
         if not self.stream.status_code:
             if own is not None and own.get("state") == "queued":
@@ -430,22 +439,72 @@ class ChatWindow(QWidget):
         # Tokens can come faster than a repaint is worth: draw at most every 50 ms.
         if not self._render_pending:
             self._render_pending = True
-            QTimer.singleShot(50, self, self._render)
+            QTimer.singleShot(50, self, self._show_changes)
 
     def _user_scrolled(self, _action: int) -> None:
         bar = self.transcript.verticalScrollBar()
         QTimer.singleShot(0, self, lambda: setattr(self, "_follow", bar.value() >= bar.maximum() - 4))
 
-    def _render(self) -> None:
+    def _show_changes(self) -> None:
         self._render_pending = False
+        if self._needs_full_render or not self._append_answer_text():
+            self._render()
+
+    def _append_answer_text(self) -> bool:
+        """Insert only the answer's new text; False if the document has no
+        place for it (the answer's first text replaces the '…' placeholder)."""
+        cursor = self._answer_end
+        if cursor is None:
+            return False
+        fragment = self._answer.text[self._answer_chars_shown:]
+        if fragment:
+            # A line separator, as <br> renders: a newline would start a new block.
+            cursor.insertText(fragment.replace("\n", "\u2028"))
+            self._answer_chars_shown = len(self._answer.text)
+            if self._follow:
+                bar = self.transcript.verticalScrollBar()
+                bar.setValue(bar.maximum())
+        return True
+
+    def _render(self, *, keep_selection: bool = True) -> None:
+        self._render_pending = False
+        self._needs_full_render = False
         bar = self.transcript.verticalScrollBar()
         keep = bar.value()
+        # Earlier turns render the same each time, so a selection in them
+        # keeps its positions across a redraw (a route line update, a new turn).
+        selected = self.transcript.textCursor()
+        selection = (selected.anchor(), selected.position()) if keep_selection and selected.hasSelection() else None
         self.transcript.setHtml(render_html(self.turns))
+        document = self.transcript.document()
+        self._answer_end = self._find_answer_end() if self.turns and self.turns[-1] is self._answer else None
+        self._answer_chars_shown = len(self._answer.text)
+        if selection is not None and max(selection) < document.characterCount():
+            restored = QTextCursor(document)
+            restored.setPosition(selection[0])
+            restored.setPosition(selection[1], QTextCursor.MoveMode.KeepAnchor)
+            self.transcript.setTextCursor(restored)
         if self._follow:
-            self.transcript.moveCursor(QTextCursor.MoveOperation.End)
+            if selection is None:
+                self.transcript.moveCursor(QTextCursor.MoveOperation.End)
             bar.setValue(bar.maximum())
         else:
             bar.setValue(keep)
+
+    def _find_answer_end(self) -> QTextCursor | None:
+        """A cursor just before the streaming answer's end mark; None when
+        the answer has no text to follow yet."""
+        answer = self._answer
+        if not (answer.pending and answer.text):
+            return None
+        document = self.transcript.document()
+        mark = document.find(ANSWER_END_MARK, document.characterCount(), QTextDocument.FindFlag.FindBackward)
+        if mark.isNull():
+            return None
+        cursor = QTextCursor(document)
+        # Typing here takes the format of the character before: the answer's text, not the mark's.
+        cursor.setPosition(mark.selectionStart())
+        return cursor
 
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt name
         super().resizeEvent(event)
@@ -464,6 +523,10 @@ class ChatWindow(QWidget):
         self.hide()
 
 
+# Ends a streaming answer's text; new text goes in just before it.
+ANSWER_END_MARK = "\u25ae"
+
+
 def render_html(turns: list[Turn]) -> str:
     if not turns:
         return ('<p style="color:#7b8591; margin-top:40px" align="center">'
@@ -479,7 +542,7 @@ def render_html(turns: list[Turn]) -> str:
         else:
             body = _text_html(turn.text) if turn.text else ""
             if turn.pending:
-                body += '<span style="color:#7b8591">&#9646;</span>' if turn.text else \
+                body += f'<span style="color:#7b8591">{ANSWER_END_MARK}</span>' if turn.text else \
                     '<span style="color:#7b8591"><i>…</i></span>'
             if turn.error:
                 body += (('<br>' if body else '') + f'<span style="color:#b3261e"><b>{html.escape(turn.error)}</b></span>')

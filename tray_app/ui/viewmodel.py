@@ -377,6 +377,22 @@ def cpu_requests(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return sorted(found, key=lambda r: (r.get("state") != "queued", r.get("queue_position") or 0, -(r.get("age_s") or 0)))
 
 
+def interruption_warning(status: Mapping[str, Any] | None, action: str) -> str | None:
+    """The question to ask before `action` (e.g. "Restart the workers") stops
+    the requests the last /status shows, or None when nothing would be
+    interrupted: an idle service restarts without a dialog."""
+    requests = list((status or {}).get("requests") or ())
+    if not requests:
+        return None
+    running = sum(1 for r in requests if r.get("state") == "running")
+    queued = len(requests) - running  # a request not yet running waits in a queue
+    counts = [f"{n} {state}" for n, state in ((running, "running"), (queued, "queued")) if n]
+    noun = "request is" if len(requests) == 1 else "requests are"
+    them = "it" if len(requests) == 1 else "them"
+    return (f"{' and '.join(counts).capitalize()} {noun} in the service. "
+            f"{action} now will stop {them}; the clients get an error. Continue?")
+
+
 def reason_in_words(reason: str | None) -> str:
     """'gpu_vram_headroom: needs 27 MiB ...' -> 'not enough VRAM headroom: needs 27 MiB ...'."""
     if not reason:
