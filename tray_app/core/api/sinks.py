@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator
 
 from starlette.responses import StreamingResponse
 
+from ..dispatch.backend import response_id
 from ..dispatch.jobs import Job, JobKind
 
 
@@ -48,16 +49,8 @@ class AggregatingSink:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(content) if content or not tool_calls else None}
         if tool_calls:
             message["tool_calls"] = [tool_calls[i] for i in sorted(tool_calls)]
-        completion_tokens = job.attempts[-1].tokens if job.attempts else 0
-        return {
-            "id": f"chatcmpl-{job.id}",
-            "object": "chat.completion",
-            "created": created,
-            "model": self._model(job),
-            "system_fingerprint": self._fingerprint(),
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": _usage(job.prompt_tokens, completion_tokens),
-        }
+        return self._response(job, "chat.completion", created,
+                              {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason})
 
     def completion_response(self, job: Job) -> dict[str, Any]:
         text: list[str] = []
@@ -69,14 +62,20 @@ class AggregatingSink:
                 text.append(choice.get("text") or "")
                 if choice.get("finish_reason"):
                     finish_reason = choice["finish_reason"]
+        return self._response(job, "text_completion", created,
+                              {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish_reason})
+
+    def _response(self, job: Job, kind: str, created: int, choice: dict[str, Any]) -> dict[str, Any]:
+        """The envelope both response objects share; usage is the last (the only
+        completed) attempt's."""
         completion_tokens = job.attempts[-1].tokens if job.attempts else 0
         return {
-            "id": f"cmpl-{job.id}",
-            "object": "text_completion",
+            "id": response_id(job),
+            "object": kind,
             "created": created,
             "model": self._model(job),
             "system_fingerprint": self._fingerprint(),
-            "choices": [{"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [choice],
             "usage": _usage(job.prompt_tokens, completion_tokens),
         }
 

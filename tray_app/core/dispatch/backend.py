@@ -152,9 +152,10 @@ class Backend:
 
     async def _stream(self, job: Job, sink: Sink) -> Attempt:
         worker = self.worker
-        if self.out_reason() is not None:
+        out = self.out_reason()
+        if out is not None:
             if self.path == "gpu":
-                raise Redirected(self.out_reason() or "")
+                raise Redirected(out)
             await self._wait_ready(job)
         attempt = Attempt(self.path, self._clock(), worker_exits=worker.exits)
         job.attempts.append(attempt)
