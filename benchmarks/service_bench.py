@@ -4,8 +4,8 @@
 
 1. Model load to ready, per worker (the supervisor's own measurement).
 2. Time to first token and tokens per second for the same prompts, sent
-   straight to a llama-cpp-python server started on its own with the CPU
-   worker's settings (the anchor: the workers themselves only answer the
+   straight to a llama-server started on its own with the CPU worker's
+   settings (the anchor: the workers themselves only answer the
    router) and through the router (X-Force-Path: cpu), interleaved in one
    run, with the router/direct ratio.
 3. The service process's own RSS (workers excluded) and its CPU use while idle.
@@ -23,7 +23,6 @@ import contextlib
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,6 +34,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import anchors  # noqa: E402
 from tests.harness import RunningService  # noqa: E402
 
 CONFIG = """
@@ -158,37 +158,9 @@ def main() -> int:
     return 0
 
 
-class Anchor:
-    """llama-cpp-python's server on its own, launched with the CPU worker's settings."""
-
-    def __init__(self, tmp: Path) -> None:
-        from tray_app.core.config import bundled_model_path
-        from tray_app.core.engine.worker import free_loopback_port
-
-        port = free_loopback_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self._log = open(tmp / "anchor.log", "wb")
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "llama_cpp.server", "--model", str(bundled_model_path()), "--host", "127.0.0.1",
-             "--port", str(port), "--n_ctx", "2048", "--n_gpu_layers", "0", "--interrupt_requests", "False",
-             "--logits_all", "False"], stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError("the anchor server did not start")
-
-    def stop(self) -> None:
-        self._process.terminate()
-        self._process.wait(30)
-        self._log.close()
-
-
-def start_anchor(tmp: Path) -> Anchor:
-    return Anchor(tmp)
+def start_anchor(tmp: Path) -> anchors.Anchor:
+    """llama-server on its own, with the CPU worker's settings (2 slots x n_ctx 2048)."""
+    return anchors.llama_server(tmp / "anchor.log", n_ctx=2048, parallel=2)
 
 
 def failover_once(service, direct: httpx.Client, routed: httpx.Client, sig: signal.Signals,

@@ -6,6 +6,12 @@
 # llama-cpp-python ships as source only. We build it once into a wheelhouse
 # keyed by its version and build flags, because pip's own wheel cache ignores
 # CMAKE_ARGS and would hand back a build made for other flags.
+# The same build also makes llama.cpp's own llama-server (the default engine)
+# from the llama.cpp that llama-cpp-python vendors: one compile of ggml and
+# llama for both, the same tokenizer and chat template on every path. The
+# wheel then carries bin/llama-server and its libraries in lib/, in llama.cpp's
+# install layout; runtime.bundled_llama_server() finds it there.
+# About 9 minutes on 2 cores the first time; cached after that.
 # The default CPU flags are portable x86-64 (AVX2); `-march=native` builds have
 # crashed with SIGILL on VMs that advertise AMX/AVX-512 but do not allow it.
 # For an NVIDIA GPU: LLAMA_CMAKE_ARGS="-DGGML_CUDA=on" bash packaging/install.sh
@@ -21,6 +27,11 @@ case "$(uname -m)" in
   *)      DEFAULT_FLAGS="-DGGML_NATIVE=OFF" ;;
 esac
 LLAMA_CMAKE_ARGS="${LLAMA_CMAKE_ARGS:-$DEFAULT_FLAGS}"
+# llama-server too: llama.cpp's tools, installed into the wheel. Its own
+# multimodal library replaces llama-cpp-python's copy (LLAVA_BUILD would add
+# the same folder twice); the web UI is off (it would be downloaded).
+SERVER_FLAGS="-DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_TOOLS_INSTALL=ON -DLLAVA_BUILD=OFF \
+ -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
 PYTHON="${PYTHON:-python3}"
 
 # System libraries Qt needs even offscreen, and Xvfb + a tray host for screenshots.
@@ -42,12 +53,12 @@ fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
 
-key=$(printf '%s %s' "$LLAMA_VERSION" "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-12)
+key=$(printf '%s %s %s' "$LLAMA_VERSION" "$LLAMA_CMAKE_ARGS" "$SERVER_FLAGS" | sha256sum | cut -c1-12)
 wheelhouse="${XDG_CACHE_HOME:-$HOME/.cache}/tray-app/wheels/$key"
 if ! ls "$wheelhouse"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-  echo "building llama-cpp-python $LLAMA_VERSION ($LLAMA_CMAKE_ARGS); about 5 minutes on 2 cores"
+  echo "building llama-cpp-python $LLAMA_VERSION and llama-server ($LLAMA_CMAKE_ARGS); about 9 minutes on 2 cores"
   mkdir -p "$wheelhouse"
-  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" .venv/bin/python -m pip wheel -q --no-cache-dir --no-deps \
+  CMAKE_ARGS="$LLAMA_CMAKE_ARGS $SERVER_FLAGS" .venv/bin/python -m pip wheel -q --no-cache-dir --no-deps \
     "llama-cpp-python==$LLAMA_VERSION" -w "$wheelhouse" 2>&1 | grep -v '^WARNING: Location' || true
 fi
 installed=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('llama_cpp_python'))" 2>/dev/null || true)
@@ -60,4 +71,8 @@ fi
 extra=""
 [ "$WITH_TEST" = 1 ] && extra="[test]"
 .venv/bin/python -m pip install -q -e ".$extra" 2>&1 | grep -v '^WARNING: Location' || true
-.venv/bin/python -c "import llama_cpp, tray_app; print('llama-cpp-python', llama_cpp.__version__, '| GPU offload:', llama_cpp.llama_supports_gpu_offload())"
+.venv/bin/python -c "
+import llama_cpp, tray_app
+from tray_app.core.engine.runtime import bundled_llama_server
+print('llama-cpp-python', llama_cpp.__version__, '| GPU offload:', llama_cpp.llama_supports_gpu_offload(),
+      '| llama-server:', bundled_llama_server() or 'missing')"

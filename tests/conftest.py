@@ -10,14 +10,10 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     """A real service (real workers, simulated GPU) shared by one test module."""
-    from tests.harness import RunningService
+    from tests.harness import running
 
-    running = RunningService(tmp_path_factory.mktemp("service"))
-    try:
-        running.wait_ready()
-        yield running
-    finally:
-        running.stop()
+    with running(tmp_path_factory.mktemp("service")) as service:
+        yield service
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ and a simulated GPU. Tests talk to it only over HTTP, like any client."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -27,6 +28,9 @@ first_token_timeout_s = 20
 token_timeout_s = 10
 [cpu]
 n_ctx = 2048
+# One CPU slot: the queue tests fill the CPU lane with one running request.
+# The GPU path keeps llama-server's default of 4 slots.
+max_concurrency = 1
 queue_limit = 2
 ram_floor_mib = 256
 [breaker]
@@ -38,6 +42,17 @@ backoff_base_s = 0.2
 backoff_cap_s = 2
 stop_timeout_s = 3
 """
+
+
+@contextlib.contextmanager
+def running(tmp: Path, config_text: str = BASE_CONFIG):
+    """A ready service for the length of a fixture, stopped after it."""
+    service = RunningService(tmp, config_text)
+    try:
+        service.wait_ready()
+        yield service
+    finally:
+        service.stop()
 
 
 class RunningService:

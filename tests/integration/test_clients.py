@@ -106,10 +106,31 @@ def test_without_include_usage_there_is_no_usage_chunk(fresh, client):
     assert all(chunk.choices for chunk in chunks)
 
 
-def test_logprobs_are_refused_with_the_reason(fresh, client):
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model="default", max_tokens=4, messages=HELLO, logprobs=True, top_logprobs=2)
-    assert "logits" in refused.value.body["message"]
+def test_logprobs_come_back_for_every_token_with_the_alternatives_asked_for(fresh, client):
+    answer = client.chat.completions.create(model="default", max_tokens=5, temperature=0, messages=HELLO,
+                                            logprobs=True, top_logprobs=2)
+    tokens = answer.choices[0].logprobs.content
+    assert len(tokens) == answer.usage.completion_tokens
+    assert "".join(t.token for t in tokens) == answer.choices[0].message.content
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in tokens)
+    assert fresh.http.get("/v1/models").json()["data"][0]["capabilities"]["logprobs"] is True
+
+
+def test_streamed_logprobs_arrive_with_their_tokens(fresh, client):
+    chunks = list(client.chat.completions.create(model="default", max_tokens=4, messages=HELLO, stream=True,
+                                                 logprobs=True, top_logprobs=1))
+    with_tokens = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert with_tokens and all(c.choices[0].logprobs.content for c in with_tokens)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+])
+def test_bad_logprobs_fields_are_400s_naming_the_field(fresh, body, param):
+    response = fresh.http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2, **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
 def test_n_over_one_is_refused_and_said_in_the_model_list(fresh, client):
@@ -118,6 +139,12 @@ def test_n_over_one_is_refused_and_said_in_the_model_list(fresh, client):
     assert "max_choices" in refused.value.body["message"]
     listed = fresh.http.get("/v1/models").json()["data"][0]
     assert listed["capabilities"]["max_choices"] == 1
+
+
+def test_an_unknown_reasoning_format_is_a_400_not_a_worker_failure(fresh):
+    response = fresh.http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2,
+                                                             "reasoning_format": "bogus"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "reasoning_format"
 
 
 def test_routes_without_v1_serve_the_same(fresh):
@@ -139,9 +166,49 @@ def test_system_fingerprint_is_stable_and_in_every_chunk(fresh, client):
 
 
 def test_a_worker_error_reaches_the_client_without_paths_or_tracebacks(fresh):
-    # A pass-through field the worker's own validation refuses.
+    # A pass-through field the worker's own validation refuses (llama-server's n_probs).
     response = fresh.http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2,
-                                                             "mirostat_mode": "not-a-number"})
+                                                             "n_probs": "not-a-number"})
     assert 400 <= response.status_code < 500
     message = response.json()["error"]["message"]
     assert "Traceback" not in message and "site-packages" not in message and "/work" not in message
+
+
+REFUND = [{"type": "function", "function": {
+    "name": "refund_order", "description": "Refund an order",
+    "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}}}]
+ASK_REFUND = [{"role": "user", "content": "Refund order A-1001."}]
+
+
+@pytest.mark.parametrize("force", ["auto", "cpu"])
+def test_a_named_tool_choice_comes_back_as_that_tool_call_on_both_paths(fresh, client, force):
+    answer = client.chat.completions.create(
+        model="default", max_tokens=60, temperature=0, messages=ASK_REFUND, tools=REFUND,
+        tool_choice={"type": "function", "function": {"name": "refund_order"}}, extra_headers={"X-Force-Path": force})
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "refund_order" and call.id == f"call_{answer.id.removeprefix('chatcmpl-')}"
+    assert set(json.loads(call.function.arguments)) == {"order_id"}
+
+
+def test_a_streamed_named_tool_call_names_the_function_once_and_its_arguments_parse(fresh, client):
+    chunks = list(client.chat.completions.create(
+        model="default", max_tokens=60, temperature=0, messages=ASK_REFUND, tools=REFUND, stream=True,
+        tool_choice={"type": "function", "function": {"name": "refund_order"}}))
+    calls = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert [c.function.name for c in calls if c.function.name] == ["refund_order"]
+    assert json.loads("".join(c.function.arguments or "" for c in calls))["order_id"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("tool_choice, message", [
+    ({"type": "function", "function": {"name": "nope"}}, "not in 'tools'"),
+    ({"type": "function"}, "must be"),
+    ("sometimes", "must be"),
+])
+def test_a_bad_tool_choice_is_a_400_naming_it(fresh, tool_choice, message):
+    response = fresh.http.post("/v1/chat/completions", json={"messages": ASK_REFUND, "max_tokens": 4,
+                                                             "tools": REFUND, "tool_choice": tool_choice})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "tool_choice" and message in error["message"]

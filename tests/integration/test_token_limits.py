@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from tests.harness import BASE_CONFIG, RunningService
+from tests.harness import BASE_CONFIG, running
 
 pytestmark = pytest.mark.integration
 
@@ -29,12 +29,8 @@ ASCII = [{"role": "user", "content": "Count from one to one hundred in words."}]
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    running = RunningService(tmp_path_factory.mktemp("small-context"), SMALL_CONTEXT)
-    try:
-        running.wait_ready()
-        yield running
-    finally:
-        running.stop()
+    with running(tmp_path_factory.mktemp("small-context"), SMALL_CONTEXT) as service:
+        yield service
 
 
 @pytest.mark.parametrize("seed", range(4))

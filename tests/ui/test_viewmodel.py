@@ -438,3 +438,15 @@ def test_interruption_warning_counts_what_a_restart_would_stop() -> None:
         "Continue?")
     two = status(requests=[{"id": "a", "state": "running", "path": "gpu"}, {"id": "b", "state": "running"}])
     assert vm.interruption_warning(two, "Restarting the workers").startswith("2 running requests are")
+
+
+def test_an_engine_fallback_is_said_in_the_panel_and_the_tooltip():
+    status = {"service": {"healthy": True, "health_reason": "the GPU path can serve"},
+              "workers": [{"role": "gpu", "state": "ready"}, {"role": "cpu", "state": "ready"}],
+              "gpu": {"available": True}, "degraded": {"active": False},
+              "engine": {"runtime": "llama-cpp-python", "configured": "llama-server",
+                         "fallback_reason": "llama-server is not installed beside llama-cpp-python"}}
+    assert "Engine: llama-cpp-python instead of llama-server" in vm.state_detail(status)
+    assert "not installed" in vm.tooltip_text(status)
+    status["engine"]["fallback_reason"] = None
+    assert "Engine" not in vm.state_detail(status) and "Engine" not in vm.tooltip_text(status)

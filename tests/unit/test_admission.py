@@ -110,3 +110,49 @@ def test_no_gpu_configured():
 
 def test_cpu_latency_includes_backlog():
     assert estimate_cpu_latency_s(SHORT, replace(CPU, backlog_s=10)) == pytest.approx(12.2)
+
+
+# ----- queues sized by time ------------------------------------------------------------
+
+BUSY_GPU = replace(GPU, lane=replace(GPU_LANE, running=4, concurrency=4, queued=1, queue_limit=8))
+BUSY_CPU = replace(CPU, lane=replace(CPU_LANE, running=2, concurrency=2, queued=3, queue_limit=16))
+
+
+def test_a_busy_gpu_queues_a_request_whose_wait_fits_its_budget():
+    decision = decide(replace(SHORT, queue_budget_s=60), replace(BUSY_GPU, backlog_s=12), CPU)
+    assert (decision.route, decision.reason) == (Route.GPU_QUEUE, Reason.ADMITTED)
+    assert decision.estimated_latency_s == 12
+
+
+def test_a_busy_gpu_sends_a_request_whose_wait_is_over_budget_to_the_cpu():
+    decision = decide(replace(SHORT, queue_budget_s=10), replace(BUSY_GPU, backlog_s=12), CPU)
+    assert (decision.route, decision.reason) == (Route.CPU, Reason.GPU_BUSY)
+    assert "queue budget" in decision.detail and "4 GPU slots" in decision.detail
+
+
+def test_without_a_budget_only_the_count_limits_the_gpu_queue():
+    assert decide(SHORT, replace(BUSY_GPU, backlog_s=1e6), CPU).route is Route.GPU_QUEUE
+    full = replace(BUSY_GPU, lane=replace(BUSY_GPU.lane, queued=8))
+    decision = decide(SHORT, full, CPU)
+    assert decision.reason is Reason.GPU_BUSY and "queue is full (8/8)" in decision.detail
+
+
+def test_a_cpu_wait_over_budget_is_refused_at_once_with_retry_after():
+    decision = decide(replace(SHORT, force_cpu=True, queue_budget_s=5), GPU, replace(BUSY_CPU, backlog_s=7.2))
+    assert (decision.route, decision.reason, decision.status) == (Route.REJECT, Reason.QUEUE_WAIT_TOO_LONG, 503)
+    assert decision.retry_after_s == 8
+
+
+def test_a_cpu_wait_within_budget_queues():
+    decision = decide(replace(SHORT, force_cpu=True, queue_budget_s=10), GPU, replace(BUSY_CPU, backlog_s=7.2))
+    assert decision.route is Route.CPU
+
+
+def test_a_free_cpu_slot_never_counts_the_budget():
+    decision = decide(replace(SHORT, force_cpu=True, queue_budget_s=0), GPU, replace(CPU, backlog_s=0))
+    assert decision.route is Route.CPU
+
+
+def test_a_replay_is_never_refused_for_its_wait():
+    decision = decide(replace(SHORT, is_replay=True, queue_budget_s=1), GPU, replace(BUSY_CPU, backlog_s=100))
+    assert (decision.route, decision.reason) == (Route.CPU, Reason.GPU_FAILED_REPLAYED)

@@ -43,3 +43,12 @@ def test_status_refused_is_an_error_not_an_empty_status(key_checking_service, no
     out, err = capsys.readouterr()
     assert out == ""
     assert "HTTP 401" in err and API_KEY_ENV in err
+
+
+def test_status_text_names_the_engine_and_why_it_is_not_the_configured_one():
+    from tray_app.cli.status_text import render_status
+
+    text = render_status({"engine": {"version": "llama-cpp-python 0.3.36", "configured": "llama-server",
+                                     "fallback_reason": "llama-server is not installed", "slots": {"gpu": 1, "cpu": 1}}})
+    assert "engine:    llama-cpp-python 0.3.36; slots: GPU 1, CPU 1" in text
+    assert "not llama-server: llama-server is not installed" in text

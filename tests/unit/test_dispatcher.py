@@ -103,7 +103,11 @@ class FakeBackend(Backend):
         self.calls.append(job.id)
         attempt = Attempt(self.path, self._clock(), worker_exits=self.worker.exits)
         job.attempts.append(attempt)
-        await self.scripts.get(job.id, self.script)(job, sink, attempt)
+        self._enter_process(job.id, attempt)
+        try:
+            await self.scripts.get(job.id, self.script)(job, sink, attempt)
+        finally:
+            self._in_process.pop(job.id, None)
         attempt.outcome = "completed"
         attempt.ended_at = self._clock()
         return attempt
@@ -877,6 +881,38 @@ async def test_refused_at_connect_is_replayed_without_asking_how_the_worker_died
     assert rig.cpu.calls == ["req-1"] and job.reason is Reason.GPU_FAILED_REPLAYED
     assert rig.gpu.worker.exit_after_calls == []
     assert rig.dispatcher.quarantined(job) is None
+
+
+async def test_a_crash_with_other_requests_in_the_batch_is_pinned_on_none_of_them():
+    # llama-server decodes its slots together: when it segfaults, any of the
+    # requests inside may be the cause, so each is replayed like any other
+    # GPU failure, and none is quarantined.
+    rig = make_rig(gpu_slots=2)
+    rig.gpu.worker.exit_report = SIGSEGV
+    crash = asyncio.Event()
+
+    async def batched_then_crash(job: Job, sink, attempt: Attempt) -> None:
+        attempt.reached_worker = True
+        await crash.wait()
+        raise WorkerFailure("connection broke", process_may_have_died=True)
+
+    rig.gpu.script = batched_then_crash
+    first, second = make_job("a", fingerprint="fp-a"), make_job("b", fingerprint="fp-b")
+    tasks = [start(rig, first), start(rig, second)]
+    await until(lambda: len(rig.gpu._in_process) == 2)
+    crash.set()
+    await asyncio.gather(*tasks)
+    assert sorted(rig.cpu.calls) == ["a", "b"] and first.replayed and second.replayed
+    assert rig.dispatcher.quarantined(first) is None and rig.dispatcher.quarantined(second) is None
+    assert "request_crashed_worker" not in rig.events.kinds()
+
+
+async def test_a_crash_alone_in_the_process_is_still_pinned_on_its_request():
+    rig = make_rig(gpu_slots=2)
+    rig.gpu.script = raising(WorkerFailure("connection broke", process_may_have_died=True))
+    rig.gpu.worker.exit_report = SIGSEGV
+    error = await failed(rig, make_job("alone", fingerprint="fp-alone"))
+    assert error.code == "request_crashed_worker"
 
 
 async def test_a_worker_killed_by_the_oom_killer_is_not_an_input_crash(rig):

@@ -213,3 +213,12 @@ def test_settings_are_frozen() -> None:
     settings = WorkerSettings(n_ctx=2048, n_gpu_layers=0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.n_ctx = 1  # type: ignore[misc]
+
+
+def test_every_slot_has_its_own_kv_cache_and_attention_spans_one_slot(smollm2: ModelInfo) -> None:
+    # llama-server -np 4 -c 8192 --no-kv-unified logs "n_slots = 4, n_ctx_slot = 2048": four
+    # caches of 2048 cells x 22.5 KiB per token (45 MiB each, as llama.cpp logs for one).
+    one = WorkerSettings(n_ctx=2048, n_gpu_layers=0)
+    four = WorkerSettings(n_ctx=4 * 2048, n_gpu_layers=0, n_parallel=4)
+    assert estimate_worker(smollm2, four).host.kv_cache == 4 * estimate_worker(smollm2, one).host.kv_cache == 180 * MIB
+    assert compute_buffer_bytes(smollm2, four) == compute_buffer_bytes(smollm2, one)

@@ -145,7 +145,8 @@ def list_model(candidate: ModelCandidate, config: Config, headroom: Headroom) ->
     except ModelFileError as exc:
         return ListedModel(candidate, None, str(exc))
     fit = fit_model(info, headroom, gpu_n_ctx=config.gpu.n_ctx, cpu_n_ctx=config.cpu.n_ctx,
-                    n_batch=config.worker.n_batch)
+                    n_batch=config.worker.n_batch, gpu_slots=config.gpu.max_concurrency,
+                    cpu_slots=config.cpu.max_concurrency)
     return ListedModel(candidate, fit)
 
 

@@ -13,6 +13,12 @@ def render_status(status: dict[str, Any]) -> str:
     lines: list[str] = []
     service = status.get("service", {})
     lines.append(f"model:     {service.get('model')}   healthy: {service.get('healthy')} ({service.get('health_reason')})")
+    engine = status.get("engine") or {}
+    if engine:
+        slots = engine.get("slots") or {}
+        lines.append(f"engine:    {engine.get('version')}; slots: GPU {slots.get('gpu')}, CPU {slots.get('cpu')}")
+        if engine.get("fallback_reason"):
+            lines.append(f"           not {engine.get('configured')}: {engine['fallback_reason']}")
     gpu = status.get("gpu", {})
     if gpu.get("available"):
         kind = "simulated " if gpu.get("simulated") else ""

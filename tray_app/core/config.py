@@ -47,6 +47,24 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     # Open client connections at once; past it a new one gets a 503 at once.
     max_connections: int = 256
+    # A request waits in a queue only if its estimated wait fits this budget
+    # (or the client's X-Request-Timeout); otherwise it gets a 503 with
+    # Retry-After at once. The queue_limit counts stay as a memory guard.
+    queue_timeout_s: float = 60.0
+
+
+ENGINE_RUNTIMES = ("llama-server", "llama-cpp-python")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # llama.cpp's own llama-server batches concurrent requests in slots;
+    # llama-cpp-python's server runs one request at a time (the alternative).
+    runtime: str = "llama-server"
+    # Empty = the llama-server that packaging/install.sh built from the same
+    # llama.cpp as the installed llama-cpp-python. Another binary may differ
+    # in tokenizer and chat template from what the router counts with.
+    llama_server: str = ""
 
 
 @dataclass(frozen=True)
@@ -61,9 +79,12 @@ class ModelConfig:
 class GpuConfig:
     enabled: bool = True
     n_gpu_layers: int = -1
+    # The context of one request; each slot has its own (see max_concurrency).
     n_ctx: int = 4096
-    max_concurrency: int = 1
-    queue_limit: int = 2
+    # llama-server slots: requests decoded together in one batch. Each slot
+    # has its own n_ctx of KV cache, so VRAM grows with this number.
+    max_concurrency: int = 4
+    queue_limit: int = 8
     # Kept free on the device; why 1 GiB: see estimate.DEFAULT_GPU_RESERVE_MIB.
     reserve_mib: int = DEFAULT_GPU_RESERVE_MIB
     # 0 = use the real device through NVML; N > 0 = a simulated device of N MiB.
@@ -75,8 +96,8 @@ class GpuConfig:
 @dataclass(frozen=True)
 class CpuConfig:
     n_ctx: int = 2048
-    max_concurrency: int = 1
-    queue_limit: int = 8
+    max_concurrency: int = 2
+    queue_limit: int = 16
     n_threads: int = 0  # 0 = let llama.cpp choose
     # The CPU path refuses work that would leave less RAM than this available.
     ram_floor_mib: int = 1024
@@ -96,6 +117,7 @@ class WorkerConfig(RestartPolicy):
 @dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     cpu: CpuConfig = field(default_factory=CpuConfig)
@@ -113,6 +135,7 @@ class Config:
 
 _SECTIONS: dict[str, type] = {
     "server": ServerConfig,
+    "engine": EngineConfig,
     "model": ModelConfig,
     "gpu": GpuConfig,
     "cpu": CpuConfig,
@@ -127,16 +150,17 @@ _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("server", "header_timeout_s"): (0.1, None),
     ("server", "body_timeout_s"): (0.1, None),
     ("server", "max_connections"): (1, 65536),
+    ("server", "queue_timeout_s"): (0.0, 86400.0),
     ("gpu", "n_gpu_layers"): (-1, None),
     ("gpu", "n_ctx"): (64, None),
-    ("gpu", "max_concurrency"): (1, None),
+    ("gpu", "max_concurrency"): (1, 64),
     ("gpu", "queue_limit"): (0, None),
     ("gpu", "reserve_mib"): (0, None),
     ("gpu", "simulate_mib"): (0, None),
     ("gpu", "first_token_timeout_s"): (0.1, None),
     ("gpu", "token_timeout_s"): (0.1, None),
     ("cpu", "n_ctx"): (64, None),
-    ("cpu", "max_concurrency"): (1, None),
+    ("cpu", "max_concurrency"): (1, 64),
     ("cpu", "queue_limit"): (0, None),
     ("cpu", "n_threads"): (0, None),
     ("cpu", "ram_floor_mib"): (0, None),
@@ -210,6 +234,8 @@ def _coerce(section: str, key: str, expected: Any, value: Any) -> Any:
     elif isinstance(expected, str):
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string, got {value!r}")
+        if (section, key) == ("engine", "runtime") and value not in ENGINE_RUNTIMES:
+            raise ConfigError(f"{where} must be one of {', '.join(repr(r) for r in ENGINE_RUNTIMES)}, got {value!r}")
         return value
     elif isinstance(expected, tuple):
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):

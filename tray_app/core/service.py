@@ -20,18 +20,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 import httpx
-import llama_cpp
 
 from .api.metrics import ServiceMetrics
 from .config import Config, log_dir as default_log_dir
 from .dispatch.admission import Decision, Reason, Route
 from .dispatch.backend import Backend, Deadlines
 from .dispatch.breaker import CircuitBreaker
-from .dispatch.dispatcher import Costs, Dispatcher, Limits
+from .dispatch.dispatcher import EXPECTED_ANSWER_TOKENS, Costs, Dispatcher, Limits
 from .dispatch.jobs import Attempt, Job, PathSpeed
 from .dispatch.lanes import Lane
 from .engine.exits import ExitKind
-from .engine.runtime import LlamaCppPythonRuntime, WorkerRuntime
+from .engine.runtime import WorkerRuntime, choose_runtime
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
 from .memory import estimate
 from .memory.gguf_info import ModelInfo, read_model_info
@@ -43,8 +42,6 @@ from .tokens import PromptCounter
 
 MIB = 1024 * 1024
 GPU_FOOTPRINT_OWNER = "gpu-worker"
-# The answer length of "a typical new request", for the degraded banner's estimate.
-TYPICAL_ANSWER_TOKENS = 256
 CPU_FIRST_TOKEN_TIMEOUT_S = 600.0
 # The GPU's first-token deadline: this much slack plus this many times the
 # prefill time its measured speed predicts (a busy host, a cold cache).
@@ -83,13 +80,26 @@ class Service:
         else:
             self._gpu_reader = gpu_reader or NvmlGpuReader()
         self.offload_support = detect_gpu_offload_support()
-        # logits_all=False: that is how the runtime launches workers.
+        if runtime is None:
+            choice = choose_runtime(config.engine.runtime, config.engine.llama_server)
+            runtime, self.engine_fallback_reason = choice.runtime, choice.fallback_reason
+        else:
+            self.engine_fallback_reason = None
+        self.runtime = runtime
+        gpu_runtime = gpu_runtime or runtime
+        # A request may run on either path, so both must offer what it asks.
+        self.supports_logprobs = runtime.supports_logprobs and gpu_runtime.supports_logprobs
+        self.slots = {"gpu": min(config.gpu.max_concurrency, gpu_runtime.max_parallel),
+                      "cpu": min(config.cpu.max_concurrency, runtime.max_parallel)}
+        # Every slot has its own n_ctx of KV cache; logits_all=False: that is
+        # how the runtimes launch workers.
         self.gpu_settings = estimate.WorkerSettings(
-            n_ctx=config.gpu.n_ctx, n_gpu_layers=config.gpu.n_gpu_layers, n_batch=config.worker.n_batch,
-            logits_all=False,
+            n_ctx=config.gpu.n_ctx * self.slots["gpu"], n_gpu_layers=config.gpu.n_gpu_layers,
+            n_batch=config.worker.n_batch, n_parallel=self.slots["gpu"], logits_all=False,
         )
         self.cpu_settings = estimate.WorkerSettings(
-            n_ctx=config.cpu.n_ctx, n_gpu_layers=0, n_batch=config.worker.n_batch, logits_all=False,
+            n_ctx=config.cpu.n_ctx * self.slots["cpu"], n_gpu_layers=0, n_batch=config.worker.n_batch,
+            n_parallel=self.slots["cpu"], logits_all=False,
         )
         self.gpu_footprint = estimate.estimate_worker(self.model_info, self.gpu_settings)
         self.cpu_footprint = estimate.estimate_worker(self.fallback_info, self.cpu_settings)
@@ -99,16 +109,16 @@ class Service:
         self.started_at = time.time()
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=5.0),
                                        limits=httpx.Limits(max_connections=64, max_keepalive_connections=0))
-        runtime = runtime or LlamaCppPythonRuntime()
         gpu_missing_reason = self._gpu_disabled_reason()
         backends = {"cpu": self._backend("cpu", runtime)}
         if gpu_missing_reason is None:
-            backends["gpu"] = self._backend("gpu", gpu_runtime or runtime)
+            backends["gpu"] = self._backend("gpu", gpu_runtime)
         self.breaker = CircuitBreaker(config.breaker, clock)
         self.observer = Observer(self._gpu_reader, self._worker_pids, lambda: self.dispatcher.degraded_cause())
         self.metrics = ServiceMetrics(self.status)
         self.dispatcher = Dispatcher(
-            Limits(config.gpu.n_ctx, config.cpu.n_ctx, config.gpu.reserve_mib, config.cpu.ram_floor_mib),
+            Limits(config.gpu.n_ctx, config.cpu.n_ctx, config.gpu.reserve_mib, config.cpu.ram_floor_mib,
+                   queue_budget_s=config.server.queue_timeout_s),
             backends, self.breaker, self.observer.latest,
             Costs(gpu_mib=lambda tokens: estimate.request_vram_bytes(self.model_info, self.gpu_settings, tokens) / MIB,
                   cpu_mib=lambda tokens: estimate.kv_bytes_per_token(self.fallback_info) * tokens / MIB),
@@ -119,12 +129,13 @@ class Service:
     def _backend(self, path: str, runtime: WorkerRuntime) -> Backend:
         config = self.config
         info = self.model_info if path == "gpu" else self.fallback_info
+        slots = self.slots[path]
         spec = WorkerSpec(path, info.path, info.path.stem, config.gpu.n_ctx if path == "gpu" else config.cpu.n_ctx,
                           config.gpu.n_gpu_layers if path == "gpu" else 0, config.worker.n_batch,
-                          config.cpu.n_threads)
+                          config.cpu.n_threads, parallel=slots)
         worker = Worker(spec, runtime, self._log_dir, config.worker, _ServiceHooks(self), self._clock)
         settings = config.gpu if path == "gpu" else config.cpu
-        lane = Lane(path, min(settings.max_concurrency, runtime.max_parallel), settings.queue_limit, self._clock)
+        lane = Lane(path, slots, settings.queue_limit, self._clock)
         speed = (PathSpeed(tokens_per_s=config.cpu.assumed_tokens_per_s * 5, prompt_tokens_per_s=2000.0)
                  if path == "gpu" else
                  PathSpeed(tokens_per_s=config.cpu.assumed_tokens_per_s, prompt_tokens_per_s=200.0))
@@ -134,9 +145,9 @@ class Service:
         else:
             deadlines = Deadlines(lambda job: CPU_FIRST_TOKEN_TIMEOUT_S, CPU_FIRST_TOKEN_TIMEOUT_S,
                                   config.worker.ready_timeout_s)
-        engine = f"llama-cpp-python {llama_cpp.__version__}"
         return Backend(path, worker, lane, speed, self._http, deadlines, clock=self._clock,
-                       fingerprint=system_fingerprint(engine, info.path), on_change=lambda: self.observer.advance())
+                       fingerprint=system_fingerprint(runtime.describe(), info.path),
+                       on_change=lambda: self.observer.advance())
 
     def _gpu_first_token_timeout_s(self, job: Job, speed: PathSpeed) -> float:
         """How long the GPU may take to its first token before we call it hung:
@@ -189,6 +200,8 @@ class Service:
         self.counter = await asyncio.to_thread(PromptCounter, self.model_info.path)
         if self.fallback_info is not self.model_info:
             self.equivalence = await asyncio.to_thread(self._check_fallback_equivalence)
+        if self.engine_fallback_reason:
+            self.observer.note("engine_fallback", reason=self.engine_fallback_reason)
         for worker in reversed(self._workers()):
             worker.start()
         self.observer.sample()
@@ -258,7 +271,7 @@ class Service:
             "fallback_equivalent": self.equivalence["equivalent"],
             "fallback_detail": self.equivalence["detail"],
             # What a typical new request (64 prompt tokens) would wait now.
-            "estimated_latency_s": round(self.dispatcher.cpu_wait_s(64, TYPICAL_ANSWER_TOKENS), 2),
+            "estimated_latency_s": round(self.dispatcher.cpu_wait_s(64, EXPECTED_ANSWER_TOKENS), 2),
             "cpu_context_cap": self.config.cpu.n_ctx,
             "cpu_queue_depth": len(self.dispatcher.cpu.lane.waiting_ids),
         }
@@ -272,6 +285,11 @@ class Service:
             return True, f"the CPU path can serve (degraded: {gpu_out})"
         why = cpu.gave_up or cpu.unhealthy_reason
         return False, f"no path can serve: GPU: {gpu_out}; CPU worker is {cpu.state.value}" + (f" ({why})" if why else "")
+
+    def engine_status(self) -> dict[str, Any]:
+        return {"runtime": self.runtime.name, "version": self.runtime.describe(),
+                "configured": self.config.engine.runtime, "fallback_reason": self.engine_fallback_reason,
+                "slots": dict(self.slots)}
 
     def gpu_status(self) -> dict[str, Any]:
         gpu_status = self.observer.latest().gpu.to_status()
@@ -300,6 +318,7 @@ class Service:
             "service": {"pid": os.getpid(), "started_at": self.started_at, "model": self.model_id, "healthy": healthy,
                         "health_reason": health_reason, "gpu_paused": dispatcher.gpu_paused},
             "workers": workers,
+            "engine": self.engine_status(),
             "gpu": self.gpu_status(),
             "ram": {**snapshot.host.to_status(), "floor_mib": self.config.cpu.ram_floor_mib},
             "breaker": self.breaker.snapshot(),

@@ -302,12 +302,16 @@ class Drill:
     # ----- phase 3 ------------------------------------------------------------------------------
 
     def _phase_cancel_in_cpu_queue(self, phase: PhaseResult) -> None:
-        # X-Force-Path: cpu puts both on the CPU lane (one request at a time)
-        # without touching the service's settings, so this runs live too.
-        with ThreadPoolExecutor(1 + self.plan.queued_cancels) as pool:
-            blocker = self._record(phase, "CPU lane blocker", max_tokens=BLOCKER_TOKENS, forced_cpu=True)
-            blocker_done = self._send_in(pool, blocker, self._chat(STORY))
-            self._wait_running(blocker.id, "cpu")
+        # X-Force-Path: cpu puts them all on the CPU lane without touching the
+        # service's settings, so this runs live too: one blocker per CPU slot
+        # (llama-server decodes several at once), then the ones that must wait.
+        slots = int(((self.client.status().get("engine") or {}).get("slots") or {}).get("cpu", 1))
+        with ThreadPoolExecutor(slots + self.plan.queued_cancels) as pool:
+            blockers = [self._record(phase, f"CPU lane blocker #{n + 1}", max_tokens=BLOCKER_TOKENS, forced_cpu=True)
+                        for n in range(slots)]
+            blockers_done = [self._send_in(pool, blocker, self._chat(STORY)) for blocker in blockers]
+            for blocker in blockers:
+                self._wait_running(blocker.id, "cpu")
             for i in range(self.plan.queued_cancels):
                 queued = self._record(phase, f"queued, then canceled #{i + 1}", stream=i % 2 == 1, max_tokens=40,
                                       forced_cpu=True, expect="canceled")
@@ -326,9 +330,10 @@ class Drill:
                             and queued.error_code == "request_canceled" and again.status_code == 404,
                             f"queue position {position}; DELETE -> {cancel.status_code} (state_was {state_was}); "
                             f"client got {queued.status} {queued.error_code}; second DELETE -> {again.status_code}")
-            blocker_done.result()
-        phase.check("the request ahead was not affected", self._answered(blocker),
-                    f"blocker: {blocker.status}, {blocker.completion_tokens} tokens")
+            for done in blockers_done:
+                done.result()
+        phase.check("the requests ahead were not affected", all(self._answered(b) for b in blockers),
+                    "; ".join(f"{b.id}: {b.status}, {b.completion_tokens} tokens" for b in blockers))
 
     # ----- phase 4 --------------------------------------------------------------------------------
 
@@ -685,7 +690,11 @@ class Drill:
         poison_body = self._chat(STORY + " (poison)")
         poison = self._record(phase, "poison: the GPU worker segfaults serving it", max_tokens=RESET_TOKENS,
                               expect="error")
-        normal = [self._record(phase, f"normal traffic #{i + 1}", stream=i % 2 == 1, forced_cpu=i % 2 == 0,
+        # The traffic around it runs on the CPU: llama-server decodes its slots
+        # together, so a crash is pinned on a request only when it was alone in
+        # the process; with others inside, all of them are replayed instead
+        # (tests/unit/test_dispatcher.py covers that case).
+        normal = [self._record(phase, f"normal traffic #{i + 1}", stream=i % 2 == 1, forced_cpu=True,
                                max_tokens=8, prompt_key=f"poison-neighbour-{i}") for i in range(POISON_NEIGHBOURS)]
         with ThreadPoolExecutor(1 + len(normal)) as pool:
             done = self._send_in(pool, poison, poison_body)

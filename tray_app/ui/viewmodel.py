@@ -84,7 +84,18 @@ def state_detail(status: Mapping[str, Any] | None, error: str | None = None) -> 
         if since:
             text += " since " + time.strftime("%H:%M:%S", time.localtime(since))
         return text + "; details below."
-    return humanize_reason((status.get("service") or {}).get("health_reason") or "")
+    detail = humanize_reason((status.get("service") or {}).get("health_reason") or "")
+    notice = engine_notice(status)
+    return f"{detail}. {notice}" if notice and detail else (notice or detail)
+
+
+def engine_notice(status: Mapping[str, Any] | None) -> str | None:
+    """Why the service runs another engine than the config asks for, or None."""
+    engine = (status or {}).get("engine") or {}
+    reason = engine.get("fallback_reason")
+    if not reason:
+        return None
+    return f"Engine: {engine.get('runtime')} instead of {engine.get('configured')}, because {reason}."
 
 
 def is_busy_overflow(status: Mapping[str, Any] | None) -> bool:
@@ -303,6 +314,7 @@ def tooltip_text(status: Mapping[str, Any] | None, *, error: str | None = None,
             lines.append(f"Why: {reason_in_words(reason)}")
     elif kind == DOWN:
         lines.append((status.get("service") or {}).get("health_reason") or "")
+    lines.append(engine_notice(status) or "")
     return "\n".join(line for line in lines if line)
 
 

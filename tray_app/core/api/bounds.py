@@ -68,6 +68,14 @@ TOKENS = Range(True, 1)
 MAX_N = 1
 N = Range(True, 1, MAX_N)
 
+# logprobs: OpenAI's bounds. Chat: top_logprobs alternatives per token (with
+# logprobs true); legacy completions: logprobs is itself the count.
+TOP_LOGPROBS = Range(True, 0, 20)
+COMPLETION_LOGPROBS = Range(True, 0, 5)
+
+# llama-server's names for where a model's thinking goes (common/chat.cpp).
+REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
+
 # Stop sequences: a string, or a list of up to MAX_STOP strings. Longer than
 # any real stop sequence; the worker searches the answer for every stop string
 # after every token, so a huge one only costs CPU.

@@ -89,6 +89,48 @@ def constrain_output(body: dict[str, Any], grammar_problem: Callable[[str], str 
     body["grammar"] = grammar
 
 
+def force_named_tool(body: dict[str, Any], grammar_problem: Callable[[str], str | None]) -> str | None:
+    """OpenAI's named tool_choice, {"type": "function", "function": {"name": F}},
+    forces a call of F. llama-server does not take that form, and a template
+    without tool calling (SmolLM2's) can't ask for it, so the router does it
+    the same way on every engine: the answer is constrained to F's
+    parameters (a grammar from their JSON schema), and the backend turns it
+    into F's tool call. Returns F, or None for any other tool_choice.
+    """
+    choice = body.get("tool_choice")
+    if not isinstance(choice, dict):
+        if choice is not None and choice not in ("none", "auto", "required"):
+            raise InvalidRequest(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                                 "{\"type\": \"function\", \"function\": {\"name\": ...}}", "invalid_value",
+                                 "tool_choice")
+        return None
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str) or not name:
+        raise InvalidRequest(400, "'tool_choice' as an object must be {\"type\": \"function\", "
+                             "\"function\": {\"name\": ...}}", "invalid_value", "tool_choice")
+    tools = body.get("tools") or []
+    declared = next((t.get("function") for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)
+                     and t["function"].get("name") == name), None)
+    if declared is None:
+        raise InvalidRequest(400, f"'tool_choice' names {name!r}, which is not in 'tools'", "invalid_value",
+                             "tool_choice")
+    if body.get("grammar") is not None:
+        raise InvalidRequest(400, "a named 'tool_choice' already constrains the answer; drop 'response_format' "
+                             "or 'grammar'", "invalid_value", "tool_choice")
+    parameters = declared.get("parameters", {"type": "object"})
+    grammar = _schema_grammar(parameters, "tools.function.parameters")
+    problem = grammar_problem(grammar)
+    if problem is not None:
+        raise InvalidRequest(400, f"the parameters of {name!r} can't constrain the output: {problem}",
+                             "invalid_json_schema", "tools.function.parameters")
+    body["grammar"] = grammar
+    # The tools stay in the request (a template that shows tools shows them);
+    # "none": the worker must not parse the constrained answer as a call itself.
+    body["tool_choice"] = "none"
+    return name
+
+
 def _grammar_for(response_format: Any) -> str | None:
     if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
         raise InvalidRequest(400, "'response_format' must be an object with a 'type'", "invalid_value",

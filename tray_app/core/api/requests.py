@@ -14,7 +14,7 @@ from starlette.requests import Request
 
 from ..dispatch.jobs import JobKind
 from . import bounds
-from .openai_request import InvalidRequest, constrain_output, flatten_content
+from .openai_request import InvalidRequest, constrain_output, flatten_content, force_named_tool
 
 _Invalid = InvalidRequest
 
@@ -55,6 +55,9 @@ SAMPLING_RULES = {
     "response_format": _of_type(dict, "an object"),
     "tools": _of_type(list, "a list"),
     "stream_options": _of_type(dict, "an object"),
+    # llama-server answers an unknown name with a 500, as if it had failed.
+    "reasoning_format": lambda value: None if value in bounds.REASONING_FORMATS else (
+        "must be one of " + ", ".join(repr(f) for f in bounds.REASONING_FORMATS)),
 }
 
 
@@ -63,10 +66,11 @@ PRESSURE_RULE = bounds.Range(False, 0, 16 * 1024 * 1024).problem
 
 
 def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_context: int,
-             grammar_problem: Callable[[str], str | None]) -> None:
+             grammar_problem: Callable[[str], str | None], *, logprobs: bool = False) -> str | None:
     """Check a chat or completion body field by field, in place turning
     what clients send into what a worker runs (content parts, structured
-    output). Raises InvalidRequest naming the field."""
+    output). Raises InvalidRequest naming the field. Returns the name of the
+    function a named tool_choice forces, if any."""
     model = body.get("model")
     if model is not None:
         if not isinstance(model, str):
@@ -120,17 +124,38 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise _Invalid(400, "'stream' must be true or false", "invalid_type", "stream")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise _Invalid(400, "logprobs are not available here: the llama-cpp-python workers would have to keep "
-                       "the logits of every context position (about 1.5 GiB at 8k context for a 135M model), "
-                       "so they run without them (capabilities.logprobs in GET /v1/models)",
-                       "unsupported_parameter", "logprobs")
+    _check_logprobs(body, kind, logprobs)
     for field, rule in SAMPLING_RULES.items():
         if body.get(field) is not None:
             problem = rule(body[field])
             if problem:
                 raise _Invalid(400, f"'{field}' {problem}", "invalid_value", field)
     constrain_output(body, grammar_problem)
+    return force_named_tool(body, grammar_problem) if kind is JobKind.CHAT else None
+
+
+def _check_logprobs(body: dict[str, Any], kind: JobKind, supported: bool) -> None:
+    """OpenAI's shapes: chat takes logprobs true/false and top_logprobs 0-20;
+    the legacy completions API takes logprobs as a count, 0-5."""
+    if kind is JobKind.CHAT:
+        wanted, top = body.get("logprobs"), body.get("top_logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise _Invalid(400, "'logprobs' must be true or false", "invalid_type", "logprobs")
+        if top is not None and bounds.TOP_LOGPROBS.problem(top):
+            raise _Invalid(400, f"'top_logprobs' {bounds.TOP_LOGPROBS.problem(top)}", "invalid_value", "top_logprobs")
+        if top and not wanted:
+            raise _Invalid(400, "'top_logprobs' needs 'logprobs': true", "invalid_value", "top_logprobs")
+        asked = bool(wanted)
+    else:
+        count = body.get("logprobs")
+        if count is not None and bounds.COMPLETION_LOGPROBS.problem(count):
+            raise _Invalid(400, f"'logprobs' {bounds.COMPLETION_LOGPROBS.problem(count)}", "invalid_value", "logprobs")
+        asked = count is not None
+    if asked and not supported:
+        raise _Invalid(400, "logprobs are not available with the llama-cpp-python engine: its workers would have "
+                       "to keep the logits of every context position (about 1.5 GiB at 8k context for a 135M "
+                       "model); the llama-server engine offers them (capabilities.logprobs in GET /v1/models)",
+                       "unsupported_parameter", "logprobs")
 
 
 async def _read_limited(request: Request, limit: int, timeout: float) -> bytes:

@@ -29,11 +29,14 @@ class AggregatingSink:
     def chat_response(self, job: Job) -> dict[str, Any]:
         content: list[str] = []
         tool_calls: dict[int, dict[str, Any]] = {}
+        logprobs: list[Any] | None = None
         finish_reason = None
         created = int(time.time())
         for event in self.events:
             created = event.get("created", created)
             for choice in event.get("choices") or ():
+                if isinstance(choice.get("logprobs"), dict):
+                    logprobs = (logprobs or []) + list(choice["logprobs"].get("content") or ())
                 delta = choice.get("delta") or {}
                 if delta.get("content"):
                     content.append(delta["content"])
@@ -50,20 +53,29 @@ class AggregatingSink:
         if tool_calls:
             message["tool_calls"] = [tool_calls[i] for i in sorted(tool_calls)]
         return self._response(job, "chat.completion", created,
-                              {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason})
+                              {"index": 0, "message": message,
+                               "logprobs": {"content": logprobs} if logprobs is not None else None,
+                               "finish_reason": finish_reason})
 
     def completion_response(self, job: Job) -> dict[str, Any]:
         text: list[str] = []
+        # The legacy shape: parallel lists, one entry per token, joined across chunks.
+        logprobs: dict[str, list[Any]] | None = None
         finish_reason = None
         created = int(time.time())
         for event in self.events:
             created = event.get("created", created)
             for choice in event.get("choices") or ():
                 text.append(choice.get("text") or "")
+                if isinstance(choice.get("logprobs"), dict):
+                    logprobs = logprobs or {}
+                    for key, values in choice["logprobs"].items():
+                        if isinstance(values, list):
+                            logprobs.setdefault(key, []).extend(values)
                 if choice.get("finish_reason"):
                     finish_reason = choice["finish_reason"]
         return self._response(job, "text_completion", created,
-                              {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish_reason})
+                              {"index": 0, "text": "".join(text), "logprobs": logprobs, "finish_reason": finish_reason})
 
     def _response(self, job: Job, kind: str, created: int, choice: dict[str, Any]) -> dict[str, Any]:
         """The envelope both response objects share; usage is the last (the only

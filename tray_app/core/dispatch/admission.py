@@ -32,6 +32,7 @@ class Reason(str, enum.Enum):
     CPU_QUEUE_FULL = "cpu_queue_full"
     RAM_FLOOR = "ram_floor"
     DEADLINE_TOO_SHORT = "deadline_too_short"
+    QUEUE_WAIT_TOO_LONG = "queue_wait_too_long"
     NO_WORKER = "no_worker"
 
 
@@ -81,6 +82,9 @@ class RequestShape:
     force_cpu: bool = False
     deadline_s: float | None = None  # the client's X-Request-Timeout
     is_replay: bool = False  # a GPU failure being re-run: must not be refused for queue space
+    # The longest the request may wait in a queue for a slot: its
+    # X-Request-Timeout, else the configured default. None = no time limit.
+    queue_budget_s: float | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -114,6 +118,8 @@ class GpuView:
     free_vram_mib: float | None   # None = unknown, which never admits
     reserve_mib: float
     request_vram_mib: float       # what this request would add on the device
+    # Seconds until a GPU slot frees up for a new arrival (work ahead, per slot).
+    backlog_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -184,11 +190,19 @@ def decide(request: RequestShape, gpu: GpuView | None, cpu: CpuView) -> Decision
         )
     if gpu.lane.has_free_slot:
         return Decision(Route.GPU, Reason.ADMITTED, "fits on the GPU")
+    if gpu.lane.has_queue_room and _fits_budget(gpu.backlog_s, request):
+        return Decision(Route.GPU_QUEUE, Reason.ADMITTED, "waiting for a GPU slot",
+                        estimated_latency_s=round(gpu.backlog_s, 2))
     if gpu.lane.has_queue_room:
-        return Decision(Route.GPU_QUEUE, Reason.ADMITTED, "waiting for a GPU slot")
+        return _to_cpu(
+            request, cpu, Reason.GPU_BUSY,
+            f"all {gpu.lane.concurrency} GPU slots are busy and the wait for one (about {gpu.backlog_s:.0f} s) "
+            f"is over the {request.queue_budget_s:g} s queue budget",
+        )
     return _to_cpu(
         request, cpu, Reason.GPU_BUSY,
-        f"the GPU runs {gpu.lane.running} request(s) and its queue is full ({gpu.lane.queued}/{gpu.lane.queue_limit})",
+        f"all {gpu.lane.concurrency} GPU slots are busy and the GPU queue is full "
+        f"({gpu.lane.queued}/{gpu.lane.queue_limit})",
     )
 
 
@@ -222,6 +236,13 @@ def _to_cpu(request: RequestShape, cpu: CpuView, why: Reason, detail: str) -> De
             f"({cpu.lane.queued}/{cpu.lane.queue_limit})",
             status=503, retry_after_s=_retry_after(cpu.backlog_s),
         )
+    if not request.is_replay and not cpu.lane.has_free_slot and not _fits_budget(cpu.backlog_s, request):
+        return Decision(
+            Route.REJECT, Reason.QUEUE_WAIT_TOO_LONG,
+            f"the GPU path can't serve ({detail}) and the wait for a CPU slot (about {cpu.backlog_s:.0f} s) is "
+            f"over the {request.queue_budget_s:g} s queue budget",
+            status=503, retry_after_s=_retry_after(cpu.backlog_s),
+        )
     if request.deadline_s is not None and latency > request.deadline_s:
         return Decision(
             Route.REJECT, Reason.DEADLINE_TOO_SHORT,
@@ -230,6 +251,10 @@ def _to_cpu(request: RequestShape, cpu: CpuView, why: Reason, detail: str) -> De
             status=503, retry_after_s=_retry_after(cpu.backlog_s), estimated_latency_s=latency,
         )
     return Decision(Route.CPU, why, detail, estimated_latency_s=latency)
+
+
+def _fits_budget(wait_s: float, request: RequestShape) -> bool:
+    return request.queue_budget_s is None or wait_s <= request.queue_budget_s
 
 
 def _retry_after(backlog_s: float) -> float:

@@ -75,6 +75,8 @@ class Backend:
         # The process (by Worker.exits when it started) that failed a request:
         # it gets no more work, even while its owner has not replaced it yet.
         self._failed_process: int | None = None
+        # Attempts inside a worker process now, by job id.
+        self._in_process: dict[str, Attempt] = {}
 
     # ----- read side -----------------------------------------------------------
 
@@ -103,8 +105,11 @@ class Backend:
 
     async def crash_cause(self, job: Job, failure: WorkerFailure) -> ExitReport | None:
         """How the process ended if this job's input is what crashed it, else None.
-        Only a request that got into the process can be the cause."""
+        Only a request that got into the process can be the cause, and only
+        if it was alone there: with several in one batch, any of them may be."""
         if not failure.process_may_have_died or not job.attempts or not job.attempts[-1].reached_worker:
+            return None
+        if job.attempts[-1].shared_process:
             return None
         report = await self.worker.exit_after(job.attempts[-1].worker_exits, INPUT_CRASH_WAIT_S)
         return report if report is not None and is_input_crash(report) else None
@@ -182,6 +187,7 @@ class Backend:
                 raise canceled_error(job, "while it ran")
             return result
 
+        self._enter_process(job.id, attempt)
         try:
             request = self._http.build_request("POST", f"{worker.base_url}{job.kind.upstream_path}", json=body,
                                                headers=worker.auth_headers)
@@ -204,6 +210,15 @@ class Backend:
                     event = json.loads(data)
                     if "error" in event:
                         _raise_upstream_failure(f"the worker reported an error: {event['error']}")
+                    if not event.get("choices"):
+                        # llama-server's own usage chunk: the sink writes the
+                        # usage of the whole request (one execution) itself.
+                        continue
+                    # llama-server's per-request timings are the worker's
+                    # business, and the same answer looks the same on any engine.
+                    event.pop("timings", None)
+                    if job.forced_tool is not None:
+                        _as_forced_tool_call(event, job)
                     if _carries_token(event):
                         attempt.tokens += 1
                         if attempt.first_token_at is None:
@@ -233,6 +248,7 @@ class Backend:
         finally:
             canceled.cancel()
             attempt.ended_at = self._clock()
+            self._in_process.pop(job.id, None)
         if not done_seen:
             attempt.outcome = "failed: truncated"
             # The connection closed cleanly: the server's generator raised for
@@ -256,6 +272,16 @@ class Backend:
         first = attempt.first_token_at or attempt.ended_at
         self.speed.observe(attempt.tokens, attempt.ended_at - first, job.prompt_tokens, first - attempt.started_at)
         return attempt
+
+    def _enter_process(self, job_id: str, attempt: Attempt) -> None:
+        """Count the attempt as inside its process, and mark every attempt
+        that overlaps another in the same process as shared."""
+        neighbours = [other for other in self._in_process.values() if other.worker_exits == attempt.worker_exits]
+        if neighbours:
+            attempt.shared_process = True
+            for other in neighbours:
+                other.shared_process = True
+        self._in_process[job_id] = attempt
 
     async def _wait_ready(self, job: Job) -> None:
         worker = self.worker
@@ -348,6 +374,26 @@ def client_safe(message: str) -> str:
     # (a validation error names the field on the next ones).
     text = kept[-1] if kept and lines[0].startswith("Traceback") else "; ".join(kept[:3])
     return _PATH.sub("<path>", text)[:300] or "no detail"
+
+
+def _as_forced_tool_call(event: dict[str, Any], job: Job) -> None:
+    """The constrained answer to a named tool_choice, as OpenAI streams a
+    call: the arguments in fragments, the id and name in the first one only,
+    and finish_reason "tool_calls". The id comes from the request id, so a
+    replay names the call the same."""
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta")
+        if delta is None:
+            continue
+        text = delta.pop("content", None)
+        if text:
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if job.attempts and job.attempts[-1].tokens == 0:
+                call.update(id=f"call_{job.id}", type="function")
+                call["function"]["name"] = job.forced_tool
+            delta["tool_calls"] = [call]
+        if choice.get("finish_reason") == "stop":
+            choice["finish_reason"] = "tool_calls"
 
 
 def _drop_repeated_tool_names(event: dict[str, Any], named: set[tuple[int, int]]) -> None:

@@ -12,6 +12,7 @@ drive it in-process with fake backends.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 
 EXECUTION_LEDGER_SIZE = 10_000
 RECENT_DECISIONS = 50
+# The answer length a queued request is expected to run to, when its limit is
+# larger: the wait estimate for those behind it (see Dispatcher._backlog_s).
+EXPECTED_ANSWER_TOKENS = 256
 
 
 class DispatchEvents(Protocol):
@@ -57,6 +61,8 @@ class Limits:
     cpu_n_ctx: int
     reserve_mib: float
     ram_floor_mib: float
+    # How long a request may wait for a slot without an X-Request-Timeout.
+    queue_budget_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -219,11 +225,12 @@ class Dispatcher:
             if self.breaker.try_acquire():
                 half_open_probe = True
             else:
-                gpu = GpuView(gpu.lane, "the circuit breaker is half-open and a probe request is testing the GPU",
-                              gpu.free_vram_mib, gpu.reserve_mib, gpu.request_vram_mib)
+                gpu = dataclasses.replace(
+                    gpu, out_reason="the circuit breaker is half-open and a probe request is testing the GPU")
         shape = RequestShape(prompt_tokens=job.prompt_tokens, max_tokens=job.max_tokens,
                              force_cpu=job.force_cpu or self.gpu_paused, deadline_s=job.deadline_s,
-                             is_replay=job.replayed)
+                             is_replay=job.replayed,
+                             queue_budget_s=job.deadline_s if job.deadline_s is not None else self.limits.queue_budget_s)
         decision = decide(shape, gpu, self._cpu_view(job))
         on_gpu = decision.route in (Route.GPU, Route.GPU_QUEUE)
         if half_open_probe and not on_gpu:
@@ -253,6 +260,7 @@ class Dispatcher:
             free_vram_mib=self._memory().gpu.free_mib,
             reserve_mib=self.limits.reserve_mib,
             request_vram_mib=self._costs.gpu_mib(job.prompt_tokens + job.max_tokens),
+            backlog_s=self._backlog_s(self.gpu),
         )
 
     def _cpu_view(self, job: Job) -> CpuView:
@@ -266,20 +274,29 @@ class Dispatcher:
             request_ram_mib=self._costs.cpu_mib(job.prompt_tokens + job.max_tokens),
             tokens_per_s=self.cpu.speed.tokens_per_s,
             prompt_tokens_per_s=self.cpu.speed.prompt_tokens_per_s,
-            backlog_s=self._cpu_backlog_s(),
+            backlog_s=self._backlog_s(self.cpu),
         )
 
     def _cpu_backlog_s(self) -> float:
-        lane = self.cpu.lane
+        return self._backlog_s(self.cpu)
+
+    def _backlog_s(self, backend: Backend) -> float:
+        """Seconds until a slot of this path frees up for a new arrival: the
+        work ahead (running and queued), spread over its slots. 0 while a slot
+        is free. A request's work is counted at its expected length, not its
+        limit: a chat without max_tokens may fill its context, but few do.
+        One that has already run long is expected to run as long again."""
+        lane = backend.lane
+        if len(lane.running_ids) < lane.concurrency and not lane.waiting_ids:
+            return 0.0
         total = 0.0
         for job_id in lane.running_ids + lane.waiting_ids:
             job = self.jobs.get(job_id)
             if job is None:
                 continue
-            estimate_s = self._service_time_s(job.prompt_tokens, job.max_tokens, self.cpu)
-            if job.state is JobState.RUNNING and job.attempts:
-                estimate_s = max(0.0, estimate_s - (self._clock() - job.attempts[-1].started_at))
-            total += estimate_s
+            done = job.attempts[-1].tokens if job.state is JobState.RUNNING and job.attempts else 0
+            expected = min(job.max_tokens, max(EXPECTED_ANSWER_TOKENS, 2 * done))
+            total += self._service_time_s(job.prompt_tokens if done == 0 else 0, max(0, expected - done), backend)
         return total / max(1, lane.concurrency)
 
     @staticmethod

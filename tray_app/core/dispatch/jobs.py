@@ -49,6 +49,9 @@ class Attempt:
     # The worker accepted the request (answered with headers): only then can
     # its input be what crashed the worker.
     reached_worker: bool = False
+    # Another request was in the same process at the same time: a crash then
+    # can't be pinned on this one's input (llama-server decodes slots together).
+    shared_process: bool = False
 
 
 @dataclass
@@ -75,6 +78,9 @@ class Job:
     # Set once a byte of the answer has been handed to the client: from then
     # on the request can no longer be re-run anywhere.
     committed: bool = False
+    # The function a named tool_choice forces: the answer (constrained to its
+    # arguments) goes back as a call of it (see api.openai_request.force_named_tool).
+    forced_tool: str | None = None
     # This request is the circuit breaker's half-open probe of the GPU.
     half_open_probe: bool = False
     # Admission's verdict, once made.

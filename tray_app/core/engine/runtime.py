@@ -1,13 +1,14 @@
 """How a llama.cpp server process is launched and probed, in one place.
 
-Everything that depends on *which* server runs (llama-cpp-python's server
-today; the native `llama-server` binary later, which batches concurrent
-requests) lives behind WorkerRuntime. The supervisor and router only use
-this interface.
+Everything that depends on *which* server runs lives behind WorkerRuntime:
+llama.cpp's own `llama-server` (the default: parallel slots, continuous
+batching) or llama-cpp-python's server (one request at a time). The
+supervisor and router only use this interface.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ class LaunchRequest:
     simulated_vram_free_mib: float | None = None
     # The secret the worker must demand of every request (see Worker).
     api_key: str | None = None
+    # Requests decoded at once; each gets its own n_ctx of KV cache.
+    parallel: int = 1
 
 
 # The worker wrapper takes the secret from here and removes it from its
@@ -49,10 +52,48 @@ def parent_pid_environment() -> dict[str, str]:
     return {PARENT_PID_ENV: str(os.getpid())}
 
 
+async def answers_ok(client: httpx.AsyncClient, url: str) -> bool:
+    """A readiness probe: True when url answers 200 within 2 s."""
+    try:
+        response = await client.get(url, timeout=2.0)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
+
+
+def wrapper_argv(python: str, launch: LaunchRequest) -> list[str]:
+    """The worker wrapper (worker_main) and its own flags, which every runtime starts through."""
+    args = [python, "-m", "tray_app.core.engine.worker_main"]
+    if launch.simulated_vram_need_mib is not None and launch.simulated_vram_free_mib is not None:
+        args += [
+            "--sim-vram-need-mib", f"{launch.simulated_vram_need_mib:.1f}",
+            "--sim-vram-free-mib", f"{launch.simulated_vram_free_mib:.1f}",
+        ]
+    return args
+
+
+def wrapper_environment(launch: LaunchRequest) -> dict[str, str]:
+    """What every runtime's wrapper is started with: our pid, the secret, and for a CPU worker no GPU."""
+    env = parent_pid_environment()
+    if launch.api_key:
+        env[WORKER_KEY_VARIABLE] = launch.api_key
+    if launch.n_gpu_layers == 0:
+        # A CUDA build at -ngl 0 still makes a CUDA context and a GPU compute
+        # buffer; the CPU fallback must not be able to run out of VRAM.
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
 class WorkerRuntime(Protocol):
     name: str
     # Requests one process serves at once without one cutting another short.
     max_parallel: int
+    # Whether a request may ask for logprobs.
+    supports_logprobs: bool
+
+    def describe(self) -> str:
+        """Name and version, for /status and the system fingerprint."""
+        ...
 
     def argv(self, launch: LaunchRequest) -> list[str]: ...
 
@@ -75,18 +116,15 @@ class LlamaCppPythonRuntime:
     name = "llama-cpp-python"
     # The server holds one lock around the model: it runs one request at a time.
     max_parallel = 1
+    # It would have to keep the logits of every context position (about
+    # 1.5 GiB at 8k context for a 135M model): launched without them.
+    supports_logprobs = False
 
     def __init__(self, python: str = sys.executable) -> None:
         self._python = python
 
     def argv(self, launch: LaunchRequest) -> list[str]:
-        args = [self._python, "-m", "tray_app.core.engine.worker_main"]
-        if launch.simulated_vram_need_mib is not None and launch.simulated_vram_free_mib is not None:
-            args += [
-                "--sim-vram-need-mib", f"{launch.simulated_vram_need_mib:.1f}",
-                "--sim-vram-free-mib", f"{launch.simulated_vram_free_mib:.1f}",
-            ]
-        args += [
+        return wrapper_argv(self._python, launch) + [
             "--",
             "--model", str(launch.model_path),
             "--host", "127.0.0.1",
@@ -99,26 +137,151 @@ class LlamaCppPythonRuntime:
             # The default keeps a float32 vocabulary-sized row of logits per
             # context token: 1.5 GiB for SmolLM2 at 8k. Only logprobs need it.
             "--logits_all", "False",
+            *(["--n_threads", str(launch.n_threads)] if launch.n_threads > 0 else []),
         ]
-        if launch.n_threads > 0:
-            args += ["--n_threads", str(launch.n_threads)]
-        return args
 
     def environment(self, launch: LaunchRequest) -> dict[str, str]:
-        env = parent_pid_environment()
-        if launch.api_key:
-            env[WORKER_KEY_VARIABLE] = launch.api_key
-        if launch.n_gpu_layers == 0:
-            # A CUDA build at -ngl 0 still makes a CUDA context and a GPU compute
-            # buffer; the CPU fallback must not be able to run out of VRAM.
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        return env
+        return wrapper_environment(launch)
+
+    def describe(self) -> str:
+        return f"llama-cpp-python {_llama_cpp_python_version()}"
 
     async def probe(self, client: httpx.AsyncClient, base_url: str) -> bool:
         # The server loads the model before it listens, so an answer from
         # /v1/models means the model is in memory.
-        try:
-            response = await client.get(f"{base_url}/v1/models", timeout=2.0)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+        return await answers_ok(client, f"{base_url}/v1/models")
+
+
+def _llama_cpp_python_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("llama_cpp_python")
+    except Exception:  # noqa: BLE001 - a version string is cosmetic
+        return "unknown"
+
+
+LLAMA_SERVER_BINARY = "llama-server"
+
+
+def llama_cpp_prefix() -> Path | None:
+    """The site-packages folder the llama-cpp-python wheel was installed into,
+    found without importing it. Its wheel, as packaging/install.sh builds it,
+    also carries bin/llama-server and lib/ (llama.cpp's own install layout)."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]).parent
+
+
+def bundled_llama_server() -> Path | None:
+    """The llama-server built from the same llama.cpp as the installed
+    llama-cpp-python: in the standalone folder, or in site-packages."""
+    frozen = getattr(sys, "_MEIPASS", None)
+    candidates = [Path(frozen) / "llama_server" / LLAMA_SERVER_BINARY] if frozen else []
+    prefix = llama_cpp_prefix()
+    if prefix is not None:
+        candidates.append(prefix / "bin" / LLAMA_SERVER_BINARY)
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def library_dirs(binary: Path) -> list[Path]:
+    """Where llama-server's shared libraries are: beside it, in ../lib (the
+    wheel's install layout), and in llama_cpp/lib (the libraries llama-cpp-python
+    loads, from the same build)."""
+    dirs = [binary.parent, binary.parent.parent / "lib"]
+    prefix = llama_cpp_prefix()
+    if prefix is not None:
+        dirs.append(prefix / "llama_cpp" / "lib")
+    return [d for d in dirs if d.is_dir()]
+
+
+class LlamaServerRuntime:
+    """llama.cpp's own server, started through the same wrapper, which execs it.
+
+    The wrapper (tray_app.core.engine.worker_main --exec) ties the process to
+    ours and plays the simulated allocator before it becomes llama-server, so
+    the pid we watch is llama-server's own.
+    """
+
+    name = "llama-server"
+    # Slots are cheap to declare; what bounds them is memory (the estimate
+    # charges every slot's KV cache) and the config's max_concurrency.
+    max_parallel = 64
+    # It computes the probabilities of the sampled token's candidates only.
+    supports_logprobs = True
+
+    def __init__(self, binary: Path, python: str = sys.executable, version: str = "") -> None:
+        self.binary = binary
+        self._python = python
+        self._version = version
+
+    def describe(self) -> str:
+        return f"llama-server ({self._version or 'built with llama-cpp-python ' + _llama_cpp_python_version()})"
+
+    def argv(self, launch: LaunchRequest) -> list[str]:
+        return wrapper_argv(self._python, launch) + [
+            "--exec", str(self.binary), "--",
+            "--model", str(launch.model_path),
+            "--host", "127.0.0.1",
+            "--port", str(launch.port),
+            # One KV cache per slot, each n_ctx long, rather than one unified
+            # pool: an admitted request's room can't be taken by its
+            # neighbours, so what admission checked still holds mid-answer.
+            "--parallel", str(launch.parallel),
+            "--ctx-size", str(launch.n_ctx * launch.parallel),
+            "--no-kv-unified",
+            "--n-gpu-layers", str(launch.n_gpu_layers),
+            "--batch-size", str(launch.n_batch),
+            # We size and place the model ourselves, against the VRAM others use.
+            "--fit", "off",
+            # Prompt-cache copies in host RAM (default up to 8 GiB) would be
+            # memory the RAM estimate does not count.
+            "--cache-ram", "0",
+            # Tool calls and response_format need the model's own template.
+            "--jinja",
+            # /slots: which slot is busy, for cancellation checks and /status.
+            "--slots",
+            "--no-webui",
+            *(["--threads", str(launch.n_threads)] if launch.n_threads > 0 else []),
+        ]
+
+    def environment(self, launch: LaunchRequest) -> dict[str, str]:
+        env = wrapper_environment(launch)
+        inherited = os.environ.get("LD_LIBRARY_PATH", "")
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([*(str(d) for d in library_dirs(self.binary)),
+                                                  *([inherited] if inherited else [])])
+        return env
+
+    async def probe(self, client: httpx.AsyncClient, base_url: str) -> bool:
+        # llama-server listens while it loads; /health answers 503 until the
+        # model is in memory, then 200.
+        return await answers_ok(client, f"{base_url}/health")
+
+
+@dataclass(frozen=True)
+class RuntimeChoice:
+    runtime: WorkerRuntime
+    # Why the configured runtime is not the one running, or None.
+    fallback_reason: str | None = None
+
+
+def choose_runtime(name: str, llama_server_path: str = "") -> RuntimeChoice:
+    """The runtime the config asks for, or llama-cpp-python with the reason
+    when llama-server can't be found."""
+    if name == "llama-cpp-python":
+        return RuntimeChoice(LlamaCppPythonRuntime())
+    if llama_server_path:
+        binary = Path(llama_server_path).expanduser()
+        if binary.is_file() and os.access(binary, os.X_OK):
+            return RuntimeChoice(LlamaServerRuntime(binary))
+        reason = f"[engine] llama_server = {str(binary)!r} is not an executable file"
+    else:
+        found = bundled_llama_server()
+        if found is not None:
+            return RuntimeChoice(LlamaServerRuntime(found))
+        reason = ("llama-server is not installed beside llama-cpp-python; "
+                  "run packaging/install.sh again to build it")
+    return RuntimeChoice(LlamaCppPythonRuntime(), f"{reason}; serving with llama-cpp-python (one request at a time)")

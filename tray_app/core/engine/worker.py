@@ -119,6 +119,8 @@ class WorkerSpec:
     n_gpu_layers: int
     n_batch: int = 512
     n_threads: int = 0
+    # Slots: requests the process decodes at once, each with its own n_ctx.
+    parallel: int = 1
 
 
 class _Command(enum.Enum):
@@ -377,6 +379,7 @@ class Worker:
             simulated_vram_need_mib=extras.simulated_vram_need_mib,
             simulated_vram_free_mib=extras.simulated_vram_free_mib,
             api_key=self._secret,
+            parallel=self.spec.parallel,
         )
         argv = self.runtime.argv(launch)
         self._log_tail.clear()

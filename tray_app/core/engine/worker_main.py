@@ -1,6 +1,7 @@
-"""Thin wrapper that runs llama-cpp-python's server as a supervised worker.
+"""Thin wrapper that runs a llama.cpp server as a supervised worker.
 
-It does two things before handing over to the stock server:
+It does three things before handing over to the stock server (llama-cpp-python's
+in this process, or llama-server, which it execs so that the pid stays the same):
 
 1. Ties its life to the supervisor: on Linux, PR_SET_PDEATHSIG makes the
    kernel SIGKILL this process when the supervisor dies, even by SIGKILL, so
@@ -24,6 +25,8 @@ import sys
 from tray_app.core.engine.runtime import PARENT_PID_ENV, WORKER_KEY_VARIABLE
 
 _PR_SET_PDEATHSIG = 1
+# llama-server's own name for --api-key (common/arg.cpp).
+LLAMA_SERVER_KEY_VARIABLE = "LLAMA_API_KEY"
 
 
 def _expected_parent_pid() -> int:
@@ -69,14 +72,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tray_app.core.engine.worker_main")
     parser.add_argument("--sim-vram-need-mib", type=float)
     parser.add_argument("--sim-vram-free-mib", type=float)
+    parser.add_argument("--exec", dest="binary", help="run this llama-server instead of llama-cpp-python's server")
     options = parser.parse_args(own)
 
     _die_with_parent()
     if options.sim_vram_need_mib is not None and options.sim_vram_free_mib is not None:
         _simulated_allocation(options.sim_vram_need_mib, options.sim_vram_free_mib)
 
-    # Only sys.argv changes here, not the argv the kernel shows in ps.
     key = os.environ.pop(WORKER_KEY_VARIABLE, None)
+    if options.binary:
+        # llama-server reads its key from this variable; after exec the
+        # environment is readable only by our own user, like our memory.
+        env = dict(os.environ)
+        if key:
+            env[LLAMA_SERVER_KEY_VARIABLE] = key
+        os.execve(options.binary, [options.binary, *server_args], env)
+    # Only sys.argv changes here, not the argv the kernel shows in ps.
     if key:
         # One argv element: a key may begin with "-", which argparse would take for an option.
         server_args += [f"--api_key={key}"]

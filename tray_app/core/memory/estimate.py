@@ -82,8 +82,9 @@ class WorkerSettings:
     n_batch: int = 512
     n_ubatch: int = 512
     kv_type: str = "f16"
-    # llama-server shares n_ctx among its slots, so more slots do not grow the
-    # KV cache; llama_cpp.server serves one request at a time.  No memory effect.
+    # llama-server's slots.  n_ctx is the whole KV cache, split evenly among
+    # the slots (no unified KV: see runtime.LlamaServerRuntime), so a slot's
+    # attention only ever spans n_ctx / n_parallel cells.
     n_parallel: int = 1
     # llama_cpp.server defaults to logits_all=True, which keeps a float32 row of
     # n_vocab logits for every token of the context in RAM: for SmolLM2 at 8k
@@ -206,7 +207,7 @@ def request_vram_bytes(info: ModelInfo, settings: WorkerSettings, n_tokens: int)
     offloaded = layers_offloaded(info, settings.n_gpu_layers)
     if offloaded == 0 or n_tokens <= 0:
         return 0
-    tokens = min(n_tokens, _kv_cells(info, settings))
+    tokens = min(n_tokens, _slot_cells(info, settings))
     blocks_on_gpu = max(offloaded - 1, 0)
     kv = math.ceil(_kv_bytes_per_token_per_layer(info, settings.kv_type) * blocks_on_gpu * tokens)
     logits = info.n_vocab * F32_BYTES * min(tokens, _ubatch(info, settings))
@@ -232,7 +233,13 @@ def _kv_bytes_per_token_per_layer(info: ModelInfo, kv_type: str) -> float:
 
 
 def _kv_cells(info: ModelInfo, settings: WorkerSettings) -> int:
-    n_ctx = settings.n_ctx or info.n_ctx_train
+    """Cells in the whole KV cache: every slot's."""
+    return _slot_cells(info, settings) * settings.n_parallel
+
+
+def _slot_cells(info: ModelInfo, settings: WorkerSettings) -> int:
+    """Cells one sequence can attend over: one slot's share of the cache."""
+    n_ctx = (settings.n_ctx or info.n_ctx_train) // settings.n_parallel
     return -(-n_ctx // KV_CELL_PADDING) * KV_CELL_PADDING
 
 
@@ -250,7 +257,7 @@ def _activations(info: ModelInfo, settings: WorkerSettings) -> int:
 
 def _attention_stage(info: ModelInfo, settings: WorkerSettings) -> int:
     """One block's attention at a full cache: scores per head plus the mask."""
-    score_cells = _kv_cells(info, settings) * _ubatch(info, settings)
+    score_cells = _slot_cells(info, settings) * _ubatch(info, settings)
     if settings.flash_attn:
         # Flash attention never materialises the scores; only the f16 mask remains.
         return score_cells * F16_BYTES + _activations(info, settings)
@@ -264,4 +271,4 @@ def _attention_conversion(info: ModelInfo, settings: WorkerSettings) -> int:
     """
     if settings.flash_attn or settings.kv_type == "f32":
         return 0
-    return _kv_cells(info, settings) * _ubatch(info, settings) * info.n_head * F16_BYTES
+    return _slot_cells(info, settings) * _ubatch(info, settings) * info.n_head * F16_BYTES

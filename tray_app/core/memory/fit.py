@@ -116,14 +116,16 @@ class _Need:
     ram_mib: float
 
 
-def fit_model(info: ModelInfo, headroom: Headroom, *, gpu_n_ctx: int, cpu_n_ctx: int, n_batch: int = 512) -> ModelFit:
-    """Judge the three profiles; GPU ones at gpu_n_ctx, CPU only at cpu_n_ctx.
+def fit_model(info: ModelInfo, headroom: Headroom, *, gpu_n_ctx: int, cpu_n_ctx: int, n_batch: int = 512,
+              gpu_slots: int = 1, cpu_slots: int = 1) -> ModelFit:
+    """Judge the three profiles; GPU ones at gpu_n_ctx, CPU only at cpu_n_ctx,
+    each context per slot (every slot has its own KV cache).
 
     Each context is capped at the model's trained context when the file
     states one: past it a model produces garbage, so there is nothing to
     suggest there.
     """
-    judge = _Judge(info, headroom, n_batch)
+    judge = _Judge(info, headroom, n_batch, gpu_slots=gpu_slots, cpu_slots=cpu_slots)
     resident = judge.gpu_resident(judge.reference_ctx(gpu_n_ctx))
     split = judge.split(judge.reference_ctx(gpu_n_ctx), resident)
     cpu_only = judge.cpu_only(judge.reference_ctx(cpu_n_ctx))
@@ -131,8 +133,11 @@ def fit_model(info: ModelInfo, headroom: Headroom, *, gpu_n_ctx: int, cpu_n_ctx:
 
 
 class _Judge:
-    def __init__(self, info: ModelInfo, headroom: Headroom, n_batch: int) -> None:
+    def __init__(self, info: ModelInfo, headroom: Headroom, n_batch: int, *, gpu_slots: int = 1,
+                 cpu_slots: int = 1) -> None:
         self.info = info
+        self.gpu_slots = gpu_slots
+        self.cpu_slots = cpu_slots
         self.headroom = headroom
         self.n_batch = n_batch
         self.layers_total = info.n_layer + 1
@@ -146,8 +151,10 @@ class _Judge:
         return self.info.n_ctx_train if self.info.n_ctx_train > 0 else reference
 
     def need(self, n_ctx: int, n_gpu_layers: int) -> _Need:
-        # logits_all=False: how the runtime launches workers (runtime.py).
-        settings = WorkerSettings(n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_batch=self.n_batch, logits_all=False)
+        # logits_all=False and n_ctx per slot: how the runtimes launch workers (runtime.py).
+        slots = self.cpu_slots if n_gpu_layers == 0 else self.gpu_slots
+        settings = WorkerSettings(n_ctx=n_ctx * slots, n_gpu_layers=n_gpu_layers, n_batch=self.n_batch,
+                                  n_parallel=slots, logits_all=False)
         footprint = estimate_worker(self.info, settings)
         return _Need(vram_mib=footprint.gpu.total / MIB, ram_mib=footprint.host.total / MIB)
 

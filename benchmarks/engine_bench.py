@@ -1,0 +1,204 @@
+"""The llama-server engine through the service, against llama-server started
+directly. Prints numbers and ratios measured in one run; asserts nothing.
+
+    .venv/bin/python benchmarks/engine_bench.py [--rounds 3] [--threads N]
+
+Both servers run the same binary on the same model file with the same
+thread count and slots (4, n_ctx 2048 each). The service's other worker
+(the CPU path) is loaded but idle. Runs alternate direct/service so that
+drift (thermal, page cache) hits both sides alike.
+
+1. 4 concurrent streams of 128 tokens: aggregate tokens/s and TTFT p50.
+2. One stream: decode tokens/s; and a tiny request (max_tokens 1): latency p50.
+3. A burst of 32 short requests (max_tokens 8) at once: answered, shed, and
+   the time to the last answer.
+4. RSS per worker: a llama-server worker against llama-cpp-python's server
+   on the same model and context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import anchors  # noqa: E402
+from tests.harness import RunningService  # noqa: E402
+
+SLOTS = 4
+N_CTX = 2048
+PROMPTS = [
+    "Write a short poem about autumn leaves.",
+    "Explain what a hash table is.",
+    "Give three tips for growing tomatoes.",
+    "Describe the water cycle.",
+]
+
+
+def service_config(threads: int) -> str:
+    # The GPU path is simulated (it runs on the CPU here): it is the path
+    # with SLOTS slots that the service routes to by default.
+    return f"""
+[gpu]
+simulate_mib = 8192
+n_ctx = {N_CTX}
+max_concurrency = {SLOTS}
+queue_limit = 64
+reserve_mib = 256
+first_token_timeout_s = 300
+token_timeout_s = 120
+[cpu]
+n_ctx = {N_CTX}
+max_concurrency = 1
+n_threads = {threads}
+ram_floor_mib = 256
+[server]
+queue_timeout_s = 600
+"""
+
+
+async def stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+    """(TTFT s, total s, tokens) of one streamed chat that runs to max_tokens."""
+    started = time.perf_counter()
+    first = None
+    tokens = 0
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data:") and '"content":"' in line.replace(" ", ""):
+                tokens += 1
+                first = first or time.perf_counter()
+    return (first or time.perf_counter()) - started, time.perf_counter() - started, tokens
+
+
+async def concurrent(url: str, streams: int, max_tokens: int) -> tuple[float, float]:
+    """(aggregate tokens/s, TTFT p50 s) of `streams` streams started together."""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(stream(client, PROMPTS[i % len(PROMPTS)], max_tokens)
+                                         for i in range(streams)))
+        elapsed = time.perf_counter() - started
+    return sum(r[2] for r in results) / elapsed, statistics.median(r[0] for r in results)
+
+
+async def single(url: str, max_tokens: int) -> float:
+    """Decode tokens/s of one stream, after its first token."""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        ttft, total, tokens = await stream(client, PROMPTS[0], max_tokens)
+    return (tokens - 1) / (total - ttft)
+
+
+async def tiny(url: str, runs: int) -> float:
+    """p50 seconds of a non-streamed request for one token."""
+    times = []
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        for _ in range(runs):
+            started = time.perf_counter()
+            response = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0})
+            response.raise_for_status()
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+async def burst(url: str, requests: int) -> tuple[int, int, float]:
+    """(answered, shed, seconds to the last answer) of `requests` sent at once."""
+    async with httpx.AsyncClient(base_url=url, timeout=600,
+                                 limits=httpx.Limits(max_connections=requests)) as client:
+        started = time.perf_counter()
+        responses = await asyncio.gather(*(client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 8, "temperature": 0})
+            for i in range(requests)))
+        elapsed = time.perf_counter() - started
+    answered = sum(r.status_code == 200 for r in responses)
+    return answered, sum(r.status_code == 503 for r in responses), elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="engine_bench_") as tmp:
+        service = RunningService(Path(tmp) / "service", service_config(args.threads))
+        direct = None
+        try:
+            status = service.wait_ready()
+            engine = status["engine"]
+            if engine["runtime"] != "llama-server":
+                print(f"the service runs {engine['runtime']}: {engine['fallback_reason']}")
+                return 1
+            direct = anchors.llama_server(Path(tmp) / "direct.log", n_ctx=N_CTX, parallel=SLOTS,
+                                          threads=args.threads)
+            urls = {"direct": direct.url, "service": service.url}
+            print(f"engine: {engine['version']}; {SLOTS} slots x n_ctx {N_CTX}, {args.threads} threads, "
+                  f"{args.rounds} rounds, alternating")
+            for url in urls.values():  # warm both
+                asyncio.run(concurrent(url, SLOTS, 8))
+
+            def measure(run):
+                values: dict[str, list] = {"direct": [], "service": []}
+                for round_index in range(args.rounds):
+                    order = ["direct", "service"] if round_index % 2 == 0 else ["service", "direct"]
+                    for side in order:
+                        values[side].append(asyncio.run(run(urls[side])))
+                return values
+
+            both = measure(lambda url: concurrent(url, SLOTS, args.max_tokens))
+            tps = {k: statistics.median(v[0] for v in vs) for k, vs in both.items()}
+            ttft = {k: statistics.median(v[1] for v in vs) for k, vs in both.items()}
+            print(f"== {SLOTS} concurrent streams x {args.max_tokens} tokens (medians) ==")
+            for side in urls:
+                print(f"  {side:8} {tps[side]:7.1f} tokens/s   TTFT p50 {ttft[side] * 1000:7.1f} ms")
+            print(f"  service/direct: tokens/s x{tps['service'] / tps['direct']:.3f}, "
+                  f"TTFT x{ttft['service'] / ttft['direct']:.3f}")
+
+            decode = {k: statistics.median(v) for k, v in measure(lambda url: single(url, args.max_tokens)).items()}
+            small = {k: statistics.median(v) for k, v in measure(lambda url: tiny(url, 30)).items()}
+            print("== one stream ==")
+            for side in urls:
+                print(f"  {side:8} decode {decode[side]:7.1f} tokens/s   max_tokens=1 p50 {small[side] * 1000:7.1f} ms")
+            print(f"  service/direct: decode x{decode['service'] / decode['direct']:.3f}; "
+                  f"a tiny request adds {(small['service'] - small['direct']) * 1000:+.1f} ms at p50")
+
+            print("== burst of 32 requests, max_tokens 8, sent at once ==")
+            for side in urls:
+                answered, shed, elapsed = asyncio.run(burst(urls[side], 32))
+                print(f"  {side:8} answered {answered}/32, shed {shed}, last answer after {elapsed:.2f} s")
+
+            status = service.status()
+            print("== RSS per worker (after the runs above) ==")
+            for worker in status["workers"]:
+                print(f"  service {worker['role']} worker (llama-server, {status['engine']['slots'][worker['role']]} "
+                      f"slot(s) x n_ctx {N_CTX}): {worker['rss_mib']:.0f} MiB")
+            print(f"  llama-server direct ({SLOTS} slots x n_ctx {N_CTX}): {direct.rss_mib():.0f} MiB")
+            direct.stop()
+            direct = None
+            lcp = anchors.llama_cpp_python(Path(tmp) / "lcp.log", n_ctx=N_CTX, threads=args.threads)
+            try:
+                asyncio.run(tiny(lcp.url, 3))
+                print(f"  llama-cpp-python's server (1 request at a time, n_ctx {N_CTX}): {lcp.rss_mib():.0f} MiB")
+            finally:
+                lcp.stop()
+        finally:
+            service.stop()
+            if direct is not None:
+                direct.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
