@@ -11,7 +11,7 @@
 # llama for both, the same tokenizer and chat template on every path. The
 # wheel then carries bin/llama-server and its libraries in lib/, in llama.cpp's
 # install layout; runtime.bundled_llama_server() finds it there.
-# About 9 minutes on 2 cores the first time; cached after that.
+# About 6 minutes on 2 cores the first time; cached after that.
 # The default CPU flags are portable x86-64 (AVX2); `-march=native` builds have
 # crashed with SIGILL on VMs that advertise AMX/AVX-512 but do not allow it.
 # For an NVIDIA GPU: LLAMA_CMAKE_ARGS="-DGGML_CUDA=on" bash packaging/install.sh
@@ -56,10 +56,15 @@ fi
 key=$(printf '%s %s %s' "$LLAMA_VERSION" "$LLAMA_CMAKE_ARGS" "$SERVER_FLAGS" | sha256sum | cut -c1-12)
 wheelhouse="${XDG_CACHE_HOME:-$HOME/.cache}/tray-app/wheels/$key"
 if ! ls "$wheelhouse"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-  echo "building llama-cpp-python $LLAMA_VERSION and llama-server ($LLAMA_CMAKE_ARGS); about 9 minutes on 2 cores"
+  echo "building llama-cpp-python $LLAMA_VERSION and llama-server ($LLAMA_CMAKE_ARGS); about 6 minutes on 2 cores"
   mkdir -p "$wheelhouse"
-  CMAKE_ARGS="$LLAMA_CMAKE_ARGS $SERVER_FLAGS" .venv/bin/python -m pip wheel -q --no-cache-dir --no-deps \
-    "llama-cpp-python==$LLAMA_VERSION" -w "$wheelhouse" 2>&1 | grep -v '^WARNING: Location' || true
+  build_log="$wheelhouse/build.log"
+  if ! CMAKE_ARGS="$LLAMA_CMAKE_ARGS $SERVER_FLAGS" .venv/bin/python -m pip wheel --no-cache-dir --no-deps \
+       "llama-cpp-python==$LLAMA_VERSION" -w "$wheelhouse" >"$build_log" 2>&1; then
+    tail -n 40 "$build_log" >&2
+    echo "install.sh: building llama-cpp-python failed; the whole log is $build_log" >&2
+    exit 1
+  fi
 fi
 installed=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('llama_cpp_python'))" 2>/dev/null || true)
 stamp=.venv/.llama-build-key

@@ -166,9 +166,9 @@ def test_system_fingerprint_is_stable_and_in_every_chunk(fresh, client):
 
 
 def test_a_worker_error_reaches_the_client_without_paths_or_tracebacks(fresh):
-    # A pass-through field the worker's own validation refuses (llama-server's n_probs).
+    # A pass-through field the worker's own validation refuses (llama-server's t_max_predict_ms).
     response = fresh.http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2,
-                                                             "n_probs": "not-a-number"})
+                                                             "t_max_predict_ms": "not-a-number"})
     assert 400 <= response.status_code < 500
     message = response.json()["error"]["message"]
     assert "Traceback" not in message and "site-packages" not in message and "/work" not in message
@@ -212,3 +212,22 @@ def test_a_bad_tool_choice_is_a_400_naming_it(fresh, tool_choice, message):
                                                              "tools": REFUND, "tool_choice": tool_choice})
     error = response.json()["error"]
     assert response.status_code == 400 and error["param"] == "tool_choice" and message in error["message"]
+
+
+@pytest.mark.parametrize("field, value", [("n_predict", 5), ("n_cmpl", 2), ("id_slot", 0), ("n_probs", 3),
+                                          ("json_schema", {"type": "object"}), ("response_fields", ["content"])])
+def test_fields_that_would_override_the_routers_decisions_are_400s(fresh, field, value):
+    response = fresh.http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2, field: value})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == field and error["code"] == "unsupported_parameter"
+
+
+def test_logprobs_with_tools_is_a_400_not_a_worker_error(fresh):
+    response = fresh.http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2, "tools": REFUND,
+                                                             "logprobs": True})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
+
+
+def test_logprobs_without_top_logprobs_has_no_alternatives_as_openai(fresh, client):
+    answer = client.chat.completions.create(model="default", max_tokens=3, messages=HELLO, logprobs=True)
+    assert all(t.top_logprobs == [] for t in answer.choices[0].logprobs.content)

@@ -96,23 +96,29 @@ def test_the_worker_port_refuses_a_request_without_the_per_run_key(fresh_engine)
 
 def test_four_concurrent_requests_decode_together_on_the_gpu(fresh_engine):
     def ask(index: int) -> httpx.Response:
-        return fresh_engine.http.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": f"Count to {index + 3}."}], "max_tokens": 200,
+        # A generous client timeout: on a busy 2-core CI machine four slots
+        # can decode slowly; what is checked is where they ran, not how fast.
+        return fresh_engine.http.post("/v1/chat/completions", timeout=300, json={
+            "messages": [{"role": "user", "content": f"Count to {index + 3}."}], "max_tokens": 48,
             "ignore_eos": True})
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(ask, range(4)))
+        futures = [pool.submit(ask, index) for index in range(4)]
+        # All four inside llama-server at once, as its own /slots shows.
+        most_busy = 0
+        while not all(f.done() for f in futures) and most_busy < 4:
+            most_busy = max(most_busy, busy_slots(fresh_engine, "gpu"))
+            time.sleep(0.05)
+        answers = [f.result() for f in futures]
+    assert most_busy == 4
     assert all(a.status_code == 200 for a in answers)
     assert {a.headers["x-served-by"] for a in answers} == {"gpu"}
     assert {a.headers["x-route-reason"] for a in answers} == {"admitted"}
-    # The four ran at the same time, not one after another: llama-server logs
-    # its slots, and the service saw no queue.
-    assert not any(d["reason"] == "gpu_busy" for d in fresh_engine.status()["recent_decisions"])
 
 
 def test_a_burst_past_the_slots_waits_and_every_request_is_answered(fresh_engine):
     def ask(index: int) -> httpx.Response:
-        return fresh_engine.http.post("/v1/chat/completions", json={
+        return fresh_engine.http.post("/v1/chat/completions", timeout=300, json={
             "messages": [{"role": "user", "content": f"Say {index}."}], "max_tokens": 8})
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:

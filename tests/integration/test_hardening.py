@@ -273,6 +273,21 @@ def test_a_body_that_is_never_read_does_not_hold_the_connection(hardened):
     assert closed, "the connection stayed open"
 
 
+def test_an_answer_sent_before_the_body_was_read_tells_the_client_the_connection_closes(hardened):
+    # The server closes such a connection; a client not told so would send
+    # its next request on it and meet a reset (seen as a flaky ReadError).
+    with socket.create_connection(("127.0.0.1", hardened.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nOrigin: http://evil.example\r\n"
+                     b"Content-Type: text/plain\r\nContent-Length: 100000\r\n\r\n{")
+        reply = sock.recv(65536)
+    head = reply.split(b"\r\n\r\n", 1)[0].lower()
+    assert head.startswith(b"http/1.1 403") and b"\r\nconnection: close" in head, reply[:300]
+    # A request whose body was read keeps its connection for the next one.
+    with socket.create_connection(("127.0.0.1", hardened.port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert b"connection: close" not in sock.recv(65536).lower()
+
+
 def test_connections_past_the_limit_are_refused_in_the_envelope(hardened):
     sockets = []
     try:

@@ -907,6 +907,33 @@ async def test_a_crash_with_other_requests_in_the_batch_is_pinned_on_none_of_the
     assert "request_crashed_worker" not in rig.events.kinds()
 
 
+async def test_a_neighbour_that_finished_before_the_crash_does_not_shield_the_request():
+    rig = make_rig(gpu_slots=2)
+    rig.gpu.worker.exit_report = SIGSEGV
+    crash = asyncio.Event()
+
+    async def short(job: Job, sink, attempt: Attempt) -> None:
+        attempt.reached_worker = True
+        await complete(job, sink, attempt)
+
+    async def crashes_later(job: Job, sink, attempt: Attempt) -> None:
+        attempt.reached_worker = True
+        await crash.wait()
+        raise WorkerFailure("connection broke", process_may_have_died=True)
+
+    rig.gpu.scripts = {"neighbour": short, "poison": crashes_later}
+    poison = start(rig, make_job("poison", fingerprint="fp-poison"))
+    await until(lambda: "poison" in rig.gpu._in_process)
+    neighbour = make_job("neighbour")
+    await run_job(rig, neighbour)
+    # They overlapped in the process, but the neighbour was done before the crash.
+    assert neighbour.attempts[-1] in rig.gpu._in_process["poison"].neighbours
+    crash.set()
+    with pytest.raises(JobFailed) as caught:
+        await poison
+    assert caught.value.code == "request_crashed_worker"
+
+
 async def test_a_crash_alone_in_the_process_is_still_pinned_on_its_request():
     rig = make_rig(gpu_slots=2)
     rig.gpu.script = raising(WorkerFailure("connection broke", process_may_have_died=True))

@@ -54,6 +54,12 @@ def test_llama_server_finds_its_libraries_beside_it_and_in_the_wheel(tmp_path):
     env = LlamaServerRuntime(tmp_path / "bin" / "llama-server").environment(LAUNCH)
     dirs = env["LD_LIBRARY_PATH"].split(os.pathsep)
     assert dirs[:2] == [str(tmp_path / "bin"), str(tmp_path / "lib")]
+    assert any(d.endswith(os.path.join("llama_cpp", "lib")) for d in dirs)
+
+
+def test_another_llama_server_is_not_handed_the_bundled_libraries(tmp_path):
+    env = LlamaServerRuntime(tmp_path / "llama-server", bundled=False).environment(LAUNCH)
+    assert not any(d.endswith(os.path.join("llama_cpp", "lib")) for d in env["LD_LIBRARY_PATH"].split(os.pathsep))
 
 
 def test_the_config_can_choose_llama_cpp_python():

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.config import DEFAULT_PORT, Config, ConfigError, apply_overrides, load_config, models_dir
+from ..core.engine.runtime import choose_runtime
 from ..core.memory.fit import Headroom, ModelFit, Profile, describe_fit, fit_model, format_mib, headroom_from_status
 from ..core.memory.gguf_info import ModelFileError, ModelInfo, read_model_info
 
@@ -144,9 +145,11 @@ def list_model(candidate: ModelCandidate, config: Config, headroom: Headroom) ->
         info = read_model_info(candidate.path)
     except ModelFileError as exc:
         return ListedModel(candidate, None, str(exc))
+    # Slots as the service would start them: llama-cpp-python runs one.
+    most = choose_runtime(config.engine.runtime, config.engine.llama_server).runtime.max_parallel
     fit = fit_model(info, headroom, gpu_n_ctx=config.gpu.n_ctx, cpu_n_ctx=config.cpu.n_ctx,
-                    n_batch=config.worker.n_batch, gpu_slots=config.gpu.max_concurrency,
-                    cpu_slots=config.cpu.max_concurrency)
+                    n_batch=config.worker.n_batch, gpu_slots=min(config.gpu.max_concurrency, most),
+                    cpu_slots=min(config.cpu.max_concurrency, most))
     return ListedModel(candidate, fit)
 
 

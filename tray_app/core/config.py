@@ -48,8 +48,10 @@ class ServerConfig:
     # Open client connections at once; past it a new one gets a 503 at once.
     max_connections: int = 256
     # A request waits in a queue only if its estimated wait fits this budget
-    # (or the client's X-Request-Timeout); otherwise it gets a 503 with
-    # Retry-After at once. The queue_limit counts stay as a memory guard.
+    # (or the client's X-Request-Timeout); otherwise a busy GPU sends it to
+    # the CPU, and a busy CPU answers 503 with Retry-After at once. It is a
+    # test on the estimate at admission, not a timer. The queue_limit counts
+    # stay as a memory guard.
     queue_timeout_s: float = 60.0
 
 

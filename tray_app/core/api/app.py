@@ -30,8 +30,8 @@ from .idempotency import IdempotencyStore
 from .openai_request import InvalidRequest
 from .openapi import build_openapi
 from .requests import (
-    MAX_MESSAGES, PRESSURE_RULE, ModelNames, clean_request_id, read_json_object, requested_limit, routing_headers,
-    validate,
+    MAX_MESSAGES, PRESSURE_RULE, Checked, ModelNames, clean_request_id, read_json_object, requested_limit,
+    routing_headers, validate,
 )
 from .sinks import AggregatingSink, QueueSink, RecordedStream, sse, usage_chunk, wants_usage
 
@@ -132,8 +132,8 @@ class Router:
         base_headers = {"X-Request-Id": request_id}
         try:
             body = await read_json_object(request)
-            forced_tool = validate(body, kind, self.model_names, self.largest_context, self._grammar_problem,
-                                   logprobs=self.service.supports_logprobs)
+            checked = validate(body, kind, self.model_names, self.largest_context, self._grammar_problem,
+                               logprobs=self.service.supports_logprobs)
             force_cpu, deadline_s = routing_headers(request)
         except _Invalid as bad:
             headers = dict(base_headers)
@@ -146,7 +146,7 @@ class Router:
 
         idempotency_key = request.headers.get("idempotency-key")
         if not idempotency_key:
-            return await self._admit_and_run(request, kind, body, request_id, force_cpu, deadline_s, forced_tool)
+            return await self._admit_and_run(request, kind, body, request_id, force_cpu, deadline_s, checked)
         fingerprint = hashlib.sha256(json.dumps([kind.value, body], sort_keys=True).encode()).hexdigest()
         try:
             entry = self.idempotency.lookup(idempotency_key, fingerprint)
@@ -158,7 +158,7 @@ class Router:
         # and waits for this result instead of running again.
         claim = self.idempotency.claim(idempotency_key, fingerprint, request_id)
         try:
-            response = await self._admit_and_run(request, kind, body, request_id, force_cpu, deadline_s, forced_tool)
+            response = await self._admit_and_run(request, kind, body, request_id, force_cpu, deadline_s, checked)
         except BaseException:
             self.idempotency.forget(idempotency_key, request_id)
             _resolve(claim, ("json", 500, {}, error_bytes(
@@ -169,10 +169,10 @@ class Router:
         return response
 
     async def _admit_and_run(self, request: Request, kind: JobKind, body: dict[str, Any], request_id: str,
-                             force_cpu: bool, deadline_s: float | None, forced_tool: str | None) -> Response:
+                             force_cpu: bool, deadline_s: float | None, checked: Checked) -> Response:
         base_headers = {"X-Request-Id": request_id}
-        job = Job(id=request_id, kind=kind, body=body, stream=bool(body.get("stream")),
-                  force_cpu=force_cpu, deadline_s=deadline_s, forced_tool=forced_tool)
+        job = Job(id=request_id, kind=kind, body=body, stream=bool(body.get("stream")), force_cpu=force_cpu,
+                  deadline_s=deadline_s, forced_tool=checked.forced_tool, top_logprobs=checked.top_logprobs)
         job.fingerprint = request_fingerprint(kind.value, body)
         # Registered before the first await, so a twin with the same id that
         # arrives while this one's prompt is counted finds it taken.

@@ -104,4 +104,5 @@ def request_properties(max_tokens: int) -> dict[str, Any]:
         "n": N.schema(),
         "stop": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
                  "maxItems": MAX_STOP},
+        "reasoning_format": {"type": "string", "enum": list(REASONING_FORMATS)},
     }

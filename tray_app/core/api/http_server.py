@@ -103,6 +103,43 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
+def _declares_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    for name, value in headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"", b"0")):
+            return True
+    return False
+
+
+class CloseWhenBodyUnread:
+    """Says "Connection: close" on a response sent before the request's body
+    was read: GuardedH11Protocol closes such a connection after the response,
+    and a client that was not told would send its next request on it and
+    meet a reset."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not _declares_body(scope.get("headers") or []):
+            await self.app(scope, receive, send)
+            return
+        body_read = False
+
+        async def tracking_receive():
+            nonlocal body_read
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                body_read = True
+            return message
+
+        async def closing_send(message) -> None:
+            if message["type"] == "http.response.start" and not body_read:
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, tracking_receive, closing_send)
+
+
 class ThreadedServer(uvicorn.Server):
     """For a server on a background thread (the tray): only the main thread
     may install signal handlers, and the tray handles quitting itself."""
@@ -127,7 +164,7 @@ def build_server(config: Config, service: Service | None = None, log_level: str 
                     {"header_timeout_s": config.server.header_timeout_s,
                      "max_connections": config.server.max_connections})
     server = server_class(uvicorn.Config(
-        AccessGuard(app, policy), host=config.server.host, port=config.server.port, http=protocol,
+        CloseWhenBodyUnread(AccessGuard(app, policy)), host=config.server.host, port=config.server.port, http=protocol,
         log_level=log_level.lower(), access_log=False, lifespan="on", timeout_graceful_shutdown=10,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_keep_alive=5, **uvicorn_options,
     ))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .bounds import request_properties
+from .bounds import COMPLETION_LOGPROBS, TOP_LOGPROBS, request_properties
 
 ERROR = {"$ref": "#/components/schemas/Error"}
 ERROR_RESPONSE = {"description": "an error in the OpenAI envelope",
@@ -69,6 +69,9 @@ def build_openapi(max_tokens: int, max_messages: int) -> dict[str, Any]:
                                 ]},
                             }}},
                         **sampling,
+                        "logprobs": {"type": "boolean"},
+                        "top_logprobs": TOP_LOGPROBS.schema(),
+                        "tool_choice": {"type": "string", "enum": ["none", "auto", "required"]},
                     }}}}},
                 "responses": {"200": {"description": "a completion, or an SSE stream", "content": json_or_sse},
                               **completion_errors},
@@ -77,7 +80,8 @@ def build_openapi(max_tokens: int, max_messages: int) -> dict[str, Any]:
                 "operationId": "createCompletion",
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {
                     "type": "object", "required": ["prompt"],
-                    "properties": {"prompt": {"type": "string", "minLength": 1}, **sampling}}}}},
+                    "properties": {"prompt": {"type": "string", "minLength": 1}, **sampling,
+                                   "logprobs": COMPLETION_LOGPROBS.schema()}}}}},
                 "responses": {"200": {"description": "a completion, or an SSE stream", "content": json_or_sse},
                               **completion_errors},
             }},

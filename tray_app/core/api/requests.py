@@ -65,12 +65,39 @@ SAMPLING_RULES = {
 PRESSURE_RULE = bounds.Range(False, 0, 16 * 1024 * 1024).problem
 
 
+@dataclass(frozen=True)
+class Checked:
+    """What validation learned that the job, not the body, carries."""
+
+    forced_tool: str | None = None  # the function a named tool_choice forces
+    top_logprobs: int | None = None  # alternatives per token; None = no logprobs
+
+
+# Fields llama-server reads that would override what the router decided for
+# the request (its slot, its limit, its number of answers, the response's
+# shape), with what to send instead.
+ROUTER_OWNED_FIELDS = {
+    "n_predict": "send max_tokens",
+    "n_cmpl": "send one request per answer",
+    "id_slot": "slots are the router's to assign",
+    "n_probs": "send logprobs and top_logprobs",
+    "json_schema": "send response_format",
+    "response_fields": "responses have OpenAI's shape here",
+    "return_progress": "responses have OpenAI's shape here",
+    "return_tokens": "responses have OpenAI's shape here",
+    "post_sampling_probs": "send logprobs and top_logprobs",
+    "timings_per_token": "responses have OpenAI's shape here",
+}
+
+
 def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_context: int,
-             grammar_problem: Callable[[str], str | None], *, logprobs: bool = False) -> str | None:
+             grammar_problem: Callable[[str], str | None], *, logprobs: bool = False) -> Checked:
     """Check a chat or completion body field by field, in place turning
     what clients send into what a worker runs (content parts, structured
-    output). Raises InvalidRequest naming the field. Returns the name of the
-    function a named tool_choice forces, if any."""
+    output). Raises InvalidRequest naming the field."""
+    for field, instead in ROUTER_OWNED_FIELDS.items():
+        if field in body:
+            raise _Invalid(400, f"'{field}' is not accepted here: {instead}", "unsupported_parameter", field)
     model = body.get("model")
     if model is not None:
         if not isinstance(model, str):
@@ -124,19 +151,21 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise _Invalid(400, "'stream' must be true or false", "invalid_type", "stream")
-    _check_logprobs(body, kind, logprobs)
+    top_logprobs = _check_logprobs(body, kind, logprobs)
     for field, rule in SAMPLING_RULES.items():
         if body.get(field) is not None:
             problem = rule(body[field])
             if problem:
                 raise _Invalid(400, f"'{field}' {problem}", "invalid_value", field)
     constrain_output(body, grammar_problem)
-    return force_named_tool(body, grammar_problem) if kind is JobKind.CHAT else None
+    forced_tool = force_named_tool(body, grammar_problem) if kind is JobKind.CHAT else None
+    return Checked(forced_tool=forced_tool, top_logprobs=top_logprobs)
 
 
-def _check_logprobs(body: dict[str, Any], kind: JobKind, supported: bool) -> None:
+def _check_logprobs(body: dict[str, Any], kind: JobKind, supported: bool) -> int | None:
     """OpenAI's shapes: chat takes logprobs true/false and top_logprobs 0-20;
-    the legacy completions API takes logprobs as a count, 0-5."""
+    the legacy completions API takes logprobs as a count, 0-5. Returns the
+    alternatives per token asked for, None without logprobs."""
     if kind is JobKind.CHAT:
         wanted, top = body.get("logprobs"), body.get("top_logprobs")
         if wanted is not None and not isinstance(wanted, bool):
@@ -146,16 +175,25 @@ def _check_logprobs(body: dict[str, Any], kind: JobKind, supported: bool) -> Non
         if top and not wanted:
             raise _Invalid(400, "'top_logprobs' needs 'logprobs': true", "invalid_value", "top_logprobs")
         asked = bool(wanted)
+        alternatives = top or 0
     else:
         count = body.get("logprobs")
         if count is not None and bounds.COMPLETION_LOGPROBS.problem(count):
             raise _Invalid(400, f"'logprobs' {bounds.COMPLETION_LOGPROBS.problem(count)}", "invalid_value", "logprobs")
         asked = count is not None
-    if asked and not supported:
+        alternatives = count or 0
+    if not asked:
+        return None
+    if body.get("tools"):
+        # The router always streams from the worker, and llama-server streams
+        # no logprobs with tools.
+        raise _Invalid(400, "logprobs can't be combined with tools here", "unsupported_parameter", "logprobs")
+    if not supported:
         raise _Invalid(400, "logprobs are not available with the llama-cpp-python engine: its workers would have "
                        "to keep the logits of every context position (about 1.5 GiB at 8k context for a 135M "
                        "model); the llama-server engine offers them (capabilities.logprobs in GET /v1/models)",
                        "unsupported_parameter", "logprobs")
+    return alternatives
 
 
 async def _read_limited(request: Request, limit: int, timeout: float) -> bytes:

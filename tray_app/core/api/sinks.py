@@ -28,6 +28,7 @@ class AggregatingSink:
 
     def chat_response(self, job: Job) -> dict[str, Any]:
         content: list[str] = []
+        reasoning: list[str] = []
         tool_calls: dict[int, dict[str, Any]] = {}
         logprobs: list[Any] | None = None
         finish_reason = None
@@ -40,6 +41,8 @@ class AggregatingSink:
                 delta = choice.get("delta") or {}
                 if delta.get("content"):
                     content.append(delta["content"])
+                if delta.get("reasoning_content"):
+                    reasoning.append(delta["reasoning_content"])
                 for call in delta.get("tool_calls") or ():
                     slot = tool_calls.setdefault(call.get("index", 0), {
                         "id": call.get("id"), "type": "function", "function": {"name": "", "arguments": ""}})
@@ -50,6 +53,9 @@ class AggregatingSink:
                 if choice.get("finish_reason"):
                     finish_reason = choice["finish_reason"]
         message: dict[str, Any] = {"role": "assistant", "content": "".join(content) if content or not tool_calls else None}
+        if reasoning:
+            # Where llama-server (and DeepSeek's API) put a thinking model's reasoning.
+            message["reasoning_content"] = "".join(reasoning)
         if tool_calls:
             message["tool_calls"] = [tool_calls[i] for i in sorted(tool_calls)]
         return self._response(job, "chat.completion", created,
@@ -59,7 +65,8 @@ class AggregatingSink:
 
     def completion_response(self, job: Job) -> dict[str, Any]:
         text: list[str] = []
-        # The legacy shape: parallel lists, one entry per token, joined across chunks.
+        # llama-server's shape (lists per token under "content"), each list
+        # joined across chunks.
         logprobs: dict[str, list[Any]] | None = None
         finish_reason = None
         created = int(time.time())

@@ -109,7 +109,7 @@ class Backend:
         if it was alone there: with several in one batch, any of them may be."""
         if not failure.process_may_have_died or not job.attempts or not job.attempts[-1].reached_worker:
             return None
-        if job.attempts[-1].shared_process:
+        if job.attempts[-1].shared_at_crash():
             return None
         report = await self.worker.exit_after(job.attempts[-1].worker_exits, INPUT_CRASH_WAIT_S)
         return report if report is not None and is_input_crash(report) else None
@@ -175,10 +175,14 @@ class Backend:
         # (llama-cpp-python sends them after prefill) and for the first event.
         first_deadline = time.monotonic() + first_timeout
 
+        # Between tokens the deadline runs from the last event with data, so
+        # llama-server's keep-alive comments (":" lines) can't hide a stall.
+        last_event = [0.0]
+
         def wait_limit() -> float:
             if attempt.first_token_at is None:
                 return max(0.0, first_deadline - time.monotonic())
-            return token_timeout
+            return max(0.0, last_event[0] + token_timeout - time.monotonic())
 
         async def from_worker(awaitable):
             result = await _wait_on_worker(awaitable, canceled, wait_limit(), worker.liveness_problem)
@@ -214,13 +218,17 @@ class Backend:
                         # llama-server's own usage chunk: the sink writes the
                         # usage of the whole request (one execution) itself.
                         continue
-                    # llama-server's per-request timings are the worker's
-                    # business, and the same answer looks the same on any engine.
+                    # llama-server's per-request timings and usage are the
+                    # worker's business (the sink writes the usage of the one
+                    # execution), and the same answer looks the same on any engine.
                     event.pop("timings", None)
+                    event.pop("usage", None)
+                    _trim_logprobs(event, job.top_logprobs)
                     if job.forced_tool is not None:
                         _as_forced_tool_call(event, job)
                     if _carries_token(event):
                         attempt.tokens += 1
+                        last_event[0] = time.monotonic()
                         if attempt.first_token_at is None:
                             attempt.first_token_at = self._clock()
                     event["id"] = response_id(job)
@@ -274,13 +282,12 @@ class Backend:
         return attempt
 
     def _enter_process(self, job_id: str, attempt: Attempt) -> None:
-        """Count the attempt as inside its process, and mark every attempt
-        that overlaps another in the same process as shared."""
-        neighbours = [other for other in self._in_process.values() if other.worker_exits == attempt.worker_exits]
-        if neighbours:
-            attempt.shared_process = True
-            for other in neighbours:
-                other.shared_process = True
+        """Count the attempt as inside its process, and introduce it to the
+        attempts already there (see Attempt.shared_at_crash)."""
+        for other in self._in_process.values():
+            if other.worker_exits == attempt.worker_exits:
+                other.neighbours.append(attempt)
+                attempt.neighbours.append(other)
         self._in_process[job_id] = attempt
 
     async def _wait_ready(self, job: Job) -> None:
@@ -316,6 +323,10 @@ def _worker_body(job: Job) -> dict[str, Any]:
     # detection, token metering and replay while nothing was sent.
     body["stream"] = True
     body.pop("stream_options", None)
+    if job.top_logprobs is not None:
+        # See _trim_logprobs: at least one, or llama-server sends none.
+        key = "top_logprobs" if job.kind.value == "chat" else "logprobs"
+        body[key] = max(1, job.top_logprobs)
     return body
 
 
@@ -376,6 +387,19 @@ def client_safe(message: str) -> str:
     return _PATH.sub("<path>", text)[:300] or "no detail"
 
 
+def _trim_logprobs(event: dict[str, Any], wanted: int | None) -> None:
+    """Keep the alternatives the client asked for. llama-server returns 20
+    when top_logprobs is absent and none at all for 0, so the worker is asked
+    for at least one and the list is cut here (OpenAI's default is 0)."""
+    if wanted is None:
+        return
+    for choice in event.get("choices") or ():
+        logprobs = choice.get("logprobs")
+        for token in (logprobs.get("content") or ()) if isinstance(logprobs, dict) else ():
+            if isinstance(token, dict) and isinstance(token.get("top_logprobs"), list):
+                del token["top_logprobs"][wanted:]
+
+
 def _as_forced_tool_call(event: dict[str, Any], job: Job) -> None:
     """The constrained answer to a named tool_choice, as OpenAI streams a
     call: the arguments in fragments, the id and name in the first one only,
@@ -417,7 +441,10 @@ def _drop_repeated_tool_names(event: dict[str, Any], named: set[tuple[int, int]]
 def _carries_token(event: dict[str, Any]) -> bool:
     for choice in event.get("choices") or ():
         delta = choice.get("delta")
-        if delta is not None and (delta.get("content") or delta.get("tool_calls") or delta.get("function_call")):
+        # A thinking model's reasoning is output too: without it, a model that
+        # thinks for a while would look hung before its first answer token.
+        if delta is not None and (delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+                                  or delta.get("function_call")):
             return True
         if choice.get("text"):
             return True

@@ -49,9 +49,16 @@ class Attempt:
     # The worker accepted the request (answered with headers): only then can
     # its input be what crashed the worker.
     reached_worker: bool = False
-    # Another request was in the same process at the same time: a crash then
-    # can't be pinned on this one's input (llama-server decodes slots together).
-    shared_process: bool = False
+    # The other attempts that were inside the same process at some point
+    # while this one was (llama-server decodes its slots together).
+    neighbours: list["Attempt"] = field(default_factory=list, repr=False, compare=False)
+
+    def shared_at_crash(self) -> bool:
+        """Whether another request was inside the process when it died: then
+        the crash can't be pinned on this one's input. One that finished (or
+        was canceled) before, or never got in, doesn't count."""
+        return any(other.reached_worker and (other.outcome == "running" or other.outcome.startswith("failed"))
+                   for other in self.neighbours)
 
 
 @dataclass
@@ -81,6 +88,8 @@ class Job:
     # The function a named tool_choice forces: the answer (constrained to its
     # arguments) goes back as a call of it (see api.openai_request.force_named_tool).
     forced_tool: str | None = None
+    # Alternatives per token the client asked for with logprobs; None = no logprobs.
+    top_logprobs: int | None = None
     # This request is the circuit breaker's half-open probe of the GPU.
     half_open_probe: bool = False
     # Admission's verdict, once made.

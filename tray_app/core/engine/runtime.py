@@ -187,13 +187,14 @@ def bundled_llama_server() -> Path | None:
     return None
 
 
-def library_dirs(binary: Path) -> list[Path]:
-    """Where llama-server's shared libraries are: beside it, in ../lib (the
-    wheel's install layout), and in llama_cpp/lib (the libraries llama-cpp-python
-    loads, from the same build)."""
+def library_dirs(binary: Path, *, bundled: bool = True) -> list[Path]:
+    """Where llama-server's shared libraries are: beside it and in ../lib
+    (the wheel's install layout); for the bundled binary also llama_cpp/lib
+    (the libraries llama-cpp-python loads, from the same build). Another
+    build must not be handed those: LD_LIBRARY_PATH wins over its RUNPATH."""
     dirs = [binary.parent, binary.parent.parent / "lib"]
     prefix = llama_cpp_prefix()
-    if prefix is not None:
+    if bundled and prefix is not None:
         dirs.append(prefix / "llama_cpp" / "lib")
     return [d for d in dirs if d.is_dir()]
 
@@ -213,13 +214,14 @@ class LlamaServerRuntime:
     # It computes the probabilities of the sampled token's candidates only.
     supports_logprobs = True
 
-    def __init__(self, binary: Path, python: str = sys.executable, version: str = "") -> None:
+    def __init__(self, binary: Path, python: str = sys.executable, *, bundled: bool = True) -> None:
         self.binary = binary
+        self.bundled = bundled
         self._python = python
-        self._version = version
 
     def describe(self) -> str:
-        return f"llama-server ({self._version or 'built with llama-cpp-python ' + _llama_cpp_python_version()})"
+        built = f"built with llama-cpp-python {_llama_cpp_python_version()}" if self.bundled else str(self.binary)
+        return f"llama-server ({built})"
 
     def argv(self, launch: LaunchRequest) -> list[str]:
         return wrapper_argv(self._python, launch) + [
@@ -251,7 +253,7 @@ class LlamaServerRuntime:
     def environment(self, launch: LaunchRequest) -> dict[str, str]:
         env = wrapper_environment(launch)
         inherited = os.environ.get("LD_LIBRARY_PATH", "")
-        env["LD_LIBRARY_PATH"] = os.pathsep.join([*(str(d) for d in library_dirs(self.binary)),
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([*(str(d) for d in library_dirs(self.binary, bundled=self.bundled)),
                                                   *([inherited] if inherited else [])])
         return env
 
@@ -276,7 +278,7 @@ def choose_runtime(name: str, llama_server_path: str = "") -> RuntimeChoice:
     if llama_server_path:
         binary = Path(llama_server_path).expanduser()
         if binary.is_file() and os.access(binary, os.X_OK):
-            return RuntimeChoice(LlamaServerRuntime(binary))
+            return RuntimeChoice(LlamaServerRuntime(binary, bundled=False))
         reason = f"[engine] llama_server = {str(binary)!r} is not an executable file"
     else:
         found = bundled_llama_server()

@@ -1,0 +1,51 @@
+"""What the backend does to a worker's stream events on their way to the
+client: pure helpers, tested with plain dicts."""
+
+from __future__ import annotations
+
+from tray_app.core.dispatch.backend import _as_forced_tool_call, _carries_token, _trim_logprobs, _worker_body
+from tray_app.core.dispatch.jobs import Attempt, Job, JobKind
+
+
+def chunk(**delta) -> dict:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+
+def test_reasoning_counts_as_output_so_a_thinking_model_does_not_look_hung():
+    assert _carries_token(chunk(reasoning_content="Let me think"))
+    assert not _carries_token(chunk(role="assistant", content=None))
+
+
+def test_alternatives_are_cut_to_what_the_client_asked_for():
+    token = {"token": "a", "logprob": -0.1, "top_logprobs": [{"token": "a"}, {"token": "b"}, {"token": "c"}]}
+    event = {"choices": [{"index": 0, "delta": {"content": "a"}, "logprobs": {"content": [token]}}]}
+    _trim_logprobs(event, 1)
+    assert [t["token"] for t in token["top_logprobs"]] == ["a"]
+    _trim_logprobs(event, 0)
+    assert token["top_logprobs"] == []
+
+
+def test_the_worker_is_asked_for_at_least_one_alternative():
+    job = Job(id="r", kind=JobKind.CHAT, body={"messages": [], "logprobs": True, "top_logprobs": 0}, stream=False,
+              top_logprobs=0)
+    assert _worker_body(job)["top_logprobs"] == 1
+    completion = Job(id="c", kind=JobKind.COMPLETION, body={"prompt": "x", "logprobs": 0}, stream=False,
+                     top_logprobs=0)
+    assert _worker_body(completion)["logprobs"] == 1
+
+
+def test_a_forced_tool_answer_streams_as_one_call_named_once():
+    job = Job(id="req-9", kind=JobKind.CHAT, body={}, stream=True, forced_tool="refund_order")
+    job.attempts.append(Attempt("gpu", 0.0))
+    first = chunk(content='{"order')
+    _as_forced_tool_call(first, job)
+    job.attempts[-1].tokens = 1
+    second = chunk(content='_id": "A"}')
+    _as_forced_tool_call(second, job)
+    last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    _as_forced_tool_call(last, job)
+    (call,) = first["choices"][0]["delta"]["tool_calls"]
+    assert call == {"index": 0, "id": "call_req-9", "type": "function",
+                    "function": {"name": "refund_order", "arguments": '{"order'}}
+    assert second["choices"][0]["delta"] == {"tool_calls": [{"index": 0, "function": {"arguments": '_id": "A"}'}}]}
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
