@@ -7,8 +7,10 @@ and the bundled model. It starts a virtual display and a tray host, runs
 `tray-app` on a simulated 2 GiB GPU with isolated config/log dirs, and lets
 the app's screenshot tour (tray_app/ui/shots.py, switched on by
 TRAY_APP_SCREENSHOT_DIR) drive it: the tray icon inside trayer, the menu, the
-panel in normal and degraded mode, the chat mid-answer. Then it runs the app
-once more with no tray host, for the no-tray fallback window.
+panel in normal and degraded mode, the chat mid-answer, the settings. Then
+it runs the app once more with no tray host, for the no-tray fallback window.
+Each tour runs once per theme (--themes): the desktop's default light
+palette, and a dark Fusion palette whose files end in -dark.png.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ n_ctx = 4096
 reserve_mib = 512
 [cpu]
 n_ctx = 2048
+# One slot, so the degraded shots show a running request and a queued one.
+max_concurrency = 1
 queue_limit = 8
 ram_floor_mib = 1024
 [worker]
@@ -72,28 +76,30 @@ def stop(process: subprocess.Popen | None) -> None:
             process.wait()
 
 
-def run_app(out: Path, work: Path, env: dict[str, str], which: str, timeout: float) -> dict:
+def run_app(out: Path, work: Path, env: dict[str, str], which: str, theme: str, timeout: float) -> dict:
     config = work / "config.toml"
     config.write_text(CONFIG)
     tray_app = ROOT / ".venv" / "bin" / "tray-app"
     command = [str(tray_app) if tray_app.exists() else sys.executable, *([] if tray_app.exists() else ["-m", "tray_app"]), "tray",
                "--config", str(config), "--port", str(free_port()), "--simulate-gpu-mib", "2048"]
-    log = open(work / f"app-{which}.log", "wb")
-    app_env = {**env, "TRAY_APP_SCREENSHOT_DIR": str(out), "TRAY_APP_SCREENSHOT_SET": which}
+    run = f"{which}-{theme}"
+    log = open(work / f"app-{run}.log", "wb")
+    app_env = {**env, "TRAY_APP_SCREENSHOT_DIR": str(out), "TRAY_APP_SCREENSHOT_SET": which,
+               "TRAY_APP_SCREENSHOT_THEME": theme}
     app = subprocess.Popen(command, env=app_env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         app.wait(timeout)
     except subprocess.TimeoutExpired:
         stop(app)
-        raise RuntimeError(f"the app did not finish the {which} tour in {timeout} s; see {work}/app-{which}.log")
+        raise RuntimeError(f"the app did not finish the {run} tour in {timeout} s; see {work}/app-{run}.log")
     finally:
         log.close()
     result = json.loads((out / "tour.json").read_text()) if (out / "tour.json").exists() else {"ok": False}
     (out / "tour.json").unlink(missing_ok=True)
     result["exit_code"] = app.returncode
     if not result.get("ok") or app.returncode != 0:
-        tail = (work / f"app-{which}.log").read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"{which} tour failed: {result}\n{tail}")
+        tail = (work / f"app-{run}.log").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{run} tour failed: {result}\n{tail}")
     return result
 
 
@@ -102,7 +108,11 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "docs" / "screenshots"))
     parser.add_argument("--size", default="1280x800")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--themes", default="light,dark", help="comma-separated: light, dark")
     args = parser.parse_args()
+    themes = [t.strip() for t in args.themes.split(",") if t.strip()]
+    if not themes or set(themes) - {"light", "dark"}:
+        parser.error("--themes takes light, dark or both")
     for tool in ("Xvfb", "trayer", "xdpyinfo"):
         if shutil.which(tool) is None:
             print(f"missing {tool}: apt-get install xvfb trayer x11-utils", file=sys.stderr)
@@ -137,14 +147,16 @@ def main() -> int:
                                    "--transparent", "true", "--alpha", "0"],
                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.5)
-        tray = run_app(out, work, env, "tray", args.timeout)
+        saved: list[str] = []
+        for theme in themes:
+            saved += run_app(out, work, env, "tray", theme, args.timeout)["saved"]
         stop(trayer)
         trayer = None
-        no_tray = run_app(out, work, env, "no-tray", args.timeout)
+        for theme in themes:
+            saved += run_app(out, work, env, "no-tray", theme, args.timeout)["saved"]
     finally:
         stop(trayer)
         stop(xvfb)
-    saved = tray["saved"] + no_tray["saved"]
     print(f"saved {len(saved)} screenshots to {out}:")
     for name in saved:
         print(f"  {name}")

@@ -81,6 +81,22 @@ def test_stop_cancels_the_generation_through_the_service(qtbot, chat, live) -> N
     assert chat.history[-1]["role"] == "assistant"
 
 
+def test_esc_stops_a_real_generation_like_the_stop_button(qtbot, chat, live) -> None:
+    chat.max_tokens = 300
+    chat.activateWindow()
+    qtbot.waitUntil(chat.isActiveWindow, timeout=5000)
+    chat.input.setPlainText(LONG_PROMPT)
+    qtbot.keyClick(chat.input, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)  # Ctrl+Enter sends
+    assert chat.busy
+    request_id = chat.request_id
+    qtbot.waitUntil(lambda: len(chat.turns[-1].text) > 20, timeout=WAIT_MS)
+    with qtbot.waitSignal(chat.answer_finished, timeout=30_000) as finished:
+        qtbot.keyClick(chat.input, Qt.Key.Key_Escape)
+    assert finished.args == ["stopped"]
+    assert chat.turns[-1].error == "Stopped."
+    assert not any(r["id"] == request_id for r in live.status()["requests"])
+
+
 def test_degraded_banner_in_chat_cancels_its_own_queued_request(qtbot, chat, live, background) -> None:
     live.http.post("/admin/gpu", json={"paused": True})
     background("chat-blocker")

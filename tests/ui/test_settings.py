@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QLineEdit, QSpinBox
+
 from tray_app.core.config import apply_overrides, bundled_model_path, load_config
+from tray_app.ui import viewmodel as vm
 from tray_app.ui.settings import SettingsDialog
 
 FILE_TEXT = "[gpu]\nreserve_mib = 300\n"
@@ -40,12 +44,9 @@ def save(qtbot, dialog) -> bool:
     return finished.args[0]
 
 
+# Numbers can't be typed out of range any more (spin boxes, tested below);
+# the viewmodel's checks of such text are in test_viewmodel.py.
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("gpu_ctx", "10", "[gpu] n_ctx must be at least 64, got 10"),
-    ("cpu_ctx", "2k", "must be a whole number, got '2k'"),
-    ("reserve", "-1", "[gpu] reserve_mib must be at least 0, got -1"),
-    ("gpu_layers", "-7", "[gpu] n_gpu_layers must be at least -1, got -7"),
-    ("port", "99999", "must be from 1 to 65535, got 99999"),
     ("model_path", "/no/such/model.gguf", "model file /no/such/model.gguf does not exist"),
     ("fallback_path", sys.executable, "is not a GGUF file"),
 ])
@@ -70,19 +71,59 @@ def test_an_invalid_value_is_shown_next_to_its_field_and_not_saved(qtbot, dialog
 
 
 def test_several_bad_fields_each_get_their_own_message(qtbot, dialog, config_file) -> None:
-    dialog.edits["gpu_ctx"].setText("1")
-    dialog.edits["port"].setText("http")
+    dialog.edits["model_path"].setText("/no/such/model.gguf")
+    dialog.edits["fallback_path"].setText(sys.executable)
     assert save(qtbot, dialog) is False
-    assert "[gpu] n_ctx must be at least 64" in dialog.errors["gpu_ctx"].text()
-    assert "must be a whole number" in dialog.errors["port"].text()
+    assert "does not exist" in dialog.errors["model_path"].text()
+    assert "is not a GGUF file" in dialog.errors["fallback_path"].text()
     assert not dialog.errors["cpu_ctx"].isVisible()
     assert config_file.read_text() == FILE_TEXT
 
 
+def test_numbers_are_spin_boxes_within_the_config_bounds(qtbot, dialog, config_file) -> None:
+    numbers = [f for f in vm.SETTINGS_FIELDS if f.kind == "int"]
+    assert {f.name for f in numbers} == {"gpu_ctx", "cpu_ctx", "reserve", "gpu_layers", "port"}
+    for field in numbers:
+        box = dialog.edits[field.name]
+        assert isinstance(box, QSpinBox), field.name
+        assert (box.minimum(), box.maximum()) == vm.setting_bounds(field)
+    assert (dialog.edits["gpu_ctx"].minimum(), dialog.edits["cpu_ctx"].minimum()) == (64, 64)  # [gpu|cpu] n_ctx
+    assert dialog.edits["reserve"].minimum() == 0
+    assert (dialog.edits["port"].minimum(), dialog.edits["port"].maximum()) == (1, 65535)
+    assert dialog.edits["gpu_layers"].minimum() == -1
+    assert dialog.edits["gpu_layers"].specialValueText()  # -1 means all: it says so
+    assert dialog.edits["gpu_ctx"].maximum() == 2**31 - 1  # llama.cpp takes a C int
+    assert all(isinstance(dialog.edits[f.name], QLineEdit) for f in vm.SETTINGS_FIELDS if f.kind == "path")
+    # Typing past a bound, or letters, can't produce a value the config refuses.
+    port = dialog.edits["port"]
+    port.setFocus()
+    port.selectAll()
+    qtbot.keyClicks(port, "99999x")
+    qtbot.keyClick(port, Qt.Key.Key_Return)
+    assert 1 <= port.value() <= 65535
+    context = dialog.edits["gpu_ctx"]
+    context.setFocus()
+    context.selectAll()
+    qtbot.keyClicks(context, "10")
+    context.interpretText()
+    context.clearFocus()  # leaving the box corrects an out-of-range value to the nearest allowed
+    assert context.value() == 64
+    assert vm.validate_settings(dialog.config, dialog.values())[1] == {}
+
+
+def test_a_field_label_moves_the_focus_to_its_input(dialog) -> None:
+    from PySide6.QtWidgets import QLabel
+
+    labels = {label.buddy().objectName(): label.text() for label in dialog.findChildren(QLabel) if label.buddy()}
+    assert labels == {f.name: f.label for f in vm.SETTINGS_FIELDS}
+    letters = [label.lower().split("&")[1][0] for label in labels.values()]
+    assert len(set(letters)) == len(letters)  # each Alt+letter is unique
+
+
 def test_valid_changes_are_saved_and_handed_on(qtbot, dialog, config_file) -> None:
     model = str(bundled_model_path())
-    dialog.edits["cpu_ctx"].setText("1024")
-    dialog.edits["port"].setText("18999")
+    dialog.edits["cpu_ctx"].setValue(1024)
+    dialog.edits["port"].setValue(18999)
     dialog.edits["model_path"].setText(model)
     with qtbot.waitSignal(dialog.saved, timeout=5000) as saved:
         assert save(qtbot, dialog) is True
@@ -115,7 +156,7 @@ def test_without_a_file_it_saves_to_the_default_place(qtbot, tmp_path, monkeypat
     dialog = SettingsDialog(Config())
     qtbot.addWidget(dialog)
     assert str(default_config_path()) in dialog.note.text()
-    dialog.edits["gpu_ctx"].setText("2048")
+    dialog.edits["gpu_ctx"].setValue(2048)
     assert save(qtbot, dialog) is True
     assert tomllib.loads(default_config_path().read_text())["gpu"]["n_ctx"] == 2048
 
@@ -149,7 +190,7 @@ def test_cancel_while_checking_saves_nothing(qtbot, dialog, config_file) -> None
     outcomes: list = []
     dialog.saved.connect(lambda *args: outcomes.append(("saved", args)))
     dialog.save_finished.connect(lambda ok: outcomes.append(("finished", ok)))
-    dialog.edits["port"].setText("18998")
+    dialog.edits["port"].setValue(18998)
     dialog.save()
     check = dialog.pending_check
     # The answer reaches the GUI thread only through its event loop, so it
@@ -162,11 +203,11 @@ def test_cancel_while_checking_saves_nothing(qtbot, dialog, config_file) -> None
 
 
 def test_values_edited_while_checking_are_checked_again(qtbot, dialog, config_file) -> None:
-    dialog.edits["port"].setText("18998")
+    dialog.edits["port"].setValue(18998)
     with qtbot.waitSignal(dialog.save_finished, timeout=10_000) as finished:
         dialog.save()
         # Typed before the first check could answer (it answers through the event loop).
-        dialog.edits["port"].setText("http")
+        dialog.edits["model_path"].setText("/no/such/model.gguf")
     assert finished.args == [False]
-    assert "must be a whole number, got 'http'" in dialog.errors["port"].text()
+    assert "does not exist" in dialog.errors["model_path"].text()
     assert config_file.read_text() == FILE_TEXT

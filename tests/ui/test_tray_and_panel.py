@@ -84,7 +84,8 @@ def test_tray_icon_shows_the_state(qtbot, live) -> None:
         assert controller.tray.icon().cacheKey() == state_icon(vm.GPU).cacheKey()
         assert controller.tray.toolTip() == controller.tooltip
         assert controller.tray.contextMenu() is controller.menu
-        texts = [a.text() for a in controller.menu.actions() if not a.isSeparator()]
+        # Compared without the '&' that marks each action's Alt+letter.
+        texts = [a.text().replace("&", "") for a in controller.menu.actions() if not a.isSeparator()]
         assert texts == ["Serving on the GPU", "Open headroom panel", "Open chat", "Force CPU (pause the GPU path)",
                          "Restart workers", "Choose model…", "Open logs folder", "Copy API URL", "Settings…", "Start on login", "Quit"]
         live.http.post("/admin/gpu", json={"paused": True})
@@ -237,9 +238,10 @@ def test_no_system_tray_opens_the_panel_as_a_window_and_says_why(qtbot, live) ->
         assert "no system tray" in NO_TRAY_NOTE
         wait_kind(qtbot, controller, vm.GPU)
         # Every tray action is reachable from the window.
-        texts = {b.defaultAction().text() for b in panel.findChildren(QToolButton) if b.defaultAction()}
+        texts = {b.defaultAction().text().replace("&", "")
+                 for b in panel.findChildren(QToolButton) if b.defaultAction()}
         assert {"Open chat", "Force CPU (pause the GPU path)", "Restart workers", "Settings…"} <= texts
-        more = {a.text() for a in controller.more_menu.actions() if not a.isSeparator()}
+        more = {a.text().replace("&", "") for a in controller.more_menu.actions() if not a.isSeparator()}
         assert more == {"Choose model…", "Open logs folder", "Copy API URL", "Quit"}
         # Closing the window quits (there is no tray icon to come back to).
         panel.close()

@@ -182,6 +182,13 @@ _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
 _INT_MAX = 2**31 - 1
 
 
+def whole_number_bounds(section: str, key: str) -> tuple[int, int]:
+    """The lowest and highest whole number [section] key accepts, as
+    apply_overrides enforces them (for a settings form's spin boxes)."""
+    low, high = _BOUNDS.get((section, key), (None, None))
+    return (-_INT_MAX if low is None else int(low)), (_INT_MAX if high is None else min(int(high), _INT_MAX))
+
+
 def config_dir() -> Path:
     return Path(platformdirs.user_config_dir(APP_NAME))
 

@@ -89,6 +89,10 @@ class TrayController(QObject):
 
     def _action(self, text: str, slot: Callable[..., Any], *, checkable: bool = False, tip: str = "") -> QAction:
         action = QAction(text, self)
+        # A button showing the action (the panel's) takes its iconText, which
+        # Qt would otherwise strip of the '&': keep the Alt+letter there too.
+        if "&" in text:
+            action.setIconText(text)
         action.setCheckable(checkable)
         if tip:
             action.setToolTip(tip)
@@ -101,22 +105,33 @@ class TrayController(QObject):
         bold = self.state_action.font()
         bold.setBold(True)
         self.state_action.setFont(bold)
-        self.open_panel_action = self._action("Open headroom panel", self.show_panel)
-        self.open_chat_action = self._action("Open chat", self.show_chat)
-        self.force_cpu_action = self._action("Force CPU (pause the GPU path)", self._on_force_cpu, checkable=True,
+        # Each '&' marks the action's Alt+letter: unique within the tray menu,
+        # and within the panel's buttons (Open chat, Force CPU, Restart, Settings, More).
+        self.open_panel_action = self._action("Open headroom &panel", self.show_panel,
+                                              tip="Memory headroom, workers and the last 5 minutes")
+        self.open_chat_action = self._action("Open &chat", self.show_chat,
+                                             tip="Chat with the served model; answers say which path served them")
+        self.force_cpu_action = self._action("&Force CPU (pause the GPU path)", self._on_force_cpu, checkable=True,
                                              tip="Send every request to the CPU worker until this is unchecked")
-        self.restart_action = self._action("Restart workers", self.restart_workers)
-        self.choose_model_action = self._action("Choose model…", self.choose_model)
-        self.open_logs_action = self._action("Open logs folder", self.open_logs)
-        self.copy_url_action = self._action("Copy API URL", self.copy_api_url)
-        self.settings_action = self._action("Settings…", self.show_settings)
-        self.autostart_action = self._action("Start on login", self.set_start_on_login, checkable=True,
+        self.restart_action = self._action("&Restart workers", self.restart_workers,
+                                           tip="Stop and start both workers (asks first if requests are running)")
+        self.choose_model_action = self._action("Choose &model…", self.choose_model,
+                                                tip="Pick a GGUF model file; the service restarts with it")
+        self.open_logs_action = self._action("Open &logs folder", self.open_logs,
+                                             tip="The folder with the service's and the workers' logs")
+        self.copy_url_action = self._action("Copy API &URL", self.copy_api_url,
+                                            tip="Copy the OpenAI-compatible base URL to the clipboard")
+        self.settings_action = self._action("&Settings…", self.show_settings,
+                                            tip="Model paths, context sizes, VRAM reserve, port, GPU layers")
+        self.autostart_action = self._action("Start on lo&gin", self.set_start_on_login, checkable=True,
                                              tip="Start the tray app when you log in to this desktop")
         self.autostart_action.blockSignals(True)
         self.autostart_action.setChecked(autostart.is_enabled())
         self.autostart_action.blockSignals(False)
-        self.quit_action = self._action("Quit", self.quit, tip="Stop the workers and quit")
+        self.quit_action = self._action("&Quit", self.quit, tip="Stop the workers and quit")
         self.menu = QMenu()
+        # Menus hide their actions' tooltips unless told otherwise.
+        self.menu.setToolTipsVisible(True)
         self.menu.addAction(self.state_action)
         self.menu.addSeparator()
         for action in (self.open_panel_action, self.open_chat_action):
@@ -131,6 +146,7 @@ class TrayController(QObject):
         self.menu.addAction(self.quit_action)
         # The panel's "More" button: what has no button of its own.
         self.more_menu = QMenu()
+        self.more_menu.setToolTipsVisible(True)
         for action in (self.choose_model_action, self.open_logs_action, self.copy_url_action):
             self.more_menu.addAction(action)
         self.more_menu.addSeparator()
@@ -158,7 +174,8 @@ class TrayController(QObject):
                                         actions=(self.open_chat_action, self.force_cpu_action, self.restart_action,
                                                  self.settings_action))
             more = QToolButton()
-            more.setText("More ▾")
+            more.setText("&More ▾")
+            more.setToolTip("Choose model, open logs, copy the API URL, quit")
             more.setStyleSheet("QToolButton::menu-indicator { image: none; width: 0px; }")
             more.setMenu(self.more_menu)
             more.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
@@ -486,6 +503,12 @@ def run_tray(config: Config, log_level: str = "INFO") -> int:
     if qtcompat.ACTIVE:
         log.info("%s", qtcompat.describe())
     app = QApplication.instance() or QApplication(sys.argv[:1])
+    shots = os.environ.get("TRAY_APP_SCREENSHOT_DIR")
+    if shots and os.environ.get("TRAY_APP_SCREENSHOT_THEME") == "dark":
+        # The dark-theme screenshots: set before any window picks its colours.
+        from .theme import use_dark_fusion
+
+        use_dark_fusion(app)
     app.setApplicationName("tray-app")
     app.setApplicationDisplayName("tray-app")
     app.setQuitOnLastWindowClosed(False)
@@ -503,7 +526,6 @@ def run_tray(config: Config, log_level: str = "INFO") -> int:
         controller.show_panel()
     if "chat" in opened:
         controller.show_chat()
-    shots = os.environ.get("TRAY_APP_SCREENSHOT_DIR")
     if shots:
         from .shots import ScreenshotTour
 

@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from PySide6.QtCore import QByteArray, QEvent, QObject, Qt, QTimer, Signal
-from PySide6.QtGui import QCloseEvent, QKeyEvent, QTextCursor, QTextDocument
+from PySide6.QtGui import QCloseEvent, QKeyEvent, QKeySequence, QShortcut, QTextCursor, QTextDocument
 from PySide6.QtNetwork import QNetworkReply, QNetworkRequest
 from PySide6.QtWidgets import (
     QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QTextBrowser, QVBoxLayout, QWidget,
 )
 
+from . import colors
+from . import theme
 from . import viewmodel as vm
 from .client import ServiceClient
 from .icons import state_icon
@@ -248,27 +250,40 @@ class ChatWindow(QWidget):
         root.addWidget(self.transcript, 1)
 
         self.input = _InputBox()
-        self.input.setPlaceholderText("Ask something. Enter sends, Shift+Enter adds a line.")
+        self.input.setPlaceholderText("Ask something. Enter or Ctrl+Enter sends, Shift+Enter adds a line, "
+                                      "Esc stops an answer.")
         self.input.setFixedHeight(self.input.fontMetrics().lineSpacing() * 3 + 16)
         self.input.submit.connect(self.send)
         root.addWidget(self.input)
 
         row = QHBoxLayout()
         self.state_label = QLabel()
-        self.state_label.setStyleSheet("color: palette(placeholder-text);")
+        theme.set_muted_text(self.state_label)
         row.addWidget(self.state_label, 1)
-        self.clear_button = QPushButton("New chat")
+        self.clear_button = QPushButton("&New chat")
         self.clear_button.clicked.connect(self.clear)
-        self.stop_button = QPushButton("Stop")
+        self.stop_button = QPushButton("Sto&p")
+        self.stop_button.setToolTip("Stop the answer (Esc)")
         self.stop_button.clicked.connect(self.stop)
         self.stop_button.setEnabled(False)
-        self.send_button = QPushButton("Send")
+        self.send_button = QPushButton("&Send")
+        self.send_button.setToolTip("Send (Enter or Ctrl+Enter)")
         self.send_button.setDefault(True)
         self.send_button.clicked.connect(self.send)
         for button in (self.clear_button, self.stop_button, self.send_button):
             button.setMinimumWidth(84)
             row.addWidget(button)
         root.addLayout(row)
+
+        # Ctrl+Enter sends from anywhere in the window (the transcript, a
+        # button), not only from the input box; Esc stops a running answer.
+        self.shortcuts: list[QShortcut] = []
+        for keys, slot in ((QKeySequence("Ctrl+Return"), self._send_from_shortcut),
+                           (QKeySequence("Ctrl+Enter"), self._send_from_shortcut),
+                           (QKeySequence(Qt.Key.Key_Escape), self._on_escape)):
+            shortcut = QShortcut(keys, self)
+            shortcut.activated.connect(slot)
+            self.shortcuts.append(shortcut)
 
         client.status_changed.connect(self._on_status)
         self._set_state(f"Talking to {client.api_url}")
@@ -306,6 +321,14 @@ class ChatWindow(QWidget):
         self._set_state("Sent; waiting for the first token…")
         self._render()
         return True
+
+    def _send_from_shortcut(self) -> None:
+        self.send()
+
+    def _on_escape(self) -> None:
+        # Only a running answer: an idle Esc must not hide or clear anything.
+        if self.busy:
+            self.stop()
 
     def stop(self) -> None:
         if self.stream is not None:
@@ -475,7 +498,7 @@ class ChatWindow(QWidget):
         # keeps its positions across a redraw (a route line update, a new turn).
         selected = self.transcript.textCursor()
         selection = (selected.anchor(), selected.position()) if keep_selection and selected.hasSelection() else None
-        self.transcript.setHtml(render_html(self.turns))
+        self.transcript.setHtml(render_html(self.turns, colors.chat_colors(theme.current_palette())))
         document = self.transcript.document()
         self._answer_end = self._find_answer_end() if self.turns and self.turns[-1] is self._answer else None
         self._answer_chars_shown = len(self._answer.text)
@@ -517,6 +540,14 @@ class ChatWindow(QWidget):
             self.input.setFocus()
         return super().event(event)
 
+    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt name
+        super().changeEvent(event)
+        # The transcript's colours are in its HTML: draw it again in the new palette.
+        if event.type() == QEvent.Type.PaletteChange and hasattr(self, "shortcuts"):  # not while still being built
+            self.banner.apply_colors()
+            theme.recolor_muted(self)
+            self._render()
+
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt name
         # Closing only hides: the conversation stays for the session.
         event.ignore()
@@ -527,9 +558,12 @@ class ChatWindow(QWidget):
 ANSWER_END_MARK = "\u25ae"
 
 
-def render_html(turns: list[Turn]) -> str:
+def render_html(turns: list[Turn], palette: colors.ChatColors | None = None) -> str:
+    """The transcript as HTML, in `palette` (by default the light theme's)."""
+    c = palette or colors.chat_colors(colors.LIGHT)
+    css = theme.css
     if not turns:
-        return ('<p style="color:#7b8591; margin-top:40px" align="center">'
+        return (f'<p style="color:{css(c.placeholder)}; margin-top:40px" align="center">'
                 'Chat with the model behind this service.<br>Answers say which path served them and why.</p>')
     parts = []
     for turn in turns:
@@ -537,20 +571,21 @@ def render_html(turns: list[Turn]) -> str:
             parts.append(
                 '<table width="100%" cellspacing="0" cellpadding="0" style="margin-top:10px"><tr>'
                 '<td width="18%"></td>'
-                '<td bgcolor="#dbe8fb" style="padding:8px 10px; color:#10243f">'
+                f'<td bgcolor="{css(c.user_bubble)}" style="padding:8px 10px; color:{css(c.user_text)}">'
                 f'{_text_html(turn.text)}</td></tr></table>')
         else:
             body = _text_html(turn.text) if turn.text else ""
             if turn.pending:
-                body += f'<span style="color:#7b8591">{ANSWER_END_MARK}</span>' if turn.text else \
-                    '<span style="color:#7b8591"><i>…</i></span>'
+                body += f'<span style="color:{css(c.meta_text)}">{ANSWER_END_MARK}</span>' if turn.text else \
+                    f'<span style="color:{css(c.meta_text)}"><i>…</i></span>'
             if turn.error:
-                body += (('<br>' if body else '') + f'<span style="color:#b3261e"><b>{html.escape(turn.error)}</b></span>')
-            meta = (f'<div style="color:#6b7684; font-size:small; margin-top:4px">{html.escape(turn.meta)}</div>'
-                    if turn.meta else "")
+                body += (('<br>' if body else '')
+                         + f'<span style="color:{css(c.error_text)}"><b>{html.escape(turn.error)}</b></span>')
+            meta = (f'<div style="color:{css(c.meta_text)}; font-size:small; margin-top:4px">'
+                    f'{html.escape(turn.meta)}</div>' if turn.meta else "")
             parts.append(
                 '<table width="100%" cellspacing="0" cellpadding="0" style="margin-top:10px"><tr>'
-                '<td bgcolor="#f1f3f5" style="padding:8px 10px; color:#1b1f24">'
+                f'<td bgcolor="{css(c.answer_bubble)}" style="padding:8px 10px; color:{css(c.answer_text)}">'
                 f'{body}{meta}</td><td width="12%"></td></tr></table>')
     return "".join(parts)
 

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from PySide6.QtCore import QSize, Qt, Signal
-from PySide6.QtGui import QAction, QCloseEvent
+from PySide6.QtCore import QEvent, QSize, Qt, Signal
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QFrame, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QLayout, QScrollArea, QSizePolicy, QToolButton, QVBoxLayout,
     QWidget,
 )
 
+from . import colors
+from . import theme
 from . import viewmodel as vm
 from .client import ServiceClient
 from .icons import state_icon
-from .widgets import BarBlock, DegradedBanner, HistoryChart, StateHeader, set_text
+from .widgets import BarBlock, DegradedBanner, HistoryChart, StateHeader, box_style_sheet, set_text
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
 WORKER_COLUMNS = ("Worker", "State", "PID", "RSS", "Est. VRAM", "Est. RAM", "Context", "Restarts")
+# The status hue of a worker's state; any state not listed is trouble.
+WORKER_STATE_STATUS = {"ready": "ok", "starting": "info", "stopping": "info"}
 
 
 class HeadroomPanel(QWidget):
@@ -57,8 +61,6 @@ class HeadroomPanel(QWidget):
         self.no_tray_note = QLabel()
         self.no_tray_note.setObjectName("noTrayNote")
         self.no_tray_note.setWordWrap(True)
-        self.no_tray_note.setStyleSheet("#noTrayNote { background: #e8f0fb; color: #1c3d66; border: 1px solid #9fbbe0;"
-                                        " border-radius: 6px; padding: 8px; }")
         self.no_tray_note.hide()
         root.addWidget(self.no_tray_note)
 
@@ -83,7 +85,9 @@ class HeadroomPanel(QWidget):
         self.workers_grid.setVerticalSpacing(4)
         for column, name in enumerate(WORKER_COLUMNS):
             label = QLabel(name)
-            label.setStyleSheet("font-weight: bold;")
+            bold = label.font()
+            bold.setBold(True)
+            label.setFont(bold)
             label.setAlignment(self._align(column))
             self.workers_grid.addWidget(label, 0, column)
         self.workers_grid.setColumnStretch(len(WORKER_COLUMNS), 1)
@@ -93,10 +97,10 @@ class HeadroomPanel(QWidget):
         charts = QGroupBox("Last 5 minutes")
         charts_box = QHBoxLayout(charts)
         self.vram_chart = HistoryChart(
-            "Free VRAM", "#2f6fce", lambda s: s.vram_free_mib, lambda s: s.vram_total_mib,
+            "Free VRAM", "info", lambda s: s.vram_free_mib, lambda s: s.vram_total_mib,
             lambda s: s.vram_reserve_mib, "reserve", history.window_s)
         self.ram_chart = HistoryChart(
-            "Available RAM", "#1f9d55", lambda s: s.ram_available_mib, lambda s: s.ram_total_mib,
+            "Available RAM", "ok", lambda s: s.ram_available_mib, lambda s: s.ram_total_mib,
             lambda s: self._floor(), "floor", history.window_s)
         charts_box.addWidget(self.vram_chart)
         charts_box.addWidget(self.ram_chart)
@@ -109,7 +113,7 @@ class HeadroomPanel(QWidget):
             self.add_action_button(action)
         root.addLayout(self.buttons)
         self.footer = QLabel()
-        self.footer.setStyleSheet("color: palette(placeholder-text);")
+        theme.set_muted_text(self.footer)
         self.footer.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         root.addWidget(self.footer)
         root.addStretch(1)
@@ -121,6 +125,11 @@ class HeadroomPanel(QWidget):
         # An error in the footer outlasts the polls that would overwrite it.
         self.footer_note = vm.TimedNote()
         self.host_starting = False
+        # Esc puts the panel away like its close button; not in the no-tray
+        # window, where closing quits the app and its service.
+        self.escape = QShortcut(QKeySequence(Qt.Key.Key_Escape), self)
+        self.escape.activated.connect(self._on_escape)
+        self.apply_colors()
         self.refresh()
 
     # ----- public ------------------------------------------------------------------------
@@ -146,6 +155,19 @@ class HeadroomPanel(QWidget):
         self.buttons.insertWidget(self.buttons.count() - 1, button)
         return button
 
+    def apply_colors(self) -> None:
+        """Colours from the current palette; again when the desktop's changes."""
+        palette = theme.current_palette()
+        self.no_tray_note.setStyleSheet(box_style_sheet("#noTrayNote", colors.tinted_box(palette, "info"),
+                                                        "padding: 8px;"))
+        self.header.apply_colors()
+        self.banner.apply_colors()
+        for block in (*self.vram_blocks, self.ram_block):
+            block.apply_colors()
+        theme.recolor_muted(self)
+        for cells in self.worker_cells.values():
+            self._color_state(cells[1], cells[1].property("workerState") or "", force=True)
+
     def set_no_tray_reason(self, text: str | None) -> None:
         self.no_tray_note.setText(text or "")
         self.no_tray_note.setVisible(bool(text))
@@ -158,6 +180,17 @@ class HeadroomPanel(QWidget):
             self._render_unreachable(self.client.last_error or "waiting for the service")
 
     # ----- events ------------------------------------------------------------------------
+
+    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt name
+        super().changeEvent(event)
+        # Only the application's palette reaches the window itself: its
+        # children's own colours (set here) don't come back as this event.
+        if event.type() == QEvent.Type.PaletteChange and hasattr(self, "escape"):  # not while still being built
+            self.apply_colors()
+
+    def _on_escape(self) -> None:
+        if not self.close_quits:
+            self.close()
 
     def showEvent(self, event) -> None:  # noqa: N802 - Qt name
         super().showEvent(event)
@@ -247,7 +280,7 @@ class HeadroomPanel(QWidget):
                     cells.append(label)
                 exit_label = QLabel()
                 exit_label.setWordWrap(True)
-                exit_label.setStyleSheet("color: palette(placeholder-text);")
+                theme.set_muted_text(exit_label)
                 self.workers_grid.addWidget(exit_label, 2 + 2 * index, 1, 1, len(WORKER_COLUMNS) - 1)
                 cells.append(exit_label)
                 self.worker_cells[index] = cells
@@ -259,9 +292,14 @@ class HeadroomPanel(QWidget):
             for label, value in zip(cells, values):
                 set_text(label, value)
                 label.show()
-            color = {"ready": "#1f7a45", "starting": "#2f6fce", "stopping": "#2f6fce"}.get(row.state, "#b3261e")
-            if cells[1].property("stateColor") != color:
-                cells[1].setProperty("stateColor", color)
-                cells[1].setStyleSheet(f"color: {color};")
+            self._color_state(cells[1], row.state)
             set_text(cells[-1], f"last exit: {row.last_exit}" if row.last_exit else "")
             cells[-1].setVisible(bool(row.last_exit))
+
+    @staticmethod
+    def _color_state(label: QLabel, state: str, *, force: bool = False) -> None:
+        if label.property("workerState") == state and not force:
+            return
+        label.setProperty("workerState", state)
+        status = WORKER_STATE_STATUS.get(state, "error")
+        theme.set_text_color(label, colors.status_color(status, theme.current_palette().window))

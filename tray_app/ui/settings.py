@@ -15,13 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import shiboken6
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QEvent, Qt, Signal
 from PySide6.QtWidgets import (
-    QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPushButton,
-    QVBoxLayout, QWidget,
+    QAbstractSpinBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QLineEdit,
+    QPushButton, QSpinBox, QVBoxLayout, QWidget,
 )
 
 from ..core.config import Config, ConfigError, apply_overrides, default_config_path, load_config, save_config
+from . import colors
+from . import theme
 from . import viewmodel as vm
 from .background import BackgroundCall
 from .icons import state_icon
@@ -64,24 +66,27 @@ class SettingsDialog(QDialog):
         form.setLabelAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignTop)
         form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.ExpandingFieldsGrow)
         form.setVerticalSpacing(8)
-        self.edits: dict[str, QLineEdit] = {}
+        # One input per field: a line for a path, a spin box for a number.
+        self.edits: dict[str, QLineEdit | QSpinBox] = {}
         self.errors: dict[str, QLabel] = {}
         values = vm.settings_values(config)
+        error_color = colors.status_color("error", theme.current_palette().window)
         for field in vm.SETTINGS_FIELDS:
-            edit = QLineEdit(values[field.name])
+            edit = self._number_box(field, values[field.name]) if field.kind == "int" \
+                else self._path_line(field, values[field.name])
             edit.setObjectName(field.name)
             edit.setToolTip(field.help)
-            if field.kind == "path":
-                edit.setPlaceholderText("bundled SmolLM2-135M-Instruct" if field.name == "model_path" else "same as the model")
-            edit.textEdited.connect(lambda _text, name=field.name: self._clear_error(name))
             error = QLabel()
             error.setObjectName(f"{field.name}_error")
             error.setWordWrap(True)
-            error.setStyleSheet("color: #b3261e;")
+            theme.set_text_color(error, error_color)
             error.hide()
             help_label = QLabel(field.help)
             help_label.setWordWrap(True)
-            help_label.setStyleSheet("color: palette(placeholder-text); font-size: small;")
+            small = help_label.font()
+            small.setPointSizeF(small.pointSizeF() * 0.9)
+            help_label.setFont(small)
+            theme.set_muted_text(help_label)
             cell = QVBoxLayout()
             cell.setSpacing(2)
             line = QHBoxLayout()
@@ -90,15 +95,21 @@ class SettingsDialog(QDialog):
                 browse = QPushButton("Browse…")
                 browse.clicked.connect(lambda _=False, e=edit: self._browse(e))
                 line.addWidget(browse)
+            else:
+                # A spin box stays narrow; the stretch lets the row (and the
+                # help text under it) still take the dialog's whole width.
+                line.addStretch(1)
             cell.addLayout(line)
             cell.addWidget(error)
             cell.addWidget(help_label)
-            form.addRow(field.label, cell)
+            label = QLabel(field.label)
+            label.setBuddy(edit)  # its Alt+letter moves the focus to the input
+            form.addRow(label, cell)
             self.edits[field.name] = edit
             self.errors[field.name] = error
         root.addLayout(form)
         self.form_error = QLabel()
-        self.form_error.setStyleSheet("color: #b3261e;")
+        theme.set_text_color(self.form_error, error_color)
         self.form_error.setWordWrap(True)
         self.form_error.hide()
         root.addWidget(self.form_error)
@@ -108,17 +119,50 @@ class SettingsDialog(QDialog):
             note = f"Saved to {where}. Restart the service to apply the changes."
         self.note = QLabel(note)
         self.note.setWordWrap(True)
-        self.note.setStyleSheet("color: palette(placeholder-text);")
+        theme.set_muted_text(self.note)
         root.addWidget(self.note)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
         self.save_button = buttons.button(QDialogButtonBox.StandardButton.Save)
-        self.save_button.setText("Save and restart" if can_apply else "Save")
+        self.save_button.setText("&Save and restart" if can_apply else "&Save")
         buttons.accepted.connect(self.save)
         buttons.rejected.connect(self.reject)
         root.addWidget(buttons)
 
+    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt name
+        super().changeEvent(event)
+        if event.type() == QEvent.Type.PaletteChange and hasattr(self, "note"):  # not while still being built
+            error_color = colors.status_color("error", theme.current_palette().window)
+            for label in (*self.errors.values(), self.form_error):
+                theme.set_text_color(label, error_color)
+            theme.recolor_muted(self)
+
+    def _path_line(self, field: vm.SettingField, value: str) -> QLineEdit:
+        edit = QLineEdit(value)
+        edit.setPlaceholderText("bundled SmolLM2-135M-Instruct" if field.name == "model_path" else "same as the model")
+        edit.textEdited.connect(lambda _text, name=field.name: self._clear_error(name))
+        return edit
+
+    def _number_box(self, field: vm.SettingField, value: str) -> QSpinBox:
+        """A spin box within the bounds the config enforces: an out-of-range
+        or non-numeric value cannot be typed in the first place."""
+        box = QSpinBox()
+        low, high = vm.setting_bounds(field)
+        box.setRange(low, high)
+        box.setValue(min(max(int(value), low), high))
+        if field.minimum_text:
+            box.setSpecialValueText(field.minimum_text)
+        box.setAccelerated(True)
+        box.setCorrectionMode(QAbstractSpinBox.CorrectionMode.CorrectToNearestValue)
+        # As wide as a typical value needs, not as wide as 2,147,483,647.
+        box.setMinimumWidth(box.fontMetrics().horizontalAdvance("0" * 9) + 40)
+        box.setMaximumWidth(box.fontMetrics().horizontalAdvance("0" * 12) + 40)
+        box.valueChanged.connect(lambda _value, name=field.name: self._clear_error(name))
+        return box
+
     def values(self) -> dict[str, str]:
-        return {name: edit.text() for name, edit in self.edits.items()}
+        """Every field as text, which is what the viewmodel checks."""
+        return {name: str(edit.value()) if isinstance(edit, QSpinBox) else edit.text()
+                for name, edit in self.edits.items()}
 
     def _browse(self, edit: QLineEdit) -> None:
         path = choose_model_file(self, edit.text())

@@ -12,6 +12,9 @@ actions and the service's HTTP API, and grabs:
 - the chat window mid-answer, on the GPU and in degraded mode.
 
 TRAY_APP_SCREENSHOT_SET=no-tray grabs only the panel of the no-tray fallback.
+TRAY_APP_SCREENSHOT_THEME=dark runs the app in a dark Fusion palette (set in
+app.run_tray) and names the files *-dark.png; the tray icon crops are left
+out there, since the tray host, not the app's palette, draws around the icon.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from pathlib import Path
 from typing import Any, Callable, Generator
 
 from PySide6.QtCore import QObject, QPoint, QRect, Qt, QTimer
-from PySide6.QtGui import QColor, QFont, QGuiApplication, QImage, QPainter, QPixmap
+from PySide6.QtGui import QFont, QGuiApplication, QImage, QPainter, QPixmap
 from PySide6.QtWidgets import QApplication, QWidget
 
+from . import theme
 from . import viewmodel as vm
 
 log = logging.getLogger(__name__)
@@ -43,6 +47,7 @@ class ScreenshotTour(QObject):
         self.folder = folder
         self.folder.mkdir(parents=True, exist_ok=True)
         self.which = os.environ.get("TRAY_APP_SCREENSHOT_SET", "tray")
+        self.dark = os.environ.get("TRAY_APP_SCREENSHOT_THEME") == "dark"
         self._steps: Step | None = None
         self._wait: Callable[[], bool] | None = None
         self._deadline = 0.0
@@ -109,6 +114,8 @@ class ScreenshotTour(QObject):
         return self.client.last_status or {}
 
     def save(self, image: QImage | QPixmap, name: str) -> None:
+        if self.dark:
+            name = name.replace(".png", "-dark.png")
         path = self.folder / name
         if not image.save(str(path)):
             raise RuntimeError(f"could not save {path}")
@@ -142,6 +149,8 @@ class ScreenshotTour(QObject):
 
     def save_tray_icon(self, name: str, caption: str) -> None:
         """The tray host's strip around our icon at 1x, and at 4x so it can be seen."""
+        if self.dark:
+            return  # the same pixels as in the light run: the tray host draws this strip
         icon = self.tray_rect()
         screen = QGuiApplication.primaryScreen().geometry()
         left = max(screen.left(), icon.left() - 40)
@@ -156,10 +165,11 @@ class ScreenshotTour(QObject):
         width = max(zoom.width(), 360) + 2 * pad
         height = pad + line + shot.height() + 10 + line + zoom.height() + pad
         canvas = QImage(width, height, QImage.Format.Format_RGB32)
-        canvas.fill(QColor("#ffffff"))
+        palette = theme.current_palette()
+        canvas.fill(theme.qcolor(palette.window))
         painter = QPainter(canvas)
         painter.setFont(font)
-        painter.setPen(QColor("#222222"))
+        painter.setPen(theme.qcolor(palette.window_text))
         y = pad
         painter.drawText(QRect(pad, y, width - 2 * pad, line), Qt.AlignmentFlag.AlignVCenter, f"{caption}: actual size")
         y += line
@@ -223,7 +233,10 @@ class ScreenshotTour(QObject):
         chat.send(LONG_PROMPT)
         yield ("until", lambda: len(chat.turns[-1].text) > 260, 120, "the answer to be under way")
         self.grab_window(chat, "chat-mid-answer.png")
-        yield ("until", lambda: not chat.busy, 180, "second answer")
+        # Stopped here: run to its end, a rambling answer can fill the context,
+        # and the conversation would then be too long for the CPU path below.
+        chat.stop()
+        yield ("until", lambda: not chat.busy, 30, "second answer stopped")
         chat.hide()
 
         # Degraded: free VRAM drops below the reserve; requests go to the CPU.
@@ -257,7 +270,10 @@ class ScreenshotTour(QObject):
         yield ("until", lambda: (self.status().get("service") or {}).get("gpu_paused") is True, 30, "force CPU")
         c.show_chat()
         chat.send("And what did lighthouse keepers do before electricity?")
-        yield ("until", lambda: len(chat.turns[-1].text) > 200, 120, "the degraded answer to be under way")
+        yield ("until", lambda: len(chat.turns[-1].text) > 200 or not chat.busy, 120,
+               "the degraded answer to be under way")
+        if not chat.busy:
+            raise RuntimeError(f"the degraded answer ended early: {chat.turns[-1].error or chat.turns[-1].text!r}")
         yield ("sleep", 1.2)  # a status poll has put the request into the banner
         self.grab_window(chat, "chat-degraded-mid-answer.png")
         chat.stop()
@@ -271,6 +287,15 @@ class ScreenshotTour(QObject):
         self.fit(panel)
         yield ("sleep", 0.3)
         self.grab_window(panel, "panel-normal.png")
+
+        # Settings: paths in lines, numbers in spin boxes.
+        c.show_settings()
+        settings = c._settings
+        yield ("sleep", 0.5)
+        settings.adjustSize()
+        yield ("sleep", 0.3)
+        self.grab_window(settings, "settings.png")
+        settings.reject()
 
     def tour_no_tray(self) -> Step:
         yield ("until", self.all_ready, 240, "both workers ready")

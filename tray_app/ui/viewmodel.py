@@ -715,26 +715,41 @@ class SettingField:
     label: str
     kind: str  # "path" | "int"
     help: str = ""
-    minimum: int | None = None
+    minimum: int | None = None  # narrower than the config's own bounds, where the UI wants it
     maximum: int | None = None
+    minimum_text: str = ""      # shown instead of the lowest value, when it means something special
 
 
 SETTINGS_FIELDS: tuple[SettingField, ...] = (
-    SettingField("model_path", "model", "path", "Model (GGUF)", "path",
+    # The labels' '&' marks each field's Alt+letter (mnemonic); they are unique in the dialog.
+    SettingField("model_path", "model", "path", "&Model (GGUF)", "path",
                  "Served by both workers. Empty = the bundled SmolLM2-135M-Instruct."),
-    SettingField("fallback_path", "model", "fallback_path", "CPU fallback model", "path",
+    SettingField("fallback_path", "model", "fallback_path", "CPU &fallback model", "path",
                  "Optional smaller model for the CPU path. Empty = the same file."),
-    SettingField("gpu_ctx", "gpu", "n_ctx", "GPU context (tokens)", "int",
-                 "Context size and cap of the GPU worker."),
-    SettingField("cpu_ctx", "cpu", "n_ctx", "CPU context (tokens)", "int",
-                 "Context size and cap of the CPU worker."),
-    SettingField("reserve", "gpu", "reserve_mib", "VRAM reserve (MiB)", "int",
+    SettingField("gpu_ctx", "gpu", "n_ctx", "&GPU context (tokens)", "int",
+                 "Context of one GPU request; each slot has its own."),
+    SettingField("cpu_ctx", "cpu", "n_ctx", "C&PU context (tokens)", "int",
+                 "Context of one CPU request; each slot has its own."),
+    SettingField("reserve", "gpu", "reserve_mib", "VRAM &reserve (MiB)", "int",
                  "Kept free on the GPU for other apps."),
-    SettingField("gpu_layers", "gpu", "n_gpu_layers", "GPU layers", "int",
-                 "Layers offloaded to the GPU; -1 = all."),
-    SettingField("port", "server", "port", "Port", "int",
+    SettingField("gpu_layers", "gpu", "n_gpu_layers", "GPU &layers", "int",
+                 "Layers offloaded to the GPU; -1 = all.", minimum_text="all (-1)"),
+    SettingField("port", "server", "port", "P&ort", "int",
                  "Port of the OpenAI-compatible API.", minimum=1, maximum=65535),
 )
+
+
+def setting_bounds(field: SettingField) -> tuple[int, int]:
+    """The lowest and highest value a number field accepts: the config's own
+    bounds (what apply_overrides enforces), narrowed by the field's."""
+    from ..core.config import whole_number_bounds
+
+    low, high = whole_number_bounds(field.section, field.key)
+    if field.minimum is not None:
+        low = max(low, field.minimum)
+    if field.maximum is not None:
+        high = min(high, field.maximum)
+    return low, high
 
 
 def settings_values(config: Any) -> dict[str, str]:

@@ -12,19 +12,32 @@ from PySide6.QtWidgets import (
     QFrame, QGridLayout, QHBoxLayout, QLabel, QPushButton, QSizePolicy, QVBoxLayout, QWidget,
 )
 
+from . import colors
+from . import theme
 from . import viewmodel as vm
 from .icons import state_icon
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
-SEGMENT_COLORS = {
-    "worker": QColor("#2f6fce"),
-    "used": QColor("#93a3b8"),
-    "reserve": QColor("#f2b33d"),
-    "free": QColor("#cdebd6"),
-}
-SEGMENT_TEXT = {"worker": QColor("#ffffff"), "used": QColor("#1d2733"), "reserve": QColor("#3a2800"),
-                "free": QColor("#1d4d2c")}
-STATE_COLORS = {vm.GPU: "#1f9d55", vm.DEGRADED: "#b7791f", vm.STARTING: "#3b7ddd", vm.DOWN: "#d62c2c"}
+# The status hue (colors.STATUS_HUES) each service state is shown in.
+STATE_STATUS = {vm.GPU: "ok", vm.DEGRADED: "warn", vm.STARTING: "info", vm.DOWN: "error"}
+
+
+def box_style_sheet(selector: str, box: colors.Box, extra: str = "") -> str:
+    """A rounded, tinted frame for `selector`, in the colours of `box`."""
+    return (f"{selector} {{ background: {theme.css(box.background)}; color: {theme.css(box.text)};"
+            f" border: 1px solid {theme.css(box.border)}; border-radius: 6px; {extra} }}")
+
+
+def set_tab_order(first: QWidget, following: list[QWidget]) -> None:
+    """Put `following`, in order, right after `first` in the Tab chain.
+
+    Widgets made after their window was built (a banner's Cancel rows) join
+    the end of the chain, after every button of the window; this moves them
+    back next to what they belong to."""
+    previous = first
+    for widget in following:
+        QWidget.setTabOrder(previous, widget)
+        previous = widget
 
 
 def set_text(label: QLabel, text: str) -> None:
@@ -82,7 +95,8 @@ class HeadroomBar(QWidget):
         rect = QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5)
         outline = QPainterPath()
         outline.addRoundedRect(rect, 5, 5)
-        painter.fillPath(outline, QColor("#eef1f4"))
+        shades = colors.bar_colors(theme.current_palette())
+        painter.fillPath(outline, theme.qcolor(shades.track))
         bar = self._bar
         if bar is not None and bar.total_mib and bar.segments:
             painter.save()
@@ -99,29 +113,30 @@ class HeadroomBar(QWidget):
                 if width <= 0:
                     continue
                 seg_rect = QRectF(x, rect.top(), width, rect.height())
-                painter.fillRect(seg_rect, SEGMENT_COLORS.get(segment.key, QColor("#cccccc")))
+                fill = shades.segments.get(segment.key, shades.segments["used"])
+                painter.fillRect(seg_rect, theme.qcolor(fill))
                 if segment.key == "reserve":
                     painter.fillRect(seg_rect, QBrush(QColor(0, 0, 0, 45), Qt.BrushStyle.BDiagPattern))
                 text = vm.fmt_mib(segment.figure)
                 if metrics.horizontalAdvance(text) + 10 < width:
-                    painter.setPen(SEGMENT_TEXT.get(segment.key, QColor("#000000")))
+                    painter.setPen(theme.qcolor(colors.text_on(fill)))
                     painter.drawText(seg_rect, Qt.AlignmentFlag.AlignCenter, text)
                 x += width
             painter.restore()
         elif bar is not None:
-            painter.setPen(self.palette().placeholderText().color())
+            painter.setPen(theme.qcolor(colors.muted(theme.current_palette(), shades.track)))
             painter.drawText(rect, Qt.AlignmentFlag.AlignCenter, bar.caption)
-        painter.setPen(QPen(QColor("#8a96a3"), 1))
+        painter.setPen(QPen(theme.qcolor(shades.outline), 1))
         painter.drawPath(outline)
         painter.end()
 
 
-def legend_html(bar: vm.Bar) -> str:
+def legend_html(bar: vm.Bar, swatches: dict[str, colors.RGB]) -> str:
     parts = []
     for segment in bar.segments:
         if segment.mib < 0.5 and segment.key == "used" and any(s.key == "worker" for s in bar.segments):
             continue
-        color = SEGMENT_COLORS.get(segment.key, QColor("#cccccc")).darker(110 if segment.key != "free" else 125).name()
+        color = theme.css(swatches.get(segment.key, swatches["used"]))
         parts.append(f'<span style="color:{color}; font-size:large">&#9632;</span>&nbsp;'
                      f'{html.escape(segment.label)}&nbsp;<b>{html.escape(vm.fmt_mib(segment.figure))}</b>')
     return "&nbsp;&nbsp;&nbsp; ".join(parts)
@@ -141,8 +156,6 @@ class BarBlock(QWidget):
         font.setBold(True)
         self.title.setFont(font)
         self.badge = QLabel()
-        self.badge.setStyleSheet("QLabel { background: #e6ecf5; color: #2b4a75; border: 1px solid #a9bcd8;"
-                                 " border-radius: 3px; padding: 0px 5px; font-size: small; }")
         self.badge.hide()
         top.addWidget(self.title)
         top.addWidget(self.badge)
@@ -157,12 +170,26 @@ class BarBlock(QWidget):
         self.legend.setTextFormat(Qt.TextFormat.RichText)
         layout.addWidget(self.legend)
         self.warning = QLabel()
-        self.warning.setStyleSheet("color: #b3261e;")
         self.warning.setWordWrap(True)
         self.warning.hide()
         layout.addWidget(self.warning)
+        self._bar: vm.Bar | None = None
+        self.apply_colors()
+
+    def apply_colors(self) -> None:
+        """Colours from the current palette (again after it changes)."""
+        palette = theme.current_palette()
+        badge = colors.tinted_box(palette, "info")
+        self.badge.setStyleSheet(box_style_sheet("QLabel", badge, "border-radius: 3px; padding: 0px 5px;"
+                                                 " font-size: small;"))
+        theme.set_text_color(self.warning, colors.status_color("error", palette.window))
+        self._swatches = colors.bar_colors(palette).swatches
+        if self._bar is not None:
+            set_text(self.legend, legend_html(self._bar, self._swatches))
+        self.bar.update()
 
     def set_bar(self, bar: vm.Bar) -> None:
+        self._bar = bar
         set_text(self.title, bar.title)
         badge = bar.note.upper() if bar.note else ""
         set_text(self.badge, badge)
@@ -170,7 +197,7 @@ class BarBlock(QWidget):
         # Without segments the bar itself says what is wrong; don't say it twice.
         set_text(self.caption, bar.caption if bar.segments else "")
         self.bar.set_bar(bar)
-        set_text(self.legend, legend_html(bar))
+        set_text(self.legend, legend_html(bar, self._swatches))
         self.legend.setVisible(bool(bar.segments))
         set_text(self.warning, bar.warning[:1].upper() + bar.warning[1:])
         self.warning.setVisible(bool(bar.warning))
@@ -180,12 +207,12 @@ class HistoryChart(QWidget):
     """A line chart of one series over the last few minutes, with a dashed
     line for the reserve (VRAM) or the floor (RAM)."""
 
-    def __init__(self, title: str, color: str, value: Callable[[vm.Sample], float | None],
+    def __init__(self, title: str, status: str, value: Callable[[vm.Sample], float | None],
                  total: Callable[[vm.Sample], float | None], threshold: Callable[[vm.Sample], float | None],
                  threshold_label: str, window_s: float = 300.0, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.title = title
-        self.color = QColor(color)
+        self.status = status  # the series' hue, a key of colors.STATUS_HUES
         self._value, self._total, self._threshold = value, total, threshold
         self.threshold_label = threshold_label
         self.window_s = window_s
@@ -203,14 +230,16 @@ class HistoryChart(QWidget):
     def paintEvent(self, event) -> None:  # noqa: N802 - Qt name
         painter = QPainter(self)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
-        palette = self.palette()
-        text_color = palette.windowText().color()
-        muted = palette.placeholderText().color()
+        palette = theme.current_palette()
+        base = palette.base
+        text_color = theme.qcolor(colors.readable(palette.text, base))
+        muted = theme.qcolor(colors.muted(palette, base))
+        series = theme.qcolor(colors.status_color(self.status, base, colors.GRAPHIC_CONTRAST))
         metrics = painter.fontMetrics()
         line_h = metrics.height()
         frame = QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5)
-        painter.setPen(QPen(QColor("#c5ccd4"), 1))
-        painter.setBrush(palette.base())
+        painter.setPen(QPen(theme.qcolor(colors.bar_colors(palette).outline), 1))
+        painter.setBrush(theme.qcolor(base))
         painter.drawRoundedRect(frame, 5, 5)
         plot = QRectF(frame.left() + 8, frame.top() + line_h + 8, frame.width() - 16,
                       frame.height() - 2 * line_h - 14)
@@ -235,7 +264,7 @@ class HistoryChart(QWidget):
         total = max((self._total(s) or 0.0 for s in self.samples), default=0.0)
         if total > 0:
             painter.drawText(bottom, Qt.AlignmentFlag.AlignHCenter, f"scale 0 – {vm.fmt_mib(total)}")
-        # Grid.
+        # Grid: translucent mid-grey, faint on a light base and on a dark one alike.
         painter.setPen(QPen(QColor(128, 128, 128, 50), 1))
         for fraction in (0.25, 0.5, 0.75):
             y = plot.bottom() - plot.height() * fraction
@@ -256,9 +285,10 @@ class HistoryChart(QWidget):
         threshold = self._threshold(latest)
         if threshold:
             y = point(now, threshold).y()
-            painter.setPen(QPen(QColor("#c98a12"), 1, Qt.PenStyle.DashLine))
+            painter.setPen(QPen(theme.qcolor(colors.status_color("warn", base, colors.GRAPHIC_CONTRAST)), 1,
+                                Qt.PenStyle.DashLine))
             painter.drawLine(QPointF(plot.left(), y), QPointF(plot.right(), y))
-            painter.setPen(QColor("#8a5a00"))
+            painter.setPen(theme.qcolor(colors.status_color("warn", base)))
             label_rect = QRectF(plot.left() + 2, y - line_h - 1, plot.width() - 4, line_h)
             if label_rect.top() < plot.top():
                 label_rect.moveTop(y + 1)
@@ -272,7 +302,7 @@ class HistoryChart(QWidget):
                     runs.append([])
                 continue
             runs[-1].append(point(sample.t, value))
-        fill = QColor(self.color)
+        fill = QColor(series)
         fill.setAlpha(45)
         for run in runs:
             if not run:
@@ -288,7 +318,7 @@ class HistoryChart(QWidget):
             line = QPainterPath(run[0])
             for p in run[1:]:
                 line.lineTo(p)
-            painter.setPen(QPen(self.color, 2))
+            painter.setPen(QPen(series, 2))
             painter.setBrush(Qt.BrushStyle.NoBrush)
             painter.drawPath(line)
         painter.end()
@@ -302,12 +332,7 @@ class DegradedBanner(QFrame):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("degradedBanner")
-        self.setStyleSheet(
-            "#degradedBanner { background: #fff4d6; border: 1px solid #e0a526; border-radius: 6px; }"
-            "#degradedBanner QLabel { color: #3b2a05; background: transparent; }"
-            "#degradedBanner QLabel[role='key'] { color: #7a5a12; }"
-            "#degradedBanner QLabel[role='warn'] { color: #9a2b12; }"
-        )
+        self.apply_colors()
         layout = QVBoxLayout(self)
         layout.setContentsMargins(12, 10, 12, 10)
         layout.setSpacing(6)
@@ -357,7 +382,18 @@ class DegradedBanner(QFrame):
         self._rows: dict[str, tuple[QWidget, QLabel, QPushButton]] = {}
         self.show_empty_note = True
         self.banner: vm.Banner | None = None
+        self._tab_rows: list[str] = []
         self.hide()
+
+    def apply_colors(self) -> None:
+        """An amber box in the theme's lightness (again after the palette changes)."""
+        box = colors.tinted_box(theme.current_palette(), "warn")
+        self.setStyleSheet(
+            box_style_sheet("#degradedBanner", box)
+            + f"#degradedBanner QLabel {{ color: {theme.css(box.text)}; background: transparent; }}"
+            f"#degradedBanner QLabel[role='key'] {{ color: {theme.css(box.key_text)}; }}"
+            f"#degradedBanner QLabel[role='warn'] {{ color: {theme.css(box.status_text)}; }}"
+        )
 
     def set_banner(self, banner: vm.Banner | None) -> None:
         self.banner = banner
@@ -365,6 +401,7 @@ class DegradedBanner(QFrame):
             self.setVisible(False)
             for request_id in list(self._rows):
                 self._drop_row(request_id)
+            self._tab_rows = []
             return
         set_text(self.title, banner.title)
         set_text(self.values["reason"], banner.reason)
@@ -389,7 +426,21 @@ class DegradedBanner(QFrame):
                  + " on the CPU, not listed")
         self.more_label.setVisible(banner.more > 0)
         self.empty_label.setVisible(self.show_empty_note and not banner.requests)
+        if wanted != self._tab_rows:
+            self._order_tabs(wanted)
         self.setVisible(True)
+
+    def _order_tabs(self, request_ids: list[str]) -> None:
+        """Each row's Cancel right after the banner's text and the rows
+        before it, so Tab reaches them before the window's other buttons."""
+        chain: list[QWidget] = []
+        for request_id in request_ids:
+            _, label, button = self._rows[request_id]
+            chain += [label, button]
+        # The last value label: made with the banner, so it sits in the chain
+        # where the banner is; and selectable, which setTabOrder requires.
+        set_tab_order(self.values["latency"], chain)
+        self._tab_rows = list(request_ids)
 
     def cancel_button(self, request_id: str) -> QPushButton | None:
         entry = self._rows.get(request_id)
@@ -401,6 +452,8 @@ class DegradedBanner(QFrame):
         box.setContentsMargins(0, 0, 0, 0)
         label = QLabel()
         label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        # No Alt+letter: several rows would share it (and Alt+C opens the chat);
+        # Tab reaches each row's button right after its text instead.
         button = QPushButton("Cancel")
         button.setToolTip(f"Cancel request {request_id} (DELETE /v1/requests/{request_id})")
         button.setObjectName(f"cancel-{request_id}")
@@ -457,6 +510,14 @@ class StateHeader(QWidget):
         if kind != self.kind:
             self.kind = kind
             self.icon.setPixmap(state_icon(kind).pixmap(36, 36))
-            self.title.setStyleSheet(f"color: {STATE_COLORS[kind]};")
+            self._color_title()
         set_text(self.title, title or vm.STATE_TITLES[kind])
         set_text(self.detail, detail)
+
+    def apply_colors(self) -> None:
+        if self.kind is not None:
+            self._color_title()
+
+    def _color_title(self) -> None:
+        status = STATE_STATUS[self.kind] if self.kind is not None else "info"
+        theme.set_text_color(self.title, colors.status_color(status, theme.current_palette().window))
