@@ -142,12 +142,15 @@ def test_cancel_by_id_frees_the_slot_within_a_second(fresh_engine):
     result: dict = {}
 
     def run() -> None:
-        result["response"] = fresh_engine.http.post("/v1/chat/completions", headers={"X-Request-Id": "long-one"},
-                                                    json={**LONG, "stream": False})
+        result["response"] = fresh_engine.http.post(
+            "/v1/chat/completions", headers={"X-Request-Id": "long-one", "X-Client-Name": "Open WebUI"},
+            json={**LONG, "stream": False})
 
     thread = threading.Thread(target=run)
     thread.start()
     wait_busy(fresh_engine, "gpu", 1)
+    # The tray names the row by its sender.
+    assert next(r for r in fresh_engine.status()["requests"] if r["id"] == "long-one")["client"] == "Open WebUI"
     assert fresh_engine.http.delete("/v1/requests/long-one").status_code == 200
     assert seconds_until_free(fresh_engine, "gpu") < 1.0
     thread.join(30)

@@ -252,3 +252,11 @@ def test_streaming_appends_in_place_and_keeps_a_selection(qtbot, chat, monkeypat
     assert chat.transcript.textCursor().selectedText() == "first answer"
     chat._on_finished("stop")
     assert chat.transcript.toPlainText().count("Once upon a time,") == 1
+
+
+def test_the_tray_menu_shows_the_headroom_under_the_state(qtbot, fed_controller) -> None:
+    actions = fed_controller.menu.actions()
+    assert actions[1] is fed_controller.headroom_action and not fed_controller.headroom_action.isEnabled()
+    feed(fed_controller, READY)
+    assert fed_controller.headroom_action.text() == vm.menu_headroom_text(READY, Config().cpu.ram_floor_mib)
+    assert fed_controller.headroom_action.text().startswith("VRAM ")

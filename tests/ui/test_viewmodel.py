@@ -450,3 +450,18 @@ def test_an_engine_fallback_is_said_in_the_panel_and_the_tooltip():
     assert "not installed" in vm.tooltip_text(status)
     status["engine"]["fallback_reason"] = None
     assert "Engine" not in vm.state_detail(status) and "Engine" not in vm.tooltip_text(status)
+
+
+def test_the_tray_menu_says_the_headroom_in_one_line():
+    status = {"gpu": {"available": True, "free_mib": 945.0, "reserve_mib": 512.0},
+              "ram": {"available_mib": 23040.0, "floor_mib": 1024.0}}
+    assert vm.menu_headroom_text(status) == "VRAM 433 MiB headroom · RAM 21.5 GiB headroom"
+    status["gpu"] = {"available": False, "reason": "no NVIDIA driver"}
+    assert vm.menu_headroom_text(status).startswith("VRAM: no GPU · RAM")
+    assert vm.menu_headroom_text(None) == "Memory: no reading yet"
+
+
+def test_a_banner_row_names_the_client_that_sent_the_request():
+    row = {"id": "req-1", "client": "Open WebUI", "state": "running", "path": "cpu", "age_s": 3.0}
+    assert vm.request_line(row).startswith("Open WebUI · running on the CPU")
+    assert vm.request_line({**row, "client": None}).startswith("req-1 · ")

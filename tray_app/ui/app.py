@@ -105,6 +105,10 @@ class TrayController(QObject):
         bold = self.state_action.font()
         bold.setBold(True)
         self.state_action.setFont(bold)
+        # What fits right now, under the state: not every tray host shows tooltips.
+        self.headroom_action = QAction(vm.menu_headroom_text(None), self)
+        self.headroom_action.setEnabled(False)
+        self.headroom_action.setToolTip("Free memory above the VRAM reserve and the RAM floor")
         # Each '&' marks the action's Alt+letter: unique within the tray menu,
         # and within the panel's buttons (Open chat, Force CPU, Restart, Settings, More).
         self.open_panel_action = self._action("Open headroom &panel", self.show_panel,
@@ -133,6 +137,7 @@ class TrayController(QObject):
         # Menus hide their actions' tooltips unless told otherwise.
         self.menu.setToolTipsVisible(True)
         self.menu.addAction(self.state_action)
+        self.menu.addAction(self.headroom_action)
         self.menu.addSeparator()
         for action in (self.open_panel_action, self.open_chat_action):
             self.menu.addAction(action)
@@ -356,6 +361,9 @@ class TrayController(QObject):
         title = vm.state_title(status)  # a busy GPU's overflow is not called degraded
         if self.state_action.text() != title:
             self.state_action.setText(title)
+        headroom = vm.menu_headroom_text(status, self.config.cpu.ram_floor_mib)
+        if self.headroom_action.text() != headroom:
+            self.headroom_action.setText(headroom)
         paused = bool((status.get("service") or {}).get("gpu_paused"))
         if self.force_cpu_action.isChecked() != paused:
             self.force_cpu_action.blockSignals(True)

@@ -63,6 +63,7 @@ class ChatStream(QObject):
         request.setHeader(QNetworkRequest.KnownHeaders.ContentTypeHeader, "application/json")
         request.setRawHeader(b"Accept", b"text/event-stream")
         request.setRawHeader(b"X-Request-Id", self.request_id.encode())
+        request.setRawHeader(b"X-Client-Name", b"tray-app chat")
         body: dict[str, Any] = {"messages": self.messages, "stream": True}
         if self.max_tokens:
             body["max_tokens"] = self.max_tokens

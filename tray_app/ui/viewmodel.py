@@ -274,6 +274,26 @@ def headroom_text(free: float, kept: float, kept_label: str) -> str:
     return f"0 MiB headroom ({fmt_mib(kept - free)} short of the {kept_label})"
 
 
+def menu_headroom_text(status: Mapping[str, Any] | None, floor_mib: float | None = None) -> str:
+    """One line for the tray menu, under the state: what fits right now.
+    Not every tray host shows tooltips, so the menu says it too."""
+    if not status:
+        return "Memory: no reading yet"
+    gpu = status.get("gpu") or {}
+    free, reserve = _num(gpu.get("free_mib")), _num(gpu.get("reserve_mib")) or 0.0
+    if not gpu.get("available"):
+        vram = "VRAM: no GPU"
+    elif free is None:
+        vram = "VRAM: unknown"
+    else:
+        vram = f"VRAM {headroom_text(free, reserve, 'reserve')}"
+    ram = status.get("ram") or {}
+    available = _num(ram.get("available_mib"))
+    floor = ram_floor_mib(status, floor_mib) or 0.0
+    ram_text = "RAM unknown" if available is None else f"RAM {headroom_text(available, floor, 'floor')}"
+    return f"{vram} · {ram_text}"
+
+
 # ----- tooltip ------------------------------------------------------------------------
 
 def tooltip_text(status: Mapping[str, Any] | None, *, error: str | None = None,
@@ -367,7 +387,8 @@ def request_line(request: Mapping[str, Any], *, own: bool = False) -> str:
         where = f"running on the {str(request.get('path') or '?').upper()}"
     else:
         where = str(state or "?")
-    parts = ["Your request" if own else str(request.get("id")), where]
+    # Named by its client (X-Client-Name, else the User-Agent) where known.
+    parts = ["Your request" if own else str(request.get("client") or request.get("id")), where]
     left = time_left_text(request)
     if left:
         parts.append(left)

@@ -30,8 +30,8 @@ from .idempotency import IdempotencyStore
 from .openai_request import InvalidRequest
 from .openapi import build_openapi
 from .requests import (
-    MAX_MESSAGES, PRESSURE_RULE, Checked, ModelNames, clean_request_id, read_json_object, requested_limit,
-    routing_headers, validate,
+    MAX_MESSAGES, PRESSURE_RULE, Checked, ModelNames, clean_request_id, client_name, read_json_object,
+    requested_limit, routing_headers, validate,
 )
 from .sinks import AggregatingSink, QueueSink, RecordedStream, sse, usage_chunk, wants_usage
 
@@ -172,7 +172,8 @@ class Router:
                              force_cpu: bool, deadline_s: float | None, checked: Checked) -> Response:
         base_headers = {"X-Request-Id": request_id}
         job = Job(id=request_id, kind=kind, body=body, stream=bool(body.get("stream")), force_cpu=force_cpu,
-                  deadline_s=deadline_s, forced_tool=checked.forced_tool, top_logprobs=checked.top_logprobs)
+                  deadline_s=deadline_s, forced_tool=checked.forced_tool, top_logprobs=checked.top_logprobs,
+                  client=client_name(request.headers.get("x-client-name"), request.headers.get("user-agent")))
         job.fingerprint = request_fingerprint(kind.value, body)
         # Registered before the first await, so a twin with the same id that
         # arrives while this one's prompt is counted finds it taken.

@@ -292,6 +292,19 @@ def routing_headers(request: Request) -> tuple[bool, float | None]:
     return force == "cpu", deadline
 
 
+_CLIENT_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ._/:+()-")
+MAX_CLIENT_NAME = 64
+
+
+def client_name(x_client_name: str | None, user_agent: str | None) -> str | None:
+    """Who sent a request, for the tray's rows: the X-Client-Name header, else
+    the User-Agent's first product ("OpenAI/Python", "curl/8.5.0"). Only
+    plain characters, so a name can't carry markup into a label or a log."""
+    raw = (x_client_name or "").strip() or (user_agent or "").strip().split(" ")[0]
+    cleaned = "".join(c for c in raw if c in _CLIENT_NAME_CHARS).strip()[:MAX_CLIENT_NAME]
+    return cleaned or None
+
+
 def clean_request_id(raw: str | None) -> str | None:
     if not raw:
         return None

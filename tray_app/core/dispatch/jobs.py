@@ -90,6 +90,8 @@ class Job:
     forced_tool: str | None = None
     # Alternatives per token the client asked for with logprobs; None = no logprobs.
     top_logprobs: int | None = None
+    # Who sent it (X-Client-Name or the User-Agent's product), for the tray.
+    client: str | None = None
     # This request is the circuit breaker's half-open probe of the GPU.
     half_open_probe: bool = False
     # Admission's verdict, once made.
@@ -112,6 +114,7 @@ class Job:
     def summary(self) -> dict[str, Any]:
         return {
             "id": self.id,
+            "client": self.client,
             "kind": self.kind.value,
             "stream": self.stream,
             "state": self.state.value,
