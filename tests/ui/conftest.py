@@ -67,7 +67,9 @@ class Background:
             body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": stream}
             try:
                 with httpx.Client(base_url=url, timeout=300) as client:
-                    response = client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": request_id})
+                    # Named after itself, as an app would name itself in X-Client-Name.
+                    response = client.post("/v1/chat/completions", json=body,
+                                           headers={"X-Request-Id": request_id, "X-Client-Name": f"app {request_id}"})
                     self.result = {"status": response.status_code, "text": response.text,
                                    "headers": dict(response.headers)}
             except httpx.HTTPError as exc:

@@ -86,6 +86,8 @@ def test_tray_icon_shows_the_state(qtbot, live) -> None:
         assert controller.tray.contextMenu() is controller.menu
         # Compared without the '&' that marks each action's Alt+letter.
         texts = [a.text().replace("&", "") for a in controller.menu.actions() if not a.isSeparator()]
+        assert texts[1].startswith("VRAM ") and texts[1].endswith(" headroom")
+        del texts[1]  # the headroom line, under the state
         assert texts == ["Serving on the GPU", "Open headroom panel", "Open chat", "Force CPU (pause the GPU path)",
                          "Restart workers", "Choose model…", "Open logs folder", "Copy API URL", "Settings…", "Start on login", "Quit"]
         live.http.post("/admin/gpu", json={"paused": True})
@@ -190,8 +192,8 @@ def test_degraded_banner_and_cancel_a_real_queued_request(qtbot, controller, liv
     assert banner.values["limits"].text().startswith("context up to 2,048 tokens · 1 waiting (limit 2)")
     assert banner.values["latency"].text().startswith("a new request would wait about ")
     row_text = banner._rows["ui-queued-1"][1].text()
-    assert re.match(r"ui-queued-1 · 1st in the CPU queue · (about .+ left|due now|overdue by .+) · ", row_text)
-    assert banner._rows["ui-long-1"][1].text().startswith("ui-long-1 · running on the CPU")
+    assert re.match(r"app ui-queued-1 · 1st in the CPU queue · (about .+ left|due now|overdue by .+) · ", row_text)
+    assert banner._rows["ui-long-1"][1].text().startswith("app ui-long-1 · running on the CPU")
 
     qtbot.mouseClick(banner.cancel_button("ui-queued-1"), Qt.MouseButton.LeftButton)
     result = queued.wait(qtbot, 60_000)

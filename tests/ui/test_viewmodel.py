@@ -465,3 +465,16 @@ def test_a_banner_row_names_the_client_that_sent_the_request():
     row = {"id": "req-1", "client": "Open WebUI", "state": "running", "path": "cpu", "age_s": 3.0}
     assert vm.request_line(row).startswith("Open WebUI · running on the CPU")
     assert vm.request_line({**row, "client": None}).startswith("req-1 · ")
+
+
+def test_the_vram_bar_names_the_other_apps_largest_first_without_our_workers():
+    processes = [{"pid": 11, "used_mib": 300.0, "name": "steam"}, {"pid": 12, "used_mib": 412.0, "name": "firefox"},
+                 {"pid": 99, "used_mib": 1103.0, "name": "llama-server"}, {"pid": 13, "used_mib": None, "name": None},
+                 *({"pid": 20 + i, "used_mib": 10.0, "name": f"app{i}"} for i in range(3))]
+    assert vm.other_apps_text(processes, {99}) == \
+        "Other apps: firefox 412 MiB · steam 300 MiB · app0 10 MiB · app1 10 MiB · 2 more"
+    assert vm.other_apps_text([{"pid": 99, "used_mib": 5.0}], {99}) == ""
+    status = {"gpu": {"available": True, "reserve_mib": 512.0, "devices": [
+        {"index": 0, "name": "RTX", "total_mib": 8192.0, "used_mib": 2000.0, "free_mib": 6192.0,
+         "processes": processes[:3]}]}, "workers": [{"role": "gpu", "pid": 99, "estimated_vram_mib": 1103.0}]}
+    assert vm.vram_bars(status)[0].apps == "Other apps: firefox 412 MiB · steam 300 MiB"

@@ -336,7 +336,8 @@ def test_gpu_reading_to_status_rounds_and_keeps_none() -> None:
     assert status["used_mib"] == 100.0
     assert status["free_mib"] == 8091.9
     assert status["reason"] is None
-    assert status["devices"][0]["processes"] == [{"pid": 1, "used_mib": 100.0}, {"pid": 2, "used_mib": None}]
+    assert status["devices"][0]["processes"] == [{"pid": 1, "used_mib": 100.0, "name": None},
+                                                  {"pid": 2, "used_mib": None, "name": None}]
 
     unknown = UNKNOWN_GPU("because").to_status()
     assert unknown == {
@@ -580,3 +581,12 @@ def test_offload_support_unknown_when_llama_cpp_missing(monkeypatch: pytest.Monk
 def test_module_has_no_qt_dependency() -> None:
     source = Path(telemetry.__file__).read_text(encoding="utf-8")
     assert "PySide" not in source and "PyQt" not in source
+
+
+def test_a_gpu_process_is_named_when_we_can_see_it() -> None:
+    import psutil
+
+    device = FakeDevice("GPU", total=8 * GIB, used=GIB, compute=[(os.getpid(), 2**20 * 100)])
+    (process,) = NvmlGpuReader(nvml_module=_make_fake_nvml([device])).read().devices[0].processes
+    assert process.name == psutil.Process().name()
+    assert process.to_status() == {"pid": os.getpid(), "used_mib": 100.0, "name": process.name}

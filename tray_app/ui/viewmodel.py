@@ -168,6 +168,7 @@ class Bar:
     caption: str
     note: str = ""         # e.g. "simulated", "unknown"
     warning: str = ""      # e.g. the reserve is not met
+    apps: str = ""         # who else holds VRAM on this device, by name
 
 
 def _clamp(value: float) -> float:
@@ -217,8 +218,30 @@ def vram_bars(status: Mapping[str, Any]) -> list[Bar]:
         else:
             segments, warning = [Segment("used", "used", used), Segment("free", "free", free)], ""
         caption = f"{fmt_mib(free, total)} free of {fmt_mib(total)}"
-        bars.append(Bar(title, total, tuple(segments), caption, note=note, warning=warning))
+        bars.append(Bar(title, total, tuple(segments), caption, note=note, warning=warning,
+                        apps=other_apps_text(device.get("processes") or (), _worker_pids(status))))
     return bars
+
+
+# Apps named on a VRAM bar; the rest are counted.
+MAX_APPS_SHOWN = 4
+
+
+def _worker_pids(status: Mapping[str, Any]) -> set[int]:
+    return {w["pid"] for w in status.get("workers") or () if isinstance(w.get("pid"), int)}
+
+
+def other_apps_text(processes: Any, ours: set[int]) -> str:
+    """'Other apps: firefox 412 MiB · steam 300 MiB · 2 more', largest first,
+    like nvitop: who holds the VRAM our workers can't have."""
+    apps = sorted(((p.get("name") or f"pid {p.get('pid')}", _num(p.get("used_mib")))
+                   for p in processes if isinstance(p, Mapping) and p.get("pid") not in ours),
+                  key=lambda app: -(app[1] or 0.0))
+    if not apps:
+        return ""
+    shown = [f"{name} {fmt_mib(used)}" if used is not None else name for name, used in apps[:MAX_APPS_SHOWN]]
+    more = len(apps) - MAX_APPS_SHOWN
+    return "Other apps: " + " · ".join(shown) + (f" · {more} more" if more > 0 else "")
 
 
 def _headroom_segments(worker_label: str, worker_mib: float, used: float, kept_label: str, kept: float,

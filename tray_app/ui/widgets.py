@@ -173,6 +173,12 @@ class BarBlock(QWidget):
         self.warning.setWordWrap(True)
         self.warning.hide()
         layout.addWidget(self.warning)
+        # Plain text: process names come from other programs.
+        self.apps = QLabel()
+        self.apps.setTextFormat(Qt.TextFormat.PlainText)
+        self.apps.setWordWrap(True)
+        self.apps.hide()
+        layout.addWidget(self.apps)
         self._bar: vm.Bar | None = None
         self.apply_colors()
 
@@ -201,6 +207,8 @@ class BarBlock(QWidget):
         self.legend.setVisible(bool(bar.segments))
         set_text(self.warning, bar.warning[:1].upper() + bar.warning[1:])
         self.warning.setVisible(bool(bar.warning))
+        set_text(self.apps, bar.apps)
+        self.apps.setVisible(bool(bar.apps))
 
 
 class HistoryChart(QWidget):

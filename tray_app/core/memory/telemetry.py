@@ -49,9 +49,13 @@ class GpuProcess:
     pid: int
     # None when NVML does not report per-process use (WDDM, containers).
     used_mib: float | None
+    # The program's name, for "who else uses the GPU"; None when the process
+    # is not visible to us (another user's, another container's). A label,
+    # not part of the reading's identity.
+    name: str | None = field(default=None, compare=False)
 
     def to_status(self) -> dict[str, Any]:
-        return {"pid": self.pid, "used_mib": _round(self.used_mib)}
+        return {"pid": self.pid, "used_mib": _round(self.used_mib), "name": self.name}
 
 
 @dataclass(frozen=True)
@@ -351,8 +355,16 @@ class NvmlGpuReader:
                         by_pid[pid] = used
                 else:
                     by_pid[pid] = used
-        processes = tuple(GpuProcess(pid=pid, used_mib=used) for pid, used in sorted(by_pid.items()))
+        processes = tuple(GpuProcess(pid=pid, used_mib=used, name=_process_name(pid))
+                          for pid, used in sorted(by_pid.items()))
         return processes, reported
+
+
+def _process_name(pid: int) -> str | None:
+    try:
+        return psutil.Process(pid).name() or None
+    except (psutil.Error, OSError):
+        return None
 
 
 def _process_used_mib(used_bytes: int | None) -> float | None:
