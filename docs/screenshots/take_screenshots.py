@@ -28,16 +28,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# A model file name as long as real ones get, to show how the panel elides it.
+LONG_MODEL_NAME = "SmolLM2-135M-Instruct-abliterated-imatrix-with-a-very-long-community-name.Q4_1.gguf"
 CONFIG = """
+[server]
+# Ten queued CPU requests must not be turned away for their estimated wait.
+queue_timeout_s = 600
 [gpu]
 simulate_mib = 2048
 n_ctx = 4096
 reserve_mib = 512
 [cpu]
 n_ctx = 2048
-# One slot, so the degraded shots show a running request and a queued one.
+# One slot, so the degraded shots show a running request and ten queued ones.
 max_concurrency = 1
-queue_limit = 8
+queue_limit = 12
 ram_floor_mib = 1024
 [worker]
 stop_timeout_s = 3
@@ -78,7 +83,12 @@ def stop(process: subprocess.Popen | None) -> None:
 
 def run_app(out: Path, work: Path, env: dict[str, str], which: str, theme: str, timeout: float) -> dict:
     config = work / "config.toml"
-    config.write_text(CONFIG)
+    model = work / LONG_MODEL_NAME
+    if not model.exists():
+        from tray_app.core.config import bundled_model_path
+
+        model.symlink_to(bundled_model_path())
+    config.write_text(CONFIG + f'[model]\npath = "{model}"\n')
     tray_app = ROOT / ".venv" / "bin" / "tray-app"
     command = [str(tray_app) if tray_app.exists() else sys.executable, *([] if tray_app.exists() else ["-m", "tray_app"]), "tray",
                "--config", str(config), "--port", str(free_port()), "--simulate-gpu-mib", "2048"]

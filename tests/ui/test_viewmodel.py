@@ -190,7 +190,7 @@ def test_no_banner_when_serving_on_the_gpu() -> None:
     assert vm.degraded_banner(None) is None
 
 
-def test_panel_banner_lists_cpu_requests_queued_first() -> None:
+def test_panel_banner_lists_the_running_cpu_request_before_the_queue() -> None:
     data = paused()
     data["requests"] = [
         {"id": "long", "state": "running", "path": "cpu", "reason": "forced_cpu", "age_s": 3.0,
@@ -206,9 +206,10 @@ def test_panel_banner_lists_cpu_requests_queued_first() -> None:
     assert banner.model == "SmolLM2"
     assert banner.limits == "context up to 2,048 tokens · 1 waiting (limit 8)"
     assert banner.latency == "a new request would wait about 26 s"
-    assert [r.id for r in banner.requests] == ["short", "long"]
-    assert banner.requests[0].text == "short · 1st in the CPU queue · about 31 s left · 1.0 s old"
-    assert banner.requests[1].text.startswith("long · running on the CPU")
+    # As a queue reads: what is being served, then who waits, in order.
+    assert [r.id for r in banner.requests] == ["long", "short"]
+    assert banner.requests[0].text.startswith("long · running on the CPU")
+    assert banner.requests[1].text == "short · 1st in the CPU queue · about 31 s left · 1.0 s old"
 
 
 def test_chat_banner_is_about_its_own_request() -> None:
@@ -478,3 +479,4 @@ def test_the_vram_bar_names_the_other_apps_largest_first_without_our_workers():
         {"index": 0, "name": "RTX", "total_mib": 8192.0, "used_mib": 2000.0, "free_mib": 6192.0,
          "processes": processes[:3]}]}, "workers": [{"role": "gpu", "pid": 99, "estimated_vram_mib": 1103.0}]}
     assert vm.vram_bars(status)[0].apps == "Other apps: firefox 412 MiB · steam 300 MiB"
+

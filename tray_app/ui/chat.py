@@ -42,9 +42,11 @@ class ChatStream(QObject):
     failed = Signal(str, str)    # (message, code)
 
     def __init__(self, client: ServiceClient, messages: list[dict[str, Any]], *, request_id: str | None = None,
-                 max_tokens: int | None = None, parent: QObject | None = None) -> None:
+                 max_tokens: int | None = None, client_name: str = "tray-app chat",
+                 parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.client = client
+        self.client_name = client_name
         self.request_id = request_id or f"chat-{uuid.uuid4().hex[:16]}"
         self.messages = messages
         self.max_tokens = max_tokens
@@ -63,7 +65,7 @@ class ChatStream(QObject):
         request.setHeader(QNetworkRequest.KnownHeaders.ContentTypeHeader, "application/json")
         request.setRawHeader(b"Accept", b"text/event-stream")
         request.setRawHeader(b"X-Request-Id", self.request_id.encode())
-        request.setRawHeader(b"X-Client-Name", b"tray-app chat")
+        request.setRawHeader(b"X-Client-Name", self.client_name.encode())
         body: dict[str, Any] = {"messages": self.messages, "stream": True}
         if self.max_tokens:
             body["max_tokens"] = self.max_tokens

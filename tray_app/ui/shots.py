@@ -35,6 +35,10 @@ from . import viewmodel as vm
 
 log = logging.getLogger(__name__)
 
+# CPU requests queued behind a running one for the degraded-panel shots.
+QUEUED_FOR_SHOTS = 10
+# Named as the apps that call a home server would name themselves (X-Client-Name).
+CLIENTS_FOR_SHOTS = ("Continue (VS Code)", "Home Assistant", "Open WebUI", "nightly-summary.py")
 LONG_PROMPT = "Write a long story about a lighthouse keeper and the sea."
 Step = Generator[tuple, None, None]
 
@@ -181,10 +185,16 @@ class ScreenshotTour(QObject):
         painter.end()
         self.save(canvas, name)
 
-    def stream(self, prompt: str, max_tokens: int = 300):
+    def stream(self, prompt: str, max_tokens: int = 300, client_name: str = "tray-app chat"):
         from .chat import ChatStream
 
-        stream = ChatStream(self.client, [{"role": "user", "content": prompt}], max_tokens=max_tokens, parent=self)
+        # Each stream on its own client: Qt opens at most six connections per
+        # host for one QNetworkAccessManager, and the tour needs eleven at once.
+        from .client import ServiceClient
+
+        client = ServiceClient(self.client.base_url, parent=self)
+        stream = ChatStream(client, [{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                            client_name=client_name, parent=self)
         self.streams.append(stream)
         stream.start()
         return stream
@@ -245,10 +255,13 @@ class ScreenshotTour(QObject):
         self.fit(panel)
         self.client.set_simulated_pressure(900)
         yield ("sleep", 4)
-        self.stream(LONG_PROMPT, 300)
+        # One running and ten waiting: the banner shows three rows and counts the rest.
+        self.stream(LONG_PROMPT, 300, client_name="Open WebUI")
         yield ("sleep", 0.4)
-        self.stream("Name three famous lighthouses.", 200)
-        yield ("until", self.cpu_requests(queued=1, total=2), 60, "one running and one queued CPU request")
+        for index in range(QUEUED_FOR_SHOTS):
+            self.stream("Name three famous lighthouses.", 200, client_name=CLIENTS_FOR_SHOTS[index % len(CLIENTS_FOR_SHOTS)])
+        yield ("until", self.cpu_requests(queued=QUEUED_FOR_SHOTS, total=QUEUED_FOR_SHOTS + 1), 60,
+               "one running and ten queued CPU requests")
         yield ("until", self.kind_is(vm.DEGRADED), 30, "degraded mode")
         # Degraded mode is announced only once it has lasted a few seconds.
         yield ("until", lambda: any(n[0] == "degraded_start" for n in c.notices), 30, "the degraded-mode notification")

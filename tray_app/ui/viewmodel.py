@@ -427,10 +427,12 @@ def _ordinal(n: int) -> str:
 
 
 def cpu_requests(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    """Requests on the CPU path, queued ones by position first, then running."""
+    """Requests on the CPU path, as a queue reads: the running ones (oldest
+    first), then the waiting ones by position. Past the rows shown, the
+    banner counts the rest, so what is being served is never the hidden one."""
     found = [r for r in status.get("requests") or () if r.get("path") == "cpu"
              and r.get("state") in ("queued", "running")]
-    return sorted(found, key=lambda r: (r.get("state") != "queued", r.get("queue_position") or 0, -(r.get("age_s") or 0)))
+    return sorted(found, key=lambda r: (r.get("state") == "queued", r.get("queue_position") or 0, -(r.get("age_s") or 0)))
 
 
 def interruption_warning(status: Mapping[str, Any] | None, action: str) -> str | None:
