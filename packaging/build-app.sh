@@ -28,4 +28,10 @@ install -m 644 packaging/tray-app.desktop packaging/tray-app.service "$app/"
 # Smoke test: the frozen CLI parses, and finds the bundled model.
 "$app/run.sh" serve --help >/dev/null
 "$app/run.sh" models --url http://127.0.0.1:9 >/dev/null
+# ...and its llama-server loads its libraries from where runtime.library_dirs looks.
+server="$app/_internal/llama_server/llama-server"
+if [ -x "$server" ]; then
+  LD_LIBRARY_PATH="$app/_internal/llama_server:$app/_internal/llama_cpp/lib:$app/_internal" "$server" --version >/dev/null 2>&1 \
+    || { echo "build-app: the bundled llama-server does not start" >&2; exit 1; }
+fi
 echo "built $app ($(du -sh "$app" | cut -f1)); start it with $app/run.sh"

@@ -196,6 +196,10 @@ def library_dirs(binary: Path, *, bundled: bool = True) -> list[Path]:
     prefix = llama_cpp_prefix()
     if bundled and prefix is not None:
         dirs.append(prefix / "llama_cpp" / "lib")
+    frozen = getattr(sys, "_MEIPASS", None)
+    if bundled and frozen:
+        # The standalone folder: PyInstaller puts the libraries it resolved at its top.
+        dirs.append(Path(frozen))
     return [d for d in dirs if d.is_dir()]
 
 
