@@ -42,10 +42,11 @@ class ChatStream(QObject):
     failed = Signal(str, str)    # (message, code)
 
     def __init__(self, client: ServiceClient, messages: list[dict[str, Any]], *, request_id: str | None = None,
-                 max_tokens: int | None = None, client_name: str = "tray-app chat",
-                 parent: QObject | None = None) -> None:
+                 max_tokens: int | None = None, temperature: float | None = None,
+                 client_name: str = "tray-app chat", parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.client = client
+        self.temperature = temperature
         self.client_name = client_name
         self.request_id = request_id or f"chat-{uuid.uuid4().hex[:16]}"
         self.messages = messages
@@ -69,6 +70,8 @@ class ChatStream(QObject):
         body: dict[str, Any] = {"messages": self.messages, "stream": True}
         if self.max_tokens:
             body["max_tokens"] = self.max_tokens
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
         reply = self.client.nam.post(request, QByteArray(json.dumps(body).encode()))
         self.reply = reply
         reply.metaDataChanged.connect(self._on_headers)
@@ -215,10 +218,13 @@ class ChatWindow(QWidget):
 
     answer_finished = Signal(str)   # "ok", "stopped" or "failed"
 
-    def __init__(self, client: ServiceClient, *, max_tokens: int | None = None, parent: QWidget | None = None) -> None:
+    def __init__(self, client: ServiceClient, *, max_tokens: int | None = None, temperature: float | None = None,
+                 parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.client = client
         self.max_tokens = max_tokens
+        # None: the server's default sampling.
+        self.temperature = temperature
         self.turns: list[Turn] = []
         self.history: list[dict[str, str]] = []
         self.stream: ChatStream | None = None
@@ -309,7 +315,8 @@ class ChatWindow(QWidget):
         answer = Turn("assistant", pending=True, meta="waiting for the service…")
         self.turns.append(answer)
         self._answer = answer
-        stream = ChatStream(self.client, list(self.history), max_tokens=self.max_tokens, parent=self)
+        stream = ChatStream(self.client, list(self.history), max_tokens=self.max_tokens,
+                            temperature=self.temperature, parent=self)
         self.stream = stream
         # Bound methods, not lambdas holding the stream: a closure that keeps a
         # deleted QObject's wrapper alive upsets PySide at exit.
