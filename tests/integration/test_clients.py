@@ -117,8 +117,8 @@ def test_logprobs_come_back_for_every_token_with_the_alternatives_asked_for(fres
 
 
 def test_streamed_logprobs_arrive_with_their_tokens(fresh, client):
-    chunks = list(client.chat.completions.create(model="default", max_tokens=4, messages=HELLO, stream=True,
-                                                 logprobs=True, top_logprobs=1))
+    chunks = list(client.chat.completions.create(model="default", max_tokens=4, temperature=0, messages=HELLO,
+                                                 stream=True, logprobs=True, top_logprobs=1))
     with_tokens = [c for c in chunks if c.choices and c.choices[0].delta.content]
     assert with_tokens and all(c.choices[0].logprobs.content for c in with_tokens)
 
@@ -229,5 +229,7 @@ def test_logprobs_with_tools_is_a_400_not_a_worker_error(fresh):
 
 
 def test_logprobs_without_top_logprobs_has_no_alternatives_as_openai(fresh, client):
-    answer = client.chat.completions.create(model="default", max_tokens=3, messages=HELLO, logprobs=True)
-    assert all(t.top_logprobs == [] for t in answer.choices[0].logprobs.content)
+    answer = client.chat.completions.create(model="default", max_tokens=3, temperature=0, messages=HELLO,
+                                            logprobs=True)
+    tokens = answer.choices[0].logprobs.content
+    assert tokens and all(t.top_logprobs == [] for t in tokens)
