@@ -246,6 +246,9 @@ reserve_mib = 256
 queue_limit = 2
 first_token_timeout_s = 20
 token_timeout_s = 10
+# The soak's pressure tests admission against a worker that stays loaded.
+yield_to_other_apps = false
+idle_unload_s = 0
 [cpu]
 n_ctx = 2048
 queue_limit = 6

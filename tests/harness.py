@@ -5,6 +5,7 @@ and a simulated GPU. Tests talk to it only over HTTP, like any client."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +27,10 @@ reserve_mib = 256
 queue_limit = 1
 first_token_timeout_s = 20
 token_timeout_s = 10
+# The sharing tests turn these on themselves; the rest test routing with a
+# worker that stays loaded.
+yield_to_other_apps = false
+idle_unload_s = 0
 [cpu]
 n_ctx = 2048
 # One CPU slot: the queue tests fill the CPU lane with one running request.
@@ -42,6 +47,21 @@ backoff_base_s = 0.2
 backoff_cap_s = 2
 stop_timeout_s = 3
 """
+
+
+def sharing_config(tmp: Path, cpu: dict | None = None, **gpu: object) -> str:
+    """BASE_CONFIG with GPU sharing on (give VRAM back to other apps on the
+    simulated device in tmp/device, a short settle time) and these keys."""
+    gpu_keys = {"simulate_dir": str(tmp / "device"), "yield_to_other_apps": True, "reload_settle_s": 2.0,
+                "yield_drain_s": 10, "idle_unload_s": 0, **gpu}
+    # BASE_CONFIG pins both off; a TOML table may not repeat a key.
+    base = BASE_CONFIG.replace("yield_to_other_apps = false\n", "").replace("idle_unload_s = 0\n", "")
+    base = base.replace("[gpu]\n", "[gpu]\n" + _toml_lines(gpu_keys), 1)
+    return base.replace("[cpu]\n", "[cpu]\n" + _toml_lines(cpu or {}), 1)
+
+
+def _toml_lines(values: dict) -> str:
+    return "".join(f"{key} = {json.dumps(value)}\n" for key, value in values.items())
 
 
 @contextlib.contextmanager
@@ -80,14 +100,17 @@ class RunningService:
         )
         self.http = httpx.Client(base_url=self.url, timeout=60.0)
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> dict:
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S, roles: tuple[str, ...] = ("gpu", "cpu")) -> dict:
+        """Wait for the workers of these roles to be ready (a CPU worker that
+        loads on demand is not started until a request needs it)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"service exited with {self.process.returncode}:\n{self.log_text()}")
             try:
                 status = self.http.get("/status", timeout=5).json()
-                if all(w["state"] == "ready" for w in status["workers"]) and status["breaker"]["state"] == "closed":
+                if (all(w["state"] == "ready" for w in status["workers"] if w["role"] in roles)
+                        and status["breaker"]["state"] == "closed"):
                     return status
             except httpx.HTTPError:
                 pass

@@ -5,12 +5,12 @@ from dataclasses import replace
 import pytest
 
 from tray_app.core.dispatch.admission import (
-    CpuView, GpuView, LaneState, Reason, RequestShape, Route, decide, estimate_cpu_latency_s,
+    CpuView, GpuOut, GpuView, LaneState, Reason, RequestShape, Route, decide, estimate_cpu_latency_s,
 )
 
 GPU_LANE = LaneState(context_cap=4096, running=0, concurrency=1, queued=0, queue_limit=2)
 CPU_LANE = LaneState(context_cap=2048, running=0, concurrency=1, queued=0, queue_limit=4)
-GPU = GpuView(lane=GPU_LANE, out_reason=None, free_vram_mib=2000, reserve_mib=512, request_vram_mib=50)
+GPU = GpuView(lane=GPU_LANE, out=None, free_vram_mib=2000, reserve_mib=512, request_vram_mib=50)
 CPU = CpuView(lane=CPU_LANE, can_serve=True, out_reason=None, host_available_mib=16000, ram_floor_mib=1024,
               request_ram_mib=40, tokens_per_s=50.0, prompt_tokens_per_s=500.0, backlog_s=0.0)
 SHORT = RequestShape(prompt_tokens=100, max_tokens=100)
@@ -28,7 +28,7 @@ def test_forced_cpu_goes_to_cpu_with_latency_estimate():
 
 
 def test_gpu_out_goes_to_cpu_with_its_reason():
-    decision = decide(SHORT, replace(GPU, out_reason="breaker open"), CPU)
+    decision = decide(SHORT, replace(GPU, out=GpuOut(Reason.GPU_UNAVAILABLE, "breaker open")), CPU)
     assert (decision.route, decision.reason) == (Route.CPU, Reason.GPU_UNAVAILABLE)
     assert "breaker open" in decision.detail
 
@@ -68,7 +68,7 @@ def test_busy_gpu_queues_then_overflows_to_cpu():
 
 def test_cpu_queue_full_is_503_with_retry_after():
     cpu = replace(CPU, lane=replace(CPU_LANE, running=1, queued=4), backlog_s=12.2)
-    decision = decide(SHORT, replace(GPU, out_reason="down"), cpu)
+    decision = decide(SHORT, replace(GPU, out=GpuOut(Reason.GPU_UNAVAILABLE, "down")), cpu)
     assert decision.route is Route.REJECT and decision.status == 503
     assert decision.reason is Reason.CPU_QUEUE_FULL and decision.retry_after_s == 13
 
@@ -81,16 +81,16 @@ def test_replay_is_never_refused_for_queue_space():
 
 def test_ram_floor_refuses_cpu():
     cpu = replace(CPU, host_available_mib=1050)
-    decision = decide(SHORT, replace(GPU, out_reason="down"), cpu)
+    decision = decide(SHORT, replace(GPU, out=GpuOut(Reason.GPU_UNAVAILABLE, "down")), cpu)
     assert decision.reason is Reason.RAM_FLOOR and decision.status == 503
 
 
 def test_deadline_shorter_than_cpu_estimate_is_refused_at_once():
     cpu = replace(CPU, backlog_s=3.0)
-    decision = decide(replace(SHORT, deadline_s=4.0), replace(GPU, out_reason="down"), cpu)
+    decision = decide(replace(SHORT, deadline_s=4.0), replace(GPU, out=GpuOut(Reason.GPU_UNAVAILABLE, "down")), cpu)
     assert decision.reason is Reason.DEADLINE_TOO_SHORT and decision.status == 503
     assert decision.estimated_latency_s == pytest.approx(3.0 + 2.0 + 0.2)
-    assert decide(replace(SHORT, deadline_s=6.0), replace(GPU, out_reason="down"), cpu).route is Route.CPU
+    assert decide(replace(SHORT, deadline_s=6.0), replace(GPU, out=GpuOut(Reason.GPU_UNAVAILABLE, "down")), cpu).route is Route.CPU
 
 
 def test_deadline_does_not_apply_on_gpu():
@@ -99,7 +99,7 @@ def test_deadline_does_not_apply_on_gpu():
 
 def test_no_cpu_worker_and_no_gpu_is_503():
     cpu = replace(CPU, can_serve=False, out_reason="bad model")
-    decision = decide(SHORT, replace(GPU, out_reason="down"), cpu)
+    decision = decide(SHORT, replace(GPU, out=GpuOut(Reason.GPU_UNAVAILABLE, "down")), cpu)
     assert decision.reason is Reason.NO_WORKER and decision.status == 503
 
 

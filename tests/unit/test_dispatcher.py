@@ -99,7 +99,7 @@ class FakeBackend(Backend):
         self.scripts: dict[str, Script] = {}
         self.calls: list[str] = []
 
-    async def _stream(self, job: Job, sink) -> Attempt:
+    async def _stream(self, job: Job, sink, still_open=lambda: None) -> Attempt:
         self.calls.append(job.id)
         attempt = Attempt(self.path, self._clock(), worker_exits=self.worker.exits)
         job.attempts.append(attempt)
@@ -1063,3 +1063,106 @@ async def test_idempotency_wait_deadline_is_a_409_and_keeps_the_first_running():
     assert not done.cancelled()  # the first request's result can still be recorded
     done.set_result("late")
     assert await store.wait(store.lookup("key-1", "fp")) == "late"
+
+
+# ----- sharing the GPU: residency, X-Prefer-Path, never falling back ------------------------
+
+
+class FakeResidency:
+    """What GpuSharing tells the dispatcher, as values the test sets."""
+
+    def __init__(self, out=None) -> None:
+        self.out = out
+        self.arrivals = 0
+
+    def gpu_out(self):
+        return self.out
+
+    def request_arrived(self) -> None:
+        self.arrivals += 1
+
+
+def with_residency(rig: Rig, reason: Reason, detail: str, back_in_s: float | None = None) -> FakeResidency:
+    from tray_app.core.dispatch.admission import GpuOut
+    residency = FakeResidency(GpuOut(reason, detail, back_in_s=back_in_s))
+    rig.dispatcher.residency = residency
+    return residency
+
+
+async def test_a_given_away_gpu_sends_requests_to_the_cpu_as_gpu_yielded(rig):
+    residency = with_residency(rig, Reason.GPU_YIELDED, "GPU given to steam (9.1 GiB)")
+    await run_job(rig, make_job())
+    assert rig.events.decisions == [("req-1", Route.CPU, Reason.GPU_YIELDED)]
+    assert rig.gpu.calls == [] and rig.cpu.calls == ["req-1"]
+    assert residency.arrivals == 1
+    assert rig.dispatcher.degraded_cause() == "GPU given to steam (9.1 GiB)"
+
+
+async def test_an_idle_unloaded_gpu_is_not_degraded_until_a_request_runs_elsewhere(rig):
+    from tray_app.core.dispatch.admission import GpuOut
+    rig.dispatcher.residency = FakeResidency(GpuOut(Reason.GPU_LOADING, "unloaded (idle)", quiet=True))
+    assert rig.dispatcher.degraded_cause() is None
+
+
+async def test_a_loading_gpu_sends_requests_to_the_cpu_unless_they_prefer_to_wait(rig):
+    with_residency(rig, Reason.GPU_LOADING, "the GPU worker is loading", back_in_s=4.0)
+    await run_job(rig, make_job("impatient"))
+    waiting = make_job("patient")
+    waiting.prefer_gpu = True
+    await run_job(rig, waiting)
+    assert rig.events.decisions == [("impatient", Route.CPU, Reason.GPU_LOADING),
+                                    ("patient", Route.GPU_QUEUE, Reason.ADMITTED)]
+    assert rig.gpu.calls == ["patient"] and rig.cpu.calls == ["impatient"]
+    # Its estimate includes the load.
+    assert waiting.estimated_latency_s == pytest.approx(4.0)
+
+
+async def test_preferring_the_gpu_does_not_wait_past_the_clients_deadline(rig):
+    with_residency(rig, Reason.GPU_LOADING, "the GPU worker is loading", back_in_s=40.0)
+    job = make_job()
+    job.prefer_gpu, job.deadline_s = True, 20.0
+    await run_job(rig, job)
+    assert rig.events.decisions == [("req-1", Route.CPU, Reason.GPU_LOADING)]
+
+
+async def test_never_fall_back_is_a_503_with_when_the_gpu_is_back(rig):
+    with_residency(rig, Reason.GPU_LOADING, "the GPU worker is loading", back_in_s=12.2)
+    job = make_job()
+    job.no_fallback = True
+    failure = await failed(rig, job)
+    assert (failure.status, failure.code, failure.retry_after_s) == (503, "gpu_loading", 13.0)
+    assert "expected back in about 12 s" in failure.message
+    assert rig.cpu.calls == [] and rig.gpu.calls == []
+
+
+async def test_the_configured_policy_applies_unless_the_request_says_otherwise(rig):
+    with_residency(rig, Reason.GPU_YIELDED, "GPU given to steam")
+    rig.dispatcher.no_fallback = True
+    refused = await failed(rig, make_job("by-policy"))
+    assert (refused.status, refused.code) == (503, "gpu_yielded")
+    assert "nobody can say when" in refused.message
+    allowed = make_job("x-fallback-cpu")
+    allowed.no_fallback = False
+    await run_job(rig, allowed)
+    asked = make_job("x-force-path-cpu")
+    asked.force_cpu = True
+    await run_job(rig, asked)
+    assert rig.cpu.calls == ["x-fallback-cpu", "x-force-path-cpu"]
+
+
+async def test_a_gpu_failure_is_not_replayed_on_the_cpu_when_fallback_is_never(rig):
+    rig.gpu.script = raising(WorkerFailure("connection reset"))
+    job = make_job()
+    job.no_fallback = True
+    failure = await failed(rig, job)
+    assert (failure.status, failure.code) == (503, "gpu_worker_failed")
+    assert "nothing was re-run" in failure.message
+    assert rig.cpu.calls == [] and not job.replayed
+
+
+async def test_a_client_forcing_the_cpu_does_not_wake_an_unloaded_gpu(rig):
+    residency = with_residency(rig, Reason.GPU_LOADING, "unloaded (idle)")
+    job = make_job()
+    job.force_cpu = True
+    await run_job(rig, job)
+    assert residency.arrivals == 0

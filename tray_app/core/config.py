@@ -93,6 +93,32 @@ class GpuConfig:
     simulate_mib: int = 0
     first_token_timeout_s: float = 120.0
     token_timeout_s: float = 30.0
+    # Where other processes register memory on a simulated device (see
+    # telemetry.SimulatedGpu); empty = "simulated-gpu" in the state directory.
+    simulate_dir: str = ""
+    # Give the VRAM back when other apps (a game) need it: unload the GPU
+    # worker once it can no longer keep reserve_mib free, reload when the
+    # memory has stayed free for reload_settle_s (see dispatch.residency).
+    yield_to_other_apps: bool = True
+    reload_settle_s: float = 30.0
+    # How long running GPU requests may take to finish before the worker is
+    # unloaded anyway (a request cut short replays on the CPU if it can).
+    yield_drain_s: float = 10.0
+    # Unload the GPU worker after this long without a request; 0 = never.
+    # Ollama's keep_alive default is the same 5 minutes.
+    idle_unload_s: float = 300.0
+
+
+CPU_KEEP_MODES = ("warm", "on_demand")
+FALLBACK_POLICIES = ("cpu", "never")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    # "cpu": when the GPU can't serve, the CPU path does. "never": the client
+    # gets a 503 with Retry-After instead; nothing runs on the CPU. A request
+    # can choose for itself with X-Fallback.
+    fallback: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -105,6 +131,11 @@ class CpuConfig:
     ram_floor_mib: int = 1024
     # Prior for latency estimates until a real CPU request has been measured.
     assumed_tokens_per_s: float = 10.0
+    # "warm": the CPU worker is loaded from the start, so a GPU failure is
+    # answered at once. "on_demand": it loads when a request first needs it
+    # and unloads after idle_unload_s, which saves its RAM and costs a load.
+    keep: str = "warm"
+    idle_unload_s: float = 900.0
 
 
 # [breaker] is the circuit breaker's BreakerPolicy itself, and [worker] the
@@ -123,6 +154,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     cpu: CpuConfig = field(default_factory=CpuConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     # Where the file came from, for messages and for saving; None = defaults only.
@@ -141,6 +173,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "gpu": GpuConfig,
     "cpu": CpuConfig,
+    "routing": RoutingConfig,
     "breaker": BreakerPolicy,
     "worker": WorkerConfig,
 }
@@ -161,6 +194,10 @@ _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("gpu", "simulate_mib"): (0, None),
     ("gpu", "first_token_timeout_s"): (0.1, None),
     ("gpu", "token_timeout_s"): (0.1, None),
+    ("gpu", "reload_settle_s"): (0.0, 86400.0),
+    ("gpu", "yield_drain_s"): (0.0, 3600.0),
+    ("gpu", "idle_unload_s"): (0.0, None),
+    ("cpu", "idle_unload_s"): (0.0, None),
     ("cpu", "n_ctx"): (64, None),
     ("cpu", "max_concurrency"): (1, 64),
     ("cpu", "queue_limit"): (0, None),
@@ -175,6 +212,12 @@ _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("worker", "backoff_base_s"): (0.0, None),
     ("worker", "backoff_cap_s"): (0.0, None),
     ("worker", "n_batch"): (1, None),
+}
+# (section, key) -> the only strings it takes.
+_CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("engine", "runtime"): ENGINE_RUNTIMES,
+    ("cpu", "keep"): CPU_KEEP_MODES,
+    ("routing", "fallback"): FALLBACK_POLICIES,
 }
 # The ceiling of every whole number: several become C `int` arguments to
 # llama.cpp (n_ctx, n_batch, n_gpu_layers, n_threads), where a larger value
@@ -200,6 +243,13 @@ def default_config_path() -> Path:
 def log_dir() -> Path:
     """The log directory, created private: worker logs can hold prompts and answers."""
     return make_private_dir(Path(platformdirs.user_log_dir(APP_NAME)))
+
+
+def simulated_device_dir(config: "Config") -> Path:
+    """Where other processes register their memory on the simulated device."""
+    if config.gpu.simulate_dir:
+        return Path(config.gpu.simulate_dir).expanduser()
+    return Path(platformdirs.user_state_dir(APP_NAME)) / "simulated-gpu"
 
 
 def models_dir() -> Path:
@@ -243,8 +293,9 @@ def _coerce(section: str, key: str, expected: Any, value: Any) -> Any:
     elif isinstance(expected, str):
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string, got {value!r}")
-        if (section, key) == ("engine", "runtime") and value not in ENGINE_RUNTIMES:
-            raise ConfigError(f"{where} must be one of {', '.join(repr(r) for r in ENGINE_RUNTIMES)}, got {value!r}")
+        allowed = _CHOICES.get((section, key))
+        if allowed is not None and value not in allowed:
+            raise ConfigError(f"{where} must be one of {', '.join(repr(r) for r in allowed)}, got {value!r}")
         return value
     elif isinstance(expected, tuple):
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):

@@ -25,8 +25,10 @@ EVENT_LOG_SIZE = 100
 
 class Observer:
     def __init__(self, gpu_reader: GpuReader, worker_pids: Callable[[], list[int]],
-                 degraded_cause: Callable[[], str | None]) -> None:
+                 degraded_cause: Callable[[], str | None],
+                 on_sample: Callable[[MemorySnapshot], None] = lambda snapshot: None) -> None:
         self._gpu_reader = gpu_reader
+        self._on_sample = on_sample
         self._worker_pids = worker_pids
         self._degraded_cause = degraded_cause
         self.history = TelemetryHistory()
@@ -78,7 +80,9 @@ class Observer:
         while True:
             await asyncio.sleep(SAMPLE_INTERVAL_S)
             try:
-                await asyncio.to_thread(self.sample)
+                snapshot = await asyncio.to_thread(self.sample)
+                # Who holds the GPU's memory may have changed (a game started).
+                self._on_sample(snapshot)
                 self.advance()
             except Exception:  # a sampler that dies would freeze every gauge
                 log.exception("telemetry sample failed")

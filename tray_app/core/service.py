@@ -13,6 +13,7 @@ snapshot changes nothing.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import time
@@ -22,13 +23,14 @@ from typing import Any, Callable
 import httpx
 
 from .api.metrics import ServiceMetrics
-from .config import Config, log_dir as default_log_dir
+from .config import Config, log_dir as default_log_dir, simulated_device_dir
 from .dispatch.admission import Decision, Reason, Route
 from .dispatch.backend import Backend, Deadlines
 from .dispatch.breaker import CircuitBreaker
 from .dispatch.dispatcher import EXPECTED_ANSWER_TOKENS, Costs, Dispatcher, Limits
 from .dispatch.jobs import Attempt, Job, PathSpeed
 from .dispatch.lanes import Lane
+from .dispatch.residency import Residency, SharingPolicy
 from .engine.exits import ExitKind
 from .engine.runtime import WorkerRuntime, choose_runtime
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
@@ -38,6 +40,7 @@ from .memory.telemetry import (
     GpuReader, MemorySnapshot, NvmlGpuReader, SimulatedGpu, detect_gpu_offload_support, wait_for_vram_recovery,
 )
 from .observe import Observer
+from .sharing import GpuSharing, OnDemandCpu
 from .tokens import PromptCounter
 
 MIB = 1024 * 1024
@@ -75,7 +78,7 @@ class Service:
 
         self.simulated: SimulatedGpu | None = None
         if config.gpu.simulate_mib > 0:
-            self.simulated = SimulatedGpu(config.gpu.simulate_mib)
+            self.simulated = SimulatedGpu(config.gpu.simulate_mib, others_dir=simulated_device_dir(config))
             self._gpu_reader: GpuReader = self.simulated
         else:
             self._gpu_reader = gpu_reader or NvmlGpuReader()
@@ -114,7 +117,8 @@ class Service:
         if gpu_missing_reason is None:
             backends["gpu"] = self._backend("gpu", gpu_runtime)
         self.breaker = CircuitBreaker(config.breaker, clock)
-        self.observer = Observer(self._gpu_reader, self._worker_pids, lambda: self.dispatcher.degraded_cause())
+        self.observer = Observer(self._gpu_reader, self._worker_pids, lambda: self.dispatcher.degraded_cause(),
+                                 on_sample=self._on_sample)
         self.metrics = ServiceMetrics(self.status)
         self.dispatcher = Dispatcher(
             Limits(config.gpu.n_ctx, config.cpu.n_ctx, config.gpu.reserve_mib, config.cpu.ram_floor_mib,
@@ -123,8 +127,49 @@ class Service:
             Costs(gpu_mib=lambda tokens: estimate.request_vram_bytes(self.model_info, self.gpu_settings, tokens) / MIB,
                   cpu_mib=lambda tokens: estimate.kv_bytes_per_token(self.fallback_info) * tokens / MIB),
             _DispatchEvents(self), gpu_missing_reason=gpu_missing_reason, clock=clock,
+            no_fallback=config.routing.fallback == "never",
         )
+        self.sharing: GpuSharing | None = None
+        if self.dispatcher.gpu is not None:
+            self.sharing = self._gpu_sharing(self.dispatcher.gpu)
+            self.dispatcher.residency = self.sharing
+        self.on_demand_cpu = (OnDemandCpu(self.dispatcher.cpu, config.cpu.idle_unload_s, self.observer.note, clock)
+                              if config.cpu.keep == "on_demand" else None)
         self.observer.sample()
+
+    def _gpu_sharing(self, backend: Backend) -> GpuSharing:
+        config = self.config
+        policy = SharingPolicy(yield_to_other_apps=config.gpu.yield_to_other_apps,
+                               reload_settle_s=config.gpu.reload_settle_s, idle_unload_s=config.gpu.idle_unload_s)
+        return GpuSharing(
+            Residency(policy, self._clock), backend,
+            need_mib=self.gpu_footprint.gpu.total / MIB, reserve_mib=config.gpu.reserve_mib,
+            model_mib=self.model_info.path.stat().st_size / MIB, drain_s=config.gpu.yield_drain_s,
+            ours_mib=self._our_vram_mib, our_pids=lambda: set(self._worker_pids()),
+            note=self.observer.note, changed=self.observer.advance,
+            read_free_mib=lambda: self._gpu_reader.read().free_mib, clock=self._clock,
+        )
+
+    def _our_vram_mib(self, reading) -> float:
+        """What our own workers hold on the device: NVML's per-process numbers
+        where it reports them, else what the loaded GPU worker is estimated
+        to hold."""
+        if self.simulated is not None:
+            return self.simulated.footprint(GPU_FOOTPRINT_OWNER)
+        pids = set(self._worker_pids())
+        device = reading.devices[0] if reading.devices else None
+        if device is not None and device.processes_reported:
+            mine = [p.used_mib for p in device.processes if p.pid in pids and p.used_mib is not None]
+            if mine:
+                return sum(mine)
+        gpu = self.gpu_worker
+        return self.gpu_footprint.gpu.total / MIB if gpu is not None and gpu.pid else 0.0
+
+    def _on_sample(self, snapshot: MemorySnapshot) -> None:
+        if self.sharing is not None:
+            self.sharing.on_sample(snapshot)
+        if self.on_demand_cpu is not None:
+            self.on_demand_cpu.on_sample()
 
     def _backend(self, path: str, runtime: WorkerRuntime) -> Backend:
         config = self.config
@@ -202,14 +247,18 @@ class Service:
             self.equivalence = await asyncio.to_thread(self._check_fallback_equivalence)
         if self.engine_fallback_reason:
             self.observer.note("engine_fallback", reason=self.engine_fallback_reason)
-        for worker in reversed(self._workers()):
+        for worker in reversed(self._resident_workers()):
             worker.start()
         self.observer.sample()
         self.observer.advance()
         self.observer.start()
 
+    def _resident_workers(self) -> list[Worker]:
+        """The workers that are loaded from the start: not a CPU worker that loads on demand."""
+        return [w for w in self._workers() if not (w.role == "cpu" and self.on_demand_cpu is not None)]
+
     async def wait_ready(self, timeout: float) -> bool:
-        results = await asyncio.gather(*(w.ensure_ready(timeout) for w in self._workers()))
+        results = await asyncio.gather(*(w.ensure_ready(timeout) for w in self._resident_workers()))
         return all(results)
 
     async def stop(self) -> None:
@@ -242,6 +291,22 @@ class Service:
         self.dispatcher.set_gpu_paused(paused)
         self.observer.note("gpu_paused" if paused else "gpu_resumed")
         self.observer.advance()
+
+    def give_gpu_back(self, given: bool) -> None:
+        """The tray's "Give the GPU back now" (True) and "Use the GPU again" (False)."""
+        if self.sharing is None:
+            raise ValueError(self.dispatcher.gpu_missing_reason or "there is no GPU path")
+        if given:
+            self.sharing.give_back()
+        else:
+            self.sharing.take_again()
+
+    def set_yield_to_other_apps(self, enabled: bool) -> None:
+        if self.sharing is None:
+            raise ValueError(self.dispatcher.gpu_missing_reason or "there is no GPU path")
+        residency = self.sharing.residency
+        residency.policy = dataclasses.replace(residency.policy, yield_to_other_apps=enabled)
+        self.observer.note("yield_to_other_apps", enabled=enabled)
 
     def restart_workers(self) -> None:
         for worker in self._workers():
@@ -277,19 +342,25 @@ class Service:
         }
 
     def health(self) -> tuple[bool, str]:
-        gpu_out = self.dispatcher.gpu_out_reason()
-        if gpu_out is None:
+        out = self.dispatcher.gpu_out()
+        if out is None:
             return True, "the GPU path can serve"
+        if out.quiet:
+            return True, out.detail
+        gpu_out = out.detail
         cpu = self.cpu_worker
         if cpu.state is WorkerState.READY:
             return True, f"the CPU path can serve (degraded: {gpu_out})"
+        if self.on_demand_cpu is not None and cpu.gave_up is None:
+            return True, f"the CPU path loads on demand (degraded: {gpu_out})"
         why = cpu.gave_up or cpu.unhealthy_reason
         return False, f"no path can serve: GPU: {gpu_out}; CPU worker is {cpu.state.value}" + (f" ({why})" if why else "")
 
     def engine_status(self) -> dict[str, Any]:
         return {"runtime": self.runtime.name, "version": self.runtime.describe(),
                 "configured": self.config.engine.runtime, "fallback_reason": self.engine_fallback_reason,
-                "slots": dict(self.slots)}
+                "slots": dict(self.slots), "cpu_keep": self.config.cpu.keep,
+                "fallback_policy": self.config.routing.fallback}
 
     def gpu_status(self) -> dict[str, Any]:
         gpu_status = self.observer.latest().gpu.to_status()
@@ -299,6 +370,8 @@ class Service:
         gpu_status["offload_message"] = self.offload_support.message
         if self.simulated is not None:
             gpu_status["pressure_mib"] = self.simulated.pressure_mib
+            gpu_status["simulated_device_dir"] = str(self.simulated.others_dir)
+        gpu_status["residency"] = self.sharing.status() if self.sharing is not None else None
         return gpu_status
 
     def status(self) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from .openai_request import InvalidRequest
 from .openapi import build_openapi
 from .requests import (
     MAX_MESSAGES, PRESSURE_RULE, Checked, ModelNames, clean_request_id, client_name, read_json_object,
-    requested_limit, routing_headers, validate,
+    Routing, requested_limit, routing_headers, validate,
 )
 from .sinks import AggregatingSink, QueueSink, RecordedStream, sse, usage_chunk, wants_usage
 
@@ -103,6 +103,21 @@ class Router:
             if not isinstance(body["paused"], bool):
                 return error_response(400, "'paused' must be true or false", "invalid_value", param="paused")
             self.service.set_gpu_paused(body["paused"])
+        if "yield_to_other_apps" in body:
+            if not isinstance(body["yield_to_other_apps"], bool):
+                return error_response(400, "'yield_to_other_apps' must be true or false", "invalid_value",
+                                      param="yield_to_other_apps")
+            try:
+                self.service.set_yield_to_other_apps(body["yield_to_other_apps"])
+            except ValueError as exc:
+                return error_response(409, str(exc), "no_gpu")
+        if "given_back" in body:
+            if not isinstance(body["given_back"], bool):
+                return error_response(400, "'given_back' must be true or false", "invalid_value", param="given_back")
+            try:
+                self.service.give_gpu_back(body["given_back"])
+            except ValueError as exc:
+                return error_response(409, str(exc), "no_gpu")
         if "simulated_pressure_mib" in body:
             problem = PRESSURE_RULE(body["simulated_pressure_mib"])
             if problem:
@@ -134,7 +149,7 @@ class Router:
             body = await read_json_object(request)
             checked = validate(body, kind, self.model_names, self.largest_context, self._grammar_problem,
                                logprobs=self.service.supports_logprobs)
-            force_cpu, deadline_s = routing_headers(request)
+            routing = routing_headers(request)
         except _Invalid as bad:
             headers = dict(base_headers)
             if bad.status in (408, 413):
@@ -146,7 +161,7 @@ class Router:
 
         idempotency_key = request.headers.get("idempotency-key")
         if not idempotency_key:
-            return await self._admit_and_run(request, kind, body, request_id, force_cpu, deadline_s, checked)
+            return await self._admit_and_run(request, kind, body, request_id, routing, checked)
         fingerprint = hashlib.sha256(json.dumps([kind.value, body], sort_keys=True).encode()).hexdigest()
         try:
             entry = self.idempotency.lookup(idempotency_key, fingerprint)
@@ -158,7 +173,7 @@ class Router:
         # and waits for this result instead of running again.
         claim = self.idempotency.claim(idempotency_key, fingerprint, request_id)
         try:
-            response = await self._admit_and_run(request, kind, body, request_id, force_cpu, deadline_s, checked)
+            response = await self._admit_and_run(request, kind, body, request_id, routing, checked)
         except BaseException:
             self.idempotency.forget(idempotency_key, request_id)
             _resolve(claim, ("json", 500, {}, error_bytes(
@@ -169,10 +184,11 @@ class Router:
         return response
 
     async def _admit_and_run(self, request: Request, kind: JobKind, body: dict[str, Any], request_id: str,
-                             force_cpu: bool, deadline_s: float | None, checked: Checked) -> Response:
+                             routing: Routing, checked: Checked) -> Response:
         base_headers = {"X-Request-Id": request_id}
-        job = Job(id=request_id, kind=kind, body=body, stream=bool(body.get("stream")), force_cpu=force_cpu,
-                  deadline_s=deadline_s, forced_tool=checked.forced_tool, top_logprobs=checked.top_logprobs,
+        job = Job(id=request_id, kind=kind, body=body, stream=bool(body.get("stream")), force_cpu=routing.force_cpu,
+                  deadline_s=routing.deadline_s, prefer_gpu=routing.prefer_gpu, no_fallback=routing.no_fallback,
+                  forced_tool=checked.forced_tool, top_logprobs=checked.top_logprobs,
                   client=client_name(request.headers.get("x-client-name"), request.headers.get("user-agent")))
         job.fingerprint = request_fingerprint(kind.value, body)
         # Registered before the first await, so a twin with the same id that

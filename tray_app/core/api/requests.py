@@ -274,10 +274,28 @@ def requested_limit(body: dict[str, Any]) -> int | None:
     return min(limits) if limits else None
 
 
-def routing_headers(request: Request) -> tuple[bool, float | None]:
-    force = request.headers.get("x-force-path", "").strip().lower()
-    if force not in ("", "cpu", "auto"):
-        raise _Invalid(400, "X-Force-Path must be 'cpu' or 'auto'", "invalid_header", "X-Force-Path")
+@dataclass(frozen=True)
+class Routing:
+    """What a request asks of routing, from its headers."""
+
+    force_cpu: bool = False            # X-Force-Path: cpu
+    deadline_s: float | None = None    # X-Request-Timeout
+    prefer_gpu: bool = False           # X-Prefer-Path: gpu (wait for a loading GPU)
+    no_fallback: bool | None = None    # X-Fallback: never / cpu; None = the config's
+
+
+def _choice(request: Request, header: str, allowed: tuple[str, ...]) -> str:
+    value = request.headers.get(header.lower(), "").strip().lower()
+    if value not in ("",) + allowed:
+        raise _Invalid(400, f"{header} must be one of {', '.join(repr(a) for a in allowed)}", "invalid_header",
+                       header)
+    return value
+
+
+def routing_headers(request: Request) -> Routing:
+    force = _choice(request, "X-Force-Path", ("cpu", "auto"))
+    prefer = _choice(request, "X-Prefer-Path", ("gpu", "auto"))
+    fallback = _choice(request, "X-Fallback", ("never", "cpu", "auto"))
     raw = request.headers.get("x-request-timeout")
     deadline = None
     if raw is not None:
@@ -289,7 +307,8 @@ def routing_headers(request: Request) -> tuple[bool, float | None]:
         if not math.isfinite(deadline) or deadline <= 0:
             raise _Invalid(400, "X-Request-Timeout must be a positive number of seconds", "invalid_header",
                            "X-Request-Timeout")
-    return force == "cpu", deadline
+    return Routing(force_cpu=force == "cpu", deadline_s=deadline, prefer_gpu=prefer == "gpu",
+                   no_fallback={"never": True, "cpu": False}.get(fallback))
 
 
 _CLIENT_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ._/:+()-")

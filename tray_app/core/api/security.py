@@ -176,7 +176,8 @@ class AccessGuard:
             headers += [
                 (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
                 (b"access-control-allow-headers",
-                 b"Authorization, Content-Type, X-Request-Id, Idempotency-Key, X-Request-Timeout, X-Force-Path"),
+                 b"Authorization, Content-Type, X-Request-Id, Idempotency-Key, X-Request-Timeout, X-Force-Path, "
+                 b"X-Prefer-Path, X-Fallback, X-Client-Name"),
                 (b"access-control-max-age", b"600"),
             ]
         return headers

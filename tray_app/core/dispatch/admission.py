@@ -27,6 +27,10 @@ class Reason(str, enum.Enum):
     GPU_VRAM_HEADROOM = "gpu_vram_headroom"
     GPU_BUSY = "gpu_busy"
     GPU_FAILED_REPLAYED = "gpu_failed_replayed"
+    # The GPU worker gave its memory to another app (or the user gave it back).
+    GPU_YIELDED = "gpu_yielded"
+    # The GPU worker is unloaded, starting or restarting: the CPU answers meanwhile.
+    GPU_LOADING = "gpu_loading"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     CPU_CONTEXT_CAP = "cpu_context_cap"
     CPU_QUEUE_FULL = "cpu_queue_full"
@@ -39,8 +43,21 @@ class Reason(str, enum.Enum):
 # Reasons under which the CPU serves because the GPU path can't: degraded mode.
 GPU_OUT_REASONS = frozenset({
     Reason.GPU_UNAVAILABLE, Reason.GPU_CONTEXT_CAP, Reason.GPU_VRAM_HEADROOM,
-    Reason.GPU_BUSY, Reason.GPU_FAILED_REPLAYED, Reason.FORCED_CPU,
+    Reason.GPU_BUSY, Reason.GPU_FAILED_REPLAYED, Reason.FORCED_CPU, Reason.GPU_YIELDED, Reason.GPU_LOADING,
 })
+
+
+@dataclass(frozen=True)
+class GpuOut:
+    """Why the GPU path can't take a request now."""
+
+    reason: "Reason"
+    detail: str
+    # When it is expected back, in seconds; None = nobody can say.
+    back_in_s: float | None = None
+    # Not a degraded condition by itself (unloaded while idle): the banner
+    # waits until a request is actually served elsewhere.
+    quiet: bool = False
 
 
 # Cells kept free at the end of a context. llama-cpp-python's completion loop
@@ -85,6 +102,10 @@ class RequestShape:
     # The longest the request may wait in a queue for a slot: its
     # X-Request-Timeout, else the configured default. None = no time limit.
     queue_budget_s: float | None = None
+    # X-Prefer-Path: gpu: wait for a loading GPU rather than take the CPU.
+    prefer_gpu: bool = False
+    # X-Fallback: never, or [routing] fallback = "never": a 503 instead of the CPU.
+    no_fallback: bool = False
 
     @property
     def total_tokens(self) -> int:
@@ -114,7 +135,7 @@ class GpuView:
 
     lane: LaneState
     # None when the GPU path can serve; else why not (worker not ready, breaker open, paused, no device).
-    out_reason: str | None
+    out: GpuOut | None
     free_vram_mib: float | None   # None = unknown, which never admits
     reserve_mib: float
     request_vram_mib: float       # what this request would add on the device
@@ -172,8 +193,14 @@ def decide(request: RequestShape, gpu: GpuView | None, cpu: CpuView) -> Decision
         return _to_cpu(request, cpu, Reason.FORCED_CPU, "the GPU path is paused or the client asked for the CPU")
     if gpu is None:
         return _to_cpu(request, cpu, Reason.GPU_UNAVAILABLE, "no GPU path is configured")
-    if gpu.out_reason is not None:
-        return _to_cpu(request, cpu, Reason.GPU_UNAVAILABLE, gpu.out_reason)
+    if gpu.out is not None:
+        if gpu.out.reason is Reason.GPU_LOADING and request.prefer_gpu and gpu.lane.has_queue_room:
+            wait = (gpu.out.back_in_s or 0.0) + gpu.backlog_s
+            if request.deadline_s is None or wait <= request.deadline_s:
+                return Decision(Route.GPU_QUEUE, Reason.ADMITTED,
+                                f"waiting for the GPU to load (X-Prefer-Path: gpu): {gpu.out.detail}",
+                                estimated_latency_s=round(wait, 2))
+        return _to_cpu(request, cpu, gpu.out.reason, gpu.out.detail, gpu.out.back_in_s)
     if request.total_tokens > gpu.lane.context_cap:
         return _to_cpu(
             request, cpu, Reason.GPU_CONTEXT_CAP,
@@ -206,7 +233,17 @@ def decide(request: RequestShape, gpu: GpuView | None, cpu: CpuView) -> Decision
     )
 
 
-def _to_cpu(request: RequestShape, cpu: CpuView, why: Reason, detail: str) -> Decision:
+def _to_cpu(request: RequestShape, cpu: CpuView, why: Reason, detail: str,
+            gpu_back_in_s: float | None = None) -> Decision:
+    if request.no_fallback and not request.is_replay:
+        back = (f"; the GPU is expected back in about {gpu_back_in_s:.0f} s" if gpu_back_in_s is not None
+                else "; nobody can say when the GPU is back")
+        return Decision(
+            Route.REJECT, why,
+            f"the GPU path can't serve ({detail}) and this request may not run on the CPU "
+            f"(X-Fallback: never, or [routing] fallback = \"never\"){back}",
+            status=503, retry_after_s=_retry_after(gpu_back_in_s if gpu_back_in_s is not None else 30.0),
+        )
     if not cpu.can_serve:
         return Decision(
             Route.REJECT, Reason.NO_WORKER,

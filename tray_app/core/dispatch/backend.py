@@ -77,6 +77,9 @@ class Backend:
         self._failed_process: int | None = None
         # Attempts inside a worker process now, by job id.
         self._in_process: dict[str, Attempt] = {}
+        # A stopped worker is loaded by the first request that needs it
+        # ([cpu] keep = "on_demand"), rather than being out of service.
+        self.loads_on_demand = False
 
     # ----- read side -----------------------------------------------------------
 
@@ -91,8 +94,11 @@ class Backend:
         return None
 
     def can_queue(self) -> bool:
-        """A starting or restarting worker can take requests: they wait in its queue."""
-        return self.worker.gave_up is None and self.worker.state is not WorkerState.STOPPED
+        """A starting or restarting worker can take requests: they wait in its
+        queue; so can a stopped one that loads on demand."""
+        if self.worker.gave_up is not None:
+            return False
+        return self.loads_on_demand or self.worker.state is not WorkerState.STOPPED
 
     # ----- effects -------------------------------------------------------------
 
@@ -146,7 +152,7 @@ class Backend:
                 raise Redirected(why_not)
             job.state = JobState.RUNNING
             self._on_change()
-            return await self._stream(job, sink)
+            return await self._stream(job, sink, still_open)
         except WorkerFailure:
             # Marked before the slot is freed: the next request in the lane
             # must not be sent to the process that just broke.
@@ -155,13 +161,17 @@ class Backend:
         finally:
             lane.release(job.id)
 
-    async def _stream(self, job: Job, sink: Sink) -> Attempt:
+    async def _stream(self, job: Job, sink: Sink, still_open: Callable[[], str | None]) -> Attempt:
         worker = self.worker
         out = self.out_reason()
         if out is not None:
-            if self.path == "gpu":
+            if self.path != "gpu":
+                await self._wait_ready(job)
+            elif still_open() is None:
+                # The job chose to wait for a loading GPU (X-Prefer-Path: gpu).
+                await self._wait_loaded(job, still_open)
+            else:
                 raise Redirected(out)
-            await self._wait_ready(job)
         attempt = Attempt(self.path, self._clock(), worker_exits=worker.exits)
         job.attempts.append(attempt)
         log_mark = worker.log_lines
@@ -290,8 +300,30 @@ class Backend:
                 attempt.neighbours.append(other)
         self._in_process[job_id] = attempt
 
+    async def _wait_loaded(self, job: Job, still_open: Callable[[], str | None]) -> None:
+        """Wait for a loading GPU worker without starting it ourselves (a
+        worker that was given away must stay unloaded): redirect if the
+        path closes meanwhile, fail if it takes longer than a load may."""
+        worker = self.worker
+        deadline = self._clock() + self._deadlines.ready_s
+        while self.out_reason() is not None:
+            why_not = still_open()
+            if why_not is not None:
+                raise Redirected(why_not)
+            if job.canceled.is_set():
+                raise canceled_error(job, f"while the {self.path} worker was loading")
+            if self._clock() >= deadline:
+                raise JobFailed(503, "no_worker", f"the {self.path} worker did not finish loading in "
+                                f"{self._deadlines.ready_s:g} s", retry_after_s=30.0)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await worker.wait_for_state(WorkerState.READY, timeout=0.25)
+
     async def _wait_ready(self, job: Job) -> None:
         worker = self.worker
+        if worker.state is WorkerState.STOPPING:
+            # An idle unload is under way: load again once it is done.
+            await worker.wait_for_state(WorkerState.STOPPED, WorkerState.STARTING, WorkerState.READY,
+                                        timeout=self._deadlines.ready_s)
         if self._failed_process is not None and self._failed_process == worker.exits:
             # The failed process is still on its way out: its replacement is the one to wait for.
             await worker.exit_after(self._failed_process, self._deadlines.ready_s)

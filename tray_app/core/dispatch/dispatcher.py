@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 
 from ..memory.telemetry import MemorySnapshot
 from .admission import (
-    GPU_OUT_REASONS, CpuView, Decision, GpuView, Reason, RequestShape, Route, decide, token_limit,
+    GPU_OUT_REASONS, CpuView, Decision, GpuOut, GpuView, Reason, RequestShape, Route, decide, token_limit,
 )
 from .backend import Backend, Sink
 from .breaker import BreakerState, CircuitBreaker
@@ -53,6 +53,24 @@ class DispatchEvents(Protocol):
     def gpu_failed(self, job: Job, reason: str) -> None: ...
 
 
+class GpuResidency(Protocol):
+    """Whether the GPU worker holds its memory (see gpu_sharing.GpuSharing)."""
+
+    def gpu_out(self) -> GpuOut | None:
+        """Given away, unloaded or loading: why the GPU can't serve now, or None."""
+
+    def request_arrived(self) -> None:
+        """A request is being admitted: an unloaded GPU starts loading."""
+
+
+class _AlwaysResident:
+    def gpu_out(self) -> GpuOut | None:
+        return None
+
+    def request_arrived(self) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class Limits:
     """The configuration the dispatcher decides with."""
@@ -76,7 +94,8 @@ class Costs:
 class Dispatcher:
     def __init__(self, limits: Limits, backends: dict[str, Backend], breaker: CircuitBreaker,
                  memory: Callable[[], MemorySnapshot], costs: Costs, events: DispatchEvents, *,
-                 gpu_missing_reason: str | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 gpu_missing_reason: str | None = None, clock: Callable[[], float] = time.monotonic,
+                 no_fallback: bool = False) -> None:
         self.limits = limits
         self.gpu = backends.get("gpu")
         self.cpu = backends["cpu"]
@@ -87,6 +106,9 @@ class Dispatcher:
         self._clock = clock
         self.gpu_missing_reason = gpu_missing_reason
         self.gpu_paused = False
+        # [routing] fallback = "never": requests may not run on the CPU unless they ask.
+        self.no_fallback = no_fallback
+        self.residency: GpuResidency = _AlwaysResident()
         self.jobs: dict[str, Job] = {}
         self.quarantine = Quarantine(clock)
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_DECISIONS)
@@ -161,31 +183,40 @@ class Dispatcher:
 
     # ----- reads ------------------------------------------------------------------------
 
-    def gpu_out_reason(self) -> str | None:
+    def gpu_out(self) -> GpuOut | None:
         """Why the GPU path can't take work right now, or None if it can."""
         if self.gpu is None:
-            return self.gpu_missing_reason
+            return GpuOut(Reason.GPU_UNAVAILABLE, self.gpu_missing_reason or "no GPU path")
         if self.gpu_paused:
-            return "the GPU path is paused (force CPU)"
+            return GpuOut(Reason.FORCED_CPU, "the GPU path is paused (force CPU)")
+        resident = self.residency.gpu_out()
+        if resident is not None:
+            return resident
         out = self.gpu.out_reason()
         if out is not None:
-            return out
+            return GpuOut(Reason.GPU_UNAVAILABLE, out)
         if self.breaker.state is BreakerState.OPEN:
             snap = self.breaker.snapshot()
-            return (f"the circuit breaker is open after repeated GPU failures "
-                    f"({snap.get('last_failure_reason')}); retrying in {snap.get('retry_in_s')} s")
+            return GpuOut(Reason.GPU_UNAVAILABLE,
+                          f"the circuit breaker is open after repeated GPU failures "
+                          f"({snap.get('last_failure_reason')}); retrying in {snap.get('retry_in_s')} s",
+                          back_in_s=snap.get("retry_in_s"))
         reading = self._memory().gpu
         if not reading.available:
-            return f"GPU memory can't be read: {reading.reason}"
+            return GpuOut(Reason.GPU_UNAVAILABLE, f"GPU memory can't be read: {reading.reason}")
         return None
+
+    def gpu_out_reason(self) -> str | None:
+        out = self.gpu_out()
+        return None if out is None else out.detail
 
     def degraded_cause(self) -> str | None:
         """Why the CPU path serves instead of the GPU now, or None."""
-        out = self.gpu_out_reason()
-        if out is not None:
-            return out
+        out = self.gpu_out()
+        if out is not None and not out.quiet:
+            return out.detail
         free = self._memory().gpu.free_mib
-        if self.gpu is not None and free is not None and free <= self.limits.reserve_mib:
+        if out is None and self.gpu is not None and free is not None and free <= self.limits.reserve_mib:
             # Every new request would go to the CPU: say so steadily, not only
             # while one happens to be in flight.
             return (f"not enough VRAM headroom: {free:.0f} MiB free, within the "
@@ -219,18 +250,21 @@ class Dispatcher:
         # A fresh decision starts without a probe: one this job took earlier
         # (before a redirect) goes back, or the breaker would wait for it forever.
         self._release_probe(job)
+        if not job.force_cpu and not job.replayed:
+            self.residency.request_arrived()
         gpu = self._gpu_view(job)
         half_open_probe = False
-        if gpu is not None and gpu.out_reason is None and self.breaker.state is BreakerState.HALF_OPEN:
+        if gpu is not None and gpu.out is None and self.breaker.state is BreakerState.HALF_OPEN:
             if self.breaker.try_acquire():
                 half_open_probe = True
             else:
-                gpu = dataclasses.replace(
-                    gpu, out_reason="the circuit breaker is half-open and a probe request is testing the GPU")
+                gpu = dataclasses.replace(gpu, out=GpuOut(
+                    Reason.GPU_UNAVAILABLE, "the circuit breaker is half-open and a probe request is testing the GPU"))
         shape = RequestShape(prompt_tokens=job.prompt_tokens, max_tokens=job.max_tokens,
                              force_cpu=job.force_cpu or self.gpu_paused, deadline_s=job.deadline_s,
                              is_replay=job.replayed,
-                             queue_budget_s=job.deadline_s if job.deadline_s is not None else self.limits.queue_budget_s)
+                             queue_budget_s=job.deadline_s if job.deadline_s is not None else self.limits.queue_budget_s,
+                             prefer_gpu=job.prefer_gpu, no_fallback=self._no_fallback(job))
         decision = decide(shape, gpu, self._cpu_view(job))
         on_gpu = decision.route in (Route.GPU, Route.GPU_QUEUE)
         if half_open_probe and not on_gpu:
@@ -256,7 +290,7 @@ class Dispatcher:
             return None
         return GpuView(
             lane=self.gpu.lane.state(self.limits.gpu_n_ctx),
-            out_reason=self.gpu_out_reason(),
+            out=self.gpu_out(),
             free_vram_mib=self._memory().gpu.free_mib,
             reserve_mib=self.limits.reserve_mib,
             request_vram_mib=self._costs.gpu_mib(job.prompt_tokens + job.max_tokens),
@@ -276,6 +310,21 @@ class Dispatcher:
             prompt_tokens_per_s=self.cpu.speed.prompt_tokens_per_s,
             backlog_s=self._backlog_s(self.cpu),
         )
+
+    def _no_fallback(self, job: Job) -> bool:
+        """May this job not run on the CPU? A client that asked for the CPU
+        (X-Force-Path: cpu) gets it whatever the policy."""
+        if job.force_cpu:
+            return False
+        return job.no_fallback if job.no_fallback is not None else self.no_fallback
+
+    def _gpu_closed_for(self, job: Job) -> str | None:
+        """Asked once a GPU slot is the job's: why it must go elsewhere, or
+        None. A job that prefers the GPU waits through its load."""
+        out = self.gpu_out()
+        if out is None or (job.prefer_gpu and out.reason is Reason.GPU_LOADING):
+            return None
+        return out.detail
 
     def _cpu_backlog_s(self) -> float:
         return self._backlog_s(self.cpu)
@@ -313,7 +362,7 @@ class Dispatcher:
             if decision.route in (Route.GPU, Route.GPU_QUEUE):
                 assert self.gpu is not None
                 try:
-                    self._completed(job, await self.gpu.run(job, sink, self.gpu_out_reason))
+                    self._completed(job, await self.gpu.run(job, sink, lambda: self._gpu_closed_for(job)))
                     return
                 except Redirected as redirected:
                     # Nothing ran yet; decide again with what we know now.
@@ -322,7 +371,13 @@ class Dispatcher:
                         # The GPU said no once for this job: it goes to the CPU, and
                         # a probe the fresh decision took goes back at once.
                         self._release_probe(job)
-                        decision = Decision(Route.CPU, Reason.GPU_UNAVAILABLE, redirected.reason)
+                        if self._no_fallback(job):
+                            decision = Decision(Route.REJECT, Reason.GPU_UNAVAILABLE,
+                                                f"the GPU path closed while this request waited ({redirected.reason}) "
+                                                "and it may not run on the CPU (X-Fallback: never)",
+                                                status=503, retry_after_s=30.0)
+                        else:
+                            decision = Decision(Route.CPU, Reason.GPU_UNAVAILABLE, redirected.reason)
                         self._apply(job, decision)
                     if not decision.accepted:
                         raise _rejection(decision) from None
@@ -334,6 +389,13 @@ class Dispatcher:
                             502, "gpu_worker_failed",
                             f"the GPU worker failed after part of the answer was sent ({failure}); "
                             "nothing was re-run. It is safe to retry this request.",
+                        ) from None
+                    if self._no_fallback(job):
+                        raise JobFailed(
+                            503, "gpu_worker_failed",
+                            f"the GPU worker failed before any output ({failure}) and this request may not "
+                            "run on the CPU (X-Fallback: never); nothing was re-run. It is safe to retry it.",
+                            retry_after_s=30.0,
                         ) from None
                     sink.reset()
                     job.replayed = True

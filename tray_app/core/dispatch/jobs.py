@@ -96,9 +96,12 @@ class Job:
     half_open_probe: bool = False
     # Admission's verdict, once made.
     decision: Decision | None = None
-    # What the client asked of routing: X-Force-Path: cpu, X-Request-Timeout.
+    # What the client asked of routing: X-Force-Path: cpu, X-Request-Timeout,
+    # X-Prefer-Path: gpu (wait for a loading GPU), X-Fallback (None = the config's).
     force_cpu: bool = False
     deadline_s: float | None = None
+    prefer_gpu: bool = False
+    no_fallback: bool | None = None
     # What the request asks, without how it is delivered: the key a request
     # that crashed a worker is quarantined under.
     fingerprint: str = ""

@@ -159,6 +159,8 @@ class Worker:
         self.exits = 0
         self.restarts = 0
         self.ready_since: float | None = None
+        # When the current load began (the worker's clock), while it loads.
+        self.loading_since: float | None = None
         self.last_ready_duration_s: float | None = None
         self.unhealthy_reason: str | None = None
         self.gave_up: str | None = None
@@ -356,6 +358,7 @@ class Worker:
                     break
         finally:
             self._port = None
+            self.loading_since = None
             self._set_state(WorkerState.STOPPED)
 
     @dataclass(frozen=True)
@@ -366,6 +369,7 @@ class Worker:
         was_ready: bool
 
     async def _run_once(self) -> "Worker._Outcome":
+        self.loading_since = self._clock()
         self._set_state(WorkerState.STARTING)
         extras = await self._hooks.before_spawn(self)
         self._port = free_loopback_port()
@@ -403,6 +407,7 @@ class Worker:
         why_replaced: str | None = None
         try:
             ready = await self._wait_ready(exited)
+            self.loading_since = None
             if ready:
                 self.last_ready_duration_s = round(self._clock() - spawned_at, 3)
                 self.ready_since = time.time()

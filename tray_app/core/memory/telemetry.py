@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import math
+import os
 import threading
 import time
 import types
@@ -18,6 +20,7 @@ import warnings
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
@@ -376,11 +379,16 @@ def _process_used_mib(used_bytes: int | None) -> float | None:
 class SimulatedGpu:
     """A declared device for machines without a GPU.
 
-    Free = total - registered footprints - injected pressure, clamped at 0.
-    The router thread and the UI read while the service writes, hence the lock.
+    Free = total - registered footprints - injected pressure - what other
+    processes hold, clamped at 0. Other processes take memory the way they
+    would on a real card: a process registers an allocation as a file named
+    after its pid in `others_dir` (see `hold_simulated_vram`), the device
+    lists it with the process's name, and it is released when the process
+    exits, however it exits. The router thread and the UI read while the
+    service writes, hence the lock.
     """
 
-    def __init__(self, total_mib: float, name: str = "Simulated GPU") -> None:
+    def __init__(self, total_mib: float, name: str = "Simulated GPU", others_dir: Path | None = None) -> None:
         if total_mib <= 0:
             raise ValueError(f"total_mib must be > 0, got {total_mib}")
         self._total_mib = float(total_mib)
@@ -388,6 +396,7 @@ class SimulatedGpu:
         self._lock = threading.Lock()
         self._footprints: dict[str, float] = {}
         self._pressure_mib = 0.0
+        self.others_dir = others_dir
 
     def set_footprint(self, owner: str, mib: float) -> None:
         if mib < 0:
@@ -409,9 +418,15 @@ class SimulatedGpu:
         with self._lock:
             return self._pressure_mib
 
+    def footprint(self, owner: str) -> float:
+        with self._lock:
+            return self._footprints.get(owner, 0.0)
+
     def read(self) -> GpuReading:
+        others = _simulated_allocations(self.others_dir) if self.others_dir is not None else ()
         with self._lock:
             claimed = sum(self._footprints.values()) + self._pressure_mib
+        claimed += sum(process.used_mib or 0.0 for process in others)
         free = max(0.0, self._total_mib - claimed)
         device = GpuDevice(
             index=0,
@@ -419,11 +434,48 @@ class SimulatedGpu:
             total_mib=self._total_mib,
             used_mib=self._total_mib - free,
             free_mib=free,
+            processes=others,
         )
         return GpuReading(available=True, simulated=True, devices=(device,))
 
     def close(self) -> None:
         """Nothing to release; present to satisfy GpuReader."""
+
+
+def _simulated_allocations(directory: Path) -> tuple[GpuProcess, ...]:
+    """Allocations on a simulated device by live processes; a dead process's
+    file is ignored, as a driver frees a dead process's memory."""
+    found = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return ()
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            mib = float(entry.read_text().strip())
+            process = psutil.Process(pid)
+            if process.status() == psutil.STATUS_ZOMBIE:
+                continue
+            name = process.name() or None
+        except (OSError, ValueError, psutil.Error):
+            continue
+        if mib > 0 and math.isfinite(mib):
+            found.append(GpuProcess(pid=pid, used_mib=mib, name=name))
+    return tuple(sorted(found, key=lambda process: process.pid))
+
+
+def hold_simulated_vram(directory: Path, mib: float) -> Path:
+    """Take `mib` of a simulated device's memory for this process, until it
+    exits or deletes the returned file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    entry = directory / str(os.getpid())
+    temporary = directory / f".{os.getpid()}.tmp"
+    temporary.write_text(f"{mib:.1f}\n")
+    os.replace(temporary, entry)
+    return entry
 
 
 # --------------------------------------------------------------------------

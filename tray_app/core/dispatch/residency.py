@@ -1,0 +1,183 @@
+"""Whether the GPU worker should hold its VRAM: a pure state machine.
+
+The GPU is usually someone's gaming or desktop card too. The worker lets go
+of its memory in three cases, each a `Hold`:
+
+- YIELDED: other processes took so much that the loaded worker could no
+  longer keep the reserve free (a game started). It comes back once the
+  memory has stayed free, with a margin, for a settle time. The settle time
+  doubles with each yield in a short window, so a game whose use breathes
+  around the threshold costs one reload, not a reload loop.
+- IDLE: no request for `idle_unload_s`. The next request loads it again.
+- USER: "Give the GPU back now", until "Use the GPU again".
+
+`Residency` decides; it never touches a process, a clock of its own or a log.
+The service feeds it readings and carries out the `Action` it returns
+(gpu_sharing.GpuSharing).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable
+
+# The memory must be this much above what a reload needs before the settle
+# clock runs: a game sitting exactly at the threshold would otherwise
+# reload the worker only to crowd it out again.
+RELOAD_MARGIN_MIB = 512.0
+# A crowded reading must last this long before the worker yields: one
+# sample that catches a short-lived allocation is not a game starting.
+YIELD_CONFIRM_S = 1.0
+# Yields closer together than this count as one flapping episode.
+FLAP_WINDOW_S = 600.0
+MAX_SETTLE_FACTOR = 16
+
+
+class HoldKind(str, enum.Enum):
+    YIELDED = "yielded"
+    IDLE = "idle"
+    USER = "user"
+
+
+@dataclass(frozen=True)
+class Hold:
+    kind: HoldKind
+    since: float                    # the residency clock's time
+    app: str | None = None          # YIELDED: the biggest other user of the GPU
+    app_mib: float | None = None
+
+    def describe(self) -> str:
+        if self.kind is HoldKind.YIELDED:
+            who = self.app or "another app"
+            size = f" ({self.app_mib / 1024:.1f} GiB)" if self.app_mib else ""
+            return f"GPU given to {who}{size}"
+        if self.kind is HoldKind.IDLE:
+            return "GPU unloaded (idle)"
+        return "GPU given back by the user"
+
+
+@dataclass(frozen=True)
+class SharingPolicy:
+    yield_to_other_apps: bool = True
+    reload_settle_s: float = 30.0
+    idle_unload_s: float = 300.0  # 0 = never
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    """One reading, as residency needs it."""
+
+    total_mib: float | None         # None: the device can't be read now
+    others_mib: float | None        # held by processes that are not our workers
+    need_mib: float                 # what the loaded GPU worker holds
+    reserve_mib: float
+    top_app: str | None = None      # the biggest other process, by name
+    top_app_mib: float | None = None
+
+    def spare_with_worker_mib(self) -> float | None:
+        """What would stay free with the GPU worker loaded."""
+        if self.total_mib is None or self.others_mib is None:
+            return None
+        return self.total_mib - self.others_mib - self.need_mib
+
+
+class Action(str, enum.Enum):
+    NONE = "none"
+    YIELD = "yield"       # drain the GPU path, then unload the worker
+    UNLOAD = "unload"     # unload now (idle, or the user asked); nothing is running
+    LOAD = "load"         # load the worker again
+
+
+class Residency:
+    def __init__(self, policy: SharingPolicy, clock: Callable[[], float]) -> None:
+        self.policy = policy
+        self._clock = clock
+        self.hold: Hold | None = None
+        self._crowded_since: float | None = None
+        self._roomy_since: float | None = None
+        self._yields: list[float] = []
+        # A yield that found the worker already unloaded for idleness goes
+        # back to idle when the memory frees: nobody asked for a reload.
+        self._idle_under_yield = False
+
+    # ----- reads ------------------------------------------------------------------
+
+    def settle_s(self) -> float:
+        """The settle time the next reload waits for: doubled for each
+        recent yield after the first (a flapping game), capped."""
+        now = self._clock()
+        recent = [t for t in self._yields if now - t <= FLAP_WINDOW_S]
+        factor = min(MAX_SETTLE_FACTOR, 2 ** max(0, len(recent) - 1))
+        return self.policy.reload_settle_s * factor
+
+    def reload_in_s(self) -> float | None:
+        """For a yielded GPU: seconds until it reloads if the memory stays
+        free; None while the memory is not free (nobody can say when)."""
+        if self.hold is None or self.hold.kind is not HoldKind.YIELDED or self._roomy_since is None:
+            return None
+        return max(0.0, self._roomy_since + self.settle_s() - self._clock())
+
+    # ----- inputs -------------------------------------------------------------------
+
+    def observe(self, view: DeviceView, *, loaded: bool, idle_for_s: float | None) -> Action:
+        """A new reading. `loaded`: the worker holds (or is taking) its
+        memory. `idle_for_s`: how long the GPU path has had no request,
+        None while one is queued or running."""
+        now = self._clock()
+        spare = view.spare_with_worker_mib()
+        crowded = spare is not None and spare < view.reserve_mib
+        roomy = spare is not None and spare >= view.reserve_mib + RELOAD_MARGIN_MIB
+        self._crowded_since = (self._crowded_since or now) if crowded else None
+        self._roomy_since = (self._roomy_since or now) if roomy else None
+
+        if self.hold is None or self.hold.kind is HoldKind.IDLE:
+            if (crowded and self.policy.yield_to_other_apps
+                    and now - self._crowded_since >= YIELD_CONFIRM_S):
+                self._idle_under_yield = self.hold is not None
+                self.hold = Hold(HoldKind.YIELDED, now, view.top_app, view.top_app_mib)
+                self._yields = [t for t in self._yields if now - t <= FLAP_WINDOW_S] + [now]
+                self._roomy_since = None
+                # Also when the worker is restarting: it must not come back up.
+                return Action.NONE if self._idle_under_yield else Action.YIELD
+        if self.hold is None:
+            if (loaded and idle_for_s is not None and self.policy.idle_unload_s > 0
+                    and idle_for_s >= self.policy.idle_unload_s):
+                self.hold = Hold(HoldKind.IDLE, now)
+                return Action.UNLOAD
+            return Action.NONE
+        if self.hold.kind is HoldKind.YIELDED:
+            if crowded and view.top_app is not None:
+                # Name whoever holds the memory now (another app may have taken over).
+                self.hold = Hold(HoldKind.YIELDED, self.hold.since, view.top_app, view.top_app_mib)
+            if self._roomy_since is not None and now - self._roomy_since >= self.settle_s():
+                if self._idle_under_yield:
+                    self.hold = Hold(HoldKind.IDLE, now)
+                    return Action.NONE
+                self.hold = None
+                return Action.LOAD
+        return Action.NONE
+
+    def request_arrived(self) -> Action:
+        """A request wants the GPU: an idle-unloaded worker loads again."""
+        if self.hold is not None and self.hold.kind is HoldKind.IDLE:
+            self.hold = None
+            return Action.LOAD
+        return Action.NONE
+
+    def give_back(self) -> Action:
+        """The user's "Give the GPU back now"."""
+        if self.hold is not None and self.hold.kind is HoldKind.USER:
+            return Action.NONE
+        was_loaded = self.hold is None
+        self.hold = Hold(HoldKind.USER, self._clock())
+        return Action.YIELD if was_loaded else Action.NONE
+
+    def take_again(self) -> Action:
+        """The user's "Use the GPU again": load now. A game still holding the
+        memory makes the next reading yield again, as it should."""
+        if self.hold is None:
+            return Action.NONE
+        self.hold = None
+        self._crowded_since = None
+        return Action.LOAD

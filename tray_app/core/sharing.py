@@ -1,0 +1,310 @@
+"""Sharing the machine: the GPU worker gives its VRAM back and takes it again;
+an on-demand CPU worker loads when needed and unloads when idle.
+
+`dispatch.residency.Residency` decides; `GpuSharing` feeds it each memory
+reading and carries its decisions out on the one worker it owns the
+residency of: drain, unload, wait for the memory to really come back,
+reload. It tells the dispatcher why the GPU can't serve (`gpu_out`) and
+hears from it when a request arrives (`request_arrived`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, Callable
+
+from .dispatch.admission import GpuOut, Reason
+from .dispatch.backend import Backend
+from .dispatch.residency import Action, DeviceView, HoldKind, Residency
+from .engine.worker import WorkerState
+from .memory.telemetry import GpuReading, MemorySnapshot
+
+log = logging.getLogger(__name__)
+
+# Until a load has been measured: a model's load time, guessed from its size
+# (disk read plus upload) plus the server's own start.
+PRIOR_LOAD_BASE_S = 3.0
+PRIOR_LOAD_MIB_PER_S = 1000.0
+DRAIN_POLL_S = 0.1
+# NVML lags a process exit: how long to wait for the unloaded worker's
+# memory to show up as free before calling the release done anyway.
+RELEASE_WAIT_S = 10.0
+
+
+class GpuSharing:
+    def __init__(self, residency: Residency, backend: Backend, *, need_mib: float, reserve_mib: float,
+                 model_mib: float, drain_s: float, ours_mib: Callable[[GpuReading], float],
+                 our_pids: Callable[[], set[int]], note: Callable[..., None], changed: Callable[[], None],
+                 read_free_mib: Callable[[], float | None], clock: Callable[[], float] = time.monotonic) -> None:
+        self.residency = residency
+        self._backend = backend
+        self._need_mib = need_mib
+        self._reserve_mib = reserve_mib
+        self._model_mib = model_mib
+        self._drain_s = drain_s
+        self._ours_mib = ours_mib
+        self._our_pids = our_pids
+        self._note = note
+        self._changed = changed
+        self._read_free_mib = read_free_mib
+        self._clock = clock
+        self._last_activity = clock()
+        self._task: asyncio.Task | None = None
+        # Wall-clock time of the last change, for "unloaded at 14:02".
+        self.changed_at: float | None = None
+        self.last_release_s: float | None = None
+        self.last_load_s: float | None = None
+        self._crowded_seen_at: float | None = None
+        self.yields = 0
+        self.loads = 0
+
+    @property
+    def _worker(self):
+        return self._backend.worker
+
+    # ----- what the dispatcher asks --------------------------------------------------
+
+    def gpu_out(self) -> GpuOut | None:
+        hold = self.residency.hold
+        if hold is not None and hold.kind is not HoldKind.IDLE:
+            reload_in = self.residency.reload_in_s()
+            back = None if reload_in is None else reload_in + self.load_eta_s()
+            when = (f"; it comes back once the memory has stayed free for {self.residency.settle_s():g} s"
+                    if reload_in is None else f"; the memory is free again, reloading in {reload_in:.0f} s")
+            return GpuOut(Reason.GPU_YIELDED, hold.describe() + when, back_in_s=back)
+        if hold is not None:
+            return GpuOut(Reason.GPU_LOADING, "the GPU worker is unloaded (idle) and loads on the next request",
+                          back_in_s=self.load_eta_s(), quiet=True)
+        if self._worker.state is WorkerState.STARTING or self._loading():
+            eta = self.load_eta_s()
+            return GpuOut(Reason.GPU_LOADING, f"the GPU worker is loading the model (about {eta:.0f} s left)",
+                          back_in_s=eta)
+        return None
+
+    def request_arrived(self) -> None:
+        self._last_activity = self._clock()
+        if self.residency.request_arrived() is Action.LOAD:
+            self._load("a request arrived")
+
+    def load_eta_s(self) -> float:
+        """Seconds until a load now under way (or one starting now) is done."""
+        total = self._worker.last_ready_duration_s
+        if total is None:
+            total = PRIOR_LOAD_BASE_S + self._model_mib / PRIOR_LOAD_MIB_PER_S
+        since = self._worker.loading_since
+        elapsed = self._clock() - since if since is not None else 0.0
+        # A load running late is still expected to end: say a second, not zero.
+        return max(1.0, total - elapsed)
+
+    def _loading(self) -> bool:
+        return self._task is not None and not self._task.done() and self._worker.state is not WorkerState.READY
+
+    # ----- inputs ----------------------------------------------------------------------------
+
+    def on_sample(self, snapshot: MemorySnapshot) -> None:
+        lane = self._backend.lane
+        now = self._clock()
+        if lane.running_ids or lane.waiting_ids or self._worker.state is not WorkerState.READY:
+            self._last_activity = now
+        view = self._device_view(snapshot.gpu)
+        spare = view.spare_with_worker_mib()
+        crowded = spare is not None and spare < view.reserve_mib
+        if crowded and self._crowded_seen_at is None:
+            self._crowded_seen_at = now
+        elif not crowded and self.residency.hold is None:
+            self._crowded_seen_at = None
+        before = self.residency.hold
+        action = self.residency.observe(view, loaded=self._holds_memory(),
+                                        idle_for_s=None if lane.running_ids or lane.waiting_ids
+                                        else now - self._last_activity)
+        if action is Action.YIELD:
+            self._start(self._give_back(self._crowded_seen_at or now))
+        elif action is Action.UNLOAD:
+            self._start(self._unload_idle())
+        elif action is Action.LOAD:
+            self._load("the memory has stayed free")
+        elif self.residency.hold != before:
+            self._changed_now()
+
+    def give_back(self) -> None:
+        """The user's "Give the GPU back now"."""
+        if self.residency.give_back() is Action.YIELD:
+            self._start(self._give_back(self._clock()))
+        self._changed_now()
+
+    def take_again(self) -> None:
+        """The user's "Use the GPU again"."""
+        if self.residency.take_again() is Action.LOAD:
+            self._load("the user asked for the GPU again")
+
+    # ----- effects -------------------------------------------------------------------------
+
+    def _start(self, coroutine) -> None:
+        # One residency change at a time: a give-back waits for a load under
+        # way to be cancelled first, and the other way round.
+        previous = self._task
+
+        async def run() -> None:
+            if previous is not None and not previous.done():
+                previous.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await previous
+            await coroutine
+
+        self._task = asyncio.create_task(run(), name="gpu-residency")
+        self._changed_now()
+
+    def _load(self, why: str) -> None:
+        self._start(self._take_again(why))
+
+    async def _give_back(self, seen_at: float) -> None:
+        hold = self.residency.hold
+        assert hold is not None
+        self.yields += 1
+        moved = self._backend.lane.redirect_waiting(hold.describe())
+        self._note("gpu_yield_start", text=hold.describe(), app=hold.app, app_mib=hold.app_mib, redirected=moved)
+        self._changed()
+        drained = await self._drain()
+        free_before = self._read_free_mib()
+        await self._worker.stop()
+        await self._wait_released(free_before)
+        self.last_release_s = round(self._clock() - seen_at, 3)
+        self._crowded_seen_at = None
+        self._note("gpu_given_back", text=hold.describe(), app=hold.app, app_mib=hold.app_mib,
+                   release_s=self.last_release_s, drained=drained, by_user=hold.kind is HoldKind.USER)
+        self._changed_now()
+
+    async def _unload_idle(self) -> None:
+        await self._worker.stop()
+        self._note("gpu_unloaded_idle", idle_unload_s=self.residency.policy.idle_unload_s)
+        self._changed_now()
+
+    async def _take_again(self, why: str) -> None:
+        started = self._clock()
+        if self._worker.state is WorkerState.STOPPING:
+            # A give-back's stop is still under way: start after it, not into it.
+            await self._worker.wait_for_state(WorkerState.STOPPED, WorkerState.STARTING, WorkerState.READY)
+        self._changed()
+        if not await self._worker.ensure_ready():
+            self._note("gpu_load_failed", why=why, reason=self._worker.gave_up or self._worker.unhealthy_reason)
+            return
+        self.last_load_s = round(self._clock() - started, 3)
+        self.loads += 1
+        self._last_activity = self._clock()
+        self._note("gpu_taken_again", why=why, load_s=self.last_load_s)
+        self._changed_now()
+
+    async def _drain(self) -> bool:
+        """Let running GPU requests finish, up to the drain time. True if they all did."""
+        deadline = self._clock() + self._drain_s
+        while self._backend.lane.running_ids:
+            if self._clock() >= deadline:
+                log.warning("GPU requests still running after %.0f s; unloading anyway", self._drain_s)
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+        return True
+
+    async def _wait_released(self, free_before: float | None) -> None:
+        """Wait until the device shows the worker's memory as free: only then
+        has the other app actually got it."""
+        if free_before is None:
+            return
+        deadline = self._clock() + RELEASE_WAIT_S
+        while self._clock() < deadline:
+            free = self._read_free_mib()
+            if free is not None and free - free_before >= 0.75 * self._need_mib:
+                return
+            await asyncio.sleep(0.05)
+
+    def _changed_now(self) -> None:
+        self.changed_at = time.time()
+        self._changed()
+
+    # ----- reads -------------------------------------------------------------------------------
+
+    def _holds_memory(self) -> bool:
+        return self._worker.state is not WorkerState.STOPPED
+
+    def _device_view(self, reading: GpuReading) -> DeviceView:
+        if reading.used_mib is None:
+            return DeviceView(None, None, self._need_mib, self._reserve_mib)
+        others = max(0.0, reading.used_mib - self._ours_mib(reading))
+        ours = self._our_pids()
+        strangers = [p for p in reading.devices[0].processes if p.pid not in ours and p.used_mib]
+        top = max(strangers, key=lambda p: p.used_mib or 0.0, default=None)
+        return DeviceView(reading.total_mib, others, self._need_mib, self._reserve_mib,
+                          top_app=top.name if top is not None else None,
+                          top_app_mib=top.used_mib if top is not None else None)
+
+    def state(self) -> str:
+        hold = self.residency.hold
+        if hold is not None:
+            return {HoldKind.YIELDED: "given_away", HoldKind.IDLE: "unloaded_idle",
+                    HoldKind.USER: "given_back_by_user"}[hold.kind]
+        if self._worker.state is WorkerState.READY:
+            return "loaded"
+        if self._worker.state is WorkerState.STARTING or self._loading():
+            return "loading"
+        return self._worker.state.value
+
+    def status(self) -> dict[str, Any]:
+        hold = self.residency.hold
+        policy = self.residency.policy
+        out = self.gpu_out()
+        return {
+            "state": self.state(),
+            "text": hold.describe() if hold is not None else ("GPU loading" if self.state() == "loading" else None),
+            "detail": out.detail if out is not None else None,
+            "since": self.changed_at,
+            "app": hold.app if hold is not None else None,
+            "app_mib": round(hold.app_mib, 1) if hold is not None and hold.app_mib is not None else None,
+            "reload_in_s": _round(self.residency.reload_in_s()),
+            "settle_s": self.residency.settle_s(),
+            "load_eta_s": _round(self.load_eta_s()),
+            "last_release_s": self.last_release_s,
+            "last_load_s": self.last_load_s,
+            "yields": self.yields,
+            "reloads": self.loads,
+            "yield_to_other_apps": policy.yield_to_other_apps,
+            "idle_unload_s": policy.idle_unload_s,
+        }
+
+
+class OnDemandCpu:
+    """[cpu] keep = "on_demand": the CPU worker is loaded by the first
+    request that needs it (Backend.loads_on_demand) and unloaded after
+    idle_unload_s without one. Saves its RAM; the first request after an
+    unload waits for a load."""
+
+    def __init__(self, backend: Backend, idle_unload_s: float, note: Callable[..., None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._backend = backend
+        self._idle_unload_s = idle_unload_s
+        self._note = note
+        self._clock = clock
+        self._last_activity = clock()
+        self._task: asyncio.Task | None = None
+        backend.loads_on_demand = True
+
+    def on_sample(self) -> None:
+        lane = self._backend.lane
+        worker = self._backend.worker
+        now = self._clock()
+        if lane.running_ids or lane.waiting_ids or worker.state not in (WorkerState.READY, WorkerState.STOPPED):
+            self._last_activity = now
+            return
+        busy = self._task is not None and not self._task.done()
+        if (worker.state is WorkerState.READY and not busy and self._idle_unload_s > 0
+                and now - self._last_activity >= self._idle_unload_s):
+            self._task = asyncio.create_task(self._unload(), name="cpu-unload")
+
+    async def _unload(self) -> None:
+        await self._backend.worker.stop()
+        self._note("cpu_unloaded_idle", idle_unload_s=self._idle_unload_s)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
