@@ -33,7 +33,7 @@ def test_short_drill_passes_and_writes_its_report(tmp_path):
 
     # Every phase ran; none was skipped on the drill's own service.
     ran = {p["number"]: p for p in report["phases"] if p["number"]}
-    assert sorted(ran) == list(range(1, 10)) and not any(p["skipped"] for p in ran.values())
+    assert sorted(ran) == list(range(1, 11)) and not any(p["skipped"] for p in ran.values())
     numbers = report["numbers"]
     assert numbers["lost_requests"] == 0 and numbers["duplicated_side_effects"] == 0
     assert numbers["tool_calls_ran_twice"] == [] and len(numbers["tool_executions"]) >= 2
@@ -41,7 +41,11 @@ def test_short_drill_passes_and_writes_its_report(tmp_path):
     # mid-stream error, a breaker opened by an out-of-memory restart.
     routes = {(r["served_by"], r["route_reason"]) for r in report["requests"]}
     assert {("cpu", "gpu_context_cap"), ("cpu", "gpu_failed_replayed"), ("cpu", "gpu_vram_headroom"),
-            ("cpu", "gpu_unavailable"), ("gpu", "admitted")} <= routes
+            ("cpu", "gpu_unavailable"), ("gpu", "admitted"), ("cpu", "gpu_yielded")} <= routes
+    # Another app took the VRAM: it was released, reloaded after, and nothing was lost or run twice.
+    other_app = next(p for p in report["phases"] if p["key"] == "other_app_takes_vram")["data"]["other_app"]
+    assert other_app["release_s"] > 0 and other_app["reload_s"] >= other_app["settle_s"]
+    assert other_app["lost"] == 0 and other_app["duplicated"] == 0
     assert any(r["error_code"] == "gpu_worker_failed" and r["connection_survived"] for r in report["requests"])
     assert any(r["outcome"] == "canceled" for r in report["requests"])
     # The poison request failed alone, and its retry was refused without running.

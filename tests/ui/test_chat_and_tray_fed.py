@@ -260,3 +260,28 @@ def test_the_tray_menu_shows_the_headroom_under_the_state(qtbot, fed_controller)
     feed(fed_controller, READY)
     assert fed_controller.headroom_action.text() == vm.menu_headroom_text(READY, Config().cpu.ram_floor_mib)
     assert fed_controller.headroom_action.text().startswith("VRAM ")
+
+
+# ----- sharing the GPU from the tray menu ---------------------------------------------------
+
+def test_the_menu_gives_the_gpu_back_and_shows_where_it_is(qtbot, fed_controller, monkeypatch) -> None:
+    from .test_viewmodel import with_residency
+
+    sent: list[bool] = []
+    monkeypatch.setattr(fed_controller.client, "give_gpu_back", lambda given, callback=None: sent.append(given))
+    fed_controller.notices = []
+    feed(fed_controller, with_residency("loaded"))
+    assert not fed_controller.residency_action.isVisible()
+    assert fed_controller.give_back_action.text() == "Give the GPU &back now"
+    fed_controller.give_back_action.trigger()
+    feed(fed_controller, with_residency("given_back_by_user"))
+    assert fed_controller.residency_action.isVisible()
+    assert fed_controller.residency_action.text().startswith("GPU: given back by you")
+    assert fed_controller.give_back_action.text() == "Use the GPU &again"
+    fed_controller.give_back_action.trigger()
+    assert sent == [True, False]
+    feed(fed_controller, with_residency("given_away", text="GPU given to steam (9.1 GiB)"))
+    feed(fed_controller, with_residency("loaded", last_load_s=1.5))
+    assert not fed_controller.residency_action.isVisible()
+    kinds = [notice[0] for notice in fed_controller.notices]
+    assert kinds == ["gpu_given_back", "gpu_taken_again"]

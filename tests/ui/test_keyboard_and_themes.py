@@ -140,9 +140,10 @@ def test_tray_menu_actions_have_alt_letters_and_visible_tooltips(qtbot) -> None:
     controller = TrayController(ServiceClient(DEAD_URL), Config(), tray_available=False)
     for menu in (controller.menu, controller.more_menu):
         assert menu.toolTipsVisible()
-    # The state and headroom lines are read, not chosen: no Alt-letters.
+    # The state, headroom and GPU residency lines are read, not chosen: no Alt-letters.
     actions = [a for a in controller.menu.actions()
-               if not a.isSeparator() and a not in (controller.state_action, controller.headroom_action)]
+               if not a.isSeparator() and a not in (controller.state_action, controller.headroom_action,
+                                                     controller.residency_action)]
     letters = []
     for action in actions:
         text = action.text()

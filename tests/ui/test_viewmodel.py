@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import time
 
 import pytest
 
@@ -480,3 +481,58 @@ def test_the_vram_bar_names_the_other_apps_largest_first_without_our_workers():
          "processes": processes[:3]}]}, "workers": [{"role": "gpu", "pid": 99, "estimated_vram_mib": 1103.0}]}
     assert vm.vram_bars(status)[0].apps == "Other apps: firefox 412 MiB · steam 300 MiB"
 
+
+
+# ----- sharing the GPU --------------------------------------------------------------------
+
+def with_residency(state: str, **fields) -> dict:
+    data = status()
+    residency = {"state": state, "text": None, "since": 1_700_000_000.0, "load_eta_s": 3.0, "last_load_s": None,
+                 **fields}
+    data["gpu"]["residency"] = residency
+    if state in ("given_away", "given_back_by_user", "loading"):
+        reason = fields.get("text") or state
+        data["gpu"]["path_out_reason"] = reason
+        data["degraded"].update(active=True, reason=reason, since=1.0)
+    elif state == "unloaded_idle":
+        data["gpu"]["path_out_reason"] = "the GPU worker is unloaded (idle) and loads on the next request"
+    return data
+
+
+def test_an_idle_unloaded_gpu_is_not_an_outage() -> None:
+    idle = with_residency("unloaded_idle", text="GPU unloaded (idle)")
+    assert vm.icon_kind(idle) == vm.GPU
+    assert vm.state_title(idle) == vm.IDLE_TITLE
+    since = time.strftime("%H:%M", time.localtime(1_700_000_000.0))
+    assert vm.residency_text(idle) == f"GPU: unloaded (idle) since {since}"
+    assert vm.give_back_label(idle) == "Give the GPU &back now"
+
+
+def test_a_gpu_given_to_a_game_names_the_game_and_offers_it_back() -> None:
+    given = with_residency("given_away", text="GPU given to steam (9.1 GiB)", app="steam")
+    assert vm.icon_kind(given) == vm.DEGRADED
+    assert vm.residency_text(given).startswith("GPU: given to steam (9.1 GiB) since ")
+    assert vm.give_back_label(given) == "Use the GPU &again"
+    assert vm.give_back_label(with_residency("given_back_by_user")) == "Use the GPU &again"
+    assert vm.residency_text(with_residency("loaded")) is None
+    assert vm.residency_text(READY) is None and vm.residency_state(READY) is None
+    assert vm.residency_text(with_residency("loading")) == "GPU: loading the model (about 3.0 s)"
+
+
+def test_residency_notices_say_when_the_gpu_was_given_back_and_taken_again() -> None:
+    notifier = vm.ResidencyNotifier()
+    degraded = vm.DegradedNotifier(settle_s=0, quiet_s=0)
+    given = with_residency("given_away", text="GPU given to steam (9.1 GiB)")
+    assert notifier.update(with_residency("loaded")) is None  # the first snapshot is the baseline
+    notice = notifier.update(given)
+    assert notice is not None and notice.kind == "gpu_given_back"
+    assert "GPU given to steam (9.1 GiB)" in notice.message and "SmolLM2" in notice.message
+    assert notifier.update(given) is None
+    # The degraded notice stays quiet: this one said it.
+    assert degraded.update(given, now=100.0) is None
+    back = notifier.update(with_residency("loaded", last_load_s=2.4))
+    assert back is not None and back.kind == "gpu_taken_again" and "2.4 s" in back.message
+    # Idle unloading and loading are no news.
+    assert notifier.update(with_residency("unloaded_idle")) is None
+    assert notifier.update(with_residency("loading")) is None
+    assert notifier.update(with_residency("loaded")) is None

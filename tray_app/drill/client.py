@@ -57,6 +57,11 @@ class DrillClient:
     def status(self, timeout: float = 10.0) -> dict[str, Any]:
         return self.http.get("/status", timeout=timeout).json()
 
+    def admin_gpu(self, body: dict[str, Any]) -> dict[str, Any]:
+        response = self.http.post("/admin/gpu", json=body, timeout=10.0)
+        response.raise_for_status()
+        return response.json()
+
     def cancel(self, request_id: str) -> httpx.Response:
         return self.http.delete(f"/v1/requests/{request_id}", timeout=10.0)
 

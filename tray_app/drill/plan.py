@@ -97,6 +97,11 @@ n_ctx = {GPU_CTX}
 queue_limit = 1
 first_token_timeout_s = 30
 token_timeout_s = 15
+# Phases 6-8 squeeze VRAM to test admission and the breaker, which is what a
+# user who keeps the GPU gets; the "another app" phase turns yielding on.
+yield_to_other_apps = false
+reload_settle_s = 3
+idle_unload_s = 0
 [cpu]
 n_ctx = {CPU_CTX}
 queue_limit = 4

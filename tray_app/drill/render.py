@@ -198,7 +198,8 @@ def markdown(report: Mapping[str, Any], plot_written: bool, plot_note: str | Non
                 "|---|---|---|---|---|---|"]
         for f in faults:
             back = "not seen" if f["recovered_at_s"] is None else f"{f['recovered_at_s']:.1f} s"
-            out.append(f"| {f['phase']} | {f['kind']} ({f.get('signal')}) | {f['at_s']:.1f} s | {f['cleared_s']:.1f} s | "
+            signal_name = f" ({f['signal']})" if f.get("signal") else ""
+            out.append(f"| {f['phase']} | {f['kind']}{signal_name} | {f['at_s']:.1f} s | {f['cleared_s']:.1f} s | "
                        f"{back} | {_s(f['recovery_s'])} |")
     out += ["", "## Requests", "",
             "Every request: route, outcome, the first failure, the retry decision, when the CPU started on it "

@@ -1,4 +1,4 @@
-"""Runs the nine phases against a target and keeps everything that happened.
+"""Runs the ten phases against a target and keeps everything that happened.
 
 Each phase sends ordinary OpenAI requests (every one becomes a
 RequestRecord), injects its fault where the target allows it, and adds
@@ -43,6 +43,7 @@ PHASES = (
     (7, "alloc_failure", "Allocation failure before generation"),
     (8, "gpu_worker_reset", "GPU worker killed mid-request"),
     (9, "poison_request", "A request that crashes the GPU worker, among normal traffic"),
+    (10, "other_app_takes_vram", "Another app takes the VRAM while requests stream, holds it, lets go"),
 )
 
 OVER_CAP_MAX_TOKENS = 16
@@ -58,6 +59,11 @@ POISON_NEIGHBOURS = 4
 KILL_AFTER_STREAMED_TOKENS = 3
 STATUS_WAIT_S = 60.0
 RECOVERY_WAIT_S = 150.0
+# Phase 10: the other app, what it is called, and how long it keeps the memory.
+OTHER_APP_NAME = "game"
+OTHER_APP_HOLD_S = 2.0
+OTHER_APP_STREAMS = 2
+REQUESTS_WHILE_HELD = 2
 
 
 class Drill:
@@ -139,7 +145,9 @@ class Drill:
                         "exceeds the GPU profile but fits in RAM")
         if number == 6 and not has_gpu_path:
             return "the service has no GPU worker"
-        if number in (7, 8, 9):
+        if number == 10 and has_gpu_path and not (self.initial_status.get("gpu") or {}).get("residency"):
+            return "the service does not report GPU residency (an older version)"
+        if number in (7, 8, 9, 10):
             if not self.target.can_inject:
                 return "fault injection is off against a live service (--url)"
             if not has_gpu_path:
@@ -722,3 +730,94 @@ class Drill:
         phase.check("the GPU worker restarted once and the CPU worker not at all",
                     restarts == 1 and cpu_after["pid"] == cpu_before["pid"],
                     f"GPU restarts: {restarts}; CPU pid {cpu_before['pid']} -> {cpu_after['pid']}")
+
+    # ----- phase 10 -----------------------------------------------------------------------------------
+
+    def _phase_other_app_takes_vram(self, phase: PhaseResult) -> None:
+        """Another app (a real second process: a game starting) takes the GPU's
+        memory while requests stream on it, holds it, then lets go. The GPU
+        worker must finish or replay what runs, send new work to the CPU,
+        unload and really release its VRAM, then reload once the memory has
+        stayed free, with nothing lost or run twice."""
+        from .vram_hog import OtherApp
+
+        before = self.client.status()
+        yielding_before = before["gpu"]["residency"]["yield_to_other_apps"]
+        duplicates_before = before["accounting"]["duplicate_executions"]
+        self.client.admin_gpu({"yield_to_other_apps": True})
+        app: OtherApp | None = None
+        result: dict[str, Any] = {"app": OTHER_APP_NAME}
+        phase.data["other_app"] = result
+        try:
+            streams = [self._record(phase, f"stream #{i + 1} running when the other app starts", stream=True,
+                                    max_tokens=RESET_TOKENS, prompt_key=f"other-app-stream-{i}")
+                       for i in range(OTHER_APP_STREAMS)]
+            with ThreadPoolExecutor(len(streams)) as pool:
+                done = [self._send_in(pool, record, self._chat(STORY)) for record in streams]
+                self._wait_running(streams[0].id, "gpu", min_tokens=1)
+                status = self.client.status()
+                gpu = status["gpu"]
+                # All that is free, less half the reserve: the loaded worker can no longer keep it.
+                take = max(1.0, (gpu["free_mib"] or 0.0) - gpu["reserve_mib"] / 2)
+                app = OtherApp(take, OTHER_APP_NAME,
+                               simulated_dir=gpu.get("simulated_device_dir") if self.target.simulated else None)
+                allocated_at = self.clock.now()
+                result["took_mib"] = round(take, 1)
+                # Its recovery runs from when the app lets go (cleared_s, set then).
+                fault = {"phase": phase.number, "kind": "another app took the VRAM", "signal": None,
+                         "pid": app.pid, "request_id": None, "at_s": round(allocated_at, 3),
+                         "cleared_s": round(allocated_at, 3)}
+                self.faults.append(fault)
+                given = self.client.wait_status(
+                    lambda s: s["gpu"]["residency"]["state"] == "given_away" and gpu_worker(s)["state"] == "stopped"
+                    and s["gpu"]["residency"]["last_release_s"] is not None, RECOVERY_WAIT_S, interval=0.1,
+                    what="the GPU worker to give its VRAM back")
+                result["release_s"] = round(self.clock.now() - allocated_at, 3)
+                result["service_release_s"] = given["gpu"]["residency"]["last_release_s"]
+                for future in done:
+                    future.result()
+            residency = given["gpu"]["residency"]
+            phase.check("the GPU names the app that took it",
+                        residency["app"] == OTHER_APP_NAME and OTHER_APP_NAME in (given["degraded"]["reason"] or ""),
+                        f"{residency['text']}; banner: {given['degraded']['reason']}")
+            unanswered = [r.id for r in streams if not self._answered(r)]
+            phase.check("the requests running when it came finished or were replayed", not unanswered,
+                        ", ".join(f"{r.served_by}/{r.route_reason}: {r.outcome}" for r in streams))
+            during = [self._send(self._record(phase, f"while the other app holds the VRAM #{i + 1}", max_tokens=8,
+                                              prompt_key=f"other-app-during-{i}"),
+                                 self._chat(SHORT_PROMPTS[i % len(SHORT_PROMPTS)]))
+                      for i in range(REQUESTS_WHILE_HELD)]
+            phase.check("new requests go to the CPU as gpu_yielded",
+                        all(r.served_by == "cpu" and r.route_reason == "gpu_yielded" and self._answered(r)
+                            for r in during),
+                        ", ".join(f"{r.served_by}/{r.route_reason}" for r in during))
+            time.sleep(OTHER_APP_HOLD_S)
+            app.quit()
+            let_go_at = self.clock.now()
+            fault["cleared_s"] = round(let_go_at, 3)
+            back = self.client.wait_status(
+                lambda s: s["gpu"]["residency"]["state"] == "loaded" and gpu_worker(s)["state"] == "ready",
+                RECOVERY_WAIT_S, interval=0.1, what="the GPU worker to reload")
+            result["reload_s"] = round(self.clock.now() - let_go_at, 3)
+            result["service_load_s"] = back["gpu"]["residency"]["last_load_s"]
+            result["settle_s"] = back["gpu"]["residency"]["settle_s"]
+            first = self._send(self._record(phase, "first request after the reload", max_tokens=8,
+                                            prompt_key="other-app-after"), self._chat(SHORT_PROMPTS[0]))
+            result["first_gpu_answer_after_let_go_s"] = round(self.clock.now() - let_go_at, 3)
+            phase.check("the first request after the reload is served by the GPU",
+                        first.served_by == "gpu" and self._answered(first), f"{first.served_by}/{first.route_reason}")
+        finally:
+            if app is not None:
+                app.crash()
+            self.client.admin_gpu({"yield_to_other_apps": yielding_before})
+        mine = [r for r in self.records if r.phase == phase.key]
+        result["lost"] = len([r for r in mine if not self._answered(r)])
+        result["duplicated"] = self.client.status()["accounting"]["duplicate_executions"] - duplicates_before
+        phase.check("no request lost or run twice", result["lost"] == 0 and result["duplicated"] == 0,
+                    f"lost {result['lost']}, duplicated {result['duplicated']}", severity=INVARIANT)
+        phase.notes.append(
+            f"the other app took {result['took_mib']:.0f} MiB; VRAM released {result['release_s']:.2f} s after it "
+            f"allocated (the service measured {result['service_release_s']:.2f} s); reloaded "
+            f"{result['reload_s']:.2f} s after it let go (settle {result['settle_s']:g} s, load "
+            f"{result['service_load_s']:.2f} s); first GPU answer {result['first_gpu_answer_after_let_go_s']:.2f} s "
+            "after it let go")

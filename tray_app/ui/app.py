@@ -52,6 +52,7 @@ class TrayController(QObject):
         self.host = host
         self.history = vm.History()
         self.degraded_notifier = vm.DegradedNotifier()
+        self.residency_notifier = vm.ResidencyNotifier()
         self.kind: str | None = None
         self.tooltip = ""
         self.notices: list[tuple[str, str, str]] = []
@@ -109,6 +110,10 @@ class TrayController(QObject):
         self.headroom_action = QAction(vm.menu_headroom_text(None), self)
         self.headroom_action.setEnabled(False)
         self.headroom_action.setToolTip("Free memory above the VRAM reserve and the RAM floor")
+        # Where the GPU model is when it is not simply loaded (idle, given to a game); hidden otherwise.
+        self.residency_action = QAction("", self)
+        self.residency_action.setEnabled(False)
+        self.residency_action.setVisible(False)
         # Each '&' marks the action's Alt+letter: unique within the tray menu,
         # and within the panel's buttons (Open chat, Force CPU, Restart, Settings, More).
         self.open_panel_action = self._action("Open headroom &panel", self.show_panel,
@@ -117,6 +122,9 @@ class TrayController(QObject):
                                              tip="Chat with the served model; answers say which path served them")
         self.force_cpu_action = self._action("&Force CPU (pause the GPU path)", self._on_force_cpu, checkable=True,
                                              tip="Send every request to the CPU worker until this is unchecked")
+        self.give_back_action = self._action(vm.give_back_label(None), self.toggle_give_back,
+                                             tip="Unload the GPU model so a game or another app gets the VRAM; "
+                                                 "the CPU answers until you take it again")
         self.restart_action = self._action("&Restart workers", self.restart_workers,
                                            tip="Stop and start both workers (asks first if requests are running)")
         self.choose_model_action = self._action("Choose &model…", self.choose_model,
@@ -138,11 +146,12 @@ class TrayController(QObject):
         self.menu.setToolTipsVisible(True)
         self.menu.addAction(self.state_action)
         self.menu.addAction(self.headroom_action)
+        self.menu.addAction(self.residency_action)
         self.menu.addSeparator()
         for action in (self.open_panel_action, self.open_chat_action):
             self.menu.addAction(action)
         self.menu.addSeparator()
-        for action in (self.force_cpu_action, self.restart_action, self.choose_model_action):
+        for action in (self.force_cpu_action, self.give_back_action, self.restart_action, self.choose_model_action):
             self.menu.addAction(action)
         self.menu.addSeparator()
         for action in (self.open_logs_action, self.copy_url_action, self.settings_action, self.autostart_action):
@@ -219,6 +228,11 @@ class TrayController(QObject):
     def _on_force_cpu(self, checked: bool) -> None:
         self.client.set_gpu_paused(checked)
 
+    def toggle_give_back(self) -> None:
+        """Give the GPU back now, or use it again once given."""
+        given = vm.residency_state(self.client.last_status) in vm.GIVEN_STATES
+        self.client.give_gpu_back(not given)
+
     def restart_workers(self) -> None:
         if self._confirm_interruption("Restarting the workers"):
             self.client.restart_workers()
@@ -285,6 +299,7 @@ class TrayController(QObject):
         self.host.restart(new_config)
         self.client.set_base_url(base_url_for(new_config))
         self.degraded_notifier = vm.DegradedNotifier()
+        self.residency_notifier = vm.ResidencyNotifier()
         self._apply_state(vm.STARTING, vm.tooltip_text(None, host_starting=True))
         self.notify("settings", "Settings saved", f"Saved to {where}; restarting the service.")
 
@@ -369,9 +384,18 @@ class TrayController(QObject):
             self.force_cpu_action.blockSignals(True)
             self.force_cpu_action.setChecked(paused)
             self.force_cpu_action.blockSignals(False)
-        notice = self.degraded_notifier.update(status)
-        if notice is not None:
-            self.notify(notice.kind, notice.title, notice.message)
+        residency = vm.residency_text(status)
+        self.residency_action.setVisible(residency is not None)
+        if residency is not None and self.residency_action.text() != residency:
+            self.residency_action.setText(residency)
+        label = vm.give_back_label(status)
+        if self.give_back_action.text() != label:
+            self.give_back_action.setText(label)
+        self.give_back_action.setEnabled(vm.residency_state(status) is not None)
+        for notifier in (self.residency_notifier, self.degraded_notifier):
+            notice = notifier.update(status)
+            if notice is not None:
+                self.notify(notice.kind, notice.title, notice.message)
 
     def _on_unreachable(self, message: str) -> None:
         if self._quitting:

@@ -178,6 +178,10 @@ class ServiceClient(QObject):
     def set_gpu_paused(self, paused: bool, callback: Callback | None = None) -> QNetworkReply:
         return self.send("POST", "/admin/gpu", {"paused": paused}, callback, "resume the GPU" if not paused else "force CPU")
 
+    def give_gpu_back(self, given: bool, callback: Callback | None = None) -> QNetworkReply:
+        return self.send("POST", "/admin/gpu", {"given_back": given}, callback,
+                         "give the GPU back" if given else "use the GPU again")
+
     def set_simulated_pressure(self, mib: float, callback: Callback | None = None) -> QNetworkReply:
         return self.send("POST", "/admin/gpu", {"simulated_pressure_mib": mib}, callback, "set simulated pressure")
 

@@ -50,7 +50,8 @@ def icon_kind(status: Mapping[str, Any] | None, *, host_starting: bool = False) 
         return DOWN
     degraded = (status.get("degraded") or {}).get("active")
     gpu_out = (status.get("gpu") or {}).get("path_out_reason")
-    if not degraded and gpu_out is None:
+    if not degraded and (gpu_out is None or residency_state(status) == "unloaded_idle"):
+        # Unloaded while idle is not an outage: the next request loads it.
         return GPU
     gpu = workers.get("gpu")
     if (gpu is not None and gpu.get("state") == "starting" and not gpu.get("restarts")
@@ -61,11 +62,93 @@ def icon_kind(status: Mapping[str, Any] | None, *, host_starting: bool = False) 
     return DEGRADED
 
 
+IDLE_TITLE = "Idle: the GPU model is unloaded"
+
+
 def state_title(status: Mapping[str, Any] | None, *, host_starting: bool = False) -> str:
     """The state in a few words; a busy GPU's overflow is not called degraded."""
     if is_busy_overflow(status):
         return BUSY_TITLE
-    return STATE_TITLES[icon_kind(status, host_starting=host_starting)]
+    kind = icon_kind(status, host_starting=host_starting)
+    if kind == GPU and residency_state(status) == "unloaded_idle":
+        return IDLE_TITLE
+    return STATE_TITLES[kind]
+
+
+# ----- sharing the GPU ------------------------------------------------------------------
+
+# /status gpu.residency.state values in which the GPU worker has let go of its memory.
+GIVEN_STATES = ("given_away", "given_back_by_user")
+
+
+def _residency(status: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return ((status or {}).get("gpu") or {}).get("residency") or {}
+
+
+def residency_state(status: Mapping[str, Any] | None) -> str | None:
+    """loaded | loading | given_away | given_back_by_user | unloaded_idle, or None without a GPU path."""
+    return _residency(status).get("state")
+
+
+def _clock_time(wall: Any) -> str:
+    value = _num(wall)
+    return time.strftime("%H:%M", time.localtime(value)) if value else ""
+
+
+def residency_text(status: Mapping[str, Any] | None) -> str | None:
+    """The menu's GPU line when the GPU worker is not simply loaded:
+    "GPU: given to steam (9.1 GiB) since 14:02"; None when it is."""
+    residency = _residency(status)
+    state = residency.get("state")
+    since = _clock_time(residency.get("since"))
+    at = f" since {since}" if since else ""
+    if state == "unloaded_idle":
+        return f"GPU: unloaded (idle){at}"
+    if state == "given_away":
+        text = str(residency.get("text") or "GPU given to another app")
+        return text.replace("GPU given to", "GPU: given to", 1) + at
+    if state == "given_back_by_user":
+        return f"GPU: given back by you{at}"
+    if state == "loading":
+        eta = _num(residency.get("load_eta_s"))
+        return "GPU: loading the model" + (f" (about {fmt_seconds(eta)})" if eta else "")
+    return None
+
+
+def give_back_label(status: Mapping[str, Any] | None) -> str:
+    """The menu command: give the GPU back, or take it again once given."""
+    return "Use the GPU &again" if residency_state(status) in GIVEN_STATES else "Give the GPU &back now"
+
+
+class ResidencyNotifier:
+    """Notices for the GPU given to another app and taken again; the
+    degraded-mode notice stays quiet for these (DegradedNotifier), since
+    this one says more."""
+
+    def __init__(self) -> None:
+        self._state: str | None = None
+
+    def update(self, status: Mapping[str, Any] | None) -> Notice | None:
+        if status is None:
+            return None
+        state = residency_state(status)
+        previous, self._state = self._state, state
+        if previous is None or state == previous or (previous in GIVEN_STATES and state in GIVEN_STATES):
+            return None
+        residency = _residency(status)
+        fallback = (status.get("degraded") or {}).get("fallback_model") or "the fallback model"
+        if state == "given_away":
+            return Notice("GPU given back", f"{residency.get('text') or 'Another app needs the VRAM'}: the GPU model "
+                          f"was unloaded. The CPU answers with {fallback} until the memory is free again.",
+                          "gpu_given_back")
+        if state == "given_back_by_user":
+            return Notice("GPU given back", f"The GPU model was unloaded. The CPU answers with {fallback} until "
+                          "you choose \"Use the GPU again\".", "gpu_given_back")
+        if state == "loaded" and previous in GIVEN_STATES:
+            load = _num(residency.get("last_load_s"))
+            took = f" (loading took {fmt_seconds(load)})" if load else ""
+            return Notice("GPU taken again", f"The GPU model is loaded again{took}; the GPU serves.", "gpu_taken_again")
+        return None
 
 
 def state_detail(status: Mapping[str, Any] | None, error: str | None = None) -> str:
@@ -683,7 +766,7 @@ class History:
 class Notice:
     title: str
     message: str
-    kind: str  # "degraded_start" | "degraded_end"
+    kind: str  # "degraded_start" | "degraded_end" | "gpu_given_back" | "gpu_taken_again"
 
 
 class DegradedNotifier:
@@ -707,7 +790,8 @@ class DegradedNotifier:
                now: float | None = None) -> Notice | None:
         now = self._clock() if now is None else now
         kind = icon_kind(status, host_starting=host_starting)
-        degraded = kind == DEGRADED and not is_busy_overflow(status)
+        degraded = (kind == DEGRADED and not is_busy_overflow(status)
+                    and residency_state(status) not in GIVEN_STATES)  # ResidencyNotifier says it
         if not degraded:
             self._degraded_since = None
         elif self._degraded_since is None:
