@@ -34,7 +34,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.harness import RunningService, sharing_config, wait_gone  # noqa: E402
-from tray_app.drill.vram_hog import OtherApp  # noqa: E402
+from tray_app.drill.vram_hog import OtherApp, crowding_mib  # noqa: E402
 
 SETTLE_S = 2.0
 PROMPT = "Write a short poem about autumn leaves."
@@ -73,8 +73,7 @@ def release_and_reload(service: RunningService, rounds: int) -> None:
     for _ in range(rounds):
         service.wait_for(lambda s: s["gpu"]["residency"]["state"] == "loaded", timeout=120, what="loaded")
         status = service.status()
-        take = status["gpu"]["free_mib"] - status["gpu"]["reserve_mib"] / 2
-        app = OtherApp(take, "game", simulated_dir=status["gpu"]["simulated_device_dir"])
+        app = OtherApp(crowding_mib(status), "game", simulated_dir=status["gpu"]["simulated_device_dir"])
         allocated = time.perf_counter()
         done = service.wait_for(lambda s: s["gpu"]["residency"]["last_release_s"] is not None
                                 and s["gpu"]["residency"]["state"] == "given_away" and gpu_state(s) == "stopped",

@@ -112,10 +112,11 @@ class GpuSharing:
         view = self._device_view(snapshot.gpu)
         spare = view.spare_with_worker_mib()
         crowded = spare is not None and spare < view.reserve_mib
-        if crowded and self._crowded_seen_at is None:
-            self._crowded_seen_at = now
-        elif not crowded and self.residency.hold is None:
+        # When the other app's allocation was first seen: the release time runs from here.
+        if not crowded:
             self._crowded_seen_at = None
+        elif self._crowded_seen_at is None and self.residency.hold is None:
+            self._crowded_seen_at = now
         before = self.residency.hold
         action = self.residency.observe(view, loaded=self._holds_memory(),
                                         idle_for_s=None if lane.running_ids or lane.waiting_ids

@@ -739,7 +739,7 @@ class Drill:
         worker must finish or replay what runs, send new work to the CPU,
         unload and really release its VRAM, then reload once the memory has
         stayed free, with nothing lost or run twice."""
-        from .vram_hog import OtherApp
+        from .vram_hog import OtherApp, crowding_mib
 
         before = self.client.status()
         yielding_before = before["gpu"]["residency"]["yield_to_other_apps"]
@@ -757,8 +757,7 @@ class Drill:
                 self._wait_running(streams[0].id, "gpu", min_tokens=1)
                 status = self.client.status()
                 gpu = status["gpu"]
-                # All that is free, less half the reserve: the loaded worker can no longer keep it.
-                take = max(1.0, (gpu["free_mib"] or 0.0) - gpu["reserve_mib"] / 2)
+                take = crowding_mib(status)
                 app = OtherApp(take, OTHER_APP_NAME,
                                simulated_dir=gpu.get("simulated_device_dir") if self.target.simulated else None)
                 allocated_at = self.clock.now()

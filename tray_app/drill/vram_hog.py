@@ -65,6 +65,19 @@ def allocate_real(mib: float) -> Any:
     return block
 
 
+def crowding_mib(status: dict[str, Any]) -> float:
+    """How much another app must take so the loaded GPU worker can no longer
+    keep the reserve: all that is free with the worker loaded, less half the
+    reserve. /status's reading can be a second old and miss a worker that
+    just loaded, so its own footprint estimate bounds what is free."""
+    gpu = status["gpu"]
+    worker = next(w for w in status["workers"] if w["role"] == "gpu")
+    free = gpu["free_mib"] or 0.0
+    if worker["state"] == "ready" and gpu.get("total_mib"):
+        free = min(free, gpu["total_mib"] - (worker.get("estimated_vram_mib") or 0.0))
+    return max(1.0, free - gpu["reserve_mib"] / 2)
+
+
 class OtherApp:
     """A vram_hog process, started and ended from another program (the
     drill, the tests). It holds the memory once the constructor returns."""
