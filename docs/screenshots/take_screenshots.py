@@ -38,6 +38,9 @@ queue_timeout_s = 600
 simulate_mib = 2048
 n_ctx = 4096
 reserve_mib = 512
+# The GPU comes back within seconds of the game's exit, and never unloads for idleness mid-tour.
+reload_settle_s = 3
+idle_unload_s = 0
 [cpu]
 n_ctx = 2048
 # One slot, so the degraded shots show a running request and ten queued ones.

@@ -79,6 +79,9 @@ class FakeWorker:
     def liveness_problem(self) -> str | None:
         return None
 
+    def load_eta_s(self, prior_s: float) -> float:
+        return 0.0 if self.state is WorkerState.READY else prior_s
+
 
 Script = Callable[[Job, Any, Attempt], Awaitable[None]]
 
@@ -1166,3 +1169,18 @@ async def test_a_client_forcing_the_cpu_does_not_wake_an_unloaded_gpu(rig):
     job.force_cpu = True
     await run_job(rig, job)
     assert residency.arrivals == 0
+
+
+async def test_an_on_demand_cpu_worker_counts_its_load_in_the_estimate(rig):
+    rig.dispatcher.set_gpu_paused(True)
+    warm = make_job("warm")
+    await run_job(rig, warm)
+    rig.cpu.worker.state = WorkerState.STOPPED
+    assert not rig.cpu.can_queue()  # stopped, and not loading on demand: out of service
+    rig.cpu.loads_on_demand = True
+    assert rig.cpu.can_queue()
+    cold = make_job("cold")
+    await run_job(rig, cold)
+    assert rig.events.decisions[-1] == ("cold", Route.CPU, Reason.FORCED_CPU)
+    # The prior load time (5 s until a load is measured) comes on top.
+    assert cold.estimated_latency_s == pytest.approx(warm.estimated_latency_s + 5.0, abs=0.01)

@@ -40,7 +40,7 @@ from .memory.telemetry import (
     GpuReader, MemorySnapshot, NvmlGpuReader, SimulatedGpu, detect_gpu_offload_support, wait_for_vram_recovery,
 )
 from .observe import Observer
-from .sharing import GpuSharing, OnDemandCpu
+from .sharing import GpuSharing, OnDemandCpu, prior_load_s
 from .tokens import PromptCounter
 
 MIB = 1024 * 1024
@@ -122,7 +122,8 @@ class Service:
         self.metrics = ServiceMetrics(self.status)
         self.dispatcher = Dispatcher(
             Limits(config.gpu.n_ctx, config.cpu.n_ctx, config.gpu.reserve_mib, config.cpu.ram_floor_mib,
-                   queue_budget_s=config.server.queue_timeout_s),
+                   queue_budget_s=config.server.queue_timeout_s,
+                   cpu_load_prior_s=prior_load_s(self.fallback_info.path.stat().st_size / MIB)),
             backends, self.breaker, self.observer.latest,
             Costs(gpu_mib=lambda tokens: estimate.request_vram_bytes(self.model_info, self.gpu_settings, tokens) / MIB,
                   cpu_mib=lambda tokens: estimate.kv_bytes_per_token(self.fallback_info) * tokens / MIB),

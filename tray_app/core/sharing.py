@@ -91,16 +91,14 @@ class GpuSharing:
 
     def load_eta_s(self) -> float:
         """Seconds until a load now under way (or one starting now) is done."""
-        total = self._worker.last_ready_duration_s
-        if total is None:
-            total = PRIOR_LOAD_BASE_S + self._model_mib / PRIOR_LOAD_MIB_PER_S
-        since = self._worker.loading_since
-        elapsed = self._clock() - since if since is not None else 0.0
-        # A load running late is still expected to end: say a second, not zero.
-        return max(1.0, total - elapsed)
+        return self._worker.load_eta_s(prior_load_s(self._model_mib))
 
     def _loading(self) -> bool:
-        return self._task is not None and not self._task.done() and self._worker.state is not WorkerState.READY
+        """A load we asked for is under way (or about to start). A worker
+        backing off after a failed start is not loading: it is unhealthy,
+        and says why."""
+        return (self._task is not None and not self._task.done()
+                and self._worker.state in (WorkerState.STOPPED, WorkerState.STARTING))
 
     # ----- inputs ----------------------------------------------------------------------------
 
@@ -305,6 +303,11 @@ class OnDemandCpu:
     async def _unload(self) -> None:
         await self._backend.worker.stop()
         self._note("cpu_unloaded_idle", idle_unload_s=self._idle_unload_s)
+
+
+def prior_load_s(model_mib: float) -> float:
+    """A model's load time before one has been measured."""
+    return PRIOR_LOAD_BASE_S + model_mib / PRIOR_LOAD_MIB_PER_S
 
 
 def _round(value: float | None) -> float | None:

@@ -30,6 +30,7 @@ from PySide6.QtCore import QObject, QPoint, QRect, Qt, QTimer
 from PySide6.QtGui import QFont, QGuiApplication, QImage, QPainter, QPixmap
 from PySide6.QtWidgets import QApplication, QWidget
 
+from ..drill.vram_hog import OtherApp, crowding_mib
 from . import theme
 from . import viewmodel as vm
 
@@ -215,6 +216,17 @@ class ScreenshotTour(QObject):
 
     # ----- the tours ---------------------------------------------------------------------
 
+    def menu_shot(self, name: str) -> Step:
+        """The tray menu popped up under the icon, as a crop of the screen."""
+        menu = self.controller.menu
+        tray = self.tray_rect()
+        menu.popup(QPoint(tray.left(), tray.bottom() + 2))
+        yield ("sleep", 0.8)
+        area = menu.geometry().united(tray).adjusted(-16, 0, 16, 16)
+        area.setTop(0)
+        self.save(self.grab_screen(area.intersected(QGuiApplication.primaryScreen().geometry())), name)
+        menu.hide()
+
     def tour(self) -> Step:
         c = self.controller
         yield ("until", self.all_ready, 240, "both workers ready, serving on the GPU")
@@ -222,14 +234,7 @@ class ScreenshotTour(QObject):
 
         # The tray icon and its menu.
         self.save_tray_icon("tray-icon.png", "Serving on the GPU")
-        tray = self.tray_rect()
-        c.menu.popup(QPoint(tray.left(), tray.bottom() + 2))
-        yield ("sleep", 0.8)
-        menu = c.menu.geometry()
-        area = menu.united(tray).adjusted(-16, 0, 16, 16)
-        area.setTop(0)
-        self.save(self.grab_screen(area.intersected(QGuiApplication.primaryScreen().geometry())), "tray-menu.png")
-        c.menu.hide()
+        yield from self.menu_shot("tray-menu.png")
         yield ("sleep", 0.3)
 
         # The chat, answered on the GPU.
@@ -249,12 +254,15 @@ class ScreenshotTour(QObject):
         yield ("until", lambda: not chat.busy, 30, "second answer stopped")
         chat.hide()
 
-        # Degraded: free VRAM drops below the reserve; requests go to the CPU.
+        # Degraded: a game (a real second process named steam) takes the VRAM;
+        # the GPU model is unloaded for it and requests go to the CPU.
         panel = c.panel()
         c.show_panel()
         self.fit(panel)
-        self.client.set_simulated_pressure(900)
-        yield ("sleep", 4)
+        status = self.status()
+        self.game = OtherApp(crowding_mib(status), "steam", simulated_dir=status["gpu"]["simulated_device_dir"])
+        yield ("until", lambda: vm.residency_state(self.status()) == "given_away", 30, "the GPU given to steam")
+        yield ("sleep", 1)
         # One running and ten waiting: the banner shows three rows and counts the rest.
         self.stream(LONG_PROMPT, 300, client_name="Open WebUI")
         yield ("sleep", 0.4)
@@ -263,8 +271,7 @@ class ScreenshotTour(QObject):
         yield ("until", self.cpu_requests(queued=QUEUED_FOR_SHOTS, total=QUEUED_FOR_SHOTS + 1), 60,
                "one running and ten queued CPU requests")
         yield ("until", self.kind_is(vm.DEGRADED), 30, "degraded mode")
-        # Degraded mode is announced only once it has lasted a few seconds.
-        yield ("until", lambda: any(n[0] == "degraded_start" for n in c.notices), 30, "the degraded-mode notification")
+        yield ("until", lambda: any(n[0] == "gpu_given_back" for n in c.notices), 30, "the GPU-given-back notification")
         yield ("sleep", 1.6)
         self.fit(panel)
         yield ("sleep", 0.3)
@@ -273,13 +280,15 @@ class ScreenshotTour(QObject):
         self.hide_balloons()  # so the crop shows the icon, not the balloon's edge
         yield ("sleep", 0.4)
         self.save_tray_icon("tray-icon-degraded.png", "Degraded: the CPU is serving")
+        # The menu says where the GPU went, and offers it back.
+        yield from self.menu_shot("tray-menu-gpu-given.png")
         for stream in self.streams:
             stream.stop()
         yield ("until", lambda: not vm.cpu_requests(self.status()), 60, "the CPU requests to be canceled")
 
         # Degraded, by Force CPU: the chat shows the banner for its own request.
         c.force_cpu_action.setChecked(True)
-        self.client.set_simulated_pressure(0)
+        self.game.quit()
         yield ("until", lambda: (self.status().get("service") or {}).get("gpu_paused") is True, 30, "force CPU")
         c.show_chat()
         chat.send("And what did lighthouse keepers do before electricity?")
@@ -325,7 +334,7 @@ class ScreenshotTour(QObject):
                 widget.hide()
 
     def save_notification(self) -> None:
-        """The degraded-mode notification, if the desktop shows Qt's own balloon."""
+        """The notification about the GPU given back, if the desktop shows Qt's own balloon."""
         for widget in QApplication.topLevelWidgets():
             if widget.isVisible() and widget.metaObject().className() == "QBalloonTip":
                 geometry = widget.frameGeometry().united(self.tray_rect()).adjusted(-8, 0, 8, 8)

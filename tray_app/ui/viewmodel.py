@@ -612,6 +612,8 @@ ROUTE_REASONS = {
     "gpu_vram_headroom": "not enough VRAM headroom",
     "gpu_busy": "GPU busy",
     "gpu_failed_replayed": "GPU failed, re-run on the CPU",
+    "gpu_yielded": "GPU given to another app",
+    "gpu_loading": "GPU model loading",
 }
 
 

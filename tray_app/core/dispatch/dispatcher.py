@@ -81,6 +81,8 @@ class Limits:
     ram_floor_mib: float
     # How long a request may wait for a slot without an X-Request-Timeout.
     queue_budget_s: float | None = None
+    # The CPU worker's load time until one has been measured.
+    cpu_load_prior_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -308,7 +310,8 @@ class Dispatcher:
             request_ram_mib=self._costs.cpu_mib(job.prompt_tokens + job.max_tokens),
             tokens_per_s=self.cpu.speed.tokens_per_s,
             prompt_tokens_per_s=self.cpu.speed.prompt_tokens_per_s,
-            backlog_s=self._backlog_s(self.cpu),
+            # A CPU worker that loads on demand, or is restarting, answers after its load.
+            backlog_s=self._backlog_s(self.cpu) + self._cpu_load_eta_s(),
         )
 
     def _no_fallback(self, job: Job) -> bool:
@@ -327,7 +330,10 @@ class Dispatcher:
         return out.detail
 
     def _cpu_backlog_s(self) -> float:
-        return self._backlog_s(self.cpu)
+        return self._backlog_s(self.cpu) + self._cpu_load_eta_s()
+
+    def _cpu_load_eta_s(self) -> float:
+        return self.cpu.worker.load_eta_s(self.limits.cpu_load_prior_s)
 
     def _backlog_s(self, backend: Backend) -> float:
         """Seconds until a slot of this path frees up for a new arrival: the

@@ -206,6 +206,17 @@ class Worker:
     def base_url(self) -> str | None:
         return f"http://127.0.0.1:{self._port}" if self._port else None
 
+    def load_eta_s(self, prior_s: float) -> float:
+        """Seconds until this worker would be ready: 0 when it is; else its
+        last measured load (or `prior_s`), less what a load under way has
+        already taken. A load running late is still expected to end soon:
+        at least a second."""
+        if self._state is WorkerState.READY:
+            return 0.0
+        total = self.last_ready_duration_s if self.last_ready_duration_s is not None else prior_s
+        elapsed = self._clock() - self.loading_since if self.loading_since is not None else 0.0
+        return max(1.0, total - elapsed)
+
     def liveness_problem(self) -> str | None:
         """Why the process can make no progress right now, or None. Cheap
         enough to ask every second while a request waits on it: a frozen
