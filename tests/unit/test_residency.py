@@ -180,3 +180,24 @@ def test_taking_it_again_while_a_game_holds_the_memory_yields_again_on_the_next_
     assert residency.take_again() is Action.LOAD
     observe(residency, clock, THRESHOLD + 1)
     assert observe(residency, clock, THRESHOLD + 1) is Action.YIELD
+
+
+def test_on_a_small_card_the_margin_shrinks_so_an_empty_device_takes_it_back():
+    clock = Clock()
+    residency = Residency(SharingPolicy(reload_settle_s=3.0), clock)
+    small = dict(total_mib=2048.0, need_mib=1200.0, reserve_mib=512.0)  # 336 MiB of room above the reserve
+
+    def see(others: float) -> Action:
+        clock.now += 1.0
+        return residency.observe(DeviceView(others_mib=others, **small), loaded=False, idle_for_s=None)
+
+    see(400.0)
+    assert see(400.0) is Action.YIELD
+    # 168 MiB (half the room) must be free above the reserve: 200 MiB held elsewhere leaves 136...
+    for _ in range(10):
+        assert see(200.0) is Action.NONE
+    # ...an empty device is not.
+    see(0.0)
+    see(0.0)
+    see(0.0)
+    assert see(0.0) is Action.LOAD

@@ -24,7 +24,9 @@ from typing import Callable
 
 # The memory must be this much above what a reload needs before the settle
 # clock runs: a game sitting exactly at the threshold would otherwise
-# reload the worker only to crowd it out again.
+# reload the worker only to crowd it out again. On a small card, at most
+# half the room the worker could ever have above the reserve, or an empty
+# device could never take it back.
 RELOAD_MARGIN_MIB = 512.0
 # A crowded reading must last this long before the worker yields: one
 # sample that catches a short-lived allocation is not a game starting.
@@ -82,6 +84,14 @@ class DeviceView:
         return self.total_mib - self.others_mib - self.need_mib
 
 
+def reload_margin_mib(view: DeviceView) -> float:
+    """How far above the reserve the memory must be free for a reload."""
+    if view.total_mib is None:
+        return RELOAD_MARGIN_MIB
+    room = view.total_mib - view.need_mib - view.reserve_mib
+    return max(0.0, min(RELOAD_MARGIN_MIB, room / 2))
+
+
 class Action(str, enum.Enum):
     NONE = "none"
     YIELD = "yield"       # drain the GPU path, then unload the worker
@@ -127,7 +137,7 @@ class Residency:
         now = self._clock()
         spare = view.spare_with_worker_mib()
         crowded = spare is not None and spare < view.reserve_mib
-        roomy = spare is not None and spare >= view.reserve_mib + RELOAD_MARGIN_MIB
+        roomy = spare is not None and spare >= view.reserve_mib + reload_margin_mib(view)
         self._crowded_since = (self._crowded_since or now) if crowded else None
         self._roomy_since = (self._roomy_since or now) if roomy else None
 
