@@ -6,6 +6,7 @@ GPU loads; never falling back; the user's give-back; an on-demand CPU."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 import pytest
@@ -75,9 +76,11 @@ def test_another_app_takes_the_vram_then_lets_go(shared):
 
             # The worker is really gone and its memory really came back.
             assert wait_gone([gpu_pid]) == []
-            released = shared.wait_for(lambda s: s["gpu"]["residency"]["last_release_s"] is not None, timeout=20,
-                                       what="the release measured")
-            assert released["gpu"]["free_mib"] == pytest.approx(total - game.holding["holding_mib"], abs=1)
+            # What the device shows once the worker is gone: all but the game's memory is free.
+            free_after = total - game.holding["holding_mib"]
+            released = shared.wait_for(lambda s: s["gpu"]["residency"]["last_release_s"] is not None
+                                       and abs(s["gpu"]["free_mib"] - free_after) <= 1, timeout=20,
+                                       what="the release measured and the memory free")
             assert next(w for w in released["workers"] if w["role"] == "gpu")["state"] == "stopped"
             assert 0 < released["gpu"]["residency"]["last_release_s"] < 15
             processes = released["gpu"]["devices"][0]["processes"]
@@ -113,8 +116,9 @@ def test_a_game_that_breathes_around_the_threshold_does_not_reload_in_a_loop(sha
     # The second yield inside the flap window doubles the settle time.
     state = residency(shared)
     assert state["settle_s"] >= 2 * SETTLE_S
-    time.sleep(SETTLE_S + 0.5)
-    assert residency(shared)["state"] == "given_away"  # still waiting out the longer settle
+    # The first settle time has passed (the second yield doubled it): still given away.
+    time.sleep(SETTLE_S + 0.2)
+    assert residency(shared)["state"] == "given_away"
     shared.wait_for(lambda s: s["gpu"]["residency"]["state"] == "loaded", timeout=60, what="reloaded at last")
     assert residency(shared)["reloads"] == loads_before + 2
 
@@ -215,3 +219,50 @@ def test_on_demand_cpu_loads_when_the_gpu_fails_over_and_unloads_when_idle(on_de
                        timeout=30, what="the CPU worker unloaded after idling")
     assert wait_gone([pid]) == []
     assert any(e["kind"] == "cpu_unloaded_idle" for e in on_demand.status()["events"])
+
+
+@pytest.fixture(scope="module")
+def hasty(tmp_path_factory):
+    """A service that gives running GPU requests only 0.3 s to finish before it unloads."""
+    tmp = tmp_path_factory.mktemp("hasty")
+    with running(tmp, sharing_config(tmp, reload_settle_s=SETTLE_S, yield_drain_s=0.3)) as service:
+        yield service
+
+
+def stream_events(service, request_id: str, max_tokens: int) -> list[dict]:
+    events = []
+    with service.http.stream("POST", "/v1/chat/completions", json={
+            "messages": STORY, "max_tokens": max_tokens, "temperature": 0, "stream": True},
+            headers={"X-Request-Id": request_id}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+    return events
+
+
+def test_requests_outrunning_the_drain_are_replayed_or_ended_cleanly_and_are_no_gpu_failure(hasty):
+    need = hasty.worker("gpu")["estimated_vram_mib"]
+    total = hasty.status()["gpu"]["total_mib"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answer = pool.submit(chat, hasty, 400, {"X-Request-Id": "cut-json"})
+        stream = pool.submit(stream_events, hasty, "cut-stream", 400)
+        hasty.wait_for(lambda s: sum(1 for r in s["requests"] if r["path"] == "gpu" and r["state"] == "running"
+                                     and r["attempts"] and r["attempts"][-1]["tokens"] > 0) == 2,
+                       what="both requests generating on the GPU")
+        game = other_app(hasty, total - need / 2)
+        try:
+            json_answer, events = answer.result(120), stream.result(120)
+        finally:
+            game.quit()
+    # The JSON answer had sent nothing yet: it ran again on the CPU, whole.
+    assert json_answer.status_code == 200, json_answer.text
+    assert json_answer.headers["x-served-by"] == "cpu"
+    assert json_answer.headers["x-route-reason"] == "gpu_failed_replayed"
+    assert json_answer.json()["usage"]["completion_tokens"] == 400
+    # The stream had: it ends with an explicit error event, not a dropped connection.
+    assert events and "choices" in events[0]
+    assert events[-1]["error"]["code"] == "gpu_worker_failed"
+    status = hasty.status()
+    assert status["breaker"]["recent_failures"] == 0 and status["breaker"]["state"] == "closed"
+    assert status["accounting"]["duplicate_executions"] == 0
+    assert any(e["kind"] == "gpu_unloaded_under_request" for e in status["events"])

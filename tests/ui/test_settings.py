@@ -82,7 +82,7 @@ def test_several_bad_fields_each_get_their_own_message(qtbot, dialog, config_fil
 
 def test_numbers_are_spin_boxes_within_the_config_bounds(qtbot, dialog, config_file) -> None:
     numbers = [f for f in vm.SETTINGS_FIELDS if f.kind == "int"]
-    assert {f.name for f in numbers} == {"gpu_ctx", "cpu_ctx", "reserve", "gpu_layers", "port"}
+    assert {f.name for f in numbers} == {"gpu_ctx", "cpu_ctx", "reserve", "gpu_layers", "port", "idle_unload"}
     for field in numbers:
         box = dialog.edits[field.name]
         assert isinstance(box, QSpinBox), field.name
@@ -92,6 +92,8 @@ def test_numbers_are_spin_boxes_within_the_config_bounds(qtbot, dialog, config_f
     assert (dialog.edits["port"].minimum(), dialog.edits["port"].maximum()) == (1, 65535)
     assert dialog.edits["gpu_layers"].minimum() == -1
     assert dialog.edits["gpu_layers"].specialValueText()  # -1 means all: it says so
+    assert dialog.edits["idle_unload"].specialValueText() == "never (0)"
+    assert dialog.edits["idle_unload"].value() == 300
     assert dialog.edits["gpu_ctx"].maximum() == 2**31 - 1  # llama.cpp takes a C int
     assert all(isinstance(dialog.edits[f.name], QLineEdit) for f in vm.SETTINGS_FIELDS if f.kind == "path")
     # Typing past a bound, or letters, can't produce a value the config refuses.
@@ -211,3 +213,16 @@ def test_values_edited_while_checking_are_checked_again(qtbot, dialog, config_fi
     assert finished.args == [False]
     assert "does not exist" in dialog.errors["model_path"].text()
     assert config_file.read_text() == FILE_TEXT
+
+
+
+def test_giving_vram_to_games_and_the_idle_unload_are_saved(qtbot, dialog, config_file) -> None:
+    from PySide6.QtWidgets import QCheckBox
+
+    box = dialog.edits["yield"]
+    assert isinstance(box, QCheckBox) and box.isChecked()  # on by default
+    box.setChecked(False)
+    dialog.edits["idle_unload"].setValue(0)
+    overrides, errors = vm.validate_settings(dialog.config, dialog.values())
+    assert errors == {}
+    assert overrides["gpu"]["yield_to_other_apps"] is False and overrides["gpu"]["idle_unload_s"] == 0

@@ -1184,3 +1184,23 @@ async def test_an_on_demand_cpu_worker_counts_its_load_in_the_estimate(rig):
     assert rig.events.decisions[-1] == ("cold", Route.CPU, Reason.FORCED_CPU)
     # The prior load time (5 s until a load is measured) comes on top.
     assert cold.estimated_latency_s == pytest.approx(warm.estimated_latency_s + 5.0, abs=0.01)
+
+
+async def test_a_request_cut_short_by_a_give_back_is_replayed_without_counting_as_a_gpu_failure(rig):
+    with_residency(rig, Reason.GPU_YIELDED, "GPU given to steam")
+    rig.dispatcher.residency.out = None  # admitted while the GPU was still ours
+    job = make_job()
+
+    async def unloaded_under_it(job, sink, attempt):
+        attempt.reached_worker = True
+        from tray_app.core.dispatch.admission import GpuOut
+        rig.dispatcher.residency.out = GpuOut(Reason.GPU_YIELDED, "GPU given to steam")
+        raise WorkerFailure("connection closed", process_may_have_died=True)
+
+    rig.gpu.script = unloaded_under_it
+    await run_job(rig, job)
+    assert rig.cpu.calls == ["req-1"] and job.replayed
+    assert rig.breaker.snapshot()["recent_failures"] == 0
+    assert rig.gpu.worker.failures == [] and rig.events.gpu_failures == []
+    assert "unloaded under it" in job.first_failure
+    assert "gpu_unloaded_under_request" in rig.events.kinds()

@@ -17,7 +17,7 @@ from typing import Any
 import shiboken6
 from PySide6.QtCore import QEvent, Qt, Signal
 from PySide6.QtWidgets import (
-    QAbstractSpinBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QLineEdit,
+    QAbstractSpinBox, QCheckBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QLineEdit,
     QPushButton, QSpinBox, QVBoxLayout, QWidget,
 )
 
@@ -67,13 +67,17 @@ class SettingsDialog(QDialog):
         form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.ExpandingFieldsGrow)
         form.setVerticalSpacing(8)
         # One input per field: a line for a path, a spin box for a number.
-        self.edits: dict[str, QLineEdit | QSpinBox] = {}
+        self.edits: dict[str, QLineEdit | QSpinBox | QCheckBox] = {}
         self.errors: dict[str, QLabel] = {}
         values = vm.settings_values(config)
         error_color = colors.status_color("error", theme.current_palette().window)
         for field in vm.SETTINGS_FIELDS:
-            edit = self._number_box(field, values[field.name]) if field.kind == "int" \
-                else self._path_line(field, values[field.name])
+            if field.kind == "int":
+                edit = self._number_box(field, values[field.name])
+            elif field.kind == "check":
+                edit = self._check_box(field, values[field.name])
+            else:
+                edit = self._path_line(field, values[field.name])
             edit.setObjectName(field.name)
             edit.setToolTip(field.help)
             error = QLabel()
@@ -142,6 +146,12 @@ class SettingsDialog(QDialog):
         edit.textEdited.connect(lambda _text, name=field.name: self._clear_error(name))
         return edit
 
+    def _check_box(self, field: vm.SettingField, value: str) -> QCheckBox:
+        box = QCheckBox()
+        box.setChecked(value == "true")
+        box.toggled.connect(lambda _checked, name=field.name: self._clear_error(name))
+        return box
+
     def _number_box(self, field: vm.SettingField, value: str) -> QSpinBox:
         """A spin box within the bounds the config enforces: an out-of-range
         or non-numeric value cannot be typed in the first place."""
@@ -161,8 +171,7 @@ class SettingsDialog(QDialog):
 
     def values(self) -> dict[str, str]:
         """Every field as text, which is what the viewmodel checks."""
-        return {name: str(edit.value()) if isinstance(edit, QSpinBox) else edit.text()
-                for name, edit in self.edits.items()}
+        return {name: _text_of(edit) for name, edit in self.edits.items()}
 
     def _browse(self, edit: QLineEdit) -> None:
         path = choose_model_file(self, edit.text())
@@ -237,3 +246,11 @@ class SettingsDialog(QDialog):
         self.saved.emit(new_config, changes)
         self.accept()
         return True
+
+
+def _text_of(edit: QLineEdit | QSpinBox | QCheckBox) -> str:
+    if isinstance(edit, QSpinBox):
+        return str(edit.value())
+    if isinstance(edit, QCheckBox):
+        return "true" if edit.isChecked() else "false"
+    return edit.text()

@@ -845,7 +845,7 @@ class SettingField:
     section: str
     key: str
     label: str
-    kind: str  # "path" | "int"
+    kind: str  # "path" | "int" | "check"
     help: str = ""
     minimum: int | None = None  # narrower than the config's own bounds, where the UI wants it
     maximum: int | None = None
@@ -868,6 +868,11 @@ SETTINGS_FIELDS: tuple[SettingField, ...] = (
                  "Layers offloaded to the GPU; -1 = all.", minimum_text="all (-1)"),
     SettingField("port", "server", "port", "P&ort", "int",
                  "Port of the OpenAI-compatible API.", minimum=1, maximum=65535),
+    SettingField("yield", "gpu", "yield_to_other_apps", "Give VRAM to other &apps", "check",
+                 "Unload the GPU model when a game or another app needs the memory; the CPU answers meanwhile."),
+    SettingField("idle_unload", "gpu", "idle_unload_s", "&Unload when idle (s)", "int",
+                 "Unload the GPU model after this long without a request; the next one loads it.",
+                 maximum=7 * 24 * 3600, minimum_text="never (0)"),
 )
 
 
@@ -885,7 +890,17 @@ def setting_bounds(field: SettingField) -> tuple[int, int]:
 
 
 def settings_values(config: Any) -> dict[str, str]:
-    return {f.name: str(getattr(getattr(config, f.section), f.key)) for f in SETTINGS_FIELDS}
+    """Every field as the text its input starts with ("true"/"false" for a check)."""
+    values = {}
+    for f in SETTINGS_FIELDS:
+        value = getattr(getattr(config, f.section), f.key)
+        if f.kind == "check":
+            values[f.name] = "true" if value else "false"
+        elif f.kind == "int":
+            values[f.name] = str(int(value))  # a number of seconds is stored as a float
+        else:
+            values[f.name] = str(value)
+    return values
 
 
 def validate_settings(config: Any, values: Mapping[str, str],
@@ -904,9 +919,11 @@ def validate_settings(config: Any, values: Mapping[str, str],
     errors: dict[str, str] = {}
     for f in fields:
         raw = (values.get(f.name) or "").strip()
-        if f.kind == "int":
+        if f.kind == "check":
+            value: Any = raw == "true"
+        elif f.kind == "int":
             try:
-                value: Any = int(raw)
+                value = int(raw)
             except ValueError:
                 errors[f.name] = f"must be a whole number, got {raw!r}" if raw else "must not be empty"
                 continue

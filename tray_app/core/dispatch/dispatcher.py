@@ -457,6 +457,15 @@ class Dispatcher:
 
     def _on_gpu_failure(self, job: Job, reason: str) -> None:
         assert self.gpu is not None
+        resident = self.residency.gpu_out()
+        if resident is not None and resident.reason is Reason.GPU_YIELDED:
+            # We unloaded the worker under this request (it outran the drain
+            # time of a give-back): not a GPU failure, for the breaker or anyone.
+            reason = f"{reason}; the GPU model was unloaded under it ({resident.detail})"
+            job.first_failure = job.first_failure or reason
+            self._release_probe(job)
+            self._events.note("gpu_unloaded_under_request", id=job.id, committed=job.committed)
+            return
         job.first_failure = job.first_failure or reason
         self._release_probe(job, failed=reason)
         self.gpu.report_failure(reason)
