@@ -90,8 +90,8 @@ def release_and_reload(service: RunningService, rounds: int) -> None:
     print(f"   release, client-measured: median {statistics.median(releases):.2f} s "
           f"(all: {', '.join(f'{r:.2f}' for r in releases)})")
     print(f"   release, service-measured: median {statistics.median(service_releases):.2f} s")
-    print(f"   reload after let-go: median {statistics.median(reloads):.2f} s, of which the load itself "
-          f"{statistics.median(loads):.2f} s (settle time {SETTLE_S:g} s, grows when a game flaps)")
+    print(f"   reload after let-go: {', '.join(f'{r:.2f}' for r in reloads)} s (each give-back within 10 min "
+          f"doubles the {SETTLE_S:g} s settle time); the load itself: median {statistics.median(loads):.2f} s")
 
 
 def cpu_while_loading(tmp: Path, rounds: int) -> None:
