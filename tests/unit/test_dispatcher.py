@@ -1204,3 +1204,25 @@ async def test_a_request_cut_short_by_a_give_back_is_replayed_without_counting_a
     assert rig.gpu.worker.failures == [] and rig.events.gpu_failures == []
     assert "unloaded under it" in job.first_failure
     assert "gpu_unloaded_under_request" in rig.events.kinds()
+
+
+async def test_waiters_that_prefer_the_gpu_keep_their_places_while_it_loads():
+    rig = make_rig(gpu_slots=1, gpu_queue=3)
+    gate = Gate()
+    rig.gpu.script = gate
+    first = start(rig, make_job("running"))
+    await gate.started.wait()
+    residency = with_residency(rig, Reason.GPU_LOADING, "the GPU worker is loading", back_in_s=2.0)
+    patient = make_job("patient")
+    patient.prefer_gpu = True
+    waiting = start(rig, patient)
+    await until(lambda: rig.gpu.lane.position("patient") is not None)
+    assert rig.dispatcher.redirect_gpu_waiting("the GPU worker is starting") == 0
+    assert rig.gpu.lane.position("patient") is not None
+    # Once the GPU is given away instead, nobody waits for it.
+    from tray_app.core.dispatch.admission import GpuOut
+    residency.out = GpuOut(Reason.GPU_YIELDED, "GPU given to steam")
+    assert rig.dispatcher.redirect_gpu_waiting("given away") == 1
+    gate.release.set()
+    await asyncio.gather(first, waiting)
+    assert rig.cpu.calls == ["patient"]

@@ -181,7 +181,19 @@ class Dispatcher:
             self.gpu.lane.redirect_waiting("the GPU path was paused")
 
     def redirect_gpu_waiting(self, reason: str) -> int:
-        return self.gpu.lane.redirect_waiting(reason) if self.gpu is not None else 0
+        """Send the GPU lane's waiters elsewhere: the GPU can't take them.
+        Those that chose to wait for a loading GPU (X-Prefer-Path: gpu) stay
+        while it loads."""
+        if self.gpu is None:
+            return 0
+        out = self.gpu_out()
+        loading = out is not None and out.reason is Reason.GPU_LOADING
+
+        def waits_for_the_load(request_id: str) -> bool:
+            job = self.jobs.get(request_id)
+            return loading and job is not None and job.prefer_gpu
+
+        return self.gpu.lane.redirect_waiting(reason, keep=waits_for_the_load)
 
     # ----- reads ------------------------------------------------------------------------
 

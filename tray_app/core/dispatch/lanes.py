@@ -125,14 +125,21 @@ class Lane:
                     waiter.future.cancel()
         self.release(request_id)
 
-    def redirect_waiting(self, reason: str) -> int:
-        """Send every waiter away with `reason`; returns how many."""
+    def redirect_waiting(self, reason: str, keep: Callable[[str], bool] = lambda request_id: False) -> int:
+        """Send every waiter away with `reason`, except those `keep` names
+        by request id (they keep their places); returns how many went."""
         count = 0
+        kept = collections.deque()
         while self._waiting:
             waiter = self._waiting.popleft()
-            if not waiter.future.done():
-                waiter.future.set_exception(Redirected(reason))
-                count += 1
+            if waiter.future.done():
+                continue
+            if keep(waiter.request_id):
+                kept.append(waiter)
+                continue
+            waiter.future.set_exception(Redirected(reason))
+            count += 1
+        self._waiting = kept
         return count
 
     def snapshot(self) -> dict:
