@@ -49,3 +49,22 @@ def test_a_forced_tool_answer_streams_as_one_call_named_once():
                     "function": {"name": "refund_order", "arguments": '{"order'}}
     assert second["choices"][0]["delta"] == {"tool_calls": [{"index": 0, "function": {"arguments": '_id": "A"}'}}]}
     assert last["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_sse_lines_split_only_on_line_feeds_not_on_unicode_line_separators():
+    import json
+
+    from tray_app.core.dispatch.backend import sse_lines
+
+    # llama-server leaves U+0085, U+2028 and U+2029 raw inside JSON strings.
+    text = "a\u0085b\u2028c\u2029d\x1ce"
+    wire = f'data: {json.dumps({"content": text}, ensure_ascii=False)}\r\n\r\ndata: [DONE]\n\n'.encode()
+
+    class Chunked:
+        async def aiter_bytes(self):
+            for start in range(0, len(wire), 3):  # cuts through multi-byte characters too
+                yield wire[start:start + 3]
+
+    lines = [line async for line in sse_lines(Chunked())]
+    assert lines == [f'data: {json.dumps({"content": text}, ensure_ascii=False)}', "", "data: [DONE]", ""]
+    assert json.loads(lines[0][len("data: "):])["content"] == text

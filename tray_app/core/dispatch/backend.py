@@ -24,7 +24,7 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol
 
 import httpx
 
@@ -210,7 +210,7 @@ class Backend:
                 attempt.reached_worker = True
                 if response.status_code >= 400:
                     await _upstream_error(response)
-                lines = response.aiter_lines()
+                lines = sse_lines(response)
                 while True:
                     line = await from_worker(lines.__anext__())
                     if line is None:
@@ -341,6 +341,22 @@ class Backend:
 
 
 # ----- the worker's wire format ------------------------------------------------------
+
+
+async def sse_lines(response: Any) -> AsyncIterator[str]:
+    """The lines of an SSE stream, split only where SSE splits them (LF, CRLF).
+    httpx's aiter_lines also splits on U+0085, U+2028 and U+2029, which JSON
+    leaves raw inside strings: a model that writes one (the fuzzer's sampling
+    found it) cut an event in two, and the request failed with a 500."""
+    pending = b""
+    async for chunk in response.aiter_bytes():
+        pending += chunk
+        *complete, pending = pending.split(b"\n")
+        for line in complete:
+            yield line.removesuffix(b"\r").decode("utf-8", "replace")
+    if pending:
+        yield pending.removesuffix(b"\r").decode("utf-8", "replace")
+
 
 
 def _worker_body(job: Job) -> dict[str, Any]:
