@@ -536,3 +536,19 @@ def test_residency_notices_say_when_the_gpu_was_given_back_and_taken_again() -> 
     assert notifier.update(with_residency("unloaded_idle")) is None
     assert notifier.update(with_residency("loading")) is None
     assert notifier.update(with_residency("loaded")) is None
+
+
+def test_the_gpu_taken_again_notice_survives_the_loading_in_between() -> None:
+    notifier = vm.ResidencyNotifier()
+    degraded = vm.DegradedNotifier(settle_s=0, quiet_s=0)
+    notifier.update(with_residency("loaded"))
+    assert notifier.update(with_residency("given_away", text="GPU given to steam (9.1 GiB)")).kind == "gpu_given_back"
+    loading = with_residency("loading")
+    assert notifier.update(loading) is None
+    assert degraded.update(loading, now=50.0) is None  # a load is no outage worth a notice
+    back = notifier.update(with_residency("loaded", last_load_s=6.0))
+    assert back is not None and back.kind == "gpu_taken_again"
+    # A load that follows an idle unload is no news either way.
+    notifier.update(with_residency("unloaded_idle"))
+    notifier.update(with_residency("loading"))
+    assert notifier.update(with_residency("loaded")) is None

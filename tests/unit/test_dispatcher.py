@@ -1129,13 +1129,22 @@ async def test_preferring_the_gpu_does_not_wait_past_the_clients_deadline(rig):
 
 
 async def test_never_fall_back_is_a_503_with_when_the_gpu_is_back(rig):
-    with_residency(rig, Reason.GPU_LOADING, "the GPU worker is loading", back_in_s=12.2)
+    with_residency(rig, Reason.GPU_YIELDED, "GPU given to steam; the memory is free again", back_in_s=12.2)
     job = make_job()
     job.no_fallback = True
     failure = await failed(rig, job)
-    assert (failure.status, failure.code, failure.retry_after_s) == (503, "gpu_loading", 13.0)
+    assert (failure.status, failure.code, failure.retry_after_s) == (503, "gpu_yielded", 13.0)
     assert "expected back in about 12 s" in failure.message
     assert rig.cpu.calls == [] and rig.gpu.calls == []
+
+
+async def test_a_request_that_may_not_fall_back_waits_for_a_loading_gpu_instead_of_a_503(rig):
+    with_residency(rig, Reason.GPU_LOADING, "the GPU worker is loading", back_in_s=3.0)
+    job = make_job()
+    job.no_fallback = True
+    await run_job(rig, job)
+    assert rig.events.decisions == [("req-1", Route.GPU_QUEUE, Reason.ADMITTED)]
+    assert rig.gpu.calls == ["req-1"] and rig.cpu.calls == []
 
 
 async def test_the_configured_policy_applies_unless_the_request_says_otherwise(rig):

@@ -201,3 +201,20 @@ def test_on_a_small_card_the_margin_shrinks_so_an_empty_device_takes_it_back():
     see(0.0)
     see(0.0)
     assert see(0.0) is Action.LOAD
+
+
+def test_a_game_that_returns_soon_after_every_reload_is_waited_out_longer_each_time_never_less():
+    residency, clock = make()
+    waits, announced = [], []
+    for _ in range(30):
+        observe(residency, clock, THRESHOLD + 1, after=5.0)
+        assert observe(residency, clock, THRESHOLD + 1) is Action.YIELD
+        announced.append(residency.settle_s())
+        observe(residency, clock, 0, after=5.0, loaded=False)
+        freed_at = clock.now
+        while observe(residency, clock, 0, loaded=False) is not Action.LOAD:
+            pass
+        waits.append(clock.now - freed_at)
+    # What /status announced is what happened, and it never shrinks mid-episode.
+    assert all(wait == pytest.approx(settle, abs=1.0) for wait, settle in zip(waits, announced))
+    assert announced == sorted(announced) and announced[-1] == 30.0 * MAX_SETTLE_FACTOR

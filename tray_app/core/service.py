@@ -30,7 +30,7 @@ from .dispatch.breaker import CircuitBreaker
 from .dispatch.dispatcher import EXPECTED_ANSWER_TOKENS, Costs, Dispatcher, Limits
 from .dispatch.jobs import Attempt, Job, PathSpeed
 from .dispatch.lanes import Lane
-from .dispatch.residency import Residency, SharingPolicy
+from .dispatch.residency import HoldKind, Residency, SharingPolicy
 from .engine.exits import ExitKind
 from .engine.runtime import WorkerRuntime, choose_runtime
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
@@ -148,7 +148,7 @@ class Service:
             model_mib=self.model_info.path.stat().st_size / MIB, drain_s=config.gpu.yield_drain_s,
             ours_mib=self._our_vram_mib, our_pids=lambda: set(self._worker_pids()),
             note=self.observer.note, changed=self.observer.advance,
-            read_free_mib=lambda: self._gpu_reader.read().free_mib, clock=self._clock,
+            read_gpu=self._gpu_reader.read, clock=self._clock,
         )
 
     def _our_vram_mib(self, reading) -> float:
@@ -264,6 +264,9 @@ class Service:
 
     async def stop(self) -> None:
         self.observer.stop()
+        for keeper in (self.sharing, self.on_demand_cpu):
+            if keeper is not None:
+                await keeper.close()
         self.dispatcher.cancel_all("the service is shutting down")
         await asyncio.gather(*(w.close() for w in self._workers()), return_exceptions=True)
         await self._http.aclose()
@@ -308,9 +311,17 @@ class Service:
         residency = self.sharing.residency
         residency.policy = dataclasses.replace(residency.policy, yield_to_other_apps=enabled)
         self.observer.note("yield_to_other_apps", enabled=enabled)
+        if not enabled and residency.hold is not None and residency.hold.kind is HoldKind.YIELDED:
+            self.sharing.take_again()
 
     def restart_workers(self) -> None:
+        """Restart the loaded workers. A GPU worker that was given away or
+        unloaded stays so, and so does an on-demand CPU worker at rest."""
         for worker in self._workers():
+            if worker.role == "gpu" and self.sharing is not None and self.sharing.residency.hold is not None:
+                continue
+            if worker.role == "cpu" and self.on_demand_cpu is not None and worker.state is WorkerState.STOPPED:
+                continue
             worker.restart("restart requested by the user")
         self.observer.note("workers_restarted")
 
@@ -421,9 +432,10 @@ class Service:
             if need <= free:
                 self.simulated.set_footprint(GPU_FOOTPRINT_OWNER, need)
             return LaunchExtras(simulated_vram_need_mib=need, simulated_vram_free_mib=free)
-        if worker.last_exit is not None:
+        if worker.last_exit is not None and worker.last_exit.kind is not ExitKind.CLEAN_STOP:
             # NVML lags a process exit: let the old worker's memory come back
             # before the new one allocates, or it fails for no real reason.
+            # (A worker we stopped was waited for: GpuSharing saw it released.)
             baseline = self._gpu_reader.read().free_mib
             if baseline is not None:
                 await wait_for_vram_recovery(

@@ -11,14 +11,13 @@ hears from it when a request arrives (`request_arrived`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from .dispatch.admission import GpuOut, Reason
 from .dispatch.backend import Backend
-from .dispatch.residency import Action, DeviceView, HoldKind, Residency
+from .dispatch.residency import Action, DeviceView, Hold, HoldKind, Residency
 from .engine.worker import WorkerState
 from .memory.telemetry import GpuReading, MemorySnapshot
 
@@ -29,6 +28,7 @@ log = logging.getLogger(__name__)
 PRIOR_LOAD_BASE_S = 3.0
 PRIOR_LOAD_MIB_PER_S = 1000.0
 DRAIN_POLL_S = 0.1
+RELEASE_POLL_S = 0.1
 # NVML lags a process exit: how long to wait for the unloaded worker's
 # memory to show up as free before calling the release done anyway.
 RELEASE_WAIT_S = 10.0
@@ -38,7 +38,7 @@ class GpuSharing:
     def __init__(self, residency: Residency, backend: Backend, *, need_mib: float, reserve_mib: float,
                  model_mib: float, drain_s: float, ours_mib: Callable[[GpuReading], float],
                  our_pids: Callable[[], set[int]], note: Callable[..., None], changed: Callable[[], None],
-                 read_free_mib: Callable[[], float | None], clock: Callable[[], float] = time.monotonic) -> None:
+                 read_gpu: Callable[[], GpuReading], clock: Callable[[], float] = time.monotonic) -> None:
         self.residency = residency
         self._backend = backend
         self._need_mib = need_mib
@@ -49,10 +49,11 @@ class GpuSharing:
         self._our_pids = our_pids
         self._note = note
         self._changed = changed
-        self._read_free_mib = read_free_mib
+        self._read_gpu = read_gpu
         self._clock = clock
         self._last_activity = clock()
         self._task: asyncio.Task | None = None
+        self._task_is_load = False
         # Wall-clock time of the last change, for "unloaded at 14:02".
         self.changed_at: float | None = None
         self.last_release_s: float | None = None
@@ -69,7 +70,9 @@ class GpuSharing:
 
     def gpu_out(self) -> GpuOut | None:
         hold = self.residency.hold
-        if hold is not None and hold.kind is not HoldKind.IDLE:
+        if hold is not None and hold.kind is HoldKind.USER:
+            return GpuOut(Reason.GPU_YIELDED, hold.describe() + '; it comes back with "Use the GPU again"')
+        if hold is not None and hold.kind is HoldKind.YIELDED:
             reload_in = self.residency.reload_in_s()
             back = None if reload_in is None else reload_in + self.load_eta_s()
             when = (f"; it comes back once the memory has stayed free for {self.residency.settle_s():g} s"
@@ -94,11 +97,11 @@ class GpuSharing:
         return self._worker.load_eta_s(prior_load_s(self._model_mib))
 
     def _loading(self) -> bool:
-        """A load we asked for is under way (or about to start). A worker
-        backing off after a failed start is not loading: it is unhealthy,
-        and says why."""
-        return (self._task is not None and not self._task.done()
-                and self._worker.state in (WorkerState.STOPPED, WorkerState.STARTING))
+        """A load we asked for is under way (or waits for an unload to end
+        first). A worker backing off after a failed start is not loading:
+        it is unhealthy, and says why."""
+        return (self._task is not None and not self._task.done() and self._task_is_load
+                and self._worker.state in (WorkerState.STOPPED, WorkerState.STOPPING, WorkerState.STARTING))
 
     # ----- inputs ----------------------------------------------------------------------------
 
@@ -120,9 +123,11 @@ class GpuSharing:
                                         idle_for_s=None if lane.running_ids or lane.waiting_ids
                                         else now - self._last_activity)
         if action is Action.YIELD:
-            self._start(self._give_back(self._crowded_seen_at or now))
+            self._give_back_now(self._crowded_seen_at or now)
         elif action is Action.UNLOAD:
-            self._start(self._unload_idle())
+            # Stopping at once, so a request arriving now is not admitted to it.
+            self._worker.request_stop()
+            self._start(self._unload_idle, is_load=False)
         elif action is Action.LOAD:
             self._load("the memory has stayed free")
         elif self.residency.hold != before:
@@ -131,7 +136,7 @@ class GpuSharing:
     def give_back(self) -> None:
         """The user's "Give the GPU back now"."""
         if self.residency.give_back() is Action.YIELD:
-            self._start(self._give_back(self._clock()))
+            self._give_back_now(self._clock())
         self._changed_now()
 
     def take_again(self) -> None:
@@ -141,35 +146,47 @@ class GpuSharing:
 
     # ----- effects -------------------------------------------------------------------------
 
-    def _start(self, coroutine) -> None:
-        # One residency change at a time: a give-back waits for a load under
-        # way to be cancelled first, and the other way round.
-        previous = self._task
+    def _start(self, change: Callable[[], Awaitable[None]], *, is_load: bool) -> None:
+        """Run one residency change after the one before it. A load under
+        way is cancelled (stopping a loading worker is fine); an unload is
+        never: its stop is already on its way, and a load must come after it."""
+        previous, previous_is_load = self._task, self._task_is_load
 
         async def run() -> None:
             if previous is not None and not previous.done():
-                previous.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await previous
-            await coroutine
+                if previous_is_load:
+                    previous.cancel()
+                await asyncio.wait({previous})  # its outcome is its own; our cancel still reaches us
+            await change()
 
         self._task = asyncio.create_task(run(), name="gpu-residency")
+        self._task_is_load = is_load
         self._changed_now()
 
     def _load(self, why: str) -> None:
-        self._start(self._take_again(why))
+        self._start(lambda: self._take_again(why), is_load=True)
 
-    async def _give_back(self, seen_at: float) -> None:
+    def _give_back_now(self, seen_at: float) -> None:
         hold = self.residency.hold
         assert hold is not None
+        self._start(lambda: self._give_back(hold, seen_at), is_load=False)
+
+    async def close(self) -> None:
+        """Stop what is under way (the service is shutting down)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.wait({self._task})
+
+    async def _give_back(self, hold: Hold, seen_at: float) -> None:
         self.yields += 1
         moved = self._backend.lane.redirect_waiting(hold.describe())
         self._note("gpu_yield_start", text=hold.describe(), app=hold.app, app_mib=hold.app_mib, redirected=moved)
         self._changed()
         drained = await self._drain()
-        free_before = self._read_free_mib()
+        free_before = await asyncio.to_thread(self._read_free_mib)
+        pid = self._worker.pid
         await self._worker.stop()
-        await self._wait_released(free_before)
+        await self._wait_released(free_before, pid)
         self.last_release_s = round(self._clock() - seen_at, 3)
         self._crowded_seen_at = None
         self._note("gpu_given_back", text=hold.describe(), app=hold.app, app_mib=hold.app_mib,
@@ -206,17 +223,27 @@ class GpuSharing:
             await asyncio.sleep(DRAIN_POLL_S)
         return True
 
-    async def _wait_released(self, free_before: float | None) -> None:
-        """Wait until the device shows the worker's memory as free: only then
-        has the other app actually got it."""
+    async def _wait_released(self, free_before: float | None, pid: int | None) -> None:
+        """Wait until the device shows the worker's memory as given up: free
+        again, or (while a game takes it as fast as it comes) the process
+        gone from the device's list. Only then has the other app got it.
+        Reads run off the loop: NVML calls block."""
         if free_before is None:
             return
         deadline = self._clock() + RELEASE_WAIT_S
         while self._clock() < deadline:
-            free = self._read_free_mib()
+            reading = await asyncio.to_thread(self._read_gpu)
+            free = reading.free_mib
             if free is not None and free - free_before >= 0.75 * self._need_mib:
                 return
-            await asyncio.sleep(0.05)
+            device = reading.devices[0] if reading.available and reading.devices else None
+            if (pid is not None and device is not None and device.processes_reported and device.processes
+                    and all(p.pid != pid for p in device.processes)):
+                return
+            await asyncio.sleep(RELEASE_POLL_S)
+
+    def _read_free_mib(self) -> float | None:
+        return self._read_gpu().free_mib
 
     def _changed_now(self) -> None:
         self.changed_at = time.time()
@@ -298,11 +325,19 @@ class OnDemandCpu:
         busy = self._task is not None and not self._task.done()
         if (worker.state is WorkerState.READY and not busy and self._idle_unload_s > 0
                 and now - self._last_activity >= self._idle_unload_s):
+            # Stopping at once: a request arriving now waits for a fresh load
+            # (Backend._wait_ready) instead of reaching a process on its way out.
+            worker.request_stop()
             self._task = asyncio.create_task(self._unload(), name="cpu-unload")
 
     async def _unload(self) -> None:
         await self._backend.worker.stop()
         self._note("cpu_unloaded_idle", idle_unload_s=self._idle_unload_s)
+
+    async def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.wait({self._task})
 
 
 def prior_load_s(model_mib: float) -> float:

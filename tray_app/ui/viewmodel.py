@@ -123,31 +123,37 @@ def give_back_label(status: Mapping[str, Any] | None) -> str:
 class ResidencyNotifier:
     """Notices for the GPU given to another app and taken again; the
     degraded-mode notice stays quiet for these (DegradedNotifier), since
-    this one says more."""
+    this one says more. The GPU passes through "loading" on its way back:
+    what counts is that it was given, and is loaded again."""
 
     def __init__(self) -> None:
         self._state: str | None = None
+        self._given = False
 
     def update(self, status: Mapping[str, Any] | None) -> Notice | None:
         if status is None:
             return None
         state = residency_state(status)
-        previous, self._state = self._state, state
-        if previous is None or state == previous or (previous in GIVEN_STATES and state in GIVEN_STATES):
-            return None
+        first, self._state = self._state is None, state
         residency = _residency(status)
         fallback = (status.get("degraded") or {}).get("fallback_model") or "the fallback model"
-        if state == "given_away":
-            return Notice("GPU given back", f"{residency.get('text') or 'Another app needs the VRAM'}: the GPU model "
-                          f"was unloaded. The CPU answers with {fallback} until the memory is free again.",
-                          "gpu_given_back")
-        if state == "given_back_by_user":
+        if state in GIVEN_STATES:
+            was_given, self._given = self._given, True
+            if first or was_given:
+                return None
+            if state == "given_away":
+                return Notice("GPU given back", f"{residency.get('text') or 'Another app needs the VRAM'}: the GPU "
+                              f"model was unloaded. The CPU answers with {fallback} until the memory is free again.",
+                              "gpu_given_back")
             return Notice("GPU given back", f"The GPU model was unloaded. The CPU answers with {fallback} until "
                           "you choose \"Use the GPU again\".", "gpu_given_back")
-        if state == "loaded" and previous in GIVEN_STATES:
+        if state == "loaded" and self._given:
+            self._given = False
             load = _num(residency.get("last_load_s"))
             took = f" (loading took {fmt_seconds(load)})" if load else ""
             return Notice("GPU taken again", f"The GPU model is loaded again{took}; the GPU serves.", "gpu_taken_again")
+        if state != "loading":
+            self._given = False
         return None
 
 
@@ -792,8 +798,9 @@ class DegradedNotifier:
                now: float | None = None) -> Notice | None:
         now = self._clock() if now is None else now
         kind = icon_kind(status, host_starting=host_starting)
+        # ResidencyNotifier speaks for a GPU given away, and a load is over in seconds.
         degraded = (kind == DEGRADED and not is_busy_overflow(status)
-                    and residency_state(status) not in GIVEN_STATES)  # ResidencyNotifier says it
+                    and residency_state(status) not in GIVEN_STATES + ("loading",))
         if not degraded:
             self._degraded_since = None
         elif self._degraded_since is None:

@@ -165,6 +165,8 @@ class Decision:
     status: int = 200
     retry_after_s: float | None = None
     estimated_latency_s: float | None = None
+    # Admitted to wait in the GPU queue for a load (see decide).
+    waits_for_load: bool = False
 
     @property
     def accepted(self) -> bool:
@@ -194,12 +196,16 @@ def decide(request: RequestShape, gpu: GpuView | None, cpu: CpuView) -> Decision
     if gpu is None:
         return _to_cpu(request, cpu, Reason.GPU_UNAVAILABLE, "no GPU path is configured")
     if gpu.out is not None:
-        if gpu.out.reason is Reason.GPU_LOADING and request.prefer_gpu and gpu.lane.has_queue_room:
+        # A client that would rather wait for the load, or may not use the
+        # CPU at all, waits for it (the GPU is seconds away, not gone).
+        waits = request.prefer_gpu or (request.no_fallback and not request.force_cpu)
+        if gpu.out.reason is Reason.GPU_LOADING and waits and gpu.lane.has_queue_room:
             wait = (gpu.out.back_in_s or 0.0) + gpu.backlog_s
             if request.deadline_s is None or wait <= request.deadline_s:
+                why = "X-Prefer-Path: gpu" if request.prefer_gpu else "no CPU fallback"
                 return Decision(Route.GPU_QUEUE, Reason.ADMITTED,
-                                f"waiting for the GPU to load (X-Prefer-Path: gpu): {gpu.out.detail}",
-                                estimated_latency_s=round(wait, 2))
+                                f"waiting for the GPU to load ({why}): {gpu.out.detail}",
+                                estimated_latency_s=round(wait, 2), waits_for_load=True)
         return _to_cpu(request, cpu, gpu.out.reason, gpu.out.detail, gpu.out.back_in_s)
     if request.total_tokens > gpu.lane.context_cap:
         return _to_cpu(

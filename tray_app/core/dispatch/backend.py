@@ -305,7 +305,9 @@ class Backend:
         worker that was given away must stay unloaded): redirect if the
         path closes meanwhile, fail if it takes longer than a load may."""
         worker = self.worker
-        deadline = self._clock() + self._deadlines.ready_s
+        # No longer than a load may take, nor than the client gave (X-Request-Timeout).
+        limit_s = min(self._deadlines.ready_s, job.deadline_s or self._deadlines.ready_s)
+        deadline = self._clock() + limit_s
         while self.out_reason() is not None:
             why_not = still_open()
             if why_not is not None:
@@ -314,7 +316,7 @@ class Backend:
                 raise canceled_error(job, f"while the {self.path} worker was loading")
             if self._clock() >= deadline:
                 raise JobFailed(503, "no_worker", f"the {self.path} worker did not finish loading in "
-                                f"{self._deadlines.ready_s:g} s", retry_after_s=30.0)
+                                f"{limit_s:g} s", retry_after_s=30.0)
             with contextlib.suppress(asyncio.TimeoutError):
                 await worker.wait_for_state(WorkerState.READY, timeout=0.25)
 

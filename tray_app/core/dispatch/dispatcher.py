@@ -191,7 +191,7 @@ class Dispatcher:
 
         def waits_for_the_load(request_id: str) -> bool:
             job = self.jobs.get(request_id)
-            return loading and job is not None and job.prefer_gpu
+            return loading and job is not None and self._gpu_closed_for(job) is None
 
         return self.gpu.lane.redirect_waiting(reason, keep=waits_for_the_load)
 
@@ -204,21 +204,29 @@ class Dispatcher:
         if self.gpu_paused:
             return GpuOut(Reason.FORCED_CPU, "the GPU path is paused (force CPU)")
         resident = self.residency.gpu_out()
-        if resident is not None:
+        breaker_open = self._breaker_open()
+        if resident is not None and not (resident.reason is Reason.GPU_LOADING and breaker_open):
+            # (A worker restarting after failures may be loading, but the GPU
+            # takes no work until the breaker's cooldown is over: that comes first.)
             return resident
         out = self.gpu.out_reason()
-        if out is not None:
+        if out is not None and resident is None:
             return GpuOut(Reason.GPU_UNAVAILABLE, out)
-        if self.breaker.state is BreakerState.OPEN:
-            snap = self.breaker.snapshot()
-            return GpuOut(Reason.GPU_UNAVAILABLE,
-                          f"the circuit breaker is open after repeated GPU failures "
-                          f"({snap.get('last_failure_reason')}); retrying in {snap.get('retry_in_s')} s",
-                          back_in_s=snap.get("retry_in_s"))
+        if breaker_open is not None:
+            return breaker_open
         reading = self._memory().gpu
         if not reading.available:
             return GpuOut(Reason.GPU_UNAVAILABLE, f"GPU memory can't be read: {reading.reason}")
         return None
+
+    def _breaker_open(self) -> GpuOut | None:
+        if self.breaker.state is not BreakerState.OPEN:
+            return None
+        snap = self.breaker.snapshot()
+        return GpuOut(Reason.GPU_UNAVAILABLE,
+                      f"the circuit breaker is open after repeated GPU failures "
+                      f"({snap.get('last_failure_reason')}); retrying in {snap.get('retry_in_s')} s",
+                      back_in_s=snap.get("retry_in_s"))
 
     def gpu_out_reason(self) -> str | None:
         out = self.gpu_out()
@@ -337,7 +345,8 @@ class Dispatcher:
         """Asked once a GPU slot is the job's: why it must go elsewhere, or
         None. A job that prefers the GPU waits through its load."""
         out = self.gpu_out()
-        if out is None or (job.prefer_gpu and out.reason is Reason.GPU_LOADING):
+        if out is None or (out.reason is Reason.GPU_LOADING and job.decision is not None
+                           and job.decision.waits_for_load):
             return None
         return out.detail
 

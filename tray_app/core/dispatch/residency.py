@@ -18,6 +18,7 @@ The service feeds it readings and carries out the `Action` it returns
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Callable
@@ -31,7 +32,8 @@ RELOAD_MARGIN_MIB = 512.0
 # A crowded reading must last this long before the worker yields: one
 # sample that catches a short-lived allocation is not a game starting.
 YIELD_CONFIRM_S = 1.0
-# Yields closer together than this count as one flapping episode.
+# A yield within this long of the last reload continues a flapping episode:
+# its settle time doubles. A quiet spell this long after a reload ends it.
 FLAP_WINDOW_S = 600.0
 MAX_SETTLE_FACTOR = 16
 
@@ -48,6 +50,9 @@ class Hold:
     since: float                    # the residency clock's time
     app: str | None = None          # YIELDED: the biggest other user of the GPU
     app_mib: float | None = None
+    # YIELDED: how long the memory must stay free before the reload, fixed
+    # when the yield happened (so it can't shrink while it is waited out).
+    settle_s: float = 0.0
 
     def describe(self) -> str:
         if self.kind is HoldKind.YIELDED:
@@ -106,7 +111,10 @@ class Residency:
         self.hold: Hold | None = None
         self._crowded_since: float | None = None
         self._roomy_since: float | None = None
-        self._yields: list[float] = []
+        # Yields in the current flapping episode after the first, and when the
+        # worker last came back from a yield.
+        self._flaps = 0
+        self._reloaded_at: float | None = None
         # A yield that found the worker already unloaded for idleness goes
         # back to idle when the memory frees: nobody asked for a reload.
         self._idle_under_yield = False
@@ -114,12 +122,16 @@ class Residency:
     # ----- reads ------------------------------------------------------------------
 
     def settle_s(self) -> float:
-        """The settle time the next reload waits for: doubled for each
-        recent yield after the first (a flapping game), capped."""
-        now = self._clock()
-        recent = [t for t in self._yields if now - t <= FLAP_WINDOW_S]
-        factor = min(MAX_SETTLE_FACTOR, 2 ** max(0, len(recent) - 1))
-        return self.policy.reload_settle_s * factor
+        """The settle time of the current yield; without one, the settle
+        time a yield now would get: doubled for each yield that came soon
+        after the reload before it (a flapping game), capped."""
+        if self.hold is not None and self.hold.kind is HoldKind.YIELDED:
+            return self.hold.settle_s
+        return self.policy.reload_settle_s * min(MAX_SETTLE_FACTOR, 2 ** self._flaps_if_yielding_now())
+
+    def _flaps_if_yielding_now(self) -> int:
+        flapping = self._reloaded_at is not None and self._clock() - self._reloaded_at <= FLAP_WINDOW_S
+        return self._flaps + 1 if flapping else 0
 
     def reload_in_s(self) -> float | None:
         """For a yielded GPU: seconds until it reloads if the memory stays
@@ -145,8 +157,9 @@ class Residency:
             if (crowded and self.policy.yield_to_other_apps
                     and now - self._crowded_since >= YIELD_CONFIRM_S):
                 self._idle_under_yield = self.hold is not None
-                self.hold = Hold(HoldKind.YIELDED, now, view.top_app, view.top_app_mib)
-                self._yields = [t for t in self._yields if now - t <= FLAP_WINDOW_S] + [now]
+                settle = self.settle_s()
+                self._flaps = self._flaps_if_yielding_now()
+                self.hold = Hold(HoldKind.YIELDED, now, view.top_app, view.top_app_mib, settle)
                 self._roomy_since = None
                 # Also when the worker is restarting: it must not come back up.
                 return Action.NONE if self._idle_under_yield else Action.YIELD
@@ -159,8 +172,9 @@ class Residency:
         if self.hold.kind is HoldKind.YIELDED:
             if crowded and view.top_app is not None:
                 # Name whoever holds the memory now (another app may have taken over).
-                self.hold = Hold(HoldKind.YIELDED, self.hold.since, view.top_app, view.top_app_mib)
-            if self._roomy_since is not None and now - self._roomy_since >= self.settle_s():
+                self.hold = dataclasses.replace(self.hold, app=view.top_app, app_mib=view.top_app_mib)
+            if self._roomy_since is not None and now - self._roomy_since >= self.hold.settle_s:
+                self._reloaded_at = now
                 if self._idle_under_yield:
                     self.hold = Hold(HoldKind.IDLE, now)
                     return Action.NONE

@@ -315,7 +315,9 @@ class Worker:
         return self._state is WorkerState.READY
 
     async def _until_ready_or_given_up(self) -> None:
-        while self._state is not WorkerState.READY and self.gave_up is None:
+        # Also ends when the owner task does (the worker was stopped meanwhile).
+        while (self._state is not WorkerState.READY and self.gave_up is None
+               and self._task is not None and not self._task.done()):
             self._state_changed.clear()
             await self._state_changed.wait()
 
@@ -324,15 +326,26 @@ class Worker:
     def start(self) -> None:
         if self._task is None or self._task.done():
             self.gave_up = None
+            # Commands for the owner that ended are moot (a second stop of it).
+            self._command = asyncio.Queue()
             self._task = asyncio.create_task(self._supervise(), name=f"worker-{self.role}")
 
-    async def stop(self) -> None:
+    def request_stop(self) -> None:
+        """Ask the owner to stop the process, without waiting. The state says
+        STOPPING from this moment, for everyone who looks: no request may be
+        sent to the process in the moment before its owner acts."""
         task = self._task
         if task is None or task.done():
             self._set_state(WorkerState.STOPPED)
             return
         self._command.put_nowait((_Command.STOP, "stop requested"))
-        await asyncio.shield(task)
+        self._set_state(WorkerState.STOPPING)
+
+    async def stop(self) -> None:
+        self.request_stop()
+        task = self._task
+        if task is not None and not task.done():
+            await asyncio.shield(task)
 
     def restart(self, reason: str = "restart requested") -> None:
         if self._task is None or self._task.done():
@@ -431,9 +444,11 @@ class Worker:
         why_replaced: str | None = None
         try:
             ready = await self._wait_ready(exited)
-            self.loading_since = None
+            loading_since, self.loading_since = self.loading_since, None
             if ready:
-                self.last_ready_duration_s = round(self._clock() - spawned_at, 3)
+                # From the start of the load, as load_eta_s counts it: what
+                # before_spawn waited (VRAM coming back) is part of a load.
+                self.last_ready_duration_s = round(self._clock() - (loading_since or spawned_at), 3)
                 self.ready_since = time.time()
                 self.unhealthy_reason = None
                 self._set_state(WorkerState.READY)
