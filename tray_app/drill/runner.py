@@ -773,6 +773,9 @@ class Drill:
                     what="the GPU worker to give its VRAM back")
                 result["release_s"] = round(self.clock.now() - allocated_at, 3)
                 result["service_release_s"] = given["gpu"]["residency"]["last_release_s"]
+                # The settle time of this give-back (after the reload, /status
+                # shows what the next one would get).
+                result["settle_s"] = given["gpu"]["residency"]["settle_s"]
                 for future in done:
                     future.result()
             residency = given["gpu"]["residency"]
@@ -799,7 +802,6 @@ class Drill:
                 RECOVERY_WAIT_S, interval=0.1, what="the GPU worker to reload")
             result["reload_s"] = round(self.clock.now() - let_go_at, 3)
             result["service_load_s"] = back["gpu"]["residency"]["last_load_s"]
-            result["settle_s"] = back["gpu"]["residency"]["settle_s"]
             first = self._send(self._record(phase, "first request after the reload", max_tokens=8,
                                             prompt_key="other-app-after"), self._chat(SHORT_PROMPTS[0]))
             result["first_gpu_answer_after_let_go_s"] = round(self.clock.now() - let_go_at, 3)
