@@ -58,7 +58,6 @@ class GpuSharing:
         self.changed_at: float | None = None
         self.last_release_s: float | None = None
         self.last_load_s: float | None = None
-        self._crowded_seen_at: float | None = None
         self.yields = 0
         self.loads = 0
 
@@ -111,19 +110,13 @@ class GpuSharing:
         if lane.running_ids or lane.waiting_ids or self._worker.state is not WorkerState.READY:
             self._last_activity = now
         view = self._device_view(snapshot.gpu)
-        spare = view.spare_with_worker_mib()
-        crowded = spare is not None and spare < view.reserve_mib
-        # When the other app's allocation was first seen: the release time runs from here.
-        if not crowded:
-            self._crowded_seen_at = None
-        elif self._crowded_seen_at is None and self.residency.hold is None:
-            self._crowded_seen_at = now
         before = self.residency.hold
         action = self.residency.observe(view, loaded=self._holds_memory(),
                                         idle_for_s=None if lane.running_ids or lane.waiting_ids
                                         else now - self._last_activity)
         if action is Action.YIELD:
-            self._give_back_now(self._crowded_seen_at or now)
+            # The release time runs from the first reading that saw the other app's allocation.
+            self._give_back_now(self.residency.crowded_since or now)
         elif action is Action.UNLOAD:
             # Stopping at once, so a request arriving now is not admitted to it.
             self._worker.request_stop()
@@ -188,7 +181,6 @@ class GpuSharing:
         await self._worker.stop()
         await self._wait_released(free_before, pid)
         self.last_release_s = round(self._clock() - seen_at, 3)
-        self._crowded_seen_at = None
         self._note("gpu_given_back", text=hold.describe(), app=hold.app, app_mib=hold.app_mib,
                    release_s=self.last_release_s, drained=drained, by_user=hold.kind is HoldKind.USER)
         self._changed_now()

@@ -133,6 +133,11 @@ class Residency:
         flapping = self._reloaded_at is not None and self._clock() - self._reloaded_at <= FLAP_WINDOW_S
         return self._flaps + 1 if flapping else 0
 
+    @property
+    def crowded_since(self) -> float | None:
+        """Since when the readings have said the loaded worker can't keep the reserve."""
+        return self._crowded_since
+
     def reload_in_s(self) -> float | None:
         """For a yielded GPU: seconds until it reloads if the memory stays
         free; None while the memory is not free (nobody can say when)."""
