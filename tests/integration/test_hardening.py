@@ -250,6 +250,27 @@ def test_admin_pressure_refuses_what_would_break_status(hardened, value):
     assert hardened.http.get("/status").status_code == 200
 
 
+@pytest.mark.parametrize("field", ["given_back", "yield_to_other_apps", "paused"])
+@pytest.mark.parametrize("value", ['"yes"', "1", "null", "NaN", "[true]"])
+def test_admin_switches_take_only_true_or_false(hardened, field, value):
+    response = hardened.http.post("/admin/gpu", content=f'{{"{field}": {value}}}'.encode(),
+                                  headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] in (field, None)
+    residency = hardened.http.get("/status").json()["gpu"]["residency"]
+    assert residency["state"] != "given_back_by_user"
+
+
+@pytest.mark.parametrize("header, value", [("X-Prefer-Path", "gpu-please"), ("X-Fallback", "sometimes"),
+                                           ("X-Prefer-Path", "gpu, cpu"), ("X-Fallback", "x" * 5000)])
+def test_routing_headers_with_unknown_values_are_400_in_the_envelope(hardened, header, value):
+    response = hardened.http.post("/v1/chat/completions", headers={header: value},
+                                  json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert response.status_code in (400, 431), response.text
+    if response.status_code == 400:
+        assert response.json()["error"]["param"] == header
+
+
 def test_a_body_that_is_never_read_does_not_hold_the_connection(hardened):
     # Rejected before its body is read: the server must not wait for the
     # other 99,999 bytes on a connection it will never use again. A byte sent
