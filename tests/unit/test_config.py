@@ -1,11 +1,12 @@
 import dataclasses
 import os
 import stat
+import tomllib
 
 import pytest
 
 from tray_app.core.config import (
-    Config, ConfigError, ModelConfig, ServerConfig, apply_overrides, config_to_toml, load_config, log_dir,
+    _SECTIONS, Config, ConfigError, ModelConfig, ServerConfig, apply_overrides, config_to_toml, load_config, log_dir,
     parse_config_text, save_config,
 )
 
@@ -111,6 +112,11 @@ def test_the_commented_example_config_is_the_defaults():
     example = Path(__file__).resolve().parents[2] / "resources" / "config.example.toml"
     config = parse_config_text(example.read_text())
     assert config == Config(source=None)
+    # ...and names every key, so it is the one place to read about them.
+    written = tomllib.loads(example.read_text())
+    missing = [f"[{section}] {f.name}" for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)
+               if f.name not in written.get(section, {})]
+    assert not missing
 
 
 def test_log_dir_is_private_even_if_it_existed_world_readable(monkeypatch, tmp_path):
