@@ -88,6 +88,9 @@ def serve(config: Config, log_level: str = "INFO") -> int:
         f"simulated {config.gpu.simulate_mib} MiB" if service.simulated else "NVIDIA GPU")
     print(f"tray-app: serving {service.model_id} on http://{config.server.host}:{config.server.port}/v1 "
           f"(GPU path: {gpu})", file=sys.stderr, flush=True)
+    if config.server.ollama_port:
+        print(f"tray-app: Ollama's API also on http://{config.server.host}:{config.server.ollama_port}",
+              file=sys.stderr, flush=True)
     server.run()
     return 1 if getattr(server, "startup_failed", False) else 0
 

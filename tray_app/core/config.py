@@ -53,6 +53,10 @@ class ServerConfig:
     # test on the estimate at admission, not a timer. The queue_limit counts
     # stay as a memory guard.
     queue_timeout_s: float = 60.0
+    # A second port for apps that assume Ollama's (11434) and can't be told
+    # another: it serves the same routes. 0 = off, since a real Ollama may
+    # already hold 11434.
+    ollama_port: int = 0
 
 
 ENGINE_RUNTIMES = ("llama-server", "llama-cpp-python")
@@ -138,6 +142,33 @@ class CpuConfig:
     idle_unload_s: float = 900.0
 
 
+EMBEDDING_POOLING = ("mean", "cls", "last")
+
+
+@dataclass(frozen=True)
+class EmbeddingsConfig:
+    # /v1/embeddings, served by a third worker on the main model file:
+    # llama-server started with --embeddings serves nothing else, so the chat
+    # workers can't answer it, and with its own queue an embedding never
+    # waits behind a long generation.
+    enabled: bool = True
+    # Tokens per slot: the longest single input accepted. llama.cpp embeds
+    # an input in one batch, so this is also the worker's batch size.
+    n_ctx: int = 512
+    # Inputs embedded at once (llama-server slots); more wait in the queue.
+    max_concurrency: int = 2
+    # Requests that may wait for a slot; past it a 503 with Retry-After.
+    queue_limit: int = 32
+    # The worker loads on the first embedding request and unloads after this
+    # long without one, giving its RAM back; 0 = never unload once loaded.
+    idle_unload_s: float = 600.0
+    # How token vectors become one vector per input: "mean" of all tokens
+    # (what general-purpose models expect), the "cls" (first) token, or the
+    # "last" token (what decoder-only embedding models are trained for).
+    pooling: str = "mean"
+    n_threads: int = 0  # 0 = let llama.cpp choose
+
+
 # [breaker] is the circuit breaker's BreakerPolicy itself, and [worker] the
 # workers' RestartPolicy plus n_batch: each policy is written once, where it is
 # used, and the config hands it over as it is (engine and dispatch never import
@@ -155,6 +186,7 @@ class Config:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     cpu: CpuConfig = field(default_factory=CpuConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     # Where the file came from, for messages and for saving; None = defaults only.
@@ -174,6 +206,7 @@ _SECTIONS: dict[str, type] = {
     "gpu": GpuConfig,
     "cpu": CpuConfig,
     "routing": RoutingConfig,
+    "embeddings": EmbeddingsConfig,
     "breaker": BreakerPolicy,
     "worker": WorkerConfig,
 }
@@ -181,6 +214,7 @@ _SECTIONS: dict[str, type] = {
 # (section, key) -> (lowest allowed, highest allowed); None = unbounded.
 _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("server", "port"): (0, 65535),
+    ("server", "ollama_port"): (0, 65535),
     ("server", "max_body_bytes"): (1024, None),
     ("server", "header_timeout_s"): (0.1, None),
     ("server", "body_timeout_s"): (0.1, None),
@@ -204,6 +238,11 @@ _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("cpu", "n_threads"): (0, None),
     ("cpu", "ram_floor_mib"): (0, None),
     ("cpu", "assumed_tokens_per_s"): (0.01, None),
+    ("embeddings", "n_ctx"): (8, None),
+    ("embeddings", "max_concurrency"): (1, 64),
+    ("embeddings", "queue_limit"): (0, None),
+    ("embeddings", "idle_unload_s"): (0.0, None),
+    ("embeddings", "n_threads"): (0, None),
     ("breaker", "failure_threshold"): (1, None),
     ("breaker", "window_s"): (0.1, None),
     ("breaker", "cooldown_s"): (0.0, None),
@@ -218,6 +257,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("engine", "runtime"): ENGINE_RUNTIMES,
     ("cpu", "keep"): CPU_KEEP_MODES,
     ("routing", "fallback"): FALLBACK_POLICIES,
+    ("embeddings", "pooling"): EMBEDDING_POOLING,
 }
 # The ceiling of every whole number: several become C `int` arguments to
 # llama.cpp (n_ctx, n_batch, n_gpu_layers, n_threads), where a larger value

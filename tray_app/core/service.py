@@ -4,7 +4,8 @@ It runs on one asyncio loop. Each piece has one job:
 - `engine.Worker`: owns one llama.cpp process (one task is the only writer of its state);
 - `dispatch.Backend`: one path (worker + lane + speed) and how a request streams through it;
 - `dispatch.Dispatcher`: where a request runs, replay and the breaker, through the backends;
-- `observe.Observer`: memory readings, the event log and degraded mode.
+- `observe.Observer`: memory readings, the event log and degraded mode;
+- `embeddings.EmbeddingPath`: the embedding worker, its own lane, loaded on demand.
 This module builds them, carries out the commands (pause, restart, cancel)
 and the worker hooks, and assembles the /status snapshot. Reading the
 snapshot changes nothing.
@@ -31,6 +32,7 @@ from .dispatch.dispatcher import EXPECTED_ANSWER_TOKENS, Costs, Dispatcher, Limi
 from .dispatch.jobs import Attempt, Job, PathSpeed
 from .dispatch.lanes import Lane
 from .dispatch.residency import HoldKind, Residency, SharingPolicy
+from .embeddings import SPECIAL_TOKEN_MARGIN, EmbeddingPath, embedding_runtime
 from .engine.exits import ExitKind
 from .engine.runtime import WorkerRuntime, choose_runtime
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
@@ -40,7 +42,7 @@ from .memory.telemetry import (
     GpuReader, MemorySnapshot, NvmlGpuReader, SimulatedGpu, detect_gpu_offload_support, wait_for_vram_recovery,
 )
 from .observe import Observer
-from .sharing import GpuSharing, OnDemandCpu, prior_load_s
+from .sharing import GpuSharing, OnDemandWorker, prior_load_s
 from .tokens import PromptCounter
 
 MIB = 1024 * 1024
@@ -134,8 +136,15 @@ class Service:
         if self.dispatcher.gpu is not None:
             self.sharing = self._gpu_sharing(self.dispatcher.gpu)
             self.dispatcher.residency = self.sharing
-        self.on_demand_cpu = (OnDemandCpu(self.dispatcher.cpu, config.cpu.idle_unload_s, self.observer.note, clock)
+        self.on_demand_cpu = (OnDemandWorker(self.dispatcher.cpu, config.cpu.idle_unload_s, self.observer.note, clock)
                               if config.cpu.keep == "on_demand" else None)
+        # None when off; embeddings_off_reason says why (the config, or the engine).
+        self.embeddings: EmbeddingPath | None = None
+        self.embeddings_off_reason: str | None = None
+        if config.embeddings.enabled:
+            self.embeddings = self._embedding_path(runtime)
+        else:
+            self.embeddings_off_reason = "embeddings are disabled in the config ([embeddings] enabled = false)"
         self.observer.sample()
 
     def _gpu_sharing(self, backend: Backend) -> GpuSharing:
@@ -149,6 +158,35 @@ class Service:
             ours_mib=self._our_vram_mib, our_pids=lambda: set(self._worker_pids()),
             note=self.observer.note, changed=self.observer.advance,
             read_gpu=self._gpu_reader.read, clock=self._clock,
+        )
+
+    def _embedding_path(self, runtime: WorkerRuntime) -> EmbeddingPath | None:
+        """The embedding worker on the main model file, CPU only (it must not
+        take VRAM the GPU worker's admission counts on), or None with the
+        reason when the engine can't serve embeddings."""
+        config = self.config
+        settings = config.embeddings
+        slots = min(settings.max_concurrency, runtime.max_parallel)
+        # A slot holds the longest accepted input plus the special tokens the server may add.
+        slot_ctx = settings.n_ctx + SPECIAL_TOKEN_MARGIN
+        chosen = embedding_runtime(runtime, settings.pooling, slot_ctx)
+        if isinstance(chosen, str):
+            self.embeddings_off_reason = chosen
+            return None
+        info = self.model_info
+        spec = WorkerSpec("embed", info.path, info.path.stem, slot_ctx, 0, slot_ctx, settings.n_threads,
+                          parallel=slots)
+        worker = Worker(spec, chosen, self._log_dir, config.worker, _ServiceHooks(self), self._clock)
+        footprint = estimate.estimate_worker(info, estimate.WorkerSettings(
+            n_ctx=slot_ctx * slots, n_gpu_layers=0, n_batch=slot_ctx, n_ubatch=slot_ctx, n_parallel=slots,
+            logits_all=False))
+        return EmbeddingPath(
+            worker, Lane("embed", slots, settings.queue_limit, self._clock), self._http,
+            model=self.model_id, pooling=settings.pooling, n_ctx=settings.n_ctx, dimensions=info.n_embd,
+            idle_unload_s=settings.idle_unload_s, ready_timeout_s=config.worker.ready_timeout_s,
+            ram_floor_mib=config.cpu.ram_floor_mib, load_ram_mib=footprint.host.total / MIB,
+            available_ram_mib=lambda: self.observer.latest().host.available_mib,
+            note=self.observer.note, changed=self.observer.advance, clock=self._clock,
         )
 
     def _our_vram_mib(self, reading) -> float:
@@ -171,6 +209,8 @@ class Service:
             self.sharing.on_sample(snapshot)
         if self.on_demand_cpu is not None:
             self.on_demand_cpu.on_sample()
+        if self.embeddings is not None:
+            self.embeddings.on_sample()
 
     def _backend(self, path: str, runtime: WorkerRuntime) -> Backend:
         config = self.config
@@ -220,7 +260,9 @@ class Service:
         return [w for w in (self.gpu_worker, self.cpu_worker) if w is not None]
 
     def _worker_pids(self) -> list[int]:
-        return [w.pid for w in self._workers() if w.pid]
+        # The embedding worker's too: its memory is ours in the telemetry.
+        embed = self.embeddings.worker.pid if self.embeddings is not None else None
+        return [w.pid for w in self._workers() if w.pid] + ([embed] if embed else [])
 
     def latest_snapshot(self) -> MemorySnapshot:
         return self.observer.latest()
@@ -268,7 +310,10 @@ class Service:
             if keeper is not None:
                 await keeper.close()
         self.dispatcher.cancel_all("the service is shutting down")
-        await asyncio.gather(*(w.close() for w in self._workers()), return_exceptions=True)
+        closing = [w.close() for w in self._workers()]
+        if self.embeddings is not None:
+            closing.append(self.embeddings.close())
+        await asyncio.gather(*closing, return_exceptions=True)
         await self._http.aclose()
         self._gpu_reader.close()
         if self.counter is not None:
@@ -305,6 +350,18 @@ class Service:
         else:
             self.sharing.take_again()
 
+    def preload(self) -> None:
+        """Load the GPU model if it is unloaded for idleness (Ollama's empty
+        prompt); a GPU given to another app or by the user stays given."""
+        if self.sharing is not None:
+            self.sharing.request_arrived()
+
+    def keep_alive(self, seconds: float) -> None:
+        """A request's keep_alive (Ollama's): how long the GPU model stays
+        loaded after it; negative = until told otherwise, 0 = unload once idle."""
+        if self.sharing is not None:
+            self.sharing.residency.keep_alive_s = seconds
+
     def set_yield_to_other_apps(self, enabled: bool) -> None:
         if self.sharing is None:
             raise ValueError(self.dispatcher.gpu_missing_reason or "there is no GPU path")
@@ -323,6 +380,8 @@ class Service:
             if worker.role == "cpu" and self.on_demand_cpu is not None and worker.state is WorkerState.STOPPED:
                 continue
             worker.restart("restart requested by the user")
+        if self.embeddings is not None:
+            self.embeddings.restart("restart requested by the user")
         self.observer.note("workers_restarted")
 
     def set_simulated_pressure(self, mib: float) -> None:
@@ -418,7 +477,18 @@ class Service:
             "accounting": {"completed_executions": dispatcher.completed_total,
                            "duplicate_executions": dispatcher.duplicate_executions},
             "events": list(self.observer.events)[-20:],
+            "embeddings": self.embeddings_status(),
         }
+
+    def embeddings_status(self) -> dict[str, Any]:
+        """/status["embeddings"]: kept out of "workers", which readers take to
+        be the GPU and CPU paths."""
+        path = self.embeddings
+        if path is None:
+            return {"enabled": False, "reason": self.embeddings_off_reason}
+        pid = path.worker.pid
+        rss = self.observer.latest().host.rss_mib_by_pid.get(pid) if pid else None
+        return path.status(rss_mib=round(rss, 1) if rss is not None else None)
 
     # ----- worker hooks ---------------------------------------------------------------
 

@@ -1,11 +1,13 @@
 """Sharing the machine: the GPU worker gives its VRAM back and takes it again;
-an on-demand CPU worker loads when needed and unloads when idle.
+an on-demand worker (CPU, embeddings) loads when needed and unloads when idle.
 
 `dispatch.residency.Residency` decides; `GpuSharing` feeds it each memory
 reading and carries its decisions out on the one worker it owns the
 residency of: drain, unload, wait for the memory to really come back,
 reload. It tells the dispatcher why the GPU can't serve (`gpu_out`) and
-hears from it when a request arrives (`request_arrived`).
+hears from it when a request arrives (`request_arrived`). `OnDemandWorker`
+loads and unloads the workers that are not resident: an on-demand CPU
+worker and the embedding worker.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 from .dispatch.admission import GpuOut, Reason
 from .dispatch.backend import Backend
+from .dispatch.lanes import Lane
 from .dispatch.residency import Action, DeviceView, Hold, HoldKind, Residency
-from .engine.worker import WorkerState
+from .engine.worker import Worker, WorkerState
 from .memory.telemetry import GpuReading, MemorySnapshot
 
 log = logging.getLogger(__name__)
@@ -288,28 +291,52 @@ class GpuSharing:
             "reloads": self.loads,
             "yield_to_other_apps": policy.yield_to_other_apps,
             "idle_unload_s": policy.idle_unload_s,
+            # What the last request's keep_alive made of it; None = never.
+            "idle_limit_s": self.residency.idle_limit_s(),
+            "unload_in_s": _round(self.unload_in_s()),
         }
 
+    def unload_in_s(self) -> float | None:
+        """Seconds until a loaded, idle GPU worker unloads for idleness;
+        None when it won't (busy, not loaded, or kept forever)."""
+        limit = self.residency.idle_limit_s()
+        lane = self._backend.lane
+        if (limit is None or self.residency.hold is not None or self._worker.state is not WorkerState.READY
+                or lane.running_ids or lane.waiting_ids):
+            return None
+        return max(0.0, limit - (self._clock() - self._last_activity))
 
-class OnDemandCpu:
-    """[cpu] keep = "on_demand": the CPU worker is loaded by the first
-    request that needs it (Backend.loads_on_demand) and unloaded after
-    idle_unload_s without one. Saves its RAM; the first request after an
-    unload waits for a load."""
 
-    def __init__(self, backend: Backend, idle_unload_s: float, note: Callable[..., None],
+class Kept(Protocol):
+    """What OnDemandWorker keeps: a worker and the lane in front of it (a
+    dispatch Backend, or the embedding path)."""
+
+    worker: Worker
+    lane: Lane
+    loads_on_demand: bool
+
+
+class OnDemandWorker:
+    """A worker loaded by the first request that needs it and unloaded after
+    idle_unload_s without one: the CPU worker under [cpu] keep = "on_demand"
+    (Backend.loads_on_demand), and the embedding worker always. Saves its
+    RAM; the first request after an unload waits for a load. Idle means an
+    empty lane: a request takes its place in the lane before it loads the
+    worker, so nothing is unloaded under a request on its way in."""
+
+    def __init__(self, kept: Kept, idle_unload_s: float, note: Callable[..., None],
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._backend = backend
+        self._kept = kept
         self._idle_unload_s = idle_unload_s
         self._note = note
         self._clock = clock
         self._last_activity = clock()
         self._task: asyncio.Task | None = None
-        backend.loads_on_demand = True
+        kept.loads_on_demand = True
 
     def on_sample(self) -> None:
-        lane = self._backend.lane
-        worker = self._backend.worker
+        lane = self._kept.lane
+        worker = self._kept.worker
         now = self._clock()
         if lane.running_ids or lane.waiting_ids or worker.state not in (WorkerState.READY, WorkerState.STOPPED):
             self._last_activity = now
@@ -318,13 +345,15 @@ class OnDemandCpu:
         if (worker.state is WorkerState.READY and not busy and self._idle_unload_s > 0
                 and now - self._last_activity >= self._idle_unload_s):
             # Stopping at once: a request arriving now waits for a fresh load
-            # (Backend._wait_ready) instead of reaching a process on its way out.
+            # (it waits out the STOPPING state) instead of reaching a process on its way out.
             worker.request_stop()
-            self._task = asyncio.create_task(self._unload(), name="cpu-unload")
+            self._task = asyncio.create_task(self._unload(), name=f"{worker.role}-unload")
 
     async def _unload(self) -> None:
-        await self._backend.worker.stop()
-        self._note("cpu_unloaded_idle", idle_unload_s=self._idle_unload_s)
+        worker = self._kept.worker
+        await worker.stop()
+        # "cpu_unloaded_idle", "embed_unloaded_idle": the event log's names.
+        self._note(f"{worker.role}_unloaded_idle", idle_unload_s=self._idle_unload_s)
 
     async def close(self) -> None:
         if self._task is not None and not self._task.done():

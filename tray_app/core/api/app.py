@@ -25,15 +25,21 @@ from ..dispatch.jobs import Job, JobFailed, JobKind, new_request_id
 from ..dispatch.quarantine import request_fingerprint
 from ..service import Service
 from . import bounds
-from .errors import error_bytes, error_response, failed_response, failure_body
+from .embeddings import openai_embeddings
+from .errors import error_bytes, error_response
 from .idempotency import IdempotencyStore
 from .openai_request import InvalidRequest
+from .anthropic import AnthropicMessages
+from .ollama import DEFAULT_TAG, error as ollama_error
+from .ollama_routes import OllamaRoutes
 from .openapi import build_openapi
+from .protocol import OPENAI, Protocol, Translated
 from .requests import (
     MAX_MESSAGES, PRESSURE_RULE, Checked, ModelNames, clean_request_id, client_name, read_json_object,
+    check_model,
     Routing, requested_limit, routing_headers, validate,
 )
-from .sinks import AggregatingSink, QueueSink, RecordedStream, sse, usage_chunk, wants_usage
+from .sinks import AggregatingSink, QueueSink, RecordedStream
 
 _Invalid = InvalidRequest
 
@@ -43,10 +49,12 @@ class Router:
         self.service = service
         self.dispatcher = service.dispatcher
         served = frozenset({service.model_id, service.fallback_model_id})
-        self.model_names = ModelNames(service.model_id, served,
-                                      served | {service.model_info.path.name, "default"})
+        accepted = served | {service.model_info.path.name, "default"}
+        # Ollama's clients name models with a tag (GET /api/tags lists ":latest").
+        self.model_names = ModelNames(service.model_id, served, accepted | {name + DEFAULT_TAG for name in served})
         self.largest_context = max(service.config.gpu.n_ctx, service.config.cpu.n_ctx)
         self.idempotency = IdempotencyStore()
+        self.anthropic = AnthropicMessages(self.largest_context)
 
     def _grammar_problem(self, grammar: str) -> str | None:
         counter = self.service.counter
@@ -82,9 +90,17 @@ class Router:
             "structured_output": ["json_object", "json_schema", "grammar"],
             "context_length": max(config.gpu.n_ctx, config.cpu.n_ctx),
         }
+        embeddings = self.service.embeddings
+        # Which model answers /v1/embeddings, and how: there is no separate
+        # embedding model yet, so the chat model, pooled.
+        embedding_info = ({"embeddings": True, "embeddings_pooling": embeddings.pooling,
+                           "embeddings_dimensions": embeddings.dimensions,
+                           "embeddings_max_input_tokens": embeddings.n_ctx}
+                          if embeddings is not None else {"embeddings": False})
         return JSONResponse({"object": "list", "data": [
             {"id": model_id, "object": "model", "created": created, "owned_by": "local",
-             "capabilities": capabilities} for model_id in ids]})
+             "capabilities": {**capabilities, **(embedding_info if model_id == self.service.model_id
+                                                 else {"embeddings": False})}} for model_id in ids]})
 
     async def cancel(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
@@ -136,17 +152,46 @@ class Router:
 
     # ----- completions ----------------------------------------------------------
 
+    async def messages(self, request: Request) -> Response:
+        return await self.complete(request, JobKind.CHAT, self.anthropic)
+
+    async def count_message_tokens(self, request: Request) -> Response:
+        """Anthropic's /v1/messages/count_tokens: the prompt as the model's
+        template renders it, counted by the same tokenizer admission uses."""
+        protocol = self.anthropic
+        try:
+            body = await read_json_object(request)
+            body.setdefault("max_tokens", 1)  # not part of this route's body
+            translated = protocol.translate(body, JobKind.CHAT)
+            validate(translated.body, JobKind.CHAT, self.model_names, self.largest_context, self._grammar_problem)
+            job = Job(id=new_request_id(), kind=JobKind.CHAT, body=translated.body, stream=False)
+            tokens = await self._count_prompt(job)
+        except _Invalid as bad:
+            return protocol.error(bad.status, bad.message, bad.code, param=bad.param)
+        return JSONResponse({"input_tokens": tokens})
+
     async def chat_completions(self, request: Request) -> Response:
-        return await self._complete(request, JobKind.CHAT)
+        return await self.complete(request, JobKind.CHAT)
 
     async def completions(self, request: Request) -> Response:
-        return await self._complete(request, JobKind.COMPLETION)
+        return await self.complete(request, JobKind.COMPLETION)
 
-    async def _complete(self, request: Request, kind: JobKind) -> Response:
+    async def embeddings(self, request: Request) -> Response:
+        # Its own worker and lane (core.embeddings): not through the dispatcher.
+        return await openai_embeddings(self.service, self.model_names, request)
+
+    async def complete(self, request: Request, kind: JobKind, protocol: Protocol = OPENAI) -> Response:
+        """A chat or completion in any protocol: read, translate to an OpenAI
+        body, check, then admit and run it (or replay an Idempotency-Key's
+        result)."""
         request_id = clean_request_id(request.headers.get("x-request-id")) or new_request_id()
         base_headers = {"X-Request-Id": request_id}
         try:
             body = await read_json_object(request)
+            translated = protocol.translate(body, kind)
+            kind, body = translated.kind, translated.body
+            if translated.load_only:
+                return self._load_only(translated, protocol)
             checked = validate(body, kind, self.model_names, self.largest_context, self._grammar_problem,
                                logprobs=self.service.supports_logprobs)
             routing = routing_headers(request)
@@ -155,25 +200,25 @@ class Router:
             if bad.status in (408, 413):
                 # The body was not read to its end: the connection can't carry another request.
                 headers["Connection"] = "close"
-            return error_response(bad.status, bad.message, bad.code, param=bad.param, headers=headers)
+            return protocol.error(bad.status, bad.message, bad.code, param=bad.param, headers=headers)
         except ClientDisconnect:
             return Response(status_code=499)
 
         idempotency_key = request.headers.get("idempotency-key")
         if not idempotency_key:
-            return await self._admit_and_run(request, kind, body, request_id, routing, checked)
-        fingerprint = hashlib.sha256(json.dumps([kind.value, body], sort_keys=True).encode()).hexdigest()
+            return await self._admit_and_run(request, translated, request_id, routing, checked, protocol)
+        fingerprint = hashlib.sha256(json.dumps([protocol.name, kind.value, body], sort_keys=True).encode()).hexdigest()
         try:
             entry = self.idempotency.lookup(idempotency_key, fingerprint)
             if entry is not None:
                 return await self._replay_idempotent(entry, base_headers)
         except JobFailed as failure:
-            return failed_response(failure, base_headers)
+            return protocol.failed(failure, base_headers)
         # Claimed before any await: a twin arriving meanwhile finds the claim
         # and waits for this result instead of running again.
         claim = self.idempotency.claim(idempotency_key, fingerprint, request_id)
         try:
-            response = await self._admit_and_run(request, kind, body, request_id, routing, checked)
+            response = await self._admit_and_run(request, translated, request_id, routing, checked, protocol)
         except BaseException:
             self.idempotency.forget(idempotency_key, request_id)
             _resolve(claim, ("json", 500, {}, error_bytes(
@@ -183,9 +228,18 @@ class Router:
         self._settle_claim(claim, idempotency_key, request_id, response)
         return response
 
-    async def _admit_and_run(self, request: Request, kind: JobKind, body: dict[str, Any], request_id: str,
-                             routing: Routing, checked: Checked) -> Response:
+    def _load_only(self, translated: Translated, protocol: Protocol) -> Response:
+        check_model(translated.body.get("model"), self.model_names)
+        if translated.keep_alive_s is not None:
+            self.service.keep_alive(translated.keep_alive_s)
+        if translated.keep_alive_s != 0:
+            self.service.preload()
+        return protocol.load_answer(translated)
+
+    async def _admit_and_run(self, request: Request, translated: Translated, request_id: str,
+                             routing: Routing, checked: Checked, protocol: Protocol) -> Response:
         base_headers = {"X-Request-Id": request_id}
+        kind, body = translated.kind, translated.body
         job = Job(id=request_id, kind=kind, body=body, stream=bool(body.get("stream")), force_cpu=routing.force_cpu,
                   deadline_s=routing.deadline_s, prefer_gpu=routing.prefer_gpu, no_fallback=routing.no_fallback,
                   forced_tool=checked.forced_tool, top_logprobs=checked.top_logprobs,
@@ -194,7 +248,7 @@ class Router:
         # Registered before the first await, so a twin with the same id that
         # arrives while this one's prompt is counted finds it taken.
         if not self.dispatcher.register(job):
-            return error_response(409, f"a request with X-Request-Id {request_id!r} is already in flight; "
+            return protocol.error(409, f"a request with X-Request-Id {request_id!r} is already in flight; "
                                   "send a new id, or an Idempotency-Key to share its result", "duplicate_request_id",
                                   headers=base_headers)
         try:
@@ -202,22 +256,31 @@ class Router:
         except BaseException as exc:
             self.dispatcher.unregister(job)
             if isinstance(exc, _Invalid):
-                return error_response(exc.status, exc.message, exc.code, param=exc.param, headers=base_headers)
+                return protocol.error(exc.status, exc.message, exc.code, param=exc.param, headers=base_headers)
             raise
         job.max_tokens = self.dispatcher.token_limit(job.prompt_tokens, requested_limit(body),
                                                      job.kind is JobKind.CHAT)
+        if translated.context_cap is not None:
+            room = translated.context_cap - job.prompt_tokens
+            if room < 1:
+                self.dispatcher.unregister(job)
+                return protocol.error(400, f"the prompt is {job.prompt_tokens} tokens, which leaves no room for an "
+                                      f"answer within num_ctx {translated.context_cap}", "context_length_exceeded",
+                                      param="options.num_ctx", headers=base_headers)
+            job.max_tokens = min(job.max_tokens, room)
+        if translated.keep_alive_s is not None:
+            self.service.keep_alive(translated.keep_alive_s)
         # From here the dispatcher owns the job: it decides, runs, and unregisters it.
         if job.stream:
-            return await self._stream(request, job)
-        return await self._aggregate(request, job)
+            return await self._stream(request, job, protocol)
+        return await self._aggregate(request, job, protocol)
 
     def _settle_claim(self, claim: asyncio.Future, key: str, request_id: str, response: Response) -> None:
         """Keep a result (an answer, or a client error that would repeat); let
         go of the key after a failure, so a retry with it runs for real."""
         if isinstance(response, RecordedStream):
-            def finished(recorded) -> None:
-                chunks = recorded[2]
-                if not chunks or chunks[-1] != b"data: [DONE]\n\n":
+            def finished(recorded, completed: bool) -> None:
+                if not completed:
                     self.idempotency.forget(key, request_id)
                 _resolve(claim, recorded)
             response.on_finish = finished
@@ -234,13 +297,13 @@ class Router:
             headers = {k: v for k, v in headers.items() if k.lower() not in ("content-length", "content-type")}
             headers["X-Idempotent-Replay"] = "true"
             return Response(body, status_code=status, headers=headers, media_type="application/json")
-        _, headers, chunks = recorded
+        _, headers, chunks, media_type = recorded
         headers = {**headers, "X-Idempotent-Replay": "true"}
 
         async def replay() -> AsyncIterator[bytes]:
             for chunk in chunks:
                 yield chunk
-        return StreamingResponse(replay(), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(replay(), media_type=media_type, headers=headers)
 
     async def _count_prompt(self, job: Job) -> int:
         counter = self.service.counter
@@ -269,19 +332,19 @@ class Router:
             headers["X-Queue-Wait"] = f"{job.queue_wait_s:.3f}"
         return headers
 
-    async def _aggregate(self, request: Request, job: Job) -> Response:
+    async def _aggregate(self, request: Request, job: Job, protocol: Protocol) -> Response:
         sink = AggregatingSink()
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
         try:
             await self.dispatcher.run(job, sink)
         except JobFailed as failure:
-            return failed_response(failure, self._route_headers(job))
+            return protocol.failed(failure, self._route_headers(job))
         finally:
             watcher.cancel()
         body = sink.chat_response(job) if job.kind is JobKind.CHAT else sink.completion_response(job)
-        return JSONResponse(body, headers=self._route_headers(job))
+        return JSONResponse(protocol.answer(body, job), headers=self._route_headers(job))
 
-    async def _stream(self, request: Request, job: Job) -> Response:
+    async def _stream(self, request: Request, job: Job, protocol: Protocol) -> Response:
         sink = QueueSink(job)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
 
@@ -298,31 +361,34 @@ class Router:
         first_kind, first_value = await sink.queue.get()
         if first_kind == "failed":
             watcher.cancel()
-            return failed_response(first_value, self._route_headers(job))
+            return protocol.failed(first_value, self._route_headers(job))
         headers = self._route_headers(job)
-        return RecordedStream(self._relay(job, sink, task, watcher, (first_kind, first_value)), headers)
+        stream = RecordedStream(headers, protocol.stream_media_type)
+        stream.relay(self._relay(job, sink, task, watcher, (first_kind, first_value), protocol, stream))
+        return stream
 
     async def _relay(self, job: Job, sink: QueueSink, task: asyncio.Task, watcher: asyncio.Task,
-                     first: tuple[str, Any]) -> AsyncIterator[bytes]:
+                     first: tuple[str, Any], protocol: Protocol, stream: RecordedStream) -> AsyncIterator[bytes]:
         kind, value = first
         finished = False
         last_event: dict[str, Any] = {}
+        encoder = protocol.encoder(job)
         try:
             while True:
                 if kind == "event":
                     last_event = value
-                    yield sse(value)
+                    data = encoder.event(value)
                 elif kind == "done":
-                    if wants_usage(job.body):
-                        yield sse(usage_chunk(job, last_event))
-                    yield b"data: [DONE]\n\n"
+                    stream.completed = True
                     finished = True
+                    yield encoder.done(job, last_event)
                     return
                 else:
-                    failure: JobFailed = value
-                    yield sse(failure_body(failure))
                     finished = True
+                    yield encoder.failed(value)
                     return
+                if data:
+                    yield data
                 kind, value = await sink.queue.get()
         finally:
             watcher.cancel()
@@ -359,7 +425,9 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
             if manage_lifecycle:
                 await service.stop()
 
+    ollama = OllamaRoutes(service, router.complete, router.model_names, router.largest_context)
     routes = [
+        HttpRoute("/", ollama.root, methods=["GET", "HEAD"]),
         HttpRoute("/health", router.health, methods=["GET"]),
         HttpRoute("/status", router.status, methods=["GET"]),
         HttpRoute("/v1/models", router.models, methods=["GET"]),
@@ -372,9 +440,23 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         HttpRoute("/models", router.models, methods=["GET"]),
         HttpRoute("/chat/completions", router.chat_completions, methods=["POST"]),
         HttpRoute("/completions", router.completions, methods=["POST"]),
+        HttpRoute("/v1/embeddings", router.embeddings, methods=["POST"]),
+        HttpRoute("/embeddings", router.embeddings, methods=["POST"]),
         HttpRoute("/v1/requests/{request_id}", router.cancel, methods=["DELETE"]),
+        # Anthropic's Messages API (see anthropic.py).
+        HttpRoute("/v1/messages", router.messages, methods=["POST"]),
+        HttpRoute("/v1/messages/count_tokens", router.count_message_tokens, methods=["POST"]),
         HttpRoute("/admin/gpu", router.admin_gpu, methods=["POST"]),
         HttpRoute("/admin/restart", router.admin_restart, methods=["POST"]),
+        # Ollama's API (see ollama.py), for apps that speak only it.
+        HttpRoute("/api/chat", ollama.chat, methods=["POST"]),
+        HttpRoute("/api/generate", ollama.generate, methods=["POST"]),
+        HttpRoute("/api/embed", ollama.embed, methods=["POST"]),
+        HttpRoute("/api/embeddings", ollama.embeddings, methods=["POST"]),
+        HttpRoute("/api/tags", ollama.tags, methods=["GET"]),
+        HttpRoute("/api/ps", ollama.ps, methods=["GET"]),
+        HttpRoute("/api/show", ollama.show, methods=["POST"]),
+        HttpRoute("/api/version", ollama.version, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         404: _not_found, 405: _method_not_allowed, 500: _internal_error,
@@ -384,11 +466,17 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
+    if request.url.path.startswith("/api/"):
+        return ollama_error(404, f"no route {request.method} {request.url.path}; Ollama's routes here: "
+                            "/api/chat, /api/generate, /api/embed, /api/embeddings, /api/tags, /api/ps, /api/show, "
+                            "/api/version")
     return error_response(404, f"no route {request.method} {request.url.path}; see GET /v1/models, "
                           "POST /v1/chat/completions, POST /v1/completions, GET /status", "not_found")
 
 
 async def _method_not_allowed(request: Request, exc: Exception) -> Response:
+    if request.url.path.startswith("/api/"):
+        return ollama_error(405, f"{request.method} is not allowed on {request.url.path}")
     return error_response(405, f"{request.method} is not allowed on {request.url.path}", "method_not_allowed")
 
 

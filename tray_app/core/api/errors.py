@@ -11,7 +11,6 @@ errors here.
 from __future__ import annotations
 
 import json
-import math
 
 from starlette.responses import JSONResponse
 
@@ -38,12 +37,3 @@ def error_response(status: int, message: str, code: str, param: str | None = Non
 
 def failure_body(failure: JobFailed) -> dict:
     return _envelope(failure.message, failure.code, failure.err_type, failure.param)
-
-
-def failed_response(failure: JobFailed, headers: dict[str, str]) -> JSONResponse:
-    """The response for a job that failed before its answer began, with
-    Retry-After when the failure says when to come back."""
-    extra = dict(headers)
-    if failure.retry_after_s is not None:
-        extra["Retry-After"] = str(int(math.ceil(failure.retry_after_s)))
-    return JSONResponse(failure_body(failure), status_code=failure.status, headers=extra)

@@ -8,6 +8,7 @@ runs, so they are handled here, in a small subclass of its h11 protocol.
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import h11
 import uvicorn
@@ -148,6 +149,31 @@ class ThreadedServer(uvicorn.Server):
         pass
 
 
+class _ListensOnBoundSockets:
+    """Serves on sockets bound beforehand: the main port and Ollama's, one
+    app on both. Bound in build_server, so a port already taken is an error
+    there, with its number, rather than a log line in a thread."""
+
+    bound_sockets: list[socket.socket] | None = None
+
+    async def serve(self, sockets=None) -> None:
+        await super().serve(sockets=sockets or self.bound_sockets)  # type: ignore[misc]
+
+
+def _listen(host: str, port: int, what: str) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        hint = " (is Ollama itself running? stop it, or set [server] ollama_port = 0)" if what == "ollama_port" else ""
+        raise OSError(exc.errno, f"can't listen on {host}:{port} ([server] {what}): {exc.strerror}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def build_server(config: Config, service: Service | None = None, log_level: str = "info",
                  manage_lifecycle: bool = True,
                  server_class: type[uvicorn.Server] = uvicorn.Server,
@@ -163,6 +189,11 @@ def build_server(config: Config, service: Service | None = None, log_level: str 
     protocol = type("ConfiguredGuardedH11Protocol", (GuardedH11Protocol,),
                     {"header_timeout_s": config.server.header_timeout_s,
                      "max_connections": config.server.max_connections})
+    sockets = None
+    if config.server.ollama_port:
+        sockets = [_listen(config.server.host, config.server.port, "port"),
+                   _listen(config.server.host, config.server.ollama_port, "ollama_port")]
+        server_class = type(server_class.__name__, (_ListensOnBoundSockets, server_class), {"bound_sockets": sockets})
     server = server_class(uvicorn.Config(
         CloseWhenBodyUnread(AccessGuard(app, policy)), host=config.server.host, port=config.server.port, http=protocol,
         log_level=log_level.lower(), access_log=False, lifespan="on", timeout_graceful_shutdown=10,

@@ -29,6 +29,20 @@ class ModelNames:
 MAX_MESSAGES = 1024
 
 
+def unknown_model_message(model: Any, models: ModelNames) -> str:
+    return f"the model {model!r} does not exist here; available: {', '.join(sorted(models.served))}"
+
+
+def check_model(model: Any, models: ModelNames) -> None:
+    """A request's `model` field: absent (the default model), or a name served here."""
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise _Invalid(400, "'model' must be a string", "invalid_type", "model")
+    if model not in models.accepted:
+        raise _Invalid(404, unknown_model_message(model, models), "model_not_found", "model")
+
+
 
 def _logit_bias(value: Any) -> str | None:
     problem = (f"must be an object mapping token ids to a bias from {bounds.LOGIT_BIAS.low:g} "
@@ -98,13 +112,7 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
     for field, instead in ROUTER_OWNED_FIELDS.items():
         if field in body:
             raise _Invalid(400, f"'{field}' is not accepted here: {instead}", "unsupported_parameter", field)
-    model = body.get("model")
-    if model is not None:
-        if not isinstance(model, str):
-            raise _Invalid(400, "'model' must be a string", "invalid_type", "model")
-        if model not in models.accepted:
-            raise _Invalid(404, f"the model {model!r} does not exist here; available: "
-                           f"{', '.join(sorted(models.served))}", "model_not_found", "model")
+    check_model(body.get("model"), models)
     if kind is JobKind.CHAT:
         messages = body.get("messages")
         if messages is None:
@@ -250,22 +258,31 @@ def parse_json_body(raw: bytes) -> Any:
         raise _Invalid(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", "invalid_json") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise _Invalid(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
-    if _depth_over(body, MAX_JSON_DEPTH):
-        raise _Invalid(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", "invalid_json")
+    problem = _structure_problem(body, MAX_JSON_DEPTH)
+    if problem:
+        raise _Invalid(400, f"the request body {problem}", "invalid_json")
     return body
 
 
-def _depth_over(value: Any, limit: int) -> bool:
+def _structure_problem(value: Any, limit: int) -> str | None:
+    """Nesting past `limit`, or a string no UTF-8 can carry: JSON's "\ud800"
+    escape parses to a lone surrogate, which would fail later, when the body
+    is encoded for the worker (a 500 from inside, not a 400 from here)."""
     # Iterative, so the check itself can't be what overflows the stack.
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
         if isinstance(item, (dict, list)):
             if depth > limit:
-                return True
-            children = item.values() if isinstance(item, dict) else item
+                return f"nests deeper than {limit} levels"
+            children = list(item.values()) + list(item.keys()) if isinstance(item, dict) else item
             stack.extend((child, depth + 1) for child in children)
-    return False
+        elif isinstance(item, str) and not item.isascii():
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return "holds an unpaired UTF-16 surrogate escape (such as \\ud800), which is not text"
+    return None
 
 
 def requested_limit(body: dict[str, Any]) -> int | None:

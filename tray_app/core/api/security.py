@@ -24,6 +24,8 @@ PUBLIC_PATHS = frozenset({"/health"})
 # The request line and headers together; the h11 parser enforces the same cap on
 # headers still arriving, this catches ones that arrive in a single packet.
 MAX_HEADER_BYTES = 16 * 1024
+# What `curl -d` says a body is, and what some scripts send.
+_CURL_DEFAULT_TYPES = frozenset({"application/x-www-form-urlencoded", "text/plain"})
 EXPOSED_HEADERS = ("X-Request-Id", "X-Served-By", "X-Route-Reason", "X-Fallback-Model",
                    "X-Estimated-Latency", "X-Queue-Wait", "Retry-After")
 
@@ -92,13 +94,19 @@ class AccessPolicy:
     def origin_allowed(self, origin: str) -> bool:
         return origin.rstrip("/") in self.cors_origins
 
-    def key_matches(self, authorization: str | None) -> bool:
+    def key_matches(self, authorization: str | None, x_api_key: str | None = None) -> bool:
+        """The key as OpenAI's clients send it (Authorization: Bearer) or as
+        Anthropic's do (x-api-key)."""
         if not self.api_key:
             return True
-        if not authorization or not authorization.lower().startswith("bearer "):
+        if authorization and authorization.lower().startswith("bearer "):
+            offered = authorization[7:].strip()
+        elif x_api_key:
+            offered = x_api_key.strip()
+        else:
             return False
         # Constant time, so the key can't be guessed byte by byte from timings.
-        return hmac.compare_digest(authorization[7:].strip().encode(), self.api_key.encode())
+        return hmac.compare_digest(offered.encode(), self.api_key.encode())
 
 
 def _envelope(status: int, code: str, message: str, extra_headers: list[tuple[bytes, bytes]] = ()):
@@ -158,12 +166,18 @@ class AccessGuard:
                              "[server] cors_origins to let that page use the API")
         if scope["method"] == "OPTIONS":
             return None
-        if scope["path"] not in PUBLIC_PATHS and not self.policy.key_matches(headers.get("authorization")):
+        if scope["path"] not in PUBLIC_PATHS and not self.policy.key_matches(headers.get("authorization"),
+                                                                             headers.get("x-api-key")):
             return _envelope(401, "invalid_api_key",
-                             "missing or wrong API key: send 'Authorization: Bearer <key>' with the key set in "
-                             f"{API_KEY_ENV} or [server] api_key", [(b"www-authenticate", b"Bearer")])
+                             "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>') "
+                             f"with the key set in {API_KEY_ENV} or [server] api_key", [(b"www-authenticate", b"Bearer")])
         if scope["method"] == "POST":
             content_type = headers.get("content-type", "application/json").split(";")[0].strip().lower()
+            # Ollama's own examples post with `curl -d`, which labels the JSON
+            # as a form. A browser's cross-site form post carries an Origin
+            # and was refused above, so without one it is a local program.
+            if origin is None and scope["path"].startswith("/api/") and content_type in _CURL_DEFAULT_TYPES:
+                return None
             if content_type != "application/json":
                 return _envelope(415, "unsupported_media_type",
                                  f"send the body as application/json, not {content_type!r}")

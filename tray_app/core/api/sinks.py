@@ -150,13 +150,19 @@ def sse(payload: Any) -> bytes:
 
 
 class RecordedStream(StreamingResponse):
-    """An SSE response that keeps what it sent, for Idempotency-Key replays."""
+    """A streamed response that keeps what it sent, for Idempotency-Key
+    replays. `completed` is set by the relay once the answer has ended
+    normally; only then is the recording worth replaying."""
 
-    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+    def __init__(self, headers: dict[str, str], media_type: str) -> None:
         self.chunks: list[bytes] = []
         self.on_finish = None
+        self.completed = False
         self._route_headers = headers
+        self._media_type = media_type
+        super().__init__(iter(()), media_type=media_type, headers=headers)
 
+    def relay(self, content: AsyncIterator[bytes]) -> None:
         async def recording() -> AsyncIterator[bytes]:
             try:
                 async for chunk in content:
@@ -164,6 +170,7 @@ class RecordedStream(StreamingResponse):
                     yield chunk
             finally:
                 if self.on_finish is not None:
-                    self.on_finish(("stream", self._route_headers, list(self.chunks)))
+                    self.on_finish(("stream", self._route_headers, list(self.chunks), self._media_type),
+                                   self.completed)
 
-        super().__init__(recording(), media_type="text/event-stream", headers=headers)
+        self.body_iterator = recording()

@@ -118,6 +118,16 @@ class Residency:
         # A yield that found the worker already unloaded for idleness goes
         # back to idle when the memory frees: nobody asked for a reload.
         self._idle_under_yield = False
+        # The last request's own keep-alive (Ollama's keep_alive), which
+        # replaces policy.idle_unload_s until a request says otherwise:
+        # None = the policy's, negative = never unload, 0 = once idle.
+        self.keep_alive_s: float | None = None
+
+    def idle_limit_s(self) -> float | None:
+        """How long without a request before the worker unloads; None = never."""
+        if self.keep_alive_s is None:
+            return self.policy.idle_unload_s if self.policy.idle_unload_s > 0 else None
+        return None if self.keep_alive_s < 0 else self.keep_alive_s
 
     # ----- reads ------------------------------------------------------------------
 
@@ -169,8 +179,8 @@ class Residency:
                 # Also when the worker is restarting: it must not come back up.
                 return Action.NONE if self._idle_under_yield else Action.YIELD
         if self.hold is None:
-            if (loaded and idle_for_s is not None and self.policy.idle_unload_s > 0
-                    and idle_for_s >= self.policy.idle_unload_s):
+            limit = self.idle_limit_s()
+            if loaded and idle_for_s is not None and limit is not None and idle_for_s >= limit:
                 self.hold = Hold(HoldKind.IDLE, now)
                 return Action.UNLOAD
             return Action.NONE

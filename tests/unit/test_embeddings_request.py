@@ -1,0 +1,283 @@
+"""/v1/embeddings without processes: OpenAI's validation rules, the base64
+encoding, the response's shape, and the embedding path's own admission
+(queue, RAM floor, cancellation) against a stand-in worker over MockTransport."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+
+import httpx
+import pytest
+
+from tray_app.core.api.embeddings import (
+    MAX_INPUTS, EmbeddingOptions, check_body, encode_base64, input_texts, response_body, too_long,
+)
+from tray_app.core.api.openai_request import InvalidRequest
+from tray_app.core.api.requests import ModelNames
+from tray_app.core.dispatch.jobs import JobFailed
+from tray_app.core.dispatch.lanes import Lane
+from tray_app.core.embeddings import EmbeddingPath, EmbeddingResult, EmbeddingRuntime, embedding_runtime
+from tray_app.core.engine.runtime import LaunchRequest, LlamaCppPythonRuntime, LlamaServerRuntime
+from tray_app.core.engine.worker import WorkerState
+
+MODELS = ModelNames("smol", frozenset({"smol"}), frozenset({"smol", "smol.gguf", "default"}))
+
+
+def invalid(call, *args) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as caught:
+        call(*args)
+    return caught.value
+
+
+# ----- input ------------------------------------------------------------------------------
+
+def test_a_string_or_a_list_of_strings_is_the_input():
+    assert input_texts("hello") == ["hello"]
+    assert input_texts(["a", "b", "c"]) == ["a", "b", "c"]
+    assert len(input_texts(["x"] * MAX_INPUTS)) == MAX_INPUTS
+
+
+@pytest.mark.parametrize("value, param, code", [
+    (None, "input", "missing_field"),
+    ("", "input", "empty_input"),
+    ([], "input", "empty_input"),
+    (["a", ""], "input[1]", "empty_input"),
+    (["a", 3, "b"], "input[1]", "invalid_type"),
+    (["a", None], "input[1]", "invalid_type"),
+    ({"text": "a"}, "input", "invalid_type"),
+    (42, "input", "invalid_type"),
+    ([1, 2, 3], "input", "unsupported_input"),
+    ([[1, 2], [3]], "input", "unsupported_input"),
+    (["x"] * (MAX_INPUTS + 1), "input", "too_many_inputs"),
+])
+def test_bad_input_is_a_400_naming_the_item(value, param, code):
+    bad = invalid(input_texts, value)
+    assert (bad.status, bad.param, bad.code) == (400, param, code)
+
+
+def test_the_param_name_is_the_callers():
+    # Ollama's /api/embed calls the field "input" too, /api/embeddings "prompt".
+    assert invalid(input_texts, "", "prompt").param == "prompt"
+
+
+def test_an_input_over_the_limit_is_named_with_its_count():
+    assert too_long([3, 4], 4, "input", single=False) is None
+    bad = too_long([3, 9, 12], 8, "input", single=False)
+    assert (bad.status, bad.param, bad.code) == (400, "input[1]", "input_too_long")
+    assert "9 tokens" in bad.message and "8" in bad.message
+    assert too_long([9], 8, "input", single=True).param == "input"
+
+
+# ----- the other fields ---------------------------------------------------------------
+
+def test_defaults_and_accepted_fields():
+    assert check_body({"input": "x"}, MODELS, 576) == EmbeddingOptions("float")
+    assert check_body({"input": "x", "model": "default", "encoding_format": "base64", "dimensions": 576,
+                       "user": "me", "something_new": True}, MODELS, 576) == EmbeddingOptions("base64")
+    assert check_body({"encoding_format": None}, MODELS, 576).encoding_format == "float"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "gpt-4"}, 404, "model"),
+    ({"model": 7}, 400, "model"),
+    ({"encoding_format": "int8"}, 400, "encoding_format"),
+    ({"dimensions": 256}, 400, "dimensions"),
+    ({"dimensions": 0}, 400, "dimensions"),
+    ({"dimensions": True}, 400, "dimensions"),
+    ({"dimensions": "576"}, 400, "dimensions"),
+    ({"user": 5}, 400, "user"),
+])
+def test_bad_fields_are_named(body, status, param):
+    bad = invalid(check_body, body, MODELS, 576)
+    assert (bad.status, bad.param) == (status, param)
+
+
+# ----- the answer ----------------------------------------------------------------------
+
+def test_base64_is_little_endian_float32():
+    vector = [0.5, -1.25, 3.0e-3, 0.0]
+    raw = base64.b64decode(encode_base64(vector))
+    assert len(raw) == 16
+    assert struct.unpack("<4f", raw) == pytest.approx(vector, rel=1e-6)
+    # What the openai package does with it.
+    numpy = pytest.importorskip("numpy")
+    assert numpy.frombuffer(raw, dtype="float32").tolist() == pytest.approx(vector, rel=1e-6)
+
+
+def test_the_response_has_openais_shape():
+    result = EmbeddingResult([[1.0, 0.0], [0.0, 1.0]], 7, "smol")
+    body = response_body(result, EmbeddingOptions("float"))
+    assert body == {"object": "list", "model": "smol", "usage": {"prompt_tokens": 7, "total_tokens": 7},
+                    "data": [{"object": "embedding", "index": 0, "embedding": [1.0, 0.0]},
+                             {"object": "embedding", "index": 1, "embedding": [0.0, 1.0]}]}
+    encoded = response_body(result, EmbeddingOptions("base64"))
+    assert encoded["data"][1]["embedding"] == encode_base64([0.0, 1.0])
+
+
+# ----- the runtime -----------------------------------------------------------------------
+
+def test_the_embedding_worker_is_llama_server_with_embeddings_and_pooling(tmp_path):
+    base = LlamaServerRuntime(tmp_path / "llama-server")
+    runtime = embedding_runtime(base, "mean", 520)
+    assert isinstance(runtime, EmbeddingRuntime)
+    launch = LaunchRequest(model_path=tmp_path / "m.gguf", port=1, n_ctx=520, n_gpu_layers=0, n_batch=520,
+                           n_threads=0, parallel=2)
+    argv = runtime.argv(launch)
+    assert argv[:len(base.argv(launch))] == base.argv(launch)
+    assert argv[-5:] == ["--embeddings", "--pooling", "mean", "--ubatch-size", "520"]
+    assert runtime.environment(launch) == base.environment(launch)
+
+
+def test_llama_cpp_python_gets_no_embedding_worker_and_says_why():
+    reason = embedding_runtime(LlamaCppPythonRuntime(), "mean", 520)
+    assert isinstance(reason, str) and "llama-server" in reason
+
+
+# ----- the path's admission, with a stand-in worker ------------------------------------------
+
+class FakeWorker:
+    role = "embed"
+    pid = None
+    restarts = 0
+    last_ready_duration_s = None
+    log_path = "embed-worker.log"
+
+    def __init__(self, state: WorkerState = WorkerState.READY) -> None:
+        self.state = state
+        self.exits = 0
+        self.gave_up = None
+        self.unhealthy_reason = None
+        self.base_url = "http://embed.test"
+        self.auth_headers = {"Authorization": "Bearer s"}
+        self.started = 0
+        self.failures: list[str] = []
+
+    async def ensure_ready(self, timeout=None) -> bool:
+        self.started += 1
+        self.state = WorkerState.READY
+        return True
+
+    async def wait_for_state(self, *states, timeout=None):
+        return self.state
+
+    def report_failure(self, reason, process=None) -> None:
+        self.failures.append(reason)
+
+
+def path_with(handler, *, worker=None, slots=1, queue=1, available_mib=8000.0) -> EmbeddingPath:
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return EmbeddingPath(worker or FakeWorker(), Lane("embed", slots, queue), http, model="smol", pooling="mean",
+                         n_ctx=512, dimensions=2, idle_unload_s=0, ready_timeout_s=5, ram_floor_mib=1024,
+                         load_ram_mib=500, available_ram_mib=lambda: available_mib, note=lambda *a, **k: None,
+                         changed=lambda: None)
+
+
+def answer(request: httpx.Request) -> httpx.Response:
+    texts = json.loads(request.content)["input"]
+    assert json.loads(request.content)["encoding_format"] == "float"
+    # Out of order on purpose: the path sorts by index.
+    data = [{"index": i, "embedding": [float(i), 1.0]} for i in reversed(range(len(texts)))]
+    return httpx.Response(200, json={"data": data, "usage": {"prompt_tokens": 3 * len(texts)}})
+
+
+async def test_embed_returns_vectors_in_input_order():
+    path = path_with(answer)
+    result = await path.embed(["a", "b", "c"], request_id="r1")
+    assert result == EmbeddingResult([[0.0, 1.0], [1.0, 1.0], [2.0, 1.0]], 9, "smol")
+    assert path.requests_served == 1 and path.inputs_served == 3
+    assert path.lane.snapshot()["running"] == 0
+
+
+async def test_a_stopped_worker_is_loaded_by_the_first_request():
+    worker = FakeWorker(WorkerState.STOPPED)
+    path = path_with(answer, worker=worker)
+    await path.embed(["a"], request_id="r1")
+    assert worker.started == 1 and path.status()["state"] == "ready"
+
+
+async def test_a_stopped_worker_is_not_loaded_under_the_ram_floor():
+    worker = FakeWorker(WorkerState.STOPPED)
+    path = path_with(answer, worker=worker, available_mib=1200.0)
+    with pytest.raises(JobFailed) as caught:
+        await path.embed(["a"], request_id="r1")
+    assert (caught.value.status, caught.value.code) == (503, "ram_floor")
+    assert caught.value.retry_after_s and worker.started == 0
+    # A loaded worker costs no more RAM to use.
+    loaded = path_with(answer, available_mib=1200.0)
+    await loaded.embed(["a"], request_id="r2")
+
+
+async def test_a_full_lane_is_a_503_with_retry_after_and_a_cancel_frees_the_place():
+    release = asyncio.Event()
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await release.wait()
+        return answer(request)
+
+    path = path_with(slow, slots=1, queue=1)
+    running = asyncio.create_task(path.embed(["a"], request_id="same"))
+    await asyncio.sleep(0.01)
+    waiting = asyncio.create_task(path.embed(["b"], request_id="same"))  # a reused id is fine
+    await asyncio.sleep(0.01)
+    assert path.lane.snapshot()["running"] == 1 and path.lane.snapshot()["depth"] == 1
+    with pytest.raises(JobFailed) as caught:
+        await path.embed(["c"], request_id="third")
+    assert (caught.value.status, caught.value.code) == (503, "embeddings_busy") and caught.value.retry_after_s
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert path.lane.snapshot()["depth"] == 0
+    release.set()
+    assert (await running).vectors == [[0.0, 1.0]]
+    assert path.lane.snapshot()["running"] == 0
+
+
+async def test_a_worker_that_breaks_is_reported_and_the_client_gets_a_503():
+    def broken(request: httpx.Request) -> httpx.Response:
+        raise httpx.RemoteProtocolError("server disconnected")
+
+    worker = FakeWorker()
+    path = path_with(broken, worker=worker)
+    with pytest.raises(JobFailed) as caught:
+        await path.embed(["a"], request_id="r1")
+    assert caught.value.status == 503 and worker.failures
+
+
+async def test_a_worker_400_is_the_clients_and_a_deadline_is_kept():
+    path = path_with(lambda request: httpx.Response(400, json={"error": {"message": "input is too large"}}))
+    with pytest.raises(JobFailed) as caught:
+        await path.embed(["a"], request_id="r1")
+    assert caught.value.status == 400 and "too large" in caught.value.message
+
+    async def never(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(30)
+        raise AssertionError("unreachable")
+
+    slow = path_with(never)
+    with pytest.raises(JobFailed) as caught:
+        await slow.embed(["a"], request_id="r2", deadline_s=0.05)
+    assert caught.value.code == "request_timeout"
+    assert slow.lane.snapshot()["running"] == 0
+
+
+def test_without_an_embedding_path_the_route_says_why_with_a_501():
+    from types import SimpleNamespace
+
+    from tray_app.core.api.embeddings import embedding_path
+
+    service = SimpleNamespace(embeddings=None, embeddings_off_reason="embeddings need the llama-server engine")
+    with pytest.raises(JobFailed) as caught:
+        embedding_path(service)
+    assert caught.value.status == 501 and "llama-server" in caught.value.message
+
+
+def test_the_config_section_checks_its_keys():
+    from tray_app.core.config import Config, ConfigError, apply_overrides
+
+    assert Config().embeddings.enabled and Config().embeddings.pooling == "mean"
+    assert apply_overrides(Config(), {"embeddings": {"pooling": "last", "n_ctx": 256}}).embeddings.n_ctx == 256
+    for bad in ({"pooling": "max"}, {"max_concurrency": 0}, {"n_ctx": 1}, {"idle_unload_s": -1.0}):
+        with pytest.raises(ConfigError, match=r"\[embeddings\]"):
+            apply_overrides(Config(), {"embeddings": bad})

@@ -1,0 +1,192 @@
+"""POST /v1/embeddings in OpenAI's shape, around the service's EmbeddingPath.
+
+Checking follows OpenAI's rules, each failure a 400 in the envelope naming
+its `param`; unknown fields are ignored, as OpenAI does. The worker always
+answers floats; base64 (little-endian float32, what the openai package
+asks for by default and decodes) is encoded here. `check_inputs` and
+`embedding_path` are shared with the other protocols' embedding routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from ..dispatch.jobs import JobFailed, new_request_id
+from ..embeddings import EmbeddingPath, EmbeddingResult
+from .errors import error_response
+from .openai_request import InvalidRequest
+from .protocol import OPENAI
+from .requests import ModelNames, check_model, clean_request_id, read_json_object, routing_headers
+
+if TYPE_CHECKING:
+    from ..service import Service
+
+# OpenAI's limit on inputs per request.
+MAX_INPUTS = 2048
+ENCODING_FORMATS = ("float", "base64")
+
+
+@dataclass(frozen=True)
+class EmbeddingOptions:
+    encoding_format: str = "float"
+
+
+def input_texts(value: Any, param: str = "input") -> list[str]:
+    """The texts to embed: a non-empty string, or a list of 1..MAX_INPUTS
+    non-empty strings. Token arrays are refused: the worker is handed text."""
+    if value is None:
+        raise InvalidRequest(400, f"'{param}' is required: a string, or a list of strings", "missing_field", param)
+    if isinstance(value, str):
+        if not value:
+            raise InvalidRequest(400, f"'{param}' is empty; send at least one character", "empty_input", param)
+        return [value]
+    if not isinstance(value, list):
+        raise InvalidRequest(400, f"'{param}' must be a string or a list of strings", "invalid_type", param)
+    if not value:
+        raise InvalidRequest(400, f"'{param}' is an empty list; send 1 to {MAX_INPUTS} strings", "empty_input", param)
+    if len(value) > MAX_INPUTS:
+        raise InvalidRequest(400, f"'{param}' has {len(value)} items; the limit is {MAX_INPUTS}", "too_many_inputs",
+                             param)
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value) or all(isinstance(v, list) for v in value):
+        raise InvalidRequest(400, f"'{param}' as token ids is not accepted here: send the text", "unsupported_input",
+                             param)
+    for index, item in enumerate(value):
+        where = f"{param}[{index}]"
+        if not isinstance(item, str):
+            raise InvalidRequest(400, f"'{where}' must be a string", "invalid_type", where)
+        if not item:
+            raise InvalidRequest(400, f"'{where}' is empty; send at least one character", "empty_input", where)
+    return list(value)
+
+
+def check_body(body: dict[str, Any], models: ModelNames, dimensions: int) -> EmbeddingOptions:
+    """Every field of an OpenAI embeddings request but `input` (check_inputs
+    counts that, off the loop)."""
+    check_model(body.get("model"), models)
+    encoding = body.get("encoding_format")
+    if encoding is None:
+        encoding = "float"
+    if encoding not in ENCODING_FORMATS:
+        raise InvalidRequest(400, "'encoding_format' must be 'float' or 'base64'", "invalid_value", "encoding_format")
+    wanted = body.get("dimensions")
+    if wanted is not None:
+        if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
+            raise InvalidRequest(400, "'dimensions' must be a positive whole number", "invalid_value", "dimensions")
+        if wanted != dimensions:
+            raise InvalidRequest(400, f"'dimensions' {wanted} is not supported: this model's embeddings have "
+                                 f"{dimensions} dimensions and can't be shortened", "unsupported_parameter",
+                                 "dimensions")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidRequest(400, "'user' must be a string", "invalid_type", "user")
+    return EmbeddingOptions(encoding_format=encoding)
+
+
+def too_long(counts: list[int], limit: int, param: str, single: bool) -> InvalidRequest | None:
+    """The error for the first input over `limit` tokens, or None."""
+    for index, count in enumerate(counts):
+        if count > limit:
+            where = param if single else f"{param}[{index}]"
+            return InvalidRequest(400, f"'{where}' is {count} tokens; the limit is {limit} per input "
+                                  "([embeddings] n_ctx)", "input_too_long", where)
+    return None
+
+
+async def check_inputs(service: "Service", value: Any, param: str = "input") -> tuple[list[str], int]:
+    """The texts of `value` and their token count, checked against
+    [embeddings] n_ctx with the model's own tokenizer. Raises InvalidRequest
+    naming `param` (or param[i])."""
+    texts = input_texts(value, param)
+    counter = service.counter
+    assert counter is not None, "the service counts tokens once started"
+    # Tokenizing up to 2048 inputs takes a while: off the loop.
+    counts = await asyncio.to_thread(lambda: [counter.count_text(text) for text in texts])
+    problem = too_long(counts, service.config.embeddings.n_ctx, param, isinstance(value, str))
+    if problem is not None:
+        raise problem
+    return texts, sum(counts)
+
+
+def embedding_path(service: "Service") -> EmbeddingPath:
+    """The service's embedding path, or a 501 saying why there is none."""
+    if service.embeddings is None:
+        raise JobFailed(501, "embeddings_unavailable", f"embeddings are not served here: {service.embeddings_off_reason}")
+    return service.embeddings
+
+
+def encode_base64(vector: list[float]) -> str:
+    """OpenAI's base64 encoding: the vector's little-endian float32 bytes."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+def response_body(result: EmbeddingResult, options: EmbeddingOptions) -> dict[str, Any]:
+    encode = encode_base64 if options.encoding_format == "base64" else (lambda vector: vector)
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": index, "embedding": encode(vector)}
+                 for index, vector in enumerate(result.vectors)],
+        "model": result.model,
+        "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
+    }
+
+
+async def openai_embeddings(service: "Service", models: ModelNames, request: Request) -> Response:
+    request_id = clean_request_id(request.headers.get("x-request-id")) or new_request_id()
+    headers = {"X-Request-Id": request_id, "X-Served-By": "embed"}
+    try:
+        path = embedding_path(service)
+        body = await read_json_object(request)
+        options = check_body(body, models, path.dimensions)
+        deadline_s = routing_headers(request).deadline_s
+        texts, counted = await check_inputs(service, body.get("input"))
+    except InvalidRequest as bad:
+        if bad.status in (408, 413):
+            # The body was not read to its end: the connection can't carry another request.
+            headers["Connection"] = "close"
+        return error_response(bad.status, bad.message, bad.code, param=bad.param, headers=headers)
+    except JobFailed as failure:
+        return OPENAI.failed(failure, headers)
+    except ClientDisconnect:
+        return Response(status_code=499)
+    try:
+        result = await embed_for(request, path, texts, counted, request_id=request_id, deadline_s=deadline_s)
+    except JobFailed as failure:
+        return OPENAI.failed(failure, headers)
+    if result is None:
+        return Response(status_code=499, headers=headers)
+    return JSONResponse(response_body(result, options), headers=headers)
+
+
+async def embed_for(request: Request, path: EmbeddingPath, texts: list[str], counted: int, *, request_id: str,
+                    deadline_s: float | None) -> EmbeddingResult | None:
+    """Embed for a client, every protocol's way: None if the client went away
+    first (its slot or queue place goes to the next one at once). Raises
+    JobFailed."""
+    work = asyncio.create_task(path.embed(texts, request_id=request_id, deadline_s=deadline_s))
+    watcher = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            await asyncio.wait({work})
+            return None
+        result = work.result()
+    finally:
+        watcher.cancel()
+    if not result.prompt_tokens:
+        # The worker did not say: our own count, which includes a BOS per input.
+        result = EmbeddingResult(result.vectors, counted, result.model)
+    return result
+
+
+async def _disconnected(request: Request) -> None:
+    # Once the body is read, the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,152 @@
+"""Ollama's routes: the generating ones run through the Router like every
+other chat (see ollama.py for the mapping); the rest describe the models
+from what the service knows."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from ..dispatch.jobs import JobFailed, JobKind, new_request_id
+from ..engine.worker import WorkerState
+from .ollama import (
+    DEFAULT_TAG, OLLAMA_API_VERSION, OllamaChat, OllamaGenerate, check_model_field, error, model_details,
+    model_entry, model_info_fields, rfc3339,
+)
+from .openai_request import InvalidRequest
+from .embeddings import check_inputs, embed_for, embedding_path
+from .requests import ModelNames, check_model, clean_request_id, read_json_object, routing_headers
+
+MIB = 1024 * 1024
+# Ollama's expires_at for a model kept loaded until told otherwise.
+_FOREVER_S = 10 * 365 * 86400.0
+
+
+# The Router's way in for a chat in any protocol (Router.complete).
+Complete = Callable[[Request, JobKind, Any], Awaitable[Response]]
+
+
+class OllamaRoutes:
+    def __init__(self, service: Any, complete: Complete, models: ModelNames, largest_context: int) -> None:
+        self.service = service
+        self._complete = complete
+        self._models_accepted = models
+        self.chat_protocol = OllamaChat(largest_context)
+        self.generate_protocol = OllamaGenerate(largest_context)
+
+    async def root(self, request: Request) -> Response:
+        # Ollama's clients check that the base URL answers before anything else.
+        return PlainTextResponse("tray-app is running (OpenAI, Ollama and Anthropic APIs)")
+
+    async def chat(self, request: Request) -> Response:
+        return await self._complete(request, JobKind.CHAT, self.chat_protocol)
+
+    async def generate(self, request: Request) -> Response:
+        return await self._complete(request, JobKind.CHAT, self.generate_protocol)
+
+    async def embed(self, request: Request) -> Response:
+        """/api/embed: {"model", "input": text or [texts]} -> {"embeddings": [...]}."""
+        return await self._embed(request, "input", lambda result, started: JSONResponse({
+            "model": result.model + DEFAULT_TAG, "embeddings": result.vectors,
+            "total_duration": int((time.monotonic() - started) * 1e9), "load_duration": 0,
+            "prompt_eval_count": result.prompt_tokens}))
+
+    async def embeddings(self, request: Request) -> Response:
+        """/api/embeddings, Ollama's older route: {"model", "prompt"} -> {"embedding": [...]}."""
+        return await self._embed(request, "prompt", lambda result, started: JSONResponse(
+            {"embedding": result.vectors[0] if result.vectors else []}))
+
+    async def _embed(self, request: Request, field: str, shape) -> Response:
+        started = time.monotonic()
+        request_id = clean_request_id(request.headers.get("x-request-id")) or new_request_id()
+        headers = {"X-Request-Id": request_id, "X-Served-By": "embed"}
+        try:
+            path = embedding_path(self.service)
+            body = await read_json_object(request)
+            check_model(check_model_field(body), self._models_accepted)
+            # `truncate` changes nothing: an input over [embeddings] n_ctx is a 400 either way.
+            dimensions = body.get("dimensions")
+            if dimensions is not None and dimensions != path.dimensions:
+                raise InvalidRequest(400, f"'dimensions' {dimensions!r} is not supported: this model's embeddings "
+                                     f"have {path.dimensions}", "unsupported_parameter", "dimensions")
+            if field == "prompt" and body.get("prompt") == "":
+                # Ollama's old route answers an empty prompt with an empty vector.
+                return JSONResponse({"embedding": []}, headers=headers)
+            texts, counted = await check_inputs(self.service, body.get(field), field)
+            result = await embed_for(request, path, texts, counted, request_id=request_id,
+                                     deadline_s=routing_headers(request).deadline_s)
+        except InvalidRequest as bad:
+            return error(bad.status, bad.message, headers)
+        except JobFailed as failure:
+            return self.chat_protocol.failed(failure, headers)
+        if result is None:
+            return Response(status_code=499, headers=headers)
+        response = shape(result, started)
+        response.headers.update(headers)
+        return response
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": OLLAMA_API_VERSION})
+
+    def _models(self) -> list[tuple[str, Any]]:
+        """(Ollama name, ModelInfo) of each model file the service serves."""
+        service = self.service
+        models = [(service.model_id + DEFAULT_TAG, service.model_info)]
+        if service.fallback_info.path != service.model_info.path:
+            models.append((service.fallback_model_id + DEFAULT_TAG, service.fallback_info))
+        return models
+
+    async def tags(self, request: Request) -> Response:
+        return JSONResponse({"models": [model_entry(name, info) for name, info in self._models()]})
+
+    async def ps(self, request: Request) -> Response:
+        """The models loaded now, with what each holds: VRAM from the GPU
+        worker's estimate, the whole size adding its host memory."""
+        service = self.service
+        loaded = []
+        for name, info in self._models():
+            vram = ram = 0.0
+            context = 0
+            expires_in: float | None = None
+            gpu = service.gpu_worker
+            if gpu is not None and gpu.state is WorkerState.READY and info is service.model_info:
+                vram += service.gpu_footprint.gpu.total
+                ram += service.gpu_footprint.host.total
+                context = max(context, service.config.gpu.n_ctx)
+                expires_in = service.sharing.unload_in_s() if service.sharing is not None else None
+                expires_in = _FOREVER_S if expires_in is None else expires_in
+            if service.cpu_worker.state is WorkerState.READY and info is service.fallback_info:
+                ram += service.cpu_footprint.host.total + service.cpu_footprint.gpu.total
+                context = max(context, service.config.cpu.n_ctx)
+                expires_in = expires_in if expires_in is not None else _FOREVER_S
+            if expires_in is None:
+                continue
+            entry = model_entry(name, info)
+            entry.pop("modified_at")
+            loaded.append({**entry, "size": int(vram + ram), "size_vram": int(vram),
+                           "expires_at": rfc3339(time.time() + expires_in), "context_length": context})
+        return JSONResponse({"models": loaded})
+
+    async def show(self, request: Request) -> Response:
+        try:
+            name = check_model_field(await read_json_object(request))
+        except InvalidRequest as bad:
+            return error(bad.status, bad.message)
+        found = [(n, info) for n, info in self._models() if name in (n, n[: -len(DEFAULT_TAG)], info.path.name)]
+        if not found and name == "default":
+            found = self._models()[:1]
+        if not found:
+            return error(404, f"model {name!r} not found; GET /api/tags lists the models here")
+        _, info = found[0]
+        service = self.service
+        capabilities = ["completion", "tools"]
+        return JSONResponse({
+            "license": "", "modelfile": f"# served by tray-app from {info.path.name}\nFROM {info.path}\n",
+            "parameters": f"num_ctx {service.config.gpu.n_ctx}",
+            "template": info.chat_template or "", "details": model_details(info),
+            "model_info": model_info_fields(info, service.config.gpu.n_ctx),
+            "capabilities": capabilities, "modified_at": rfc3339(info.path.stat().st_mtime),
+        })

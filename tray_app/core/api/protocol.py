@@ -1,0 +1,113 @@
+"""One request path, several API dialects.
+
+Every chat or completion runs as an OpenAI-shaped job: one validation,
+one admission, one replay rule, whatever the client speaks. A `Protocol`
+is the edge around that: it turns its own request body into an OpenAI one
+(raising InvalidRequest with its own field names), turns the aggregated
+OpenAI answer back into its own shape, encodes the stream in its own
+framing, and writes errors in its own envelope. Ollama's and Anthropic's
+live in ollama.py and anthropic.py; OpenAI's is the identity here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import JSONResponse, Response
+
+from ..dispatch.jobs import Job, JobFailed, JobKind
+from .errors import error_response, failure_body
+from .sinks import sse, usage_chunk, wants_usage
+
+
+@dataclass
+class Translated:
+    """A request in OpenAI's shape, plus what OpenAI's shape has no field for."""
+
+    kind: JobKind
+    body: dict[str, Any]
+    # Ollama's num_ctx: prompt and answer together stay within it.
+    context_cap: int | None = None
+    # Ollama's keep_alive, in seconds: how long the model stays loaded after
+    # this request; negative = until told otherwise, 0 = unload when done.
+    keep_alive_s: float | None = None
+    # Nothing to generate: Ollama's empty prompt, which only loads the model.
+    load_only: bool = False
+
+
+class StreamEncoder:
+    """Frames one job's OpenAI chunks for the client. Each method returns
+    the bytes to send now (possibly none)."""
+
+    def event(self, chunk: dict[str, Any]) -> bytes:
+        raise NotImplementedError
+
+    def done(self, job: Job, last_chunk: dict[str, Any]) -> bytes:
+        raise NotImplementedError
+
+    def failed(self, failure: JobFailed) -> bytes:
+        raise NotImplementedError
+
+
+class Protocol:
+    name = "openai"
+    stream_media_type = "text/event-stream"
+
+    def translate(self, body: dict[str, Any], kind: JobKind) -> Translated:
+        """The protocol's body as an OpenAI chat or completion body."""
+        return Translated(kind, body)
+
+    def answer(self, response: dict[str, Any], job: Job) -> dict[str, Any]:
+        """The aggregated OpenAI response in the protocol's shape."""
+        return response
+
+    def encoder(self, job: Job) -> StreamEncoder:
+        return _OpenAIStream()
+
+    def load_answer(self, translated: Translated) -> Response:
+        raise NotImplementedError("only Ollama's routes have load-only requests")
+
+    def error(self, status: int, message: str, code: str, param: str | None = None,
+              headers: dict[str, str] | None = None) -> Response:
+        return error_response(status, message, code, param, headers)
+
+    def error_payload(self, failure: JobFailed) -> dict[str, Any]:
+        return failure_body(failure)
+
+    def failed(self, failure: JobFailed, headers: dict[str, str]) -> Response:
+        """A job that failed before its answer began, with Retry-After when
+        the failure says when to come back."""
+        extra = dict(headers)
+        if failure.retry_after_s is not None:
+            extra["Retry-After"] = str(int(math.ceil(failure.retry_after_s)))
+        return JSONResponse(self.error_payload(failure), status_code=failure.status, headers=extra)
+
+
+class _OpenAIStream(StreamEncoder):
+    def __init__(self) -> None:
+        self._usage = False
+
+    def event(self, chunk: dict[str, Any]) -> bytes:
+        return sse(chunk)
+
+    def done(self, job: Job, last_chunk: dict[str, Any]) -> bytes:
+        tail = sse(usage_chunk(job, last_chunk)) if wants_usage(job.body) else b""
+        return tail + b"data: [DONE]\n\n"
+
+    def failed(self, failure: JobFailed) -> bytes:
+        return sse(failure_body(failure))
+
+
+OPENAI = Protocol()
+
+
+def answer_timings_ns(job: Job) -> dict[str, int]:
+    """Ollama-style durations of a job's last attempt, in nanoseconds."""
+    attempt = job.attempts[-1] if job.attempts else None
+    if attempt is None or attempt.ended_at is None:
+        return {"prompt_eval_duration": 0, "eval_duration": 0}
+    first = attempt.first_token_at or attempt.ended_at
+    return {"prompt_eval_duration": int((first - attempt.started_at) * 1e9),
+            "eval_duration": int((attempt.ended_at - first) * 1e9)}
