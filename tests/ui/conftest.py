@@ -87,6 +87,26 @@ class Background:
 
 
 @pytest.fixture
+def controller(qtbot, live):
+    """The tray's controller on the live service, without a system tray."""
+    from tray_app.core.config import Config
+    from tray_app.ui.app import TrayController
+    from tray_app.ui.client import ServiceClient
+
+    client = ServiceClient(live.url)
+    controller = TrayController(client, Config(), tray_available=False)
+    controller.exit_app = lambda: None
+    controller.client.start()
+    yield controller
+    client.stop()
+    for window in (controller._panel, controller._chat):
+        if window is not None:
+            window.close_quits = False
+            window.hide()
+            window.deleteLater()
+
+
+@pytest.fixture
 def background(live):
     started: list[Background] = []
 

@@ -7,7 +7,6 @@ import re
 import socket
 import time
 
-import pytest
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QToolButton
 
@@ -20,21 +19,6 @@ from tray_app.ui.icons import state_icon
 from .conftest import wait_status
 
 WAIT_MS = 60_000
-
-
-@pytest.fixture
-def controller(qtbot, live):
-    client = ServiceClient(live.url)
-    controller = TrayController(client, Config(), tray_available=False)
-    controller.exit_app = lambda: None
-    controller.client.start()
-    yield controller
-    client.stop()
-    for window in (controller._panel, controller._chat):
-        if window is not None:
-            window.close_quits = False
-            window.hide()
-            window.deleteLater()
 
 
 def wait_kind(qtbot, controller: TrayController, kind: str, timeout: int = WAIT_MS) -> None:

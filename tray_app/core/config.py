@@ -75,10 +75,38 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    # Empty means the bundled SmolLM2 model.
+    # The default model (what a request without `model` gets); empty means
+    # the bundled SmolLM2 model.
     path: str = ""
     # Optional smaller model for the CPU path; empty means the same file as the GPU path.
     fallback_path: str = ""
+    # The models folder: every .gguf in it is in the library, loaded on its
+    # first request. Empty = "models" in the app's data folder.
+    folder: str = ""
+
+
+CPU_FALLBACK_SAME, CPU_FALLBACK_NONE = "same", "none"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A [[models]] entry: one more model in the library, loaded on its first
+    request and unloaded when idle or when another needs its memory."""
+
+    name: str = ""
+    path: str = ""
+    # Other names clients may use for it (an Ollama-style "coder", say).
+    aliases: tuple[str, ...] = ()
+    # Its GPU profile; 0 = the [gpu] value. n_ctx is per slot, as in [gpu].
+    n_ctx: int = 0
+    n_gpu_layers: int = -1
+    max_concurrency: int = 0
+    # When its GPU can't serve: "same" (this file on the CPU), "none" (no
+    # fallback: a 503 with Retry-After), or the path of a smaller .gguf.
+    cpu_fallback: str = CPU_FALLBACK_SAME
+    # Unload its GPU worker after this long without a request; -1 = [gpu]
+    # idle_unload_s, 0 = never.
+    idle_unload_s: float = -1.0
 
 
 @dataclass(frozen=True)
@@ -189,6 +217,8 @@ class Config:
     embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    # [[models]]: the library's configured models, after the default one.
+    models: tuple[ModelEntry, ...] = ()
     # Where the file came from, for messages and for saving; None = defaults only.
     source: Path | None = None
 
@@ -197,6 +227,9 @@ class Config:
 
     def fallback_model_path(self) -> Path:
         return Path(self.model.fallback_path).expanduser() if self.model.fallback_path else self.model_path()
+
+    def models_folder(self) -> Path:
+        return Path(self.model.folder).expanduser() if self.model.folder else models_dir()
 
 
 _SECTIONS: dict[str, type] = {
@@ -251,6 +284,10 @@ _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("worker", "backoff_base_s"): (0.0, None),
     ("worker", "backoff_cap_s"): (0.0, None),
     ("worker", "n_batch"): (1, None),
+    ("models", "n_ctx"): (0, None),
+    ("models", "n_gpu_layers"): (-1, None),
+    ("models", "max_concurrency"): (0, 64),
+    ("models", "idle_unload_s"): (-1.0, None),
 }
 # (section, key) -> the only strings it takes.
 _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
@@ -364,13 +401,32 @@ def _build_section(section: str, cls: type, values: Mapping[str, Any], base: Any
     return dataclasses.replace(base, **changes)
 
 
+def _model_entries(value: Any) -> tuple[ModelEntry, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError("[[models]] must be an array of tables: one [[models]] with name and path per model")
+    entries = []
+    for index, table in enumerate(value):
+        entry = table if isinstance(table, ModelEntry) else _build_section("models", ModelEntry, table, ModelEntry())
+        where = f"[[models]] entry {index + 1}"
+        if not entry.name.strip() or entry.name != entry.name.strip():
+            raise ConfigError(f"{where} needs a name without surrounding spaces (what clients send as `model`)")
+        if not entry.path:
+            raise ConfigError(f"{where} ({entry.name!r}) needs a path: the .gguf file")
+        entries.append(entry)
+    return tuple(entries)
+
+
 def apply_overrides(config: Config, overrides: Mapping[str, Mapping[str, Any]]) -> Config:
-    """Return config with {section: {key: value}} applied and validated."""
+    """Return config with {section: {key: value}} applied and validated;
+    "models" replaces the [[models]] list."""
     changes: dict[str, Any] = {}
     for section, values in overrides.items():
+        if section == "models":
+            changes["models"] = _model_entries(values)
+            continue
         cls = _SECTIONS.get(section)
         if cls is None:
-            raise ConfigError(f"unknown section [{section}]; known sections: {', '.join(_SECTIONS)}")
+            raise ConfigError(f"unknown section [{section}]; known sections: {', '.join(_SECTIONS)}, [[models]]")
         changes[section] = _build_section(section, cls, values, getattr(config, section))
     result = dataclasses.replace(config, **changes)
     _check_cross_field(result)
@@ -380,6 +436,9 @@ def apply_overrides(config: Config, overrides: Mapping[str, Mapping[str, Any]]) 
 def _check_cross_field(config: Config) -> None:
     if config.worker.backoff_cap_s < config.worker.backoff_base_s:
         raise ConfigError("[worker] backoff_cap_s must be at least backoff_base_s")
+    if config.server.ollama_port and config.server.ollama_port == config.server.port:
+        raise ConfigError(f"[server] ollama_port is {config.server.ollama_port}, the same as [server] port: "
+                          "set another (Ollama's is 11434), or 0 for none")
 
 
 def parse_config_text(text: str, source: Path | None = None) -> Config:
@@ -412,12 +471,13 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
 
 
 def config_to_toml(config: Config) -> str:
-    """Serialise to TOML (only the sections; `source` is not stored)."""
+    """Serialise to TOML (the sections and [[models]]; `source` is not stored)."""
     lines: list[str] = []
-    for section in _SECTIONS:
-        lines.append(f"[{section}]")
-        for f in dataclasses.fields(getattr(config, section)):
-            lines.append(f"{f.name} = {_toml_value(getattr(getattr(config, section), f.name))}")
+    tables = [(f"[{section}]", getattr(config, section)) for section in _SECTIONS]
+    for header, table in tables + [("[[models]]", entry) for entry in config.models]:
+        lines.append(header)
+        for f in dataclasses.fields(table):
+            lines.append(f"{f.name} = {_toml_value(getattr(table, f.name))}")
         lines.append("")
     return "\n".join(lines)
 

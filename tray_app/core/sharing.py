@@ -41,8 +41,14 @@ class GpuSharing:
     def __init__(self, residency: Residency, backend: Backend, *, need_mib: float, reserve_mib: float,
                  model_mib: float, drain_s: float, ours_mib: Callable[[GpuReading], float],
                  our_pids: Callable[[], set[int]], note: Callable[..., None], changed: Callable[[], None],
-                 read_gpu: Callable[[], GpuReading], clock: Callable[[], float] = time.monotonic) -> None:
+                 read_gpu: Callable[[], GpuReading], clock: Callable[[], float] = time.monotonic,
+                 make_room: Callable[[], Awaitable[str | None]] | None = None) -> None:
         self.residency = residency
+        # Asked before each load: frees VRAM by unloading other models (see
+        # dispatch.eviction); a reason when no unloading can make room.
+        self._make_room = make_room
+        # Why the last load could not start; cleared by the next attempt.
+        self.no_room: str | None = None
         self._backend = backend
         self._need_mib = need_mib
         self._reserve_mib = reserve_mib
@@ -80,6 +86,8 @@ class GpuSharing:
             when = (f"; it comes back once the memory has stayed free for {self.residency.settle_s():g} s"
                     if reload_in is None else f"; the memory is free again, reloading in {reload_in:.0f} s")
             return GpuOut(Reason.GPU_YIELDED, hold.describe() + when, back_in_s=back)
+        if hold is not None and self.no_room is not None:
+            return GpuOut(Reason.GPU_VRAM_HEADROOM, self.no_room)
         if hold is not None:
             return GpuOut(Reason.GPU_LOADING, "the GPU worker is unloaded (idle) and loads on the next request",
                           back_in_s=self.load_eta_s(), quiet=True)
@@ -88,6 +96,12 @@ class GpuSharing:
             return GpuOut(Reason.GPU_LOADING, f"the GPU worker is loading the model (about {eta:.0f} s left)",
                           back_in_s=eta)
         return None
+
+    @property
+    def last_activity(self) -> float:
+        """When the GPU path last had a request (the clock's time): what
+        least-recently-used eviction sorts by."""
+        return self._last_activity
 
     def request_arrived(self) -> None:
         self._last_activity = self._clock()
@@ -112,6 +126,9 @@ class GpuSharing:
         now = self._clock()
         if lane.running_ids or lane.waiting_ids or self._worker.state is not WorkerState.READY:
             self._last_activity = now
+        elif lane.last_released_at is not None:
+            # A request that came and went between two samples: idle since it left.
+            self._last_activity = max(self._last_activity, lane.last_released_at)
         view = self._device_view(snapshot.gpu)
         before = self.residency.hold
         action = self.residency.observe(view, loaded=self._holds_memory(),
@@ -188,6 +205,24 @@ class GpuSharing:
                    release_s=self.last_release_s, drained=drained, by_user=hold.kind is HoldKind.USER)
         self._changed_now()
 
+    async def evict(self, why: str) -> None:
+        """Unload now for another model's load, and wait until the device
+        shows the memory free. It loads again on its next request."""
+        self.residency.hold = Hold(HoldKind.IDLE, self._clock())
+        self._worker.request_stop()
+        self._start(lambda: self._evicted(why), is_load=False)
+        task = self._task
+        assert task is not None
+        await asyncio.shield(task)
+
+    async def _evicted(self, why: str) -> None:
+        free_before = await asyncio.to_thread(self._read_free_mib)
+        pid = self._worker.pid
+        await self._worker.stop()
+        await self._wait_released(free_before, pid)
+        self._note("gpu_evicted", why=why)
+        self._changed_now()
+
     async def _unload_idle(self) -> None:
         await self._worker.stop()
         self._note("gpu_unloaded_idle", idle_unload_s=self.residency.policy.idle_unload_s)
@@ -199,6 +234,15 @@ class GpuSharing:
             # A give-back's stop is still under way: start after it, not into it.
             await self._worker.wait_for_state(WorkerState.STOPPED, WorkerState.STARTING, WorkerState.READY)
         self._changed()
+        if self._make_room is not None:
+            self.no_room = await self._make_room()
+            if self.no_room is not None:
+                # Unloaded again; the next request tries again (others may have finished).
+                self.residency.hold = Hold(HoldKind.IDLE, self._clock())
+                self._backend.lane.redirect_waiting(self.no_room)
+                self._note("gpu_load_refused", why=why, reason=self.no_room)
+                self._changed_now()
+                return
         if not await self._worker.ensure_ready():
             self._note("gpu_load_failed", why=why, reason=self._worker.gave_up or self._worker.unhealthy_reason)
             return
@@ -293,6 +337,7 @@ class GpuSharing:
             "idle_unload_s": policy.idle_unload_s,
             # What the last request's keep_alive made of it; None = never.
             "idle_limit_s": self.residency.idle_limit_s(),
+            "no_room": self.no_room,
             "unload_in_s": _round(self.unload_in_s()),
         }
 
@@ -342,6 +387,10 @@ class OnDemandWorker:
             self._last_activity = now
             return
         busy = self._task is not None and not self._task.done()
+        # A request that came and went between two samples counts too: the
+        # idle spell starts when the last one left, not at the last busy sample.
+        if lane.last_released_at is not None:
+            self._last_activity = max(self._last_activity, lane.last_released_at)
         if (worker.state is WorkerState.READY and not busy and self._idle_unload_s > 0
                 and now - self._last_activity >= self._idle_unload_s):
             # Stopping at once: a request arriving now waits for a fresh load

@@ -141,6 +141,10 @@ class TrayController(QObject):
         self.autostart_action.setChecked(autostart.is_enabled())
         self.autostart_action.blockSignals(False)
         self.quit_action = self._action("&Quit", self.quit, tip="Stop the workers and quit")
+        # The library's models, each with Load and Unload; shown once there is more than one.
+        self.models_menu = QMenu("M&odels")
+        self.models_menu.setToolTipsVisible(True)
+        self._models_shown: tuple = ()
         self.menu = QMenu()
         # Menus hide their actions' tooltips unless told otherwise.
         self.menu.setToolTipsVisible(True)
@@ -150,6 +154,9 @@ class TrayController(QObject):
         self.menu.addSeparator()
         for action in (self.open_panel_action, self.open_chat_action):
             self.menu.addAction(action)
+        self.models_menu_action = self.menu.addMenu(self.models_menu)
+        self.models_menu_action.setToolTip("Each model's place and memory; load or unload one")
+        self.models_menu_action.setVisible(False)
         self.menu.addSeparator()
         for action in (self.force_cpu_action, self.give_back_action, self.restart_action, self.choose_model_action):
             self.menu.addAction(action)
@@ -392,10 +399,41 @@ class TrayController(QObject):
         if self.give_back_action.text() != label:
             self.give_back_action.setText(label)
         self.give_back_action.setEnabled(vm.residency_state(status) is not None)
+        self._render_models(status)
         for notifier in (self.residency_notifier, self.degraded_notifier):
             notice = notifier.update(status)
             if notice is not None:
                 self.notify(notice.kind, notice.title, notice.message)
+
+    def _render_models(self, status: dict) -> None:
+        """The Models submenu: rebuilt only when what it shows changes, so an
+        open menu doesn't flicker every second."""
+        views = vm.model_views(status)
+        shown = tuple((v.label, v.can_load, v.can_unload, v.tooltip) for v in views)
+        self.models_menu_action.setVisible(len(views) > 1)
+        if shown == self._models_shown:
+            return
+        self._models_shown = shown
+        self.models_menu.clear()
+        for view in views:
+            submenu = self.models_menu.addMenu(view.label)
+            submenu.setToolTipsVisible(True)
+            submenu.menuAction().setToolTip(view.tooltip)
+            load = submenu.addAction("&Load on the GPU")
+            load.setEnabled(view.can_load)
+            load.setToolTip("Load it now (other idle models are unloaded if it needs their memory)")
+            load.setData((view.name, True))
+            load.triggered.connect(self._on_model_action)
+            unload = submenu.addAction("&Unload")
+            unload.setEnabled(view.can_unload)
+            unload.setToolTip("Give its memory back now; it loads again on its next request"
+                              if view.busy == 0 else f"{view.busy} request(s) are using it")
+            unload.setData((view.name, False))
+            unload.triggered.connect(self._on_model_action)
+
+    def _on_model_action(self) -> None:
+        name, loaded = self.sender().data()
+        self.client.set_model_loaded(name, loaded)
 
     def _on_unreachable(self, message: str) -> None:
         if self._quitting:

@@ -19,7 +19,7 @@ from PySide6.QtCore import QByteArray, QEvent, QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent, QKeyEvent, QKeySequence, QShortcut, QTextCursor, QTextDocument
 from PySide6.QtNetwork import QNetworkReply, QNetworkRequest
 from PySide6.QtWidgets import (
-    QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QTextBrowser, QVBoxLayout, QWidget,
+    QComboBox, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QTextBrowser, QVBoxLayout, QWidget,
 )
 
 from . import colors
@@ -43,9 +43,11 @@ class ChatStream(QObject):
 
     def __init__(self, client: ServiceClient, messages: list[dict[str, Any]], *, request_id: str | None = None,
                  max_tokens: int | None = None, temperature: float | None = None,
-                 client_name: str = "tray-app chat", parent: QObject | None = None) -> None:
+                 client_name: str = "tray-app chat", model: str | None = None,
+                 parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.client = client
+        self.model = model  # None: the service's default model
         self.temperature = temperature
         self.client_name = client_name
         self.request_id = request_id or f"chat-{uuid.uuid4().hex[:16]}"
@@ -68,6 +70,8 @@ class ChatStream(QObject):
         request.setRawHeader(b"X-Request-Id", self.request_id.encode())
         request.setRawHeader(b"X-Client-Name", self.client_name.encode())
         body: dict[str, Any] = {"messages": self.messages, "stream": True}
+        if self.model:
+            body["model"] = self.model
         if self.max_tokens:
             body["max_tokens"] = self.max_tokens
         if self.temperature is not None:
@@ -266,6 +270,15 @@ class ChatWindow(QWidget):
         root.addWidget(self.input)
 
         row = QHBoxLayout()
+        # Which library model answers; shown once the service has more than one.
+        self.model_picker = QComboBox()
+        self.model_picker.setToolTip("The model that answers the next message")
+        self.model_picker.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToContents)
+        self.model_label = QLabel("&Model:")
+        self.model_label.setBuddy(self.model_picker)
+        for widget in (self.model_label, self.model_picker):
+            widget.setVisible(False)
+            row.addWidget(widget)
         self.state_label = QLabel()
         theme.set_muted_text(self.state_label)
         row.addWidget(self.state_label, 1)
@@ -316,7 +329,7 @@ class ChatWindow(QWidget):
         self.turns.append(answer)
         self._answer = answer
         stream = ChatStream(self.client, list(self.history), max_tokens=self.max_tokens,
-                            temperature=self.temperature, parent=self)
+                            temperature=self.temperature, model=self.chosen_model(), parent=self)
         self.stream = stream
         # Bound methods, not lambdas holding the stream: a closure that keeps a
         # deleted QObject's wrapper alive upsets PySide at exit.
@@ -441,7 +454,26 @@ class ChatWindow(QWidget):
         self._render()
         self.answer_finished.emit(outcome)
 
+    def chosen_model(self) -> str | None:
+        """The picked model's name; None (the default model) while there is no choice."""
+        return self.model_picker.currentText() or None if self.model_picker.count() > 1 else None
+
+    def _update_models(self, status: dict) -> None:
+        names = vm.model_names(status)
+        current = [self.model_picker.itemText(i) for i in range(self.model_picker.count())]
+        if names and names != current:
+            chosen = self.model_picker.currentText()
+            self.model_picker.blockSignals(True)
+            self.model_picker.clear()
+            self.model_picker.addItems(names)
+            if chosen in names:
+                self.model_picker.setCurrentText(chosen)
+            self.model_picker.blockSignals(False)
+        for widget in (self.model_label, self.model_picker):
+            widget.setVisible(len(names) > 1)
+
     def _on_status(self, status: dict) -> None:
+        self._update_models(status)
         self._update_banner(status)
         if self.stream is None:
             return

@@ -188,5 +188,9 @@ class ServiceClient(QObject):
     def restart_workers(self, callback: Callback | None = None) -> QNetworkReply:
         return self.send("POST", "/admin/restart", {}, callback, "restart workers")
 
+    def set_model_loaded(self, name: str, loaded: bool, callback: Callback | None = None) -> QNetworkReply:
+        path = "/admin/models/" + QUrl.toPercentEncoding(name).data().decode()
+        return self.send("POST", path, {"loaded": loaded}, callback, f"{'load' if loaded else 'unload'} {name}")
+
     def cancel(self, request_id: str, callback: Callback | None = None) -> QNetworkReply:
         return self.send("DELETE", f"/v1/requests/{request_id}", None, callback, f"cancel {request_id}")

@@ -20,6 +20,8 @@ from .widgets import BarBlock, DegradedBanner, HistoryChart, StateHeader, box_st
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
 WORKER_COLUMNS = ("Worker", "State", "PID", "RSS", "Est. VRAM", "Est. RAM", "Context", "Restarts")
+MODEL_COLUMNS = ("Model", "Where", "Memory", "In flight")
+MODEL_PLACE_STATE = {"on the GPU": "ready", "on the CPU": "ready", "loading": "starting"}
 # The status hue of a worker's state; any state not listed is trouble.
 WORKER_STATE_STATUS = {"ready": "ok", "starting": "info", "stopping": "info"}
 
@@ -83,16 +85,19 @@ class HeadroomPanel(QWidget):
         self.workers_grid = QGridLayout(workers)
         self.workers_grid.setHorizontalSpacing(14)
         self.workers_grid.setVerticalSpacing(4)
-        for column, name in enumerate(WORKER_COLUMNS):
-            label = QLabel(name)
-            bold = label.font()
-            bold.setBold(True)
-            label.setFont(bold)
-            label.setAlignment(self._align(column))
-            self.workers_grid.addWidget(label, 0, column)
-        self.workers_grid.setColumnStretch(len(WORKER_COLUMNS), 1)
+        _header_row(self.workers_grid, WORKER_COLUMNS, self._align)
         self.worker_cells: dict[int, list[QLabel]] = {}
         root.addWidget(workers)
+
+        # The library's models (issue 14), once there is more than one.
+        self.models_box = QGroupBox("Models")
+        self.models_grid = QGridLayout(self.models_box)
+        self.models_grid.setHorizontalSpacing(14)
+        self.models_grid.setVerticalSpacing(4)
+        _header_row(self.models_grid, MODEL_COLUMNS)
+        self.model_cells: list[list[QLabel]] = []
+        self.models_box.setVisible(False)
+        root.addWidget(self.models_box)
 
         charts = QGroupBox("Last 5 minutes")
         charts_box = QHBoxLayout(charts)
@@ -253,11 +258,36 @@ class HeadroomPanel(QWidget):
             block.set_bar(bar)
         self.ram_block.set_bar(vm.ram_bar(status, self.floor_mib))
         self._render_workers(vm.worker_rows(status))
+        self._render_models(vm.model_views(status))
         samples = list(self.history.samples)
         self.vram_chart.set_samples(samples)
         self.ram_chart.set_samples(samples)
         model = (status.get("service") or {}).get("model") or ""
         set_text(self.footer, self.footer_note.text() or f"{model} · {self.client.api_url}")
+
+    def _render_models(self, views: list[vm.ModelView]) -> None:
+        self.models_box.setVisible(len(views) > 1)
+        while len(self.model_cells) < len(views):
+            row = len(self.model_cells) + 1
+            cells = []
+            for column in range(len(MODEL_COLUMNS)):
+                label = QLabel()
+                self.models_grid.addWidget(label, row, column)
+                cells.append(label)
+            self.model_cells.append(cells)
+        for index, cells in enumerate(self.model_cells):
+            view = views[index] if index < len(views) else None
+            for label in cells:
+                label.setVisible(view is not None)
+            if view is None:
+                continue
+            values = (view.name + (" (default)" if view.is_default else ""), view.where, view.memory,
+                      str(view.busy) if view.busy else "-")
+            for label, value in zip(cells, values):
+                set_text(label, value)
+                label.setToolTip(view.tooltip)
+            # Loaded reads as healthy, loading and unloaded as information (nothing is wrong).
+            self._color_state(cells[1], MODEL_PLACE_STATE.get(view.where, "stopping"))
 
     @staticmethod
     def _align(column: int) -> Qt.AlignmentFlag:
@@ -303,3 +333,16 @@ class HeadroomPanel(QWidget):
         label.setProperty("workerState", state)
         status = WORKER_STATE_STATUS.get(state, "error")
         theme.set_text_color(label, colors.status_color(status, theme.current_palette().window))
+
+
+def _header_row(grid: QGridLayout, columns: tuple[str, ...], align=None) -> None:
+    """A table's bold header in row 0, and the stretch after its last column."""
+    for column, name in enumerate(columns):
+        label = QLabel(name)
+        bold = label.font()
+        bold.setBold(True)
+        label.setFont(bold)
+        if align is not None:
+            label.setAlignment(align(column))
+        grid.addWidget(label, 0, column)
+    grid.setColumnStretch(len(columns), 1)

@@ -26,21 +26,17 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from ..dispatch.jobs import Job, JobFailed, JobKind
+from .errors import anthropic_error_body
 from .openai_request import InvalidRequest
 from .protocol import Protocol, StreamEncoder, Translated
 
 _Invalid = InvalidRequest
 
-# Anthropic's error types by HTTP status; any other 4xx is invalid_request_error.
-_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def error_payload(status: int, message: str) -> dict[str, Any]:
-    kind = _ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
+error_payload = anthropic_error_body
 
 
 def _text_of(content: Any, where: str) -> str:

@@ -23,20 +23,21 @@ from starlette.routing import Route as HttpRoute
 
 from ..dispatch.jobs import Job, JobFailed, JobKind, new_request_id
 from ..dispatch.quarantine import request_fingerprint
+from ..host import ModelHost
 from ..service import Service
 from . import bounds
 from .embeddings import openai_embeddings
-from .errors import error_bytes, error_response
+from .errors import error_response, error_response_for_path
 from .idempotency import IdempotencyStore
 from .openai_request import InvalidRequest
 from .anthropic import AnthropicMessages
-from .ollama import DEFAULT_TAG, error as ollama_error
+from .ollama import DEFAULT_TAG
 from .ollama_routes import OllamaRoutes
 from .openapi import build_openapi
 from .protocol import OPENAI, Protocol, Translated
 from .requests import (
     MAX_MESSAGES, PRESSURE_RULE, Checked, ModelNames, clean_request_id, client_name, read_json_object,
-    check_model,
+    check_model, unknown_model_message,
     Routing, requested_limit, routing_headers, validate,
 )
 from .sinks import AggregatingSink, QueueSink, RecordedStream
@@ -47,12 +48,12 @@ _Invalid = InvalidRequest
 class Router:
     def __init__(self, service: Service) -> None:
         self.service = service
-        self.dispatcher = service.dispatcher
-        served = frozenset({service.model_id, service.fallback_model_id})
-        accepted = served | {service.model_info.path.name, "default"}
+        served = frozenset({service.fallback_model_id} | {host.model_id for host in service.hosts.values()})
+        accepted = served | {service.model_info.path.name, "default"} | {
+            name for model in service.library for name in (*model.names(), model.path.name)}
         # Ollama's clients name models with a tag (GET /api/tags lists ":latest").
-        self.model_names = ModelNames(service.model_id, served, accepted | {name + DEFAULT_TAG for name in served})
-        self.largest_context = max(service.config.gpu.n_ctx, service.config.cpu.n_ctx)
+        self.model_names = ModelNames(service.model_id, served, accepted | {name + DEFAULT_TAG for name in accepted})
+        self.largest_context = max(max(m.gpu_n_ctx, m.cpu_n_ctx) for m in service.library)
         self.idempotency = IdempotencyStore()
         self.anthropic = AnthropicMessages(self.largest_context)
 
@@ -78,18 +79,33 @@ class Router:
         return JSONResponse(build_openapi(max(config.gpu.n_ctx, config.cpu.n_ctx), MAX_MESSAGES))
 
     async def models(self, request: Request) -> Response:
-        ids = [self.service.model_id]
-        if self.service.fallback_model_id not in ids:
-            ids.append(self.service.fallback_model_id)
-        created = int(self.service.started_at)
-        config = self.service.config
-        # What a client may ask of each model here, so it can adapt rather
-        # than learn from a 400.
-        capabilities = {
-            "max_choices": bounds.MAX_N, "logprobs": self.service.supports_logprobs, "vision": False, "tools": True,
-            "structured_output": ["json_object", "json_schema", "grammar"],
-            "context_length": max(config.gpu.n_ctx, config.cpu.n_ctx),
-        }
+        """Every model in the library, with where it is loaded now (gpu, cpu,
+        unloaded) and how large it is; the default model's CPU fallback too
+        when it is another file."""
+        service = self.service
+        hosts = list(service.hosts.values())
+        listed = [(host.model_id, host) for host in hosts]
+        if service.fallback_model_id not in {name for name, _ in listed}:
+            listed.insert(1, (service.fallback_model_id, None))
+        created = int(service.started_at)
+
+        def capabilities(host: ModelHost | None) -> dict[str, Any]:
+            # What a client may ask of each model here, so it can adapt rather
+            # than learn from a 400.
+            model = (host or service.default_host).model
+            return {
+                "max_choices": bounds.MAX_N, "logprobs": service.supports_logprobs, "vision": False, "tools": True,
+                "structured_output": ["json_object", "json_schema", "grammar"],
+                "context_length": max(model.gpu_n_ctx, model.cpu_n_ctx),
+            }
+
+        def where(host: ModelHost | None) -> dict[str, Any]:
+            if host is None:
+                return {"role": "cpu_fallback", "fallback_of": service.model_id}
+            summary = host.summary()
+            return {key: summary[key] for key in ("location", "gpu", "cpu", "size_bytes", "estimated_vram_mib",
+                                                  "aliases", "source", "cpu_fallback")}
+
         embeddings = self.service.embeddings
         # Which model answers /v1/embeddings, and how: there is no separate
         # embedding model yet, so the chat model, pooled.
@@ -99,8 +115,9 @@ class Router:
                           if embeddings is not None else {"embeddings": False})
         return JSONResponse({"object": "list", "data": [
             {"id": model_id, "object": "model", "created": created, "owned_by": "local",
-             "capabilities": {**capabilities, **(embedding_info if model_id == self.service.model_id
-                                                 else {"embeddings": False})}} for model_id in ids]})
+             "capabilities": {**capabilities(host), **(embedding_info if model_id == service.model_id
+                                                       else {"embeddings": False})}, **where(host)}
+            for model_id, host in listed]})
 
     async def cancel(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
@@ -146,6 +163,30 @@ class Router:
                 return error_response(409, str(exc), "not_simulated")
         return JSONResponse({"gpu_paused": self.service.gpu_paused, "gpu": self.service.gpu_status()})
 
+    async def admin_model(self, request: Request) -> Response:
+        """POST /admin/models/{name} {"loaded": true|false}: load a model's GPU
+        worker now (making room as a request would), or unload the model."""
+        name = request.path_params["name"]
+        host = self.service.host_for(name)
+        if host is None:
+            return error_response(404, unknown_model_message(name, self.model_names), "model_not_found")
+        try:
+            body = await read_json_object(request)
+        except _Invalid as bad:
+            return error_response(bad.status, bad.message, bad.code)
+        loaded = body.get("loaded")
+        if not isinstance(loaded, bool):
+            return error_response(400, "'loaded' must be true or false", "invalid_value", param="loaded")
+        if loaded:
+            await self.service.ensure_started(host)
+            self.service.preload(host)
+        else:
+            try:
+                await self.service.unload_model(host)
+            except ValueError as exc:
+                return error_response(409, str(exc), "model_busy")
+        return JSONResponse(host.summary(), status_code=202 if loaded else 200)
+
     async def admin_restart(self, request: Request) -> Response:
         self.service.restart_workers()
         return JSONResponse({"restarting": True})
@@ -165,9 +206,13 @@ class Router:
             translated = protocol.translate(body, JobKind.CHAT)
             validate(translated.body, JobKind.CHAT, self.model_names, self.largest_context, self._grammar_problem)
             job = Job(id=new_request_id(), kind=JobKind.CHAT, body=translated.body, stream=False)
-            tokens = await self._count_prompt(job)
+            host = self._host(translated.body.get("model"))
+            await self.service.ensure_started(host)
+            tokens = await self._count_prompt(job, host)
         except _Invalid as bad:
             return protocol.error(bad.status, bad.message, bad.code, param=bad.param)
+        except ClientDisconnect:
+            return Response(status_code=499)
         return JSONResponse({"input_tokens": tokens})
 
     async def chat_completions(self, request: Request) -> Response:
@@ -207,7 +252,8 @@ class Router:
         idempotency_key = request.headers.get("idempotency-key")
         if not idempotency_key:
             return await self._admit_and_run(request, translated, request_id, routing, checked, protocol)
-        fingerprint = hashlib.sha256(json.dumps([protocol.name, kind.value, body], sort_keys=True).encode()).hexdigest()
+        fingerprint = hashlib.sha256(json.dumps([protocol.name, kind.value, body, translated.context_cap,
+                                                 translated.keep_alive_s], sort_keys=True).encode()).hexdigest()
         try:
             entry = self.idempotency.lookup(idempotency_key, fingerprint)
             if entry is not None:
@@ -221,59 +267,72 @@ class Router:
             response = await self._admit_and_run(request, translated, request_id, routing, checked, protocol)
         except BaseException:
             self.idempotency.forget(idempotency_key, request_id)
-            _resolve(claim, ("json", 500, {}, error_bytes(
+            _resolve(claim, ("json", 500, {}, protocol.error(
                 500, "the first request with this Idempotency-Key failed inside the server; retry it",
-                "internal_error")))
+                "internal_error").body))
             raise
         self._settle_claim(claim, idempotency_key, request_id, response)
         return response
 
     def _load_only(self, translated: Translated, protocol: Protocol) -> Response:
         check_model(translated.body.get("model"), self.model_names)
-        if translated.keep_alive_s is not None:
-            self.service.keep_alive(translated.keep_alive_s)
+        host = self._host(translated.body.get("model"))
+        self.service.keep_alive(translated.keep_alive_s, host)
         if translated.keep_alive_s != 0:
-            self.service.preload()
+            self.service.preload(host)
         return protocol.load_answer(translated)
+
+    def _host(self, model: Any) -> ModelHost:
+        """The host of a model name that validation has accepted."""
+        host = self.service.host_for(model)
+        if host is None and isinstance(model, str) and model.endswith(DEFAULT_TAG):
+            host = self.service.host_for(model[: -len(DEFAULT_TAG)])
+        # The default model's CPU fallback file, named on its own, is the default model's.
+        return host or self.service.default_host
 
     async def _admit_and_run(self, request: Request, translated: Translated, request_id: str,
                              routing: Routing, checked: Checked, protocol: Protocol) -> Response:
         base_headers = {"X-Request-Id": request_id}
         kind, body = translated.kind, translated.body
+        host = self._host(body.get("model"))
+        dispatcher = host.dispatcher
         job = Job(id=request_id, kind=kind, body=body, stream=bool(body.get("stream")), force_cpu=routing.force_cpu,
                   deadline_s=routing.deadline_s, prefer_gpu=routing.prefer_gpu, no_fallback=routing.no_fallback,
                   forced_tool=checked.forced_tool, top_logprobs=checked.top_logprobs,
                   client=client_name(request.headers.get("x-client-name"), request.headers.get("user-agent")))
         job.fingerprint = request_fingerprint(kind.value, body)
+        job.model = "" if host is self.service.default_host else host.name
         # Registered before the first await, so a twin with the same id that
         # arrives while this one's prompt is counted finds it taken.
-        if not self.dispatcher.register(job):
+        if self.service.request_in_flight(request_id) or not dispatcher.register(job):
             return protocol.error(409, f"a request with X-Request-Id {request_id!r} is already in flight; "
                                   "send a new id, or an Idempotency-Key to share its result", "duplicate_request_id",
                                   headers=base_headers)
         try:
-            job.prompt_tokens = await self._count_prompt(job)
+            await self.service.ensure_started(host)
+            job.prompt_tokens = await self._count_prompt(job, host)
         except BaseException as exc:
-            self.dispatcher.unregister(job)
+            dispatcher.unregister(job)
             if isinstance(exc, _Invalid):
                 return protocol.error(exc.status, exc.message, exc.code, param=exc.param, headers=base_headers)
             raise
-        job.max_tokens = self.dispatcher.token_limit(job.prompt_tokens, requested_limit(body),
-                                                     job.kind is JobKind.CHAT)
+        job.max_tokens = dispatcher.token_limit(job.prompt_tokens, requested_limit(body), job.kind is JobKind.CHAT)
         if translated.context_cap is not None:
             room = translated.context_cap - job.prompt_tokens
             if room < 1:
-                self.dispatcher.unregister(job)
+                dispatcher.unregister(job)
                 return protocol.error(400, f"the prompt is {job.prompt_tokens} tokens, which leaves no room for an "
                                       f"answer within num_ctx {translated.context_cap}", "context_length_exceeded",
                                       param="options.num_ctx", headers=base_headers)
             job.max_tokens = min(job.max_tokens, room)
-        if translated.keep_alive_s is not None:
-            self.service.keep_alive(translated.keep_alive_s)
+        # Every request sets how long its model stays loaded after it, as in
+        # Ollama: its own keep_alive, or (None) the configured idle time.
+        self.service.keep_alive(translated.keep_alive_s, host)
+        host.last_used = self.service.clock()
         # From here the dispatcher owns the job: it decides, runs, and unregisters it.
         if job.stream:
-            return await self._stream(request, job, protocol)
-        return await self._aggregate(request, job, protocol)
+            return await self._stream(request, job, protocol, host)
+        return await self._aggregate(request, job, protocol, host)
 
     def _settle_claim(self, claim: asyncio.Future, key: str, request_id: str, response: Response) -> None:
         """Keep a result (an answer, or a client error that would repeat); let
@@ -305,8 +364,8 @@ class Router:
                 yield chunk
         return StreamingResponse(replay(), media_type=media_type, headers=headers)
 
-    async def _count_prompt(self, job: Job) -> int:
-        counter = self.service.counter
+    async def _count_prompt(self, job: Job, host: ModelHost) -> int:
+        counter = host.counter
         assert counter is not None
         try:
             if job.kind is JobKind.CHAT:
@@ -316,7 +375,7 @@ class Router:
             raise _Invalid(400, f"the messages can't be rendered with the model's chat template: {exc}",
                            "invalid_messages", "messages") from None
 
-    def _route_headers(self, job: Job) -> dict[str, str]:
+    def _route_headers(self, job: Job, host: ModelHost) -> dict[str, str]:
         headers = {
             "X-Request-Id": job.id,
             "X-Served-By": job.path or "none",
@@ -324,7 +383,7 @@ class Router:
         }
         estimated = job.estimated_latency_s
         if job.path == "cpu":
-            headers["X-Fallback-Model"] = self.service.fallback_model_id
+            headers["X-Fallback-Model"] = host.fallback_model_id
             headers["X-Estimated-Latency"] = f"{estimated:.2f}" if estimated is not None else "unknown"
         elif estimated is not None:  # refused at admission: what the CPU would have taken
             headers["X-Estimated-Latency"] = f"{estimated:.2f}"
@@ -332,25 +391,25 @@ class Router:
             headers["X-Queue-Wait"] = f"{job.queue_wait_s:.3f}"
         return headers
 
-    async def _aggregate(self, request: Request, job: Job, protocol: Protocol) -> Response:
+    async def _aggregate(self, request: Request, job: Job, protocol: Protocol, host: ModelHost) -> Response:
         sink = AggregatingSink()
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
         try:
-            await self.dispatcher.run(job, sink)
+            await host.dispatcher.run(job, sink)
         except JobFailed as failure:
-            return protocol.failed(failure, self._route_headers(job))
+            return protocol.failed(failure, self._route_headers(job, host))
         finally:
             watcher.cancel()
         body = sink.chat_response(job) if job.kind is JobKind.CHAT else sink.completion_response(job)
-        return JSONResponse(protocol.answer(body, job), headers=self._route_headers(job))
+        return JSONResponse(protocol.answer(body, job), headers=self._route_headers(job, host))
 
-    async def _stream(self, request: Request, job: Job, protocol: Protocol) -> Response:
+    async def _stream(self, request: Request, job: Job, protocol: Protocol, host: ModelHost) -> Response:
         sink = QueueSink(job)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
 
         async def run() -> None:
             try:
-                await self.dispatcher.run(job, sink)
+                await host.dispatcher.run(job, sink)
                 sink.queue.put_nowait(("done", None))
             except JobFailed as failure:
                 sink.queue.put_nowait(("failed", failure))
@@ -361,8 +420,8 @@ class Router:
         first_kind, first_value = await sink.queue.get()
         if first_kind == "failed":
             watcher.cancel()
-            return protocol.failed(first_value, self._route_headers(job))
-        headers = self._route_headers(job)
+            return protocol.failed(first_value, self._route_headers(job, host))
+        headers = self._route_headers(job, host)
         stream = RecordedStream(headers, protocol.stream_media_type)
         stream.relay(self._relay(job, sink, task, watcher, (first_kind, first_value), protocol, stream))
         return stream
@@ -448,6 +507,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         HttpRoute("/v1/messages/count_tokens", router.count_message_tokens, methods=["POST"]),
         HttpRoute("/admin/gpu", router.admin_gpu, methods=["POST"]),
         HttpRoute("/admin/restart", router.admin_restart, methods=["POST"]),
+        HttpRoute("/admin/models/{name:path}", router.admin_model, methods=["POST"]),
         # Ollama's API (see ollama.py), for apps that speak only it.
         HttpRoute("/api/chat", ollama.chat, methods=["POST"]),
         HttpRoute("/api/generate", ollama.generate, methods=["POST"]),
@@ -466,19 +526,22 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
-    if request.url.path.startswith("/api/"):
-        return ollama_error(404, f"no route {request.method} {request.url.path}; Ollama's routes here: "
-                            "/api/chat, /api/generate, /api/embed, /api/embeddings, /api/tags, /api/ps, /api/show, "
-                            "/api/version")
-    return error_response(404, f"no route {request.method} {request.url.path}; see GET /v1/models, "
-                          "POST /v1/chat/completions, POST /v1/completions, GET /status", "not_found")
+    path = request.url.path
+    if path.startswith("/api/"):
+        routes = ("Ollama's routes here: /api/chat, /api/generate, /api/embed, /api/embeddings, /api/tags, "
+                  "/api/ps, /api/show, /api/version")
+    elif path.startswith("/v1/messages"):
+        routes = "Anthropic's routes here: POST /v1/messages, POST /v1/messages/count_tokens"
+    else:
+        routes = "see GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /status"
+    return error_response_for_path(path, 404, f"no route {request.method} {path}; {routes}", "not_found")
 
 
 async def _method_not_allowed(request: Request, exc: Exception) -> Response:
-    if request.url.path.startswith("/api/"):
-        return ollama_error(405, f"{request.method} is not allowed on {request.url.path}")
-    return error_response(405, f"{request.method} is not allowed on {request.url.path}", "method_not_allowed")
+    path = request.url.path
+    return error_response_for_path(path, 405, f"{request.method} is not allowed on {path}", "method_not_allowed")
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+    return error_response_for_path(request.url.path, 500, f"internal error: {type(exc).__name__}: {exc}",
+                                   "internal_error")

@@ -30,6 +30,32 @@ def error_bytes(status: int, message: str, code: str) -> bytes:
     return json.dumps(error_body(status, message, code)).encode()
 
 
+# Anthropic's error types by HTTP status; any other 4xx is invalid_request_error.
+_ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                          413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                          529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    kind = _ANTHROPIC_ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_for_path(path: str, status: int, message: str, code: str) -> dict:
+    """An error in the shape of the protocol whose route `path` is, for the
+    layers that answer before a route runs (the access guard, a 404): each
+    client then reads the message where it looks for one."""
+    if path.startswith("/api/"):
+        return {"error": message}  # Ollama's
+    if path.startswith("/v1/messages"):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, code)
+
+
+def error_response_for_path(path: str, status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse(error_body_for_path(path, status, message, code), status_code=status)
+
+
 def error_response(status: int, message: str, code: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 
 import h11
 import uvicorn
@@ -160,18 +161,32 @@ class _ListensOnBoundSockets:
         await super().serve(sockets=sockets or self.bound_sockets)  # type: ignore[misc]
 
 
-def _listen(host: str, port: int, what: str) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def _listen(host: str, port: int, what: str) -> list[socket.socket]:
+    """Listening sockets on every address `host` names ("localhost" is both
+    127.0.0.1 and ::1), bound and listening now, so a port in use is an
+    error here. On Windows SO_REUSEADDR would let us share a port another
+    process (a real Ollama) holds: there the port is taken exclusively."""
+    sockets: list[socket.socket] = []
     try:
-        sock.bind((host, port))
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys((i[0], i[1], i[2], i[3], i[4]) for i in infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            if sys.platform == "win32":
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_EXCLUSIVEADDRUSE, 1)
+            else:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(2048)
+            sock.set_inheritable(True)
     except OSError as exc:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         hint = " (is Ollama itself running? stop it, or set [server] ollama_port = 0)" if what == "ollama_port" else ""
         raise OSError(exc.errno, f"can't listen on {host}:{port} ([server] {what}): {exc.strerror}{hint}") from None
-    sock.set_inheritable(True)
-    return sock
+    return sockets
 
 
 def build_server(config: Config, service: Service | None = None, log_level: str = "info",
@@ -191,8 +206,8 @@ def build_server(config: Config, service: Service | None = None, log_level: str 
                      "max_connections": config.server.max_connections})
     sockets = None
     if config.server.ollama_port:
-        sockets = [_listen(config.server.host, config.server.port, "port"),
-                   _listen(config.server.host, config.server.ollama_port, "ollama_port")]
+        sockets = (_listen(config.server.host, config.server.port, "port")
+                   + _listen(config.server.host, config.server.ollama_port, "ollama_port"))
         server_class = type(server_class.__name__, (_ListensOnBoundSockets, server_class), {"bound_sockets": sockets})
     server = server_class(uvicorn.Config(
         CloseWhenBodyUnread(AccessGuard(app, policy)), host=config.server.host, port=config.server.port, http=protocol,

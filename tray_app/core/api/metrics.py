@@ -31,6 +31,12 @@ class ServiceMetrics:
                               ["path"], buckets=TTFT_BUCKETS, registry=self.registry)
         self.tokens_per_second = Histogram("tray_app_tokens_per_second", "Generation speed per path",
                                            ["path"], buckets=TPS_BUCKETS, registry=self.registry)
+        # Per library model: where its requests went and how often it was
+        # unloaded for another; its loads and load times are live gauges.
+        self.model_requests = Counter("tray_app_model_requests", "Admission decisions per model, by path",
+                                      ["model", "path"], registry=self.registry)
+        self.model_evictions = Counter("tray_app_model_evictions", "GPU unloads to make room for another model",
+                                       ["model"], registry=self.registry)
         self.registry.register(_LiveGauges(status))
 
     def render(self) -> bytes:
@@ -80,6 +86,17 @@ class _LiveGauges:
         for worker in status["workers"]:
             ready.add_metric([worker["role"]], 1.0 if worker["state"] == "ready" else 0.0)
         yield ready
+        loads = GaugeMetricFamily("tray_app_model_loads", "GPU loads of each model since start", labels=["model"])
+        load_s = GaugeMetricFamily("tray_app_model_last_load_seconds", "How long each model's last GPU load took",
+                                   labels=["model"])
+        loaded = GaugeMetricFamily("tray_app_model_loaded", "1 for where each model is loaded now",
+                                   labels=["model", "location"])
+        for model in status.get("models", ()):
+            loads.add_metric([model["name"]], model["loads"])
+            if model["last_load_s"] is not None:
+                load_s.add_metric([model["name"]], model["last_load_s"])
+            loaded.add_metric([model["name"], model["location"]], 1.0)
+        yield from (loads, load_s, loaded)
         executions = GaugeMetricFamily("tray_app_duplicate_executions", "Requests that completed more than once")
         executions.add_metric([], status["accounting"]["duplicate_executions"])
         yield executions

@@ -59,8 +59,13 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> J
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-_DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ns|us|µs|ms|s|m|h)?\s*$")
-_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+# Go's time.ParseDuration: a sign, then number-unit pairs ("1h30m", "5m0s"),
+# or a bare number of seconds (Ollama's own reading of a plain number).
+_DURATION = re.compile(r"^(-?)((?:\d+(?:\.\d*)?(?:ns|us|µs|ms|s|m|h))+)$")
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?)(ns|us|µs|ms|s|m|h)")
+_BARE_SECONDS = re.compile(r"^-?\d+(?:\.\d+)?$")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_KEEP_ALIVE_CAP_S = 10 * 365 * 86400.0
 
 
 def parse_keep_alive(value: Any) -> float:
@@ -69,20 +74,28 @@ def parse_keep_alive(value: Any) -> float:
     if isinstance(value, bool):
         raise _Invalid(400, "'keep_alive' must be a duration such as \"5m\" or a number of seconds",
                        "invalid_value", "keep_alive")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
+    if isinstance(value, int):
+        # Past the cap it means the same as the cap (float() of a 400-digit number would overflow).
+        seconds = float(max(-1, min(value, int(_KEEP_ALIVE_CAP_S))))
+    elif isinstance(value, float):
+        seconds = value
     elif isinstance(value, str):
-        match = _DURATION.match(value)
-        if match is None:
-            raise _Invalid(400, f"'keep_alive' {value!r} is not a duration; send e.g. \"5m\", \"1h\", \"-1\" or "
-                           "a number of seconds", "invalid_value", "keep_alive")
-        seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
+        text = value.strip()
+        match = _DURATION.match(text)
+        if _BARE_SECONDS.match(text):
+            seconds = float(text)
+        elif match is not None:
+            seconds = sum(float(number) * _UNIT_S[unit] for number, unit in _DURATION_PART.findall(match.group(2)))
+            seconds = -seconds if match.group(1) else seconds
+        else:
+            raise _Invalid(400, f"'keep_alive' {value!r} is not a duration; send e.g. \"5m\", \"1h30m\", \"-1\" "
+                           "or a number of seconds", "invalid_value", "keep_alive")
     else:
         raise _Invalid(400, "'keep_alive' must be a duration such as \"5m\" or a number of seconds",
                        "invalid_value", "keep_alive")
     if not math.isfinite(seconds):
         raise _Invalid(400, "'keep_alive' must be finite", "invalid_value", "keep_alive")
-    return -1.0 if seconds < 0 else min(seconds, 10 * 365 * 86400.0)
+    return -1.0 if seconds < 0 else min(seconds, _KEEP_ALIVE_CAP_S)
 
 
 def _options(body: dict[str, Any], out: dict[str, Any], largest_context: int) -> int | None:
@@ -166,9 +179,9 @@ def _chat_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise _Invalid(400, "'messages' must be a non-empty list of {role, content}", "invalid_type", "messages")
     out: list[dict[str, Any]] = []
-    # Ollama's tool results name the function, OpenAI's the call: answer
-    # each with the latest call of that name.
-    call_ids: dict[str, str] = {}
+    # Ollama's tool results name the function, OpenAI's the call: each
+    # result answers the oldest unanswered call of that name, in order.
+    call_ids: dict[str, list[str]] = {}
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise _Invalid(400, f"messages[{index}] must be an object", "invalid_type", f"messages[{index}]")
@@ -183,11 +196,17 @@ def _chat_messages(messages: Any) -> list[dict[str, Any]]:
         if message.get("tool_calls"):
             converted["tool_calls"] = _tool_calls_to_openai(message["tool_calls"], index)
             for call in converted["tool_calls"]:
-                call_ids[call["function"]["name"]] = call["id"]
+                call_ids.setdefault(call["function"]["name"], []).append(call["id"])
         if converted["role"] == "tool":
+            given = message.get("tool_call_id")
             name = message.get("tool_name") or message.get("name")
-            converted["tool_call_id"] = call_ids.get(name) if isinstance(name, str) else None
-            converted["tool_call_id"] = converted["tool_call_id"] or f"call_{index}"
+            waiting = call_ids.get(name) if isinstance(name, str) else None
+            if isinstance(given, str) and given:
+                converted["tool_call_id"] = given
+            elif waiting:
+                converted["tool_call_id"] = waiting.pop(0)
+            else:
+                converted["tool_call_id"] = f"call_{index}"
         out.append(converted)
     return out
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, Awaitable, Callable
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from ..dispatch.jobs import JobFailed, JobKind, new_request_id
@@ -82,6 +82,8 @@ class OllamaRoutes:
             return error(bad.status, bad.message, headers)
         except JobFailed as failure:
             return self.chat_protocol.failed(failure, headers)
+        except ClientDisconnect:
+            return Response(status_code=499)
         if result is None:
             return Response(status_code=499, headers=headers)
         response = shape(result, started)
@@ -92,11 +94,12 @@ class OllamaRoutes:
         return JSONResponse({"version": OLLAMA_API_VERSION})
 
     def _models(self) -> list[tuple[str, Any]]:
-        """(Ollama name, ModelInfo) of each model file the service serves."""
+        """(Ollama name, ModelInfo) of each model in the library, and the
+        default model's CPU fallback when it is another file."""
         service = self.service
-        models = [(service.model_id + DEFAULT_TAG, service.model_info)]
+        models = [(host.model_id + DEFAULT_TAG, host.model_info) for host in service.hosts.values()]
         if service.fallback_info.path != service.model_info.path:
-            models.append((service.fallback_model_id + DEFAULT_TAG, service.fallback_info))
+            models.insert(1, (service.fallback_model_id + DEFAULT_TAG, service.fallback_info))
         return models
 
     async def tags(self, request: Request) -> Response:
@@ -105,25 +108,25 @@ class OllamaRoutes:
     async def ps(self, request: Request) -> Response:
         """The models loaded now, with what each holds: VRAM from the GPU
         worker's estimate, the whole size adding its host memory."""
-        service = self.service
         loaded = []
-        for name, info in self._models():
+        for host in self.service.hosts.values():
             vram = ram = 0.0
             context = 0
             expires_in: float | None = None
-            gpu = service.gpu_worker
-            if gpu is not None and gpu.state is WorkerState.READY and info is service.model_info:
-                vram += service.gpu_footprint.gpu.total
-                ram += service.gpu_footprint.host.total
-                context = max(context, service.config.gpu.n_ctx)
-                expires_in = service.sharing.unload_in_s() if service.sharing is not None else None
+            gpu = host.gpu_worker
+            if gpu is not None and gpu.state is WorkerState.READY:
+                vram += host.gpu_footprint.gpu.total
+                ram += host.gpu_footprint.host.total
+                context = max(context, host.model.gpu_n_ctx)
+                expires_in = host.sharing.unload_in_s() if host.sharing is not None else None
                 expires_in = _FOREVER_S if expires_in is None else expires_in
-            if service.cpu_worker.state is WorkerState.READY and info is service.fallback_info:
-                ram += service.cpu_footprint.host.total + service.cpu_footprint.gpu.total
-                context = max(context, service.config.cpu.n_ctx)
+            if host.cpu_worker.state is WorkerState.READY:
+                ram += host.cpu_footprint.host.total + host.cpu_footprint.gpu.total
+                context = max(context, host.model.cpu_n_ctx)
                 expires_in = expires_in if expires_in is not None else _FOREVER_S
             if expires_in is None:
                 continue
+            name, info = host.model_id + DEFAULT_TAG, host.model_info
             entry = model_entry(name, info)
             entry.pop("modified_at")
             loaded.append({**entry, "size": int(vram + ram), "size_vram": int(vram),
@@ -135,6 +138,8 @@ class OllamaRoutes:
             name = check_model_field(await read_json_object(request))
         except InvalidRequest as bad:
             return error(bad.status, bad.message)
+        except ClientDisconnect:
+            return Response(status_code=499)
         found = [(n, info) for n, info in self._models() if name in (n, n[: -len(DEFAULT_TAG)], info.path.name)]
         if not found and name == "default":
             found = self._models()[:1]

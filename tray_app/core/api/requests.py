@@ -5,6 +5,7 @@ value is a 400 that names the field rather than an exception in a worker."""
 from __future__ import annotations
 
 import asyncio
+import difflib
 import json
 import math
 from dataclasses import dataclass
@@ -30,7 +31,13 @@ MAX_MESSAGES = 1024
 
 
 def unknown_model_message(model: Any, models: ModelNames) -> str:
-    return f"the model {model!r} does not exist here; available: {', '.join(sorted(models.served))}"
+    """The 404's text: what is served, and the names closest to the one sent."""
+    names = sorted(models.served)
+    close = difflib.get_close_matches(str(model).lower(), [n.lower() for n in models.accepted], n=3, cutoff=0.5)
+    by_lower = {n.lower(): n for n in sorted(models.accepted, key=len, reverse=True)}
+    suggestions = list(dict.fromkeys(by_lower[c].removesuffix(":latest") for c in close))
+    hint = f"; did you mean {' or '.join(repr(s) for s in suggestions)}?" if suggestions else ""
+    return f"the model {model!r} does not exist here{hint} Available: {', '.join(names)} (GET /v1/models)"
 
 
 def check_model(model: Any, models: ModelNames) -> None:

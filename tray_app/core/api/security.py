@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
 import os
 from dataclasses import dataclass
 from typing import Iterable
 
-from .errors import error_bytes
+from .errors import error_body_for_path
 
 API_KEY_ENV = "TRAY_APP_API_KEY"
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "ip6-localhost"})
@@ -109,8 +110,8 @@ class AccessPolicy:
         return hmac.compare_digest(offered.encode(), self.api_key.encode())
 
 
-def _envelope(status: int, code: str, message: str, extra_headers: list[tuple[bytes, bytes]] = ()):
-    body = error_bytes(status, message, code)
+def _envelope(path: str, status: int, code: str, message: str, extra_headers: list[tuple[bytes, bytes]] = ()):
+    body = json.dumps(error_body_for_path(path, status, message, code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                *extra_headers]
     return status, headers, body
@@ -152,23 +153,23 @@ class AccessGuard:
     def _check(self, scope, headers: dict[str, str], origin: str | None):
         header_bytes = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
         if header_bytes > MAX_HEADER_BYTES:
-            return _envelope(431, "headers_too_large",
+            return _envelope(scope["path"], 431, "headers_too_large",
                              f"the request headers are {header_bytes} bytes; the limit is "
                              f"{MAX_HEADER_BYTES // 1024} KiB")
         if not self.policy.host_allowed(headers.get("host")):
-            return _envelope(403, "host_not_allowed",
+            return _envelope(scope["path"], 403, "host_not_allowed",
                              f"Host {headers.get('host')!r} is not this server's name; requests must address "
                              "localhost or the bound address (this blocks DNS rebinding). Add the name to "
                              "[server] allowed_hosts if you reach the server under another name.")
         if origin is not None and not self.policy.origin_allowed(origin):
-            return _envelope(403, "origin_not_allowed",
+            return _envelope(scope["path"], 403, "origin_not_allowed",
                              f"requests from the web origin {origin!r} are not allowed; add it to "
                              "[server] cors_origins to let that page use the API")
         if scope["method"] == "OPTIONS":
             return None
         if scope["path"] not in PUBLIC_PATHS and not self.policy.key_matches(headers.get("authorization"),
                                                                              headers.get("x-api-key")):
-            return _envelope(401, "invalid_api_key",
+            return _envelope(scope["path"], 401, "invalid_api_key",
                              "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>') "
                              f"with the key set in {API_KEY_ENV} or [server] api_key", [(b"www-authenticate", b"Bearer")])
         if scope["method"] == "POST":
@@ -179,7 +180,7 @@ class AccessGuard:
             if origin is None and scope["path"].startswith("/api/") and content_type in _CURL_DEFAULT_TYPES:
                 return None
             if content_type != "application/json":
-                return _envelope(415, "unsupported_media_type",
+                return _envelope(scope["path"], 415, "unsupported_media_type",
                                  f"send the body as application/json, not {content_type!r}")
         return None
 
@@ -191,7 +192,7 @@ class AccessGuard:
                 (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
                 (b"access-control-allow-headers",
                  b"Authorization, Content-Type, X-Request-Id, Idempotency-Key, X-Request-Timeout, X-Force-Path, "
-                 b"X-Prefer-Path, X-Fallback, X-Client-Name"),
+                 b"X-Prefer-Path, X-Fallback, X-Client-Name, x-api-key, anthropic-version, anthropic-beta"),
                 (b"access-control-max-age", b"600"),
             ]
         return headers

@@ -105,6 +105,8 @@ class Job:
     # What the request asks, without how it is delivered: the key a request
     # that crashed a worker is quarantined under.
     fingerprint: str = ""
+    # The library model it is for (its name there); "" = the default model.
+    model: str = ""
 
     def cancel(self, why: str) -> None:
         if not self.canceled.is_set():
@@ -118,6 +120,7 @@ class Job:
         return {
             "id": self.id,
             "client": self.client,
+            "model": self.model or None,
             "kind": self.kind.value,
             "stream": self.stream,
             "state": self.state.value,

@@ -39,6 +39,9 @@ class Lane:
         self._clock = clock
         self._running: dict[str, float] = {}
         self._waiting: collections.deque[_Waiter] = collections.deque()
+        # When a request last gave its slot back (the clock's time): the
+        # start of an idle spell, which a sampler may never see busy.
+        self.last_released_at: float | None = None
 
     def state(self, context_cap: int) -> LaneState:
         return LaneState(
@@ -105,6 +108,7 @@ class Lane:
     def release(self, request_id: str) -> None:
         if self._running.pop(request_id, None) is None:
             return
+        self.last_released_at = self._clock()
         self._hand_over()
 
     def _hand_over(self) -> None:

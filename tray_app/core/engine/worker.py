@@ -151,8 +151,12 @@ class Worker:
         policy: RestartPolicy = RestartPolicy(),
         hooks: WorkerHooks | None = None,
         clock: Callable[[], float] = time.monotonic,
+        log_name: str | None = None,
     ) -> None:
         self.spec = spec
+        # The log file's name: the role's, unless several workers share a
+        # role (each library model has a GPU and a CPU worker).
+        self._log_name = log_name or spec.role
         self.runtime = runtime
         self.policy = policy
         self._hooks = hooks or WorkerHooks()
@@ -608,7 +612,7 @@ class Worker:
         logger.propagate = False
         logger.setLevel(logging.INFO)
         handler = PrivateRotatingFileHandler(
-            log_dir / f"{self.spec.role}-worker.log", maxBytes=LOG_FILE_BYTES, backupCount=LOG_FILE_BACKUPS,
+            log_dir / f"{self._log_name}-worker.log", maxBytes=LOG_FILE_BYTES, backupCount=LOG_FILE_BACKUPS,
             encoding="utf-8",
         )
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))

@@ -1,0 +1,110 @@
+"""The model library in the tray (issue 14): the Models menu with Load and
+Unload, the panel's Models list and the chat's model picker, against a real
+service with two models (the default SmolLM2 and "tiny", the same file with
+a smaller profile, loaded on demand)."""
+
+from __future__ import annotations
+
+import pytest
+from PySide6.QtWidgets import QMenu
+
+from tests.harness import BASE_CONFIG, running
+from tray_app.core.config import bundled_model_path
+from tray_app.ui import viewmodel as vm
+from tray_app.ui.chat import ChatWindow
+from tray_app.ui.client import ServiceClient
+
+from .conftest import wait_status
+
+WAIT_MS = 120_000
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """Replaces the suite's one-model service for this module."""
+    config = BASE_CONFIG + f"""
+[[models]]
+name = "tiny"
+path = "{bundled_model_path()}"
+n_ctx = 256
+max_concurrency = 1
+"""
+    with running(tmp_path_factory.mktemp("models-ui"), config) as service:
+        yield service
+
+
+def tiny_gpu(status) -> str:
+    return next(m["gpu"] for m in status["models"] if m["name"] == "tiny")
+
+
+def model_submenu(controller, name: str) -> QMenu:
+    for action in controller.models_menu.actions():
+        if action.menu() is not None and action.text().startswith(f"{name}:"):
+            return action.menu()
+    raise AssertionError(f"no {name} in the Models menu: {[a.text() for a in controller.models_menu.actions()]}")
+
+
+def action(menu: QMenu, text: str):
+    return next(a for a in menu.actions() if a.text().replace("&", "") == text)
+
+
+def test_the_models_menu_loads_and_unloads_a_model(qtbot, controller, live) -> None:
+    qtbot.waitUntil(lambda: controller.models_menu_action.isVisible(), timeout=WAIT_MS)
+    tiny = model_submenu(controller, "tiny")
+    assert tiny.menuAction().text().startswith("tiny: unloaded, ")
+    assert action(tiny, "Unload").isEnabled() is False
+    action(tiny, "Load on the GPU").trigger()
+    wait_status(qtbot, live, lambda s: tiny_gpu(s) == "loaded", what="tiny loaded from the menu")
+    qtbot.waitUntil(lambda: model_submenu(controller, "tiny").menuAction().text().startswith("tiny: on the GPU, "),
+                    timeout=WAIT_MS)
+    tiny = model_submenu(controller, "tiny")
+    assert "VRAM" in tiny.menuAction().text() and action(tiny, "Load on the GPU").isEnabled() is False
+    action(tiny, "Unload").trigger()
+    wait_status(qtbot, live, lambda s: tiny_gpu(s) == "unloaded_idle", what="tiny unloaded from the menu")
+
+
+def test_the_panel_lists_the_models(qtbot, controller, live) -> None:
+    controller.show_panel()
+    panel = controller.panel()
+    qtbot.waitUntil(lambda: panel.models_box.isVisible(), timeout=WAIT_MS)
+    names = [cells[0].text() for cells in panel.model_cells if cells[0].isVisible()]
+    assert names[0].endswith("(default)") and names[1] == "tiny"
+    assert [cells[1].text() for cells in panel.model_cells][0] == "on the GPU"
+
+
+def test_the_chat_picks_the_model_that_answers(qtbot, live) -> None:
+    client = ServiceClient(live.url)
+    client.start()
+    window = ChatWindow(client, max_tokens=8, temperature=0)
+    qtbot.addWidget(window)
+    window.show()
+    try:
+        qtbot.waitUntil(lambda: window.model_picker.count() == 2, timeout=WAIT_MS)
+        assert window.model_picker.isVisible() and window.chosen_model() == vm.model_names(live.status())[0]
+        window.model_picker.setCurrentText("tiny")
+        before = next(m for m in live.status()["models"] if m["name"] == "tiny")["requests"]
+        with qtbot.waitSignal(window.answer_finished, timeout=WAIT_MS) as finished:
+            assert window.send("Say hello.")
+        assert finished.args == ["ok"], window.turns[-1]
+        after = next(m for m in live.status()["models"] if m["name"] == "tiny")["requests"]
+        assert sum(after.values()) == sum(before.values()) + 1
+    finally:
+        client.stop()
+
+
+def test_model_views_in_words() -> None:
+    status = {"models": [
+        {"name": "smol", "source": "default", "location": "gpu+cpu", "gpu": "loaded", "vram_mib": 806.0,
+         "size_bytes": 98 * 2**20, "in_flight": 1},
+        {"name": "gemma", "source": "config", "location": "cpu", "gpu": "unloaded_idle", "estimated_ram_mib": 526.0,
+         "size_bytes": 253 * 2**20, "aliases": ["g3"], "degraded": "the GPU worker is loading"},
+        {"name": "big", "source": "folder", "location": "unloaded", "gpu": "unloaded_idle", "size_bytes": 4 * 2**30},
+        {"name": "game", "source": "folder", "location": "unloaded", "gpu": "given_away", "size_bytes": 2**30},
+    ]}
+    smol, gemma, big, game = vm.model_views(status)
+    assert smol.label == "smol: on the GPU, 806 MiB VRAM" and not smol.can_unload and smol.busy == 1
+    assert gemma.label == "gemma: on the CPU, 526 MiB RAM" and gemma.can_load and gemma.can_unload
+    assert "also called: g3" in gemma.tooltip and "degraded" in gemma.tooltip
+    assert big.label == "big: unloaded, 4,096 MiB on disk" and big.can_load and not big.can_unload
+    assert game.where == "GPU given away" and not game.can_load
+    assert vm.model_names(status) == ["smol", "gemma", "big", "game"] and vm.model_views(None) == []

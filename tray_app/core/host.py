@@ -1,0 +1,445 @@
+"""One model of the library, served: its GPU and CPU workers, their lanes,
+its breaker, its dispatcher and its GPU residency.
+
+Each model has its own admission, breaker and degraded state, so a model
+whose GPU worker crashed does not send another model's requests to the CPU.
+The default model's GPU worker (and CPU worker, unless [cpu] keep =
+"on_demand") load at start; every other model's load on its first request
+and unload when idle or when another model needs the memory (see
+dispatch.eviction). The Service owns the hosts and the parts they share:
+the memory observer, the HTTP client, the device reader and the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from .dispatch.admission import Decision, Reason, Route
+from .dispatch.backend import Backend, Deadlines
+from .dispatch.breaker import CircuitBreaker
+from .dispatch.dispatcher import EXPECTED_ANSWER_TOKENS, Costs, Dispatcher, Limits
+from .dispatch.jobs import Attempt, Job, PathSpeed
+from .dispatch.lanes import Lane
+from .dispatch.residency import Hold, HoldKind, Residency, SharingPolicy
+from .engine.exits import ExitKind
+from .engine.runtime import WorkerRuntime
+from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
+from .library import LibraryModel
+from .memory import estimate
+from .memory.gguf_info import ModelInfo, read_model_info
+from .memory.telemetry import wait_for_vram_recovery
+from .sharing import GpuSharing, OnDemandWorker, prior_load_s
+from .tokens import PromptCounter
+
+MIB = 1024 * 1024
+CPU_FIRST_TOKEN_TIMEOUT_S = 600.0
+# The GPU's first-token deadline: this much slack plus this many times the
+# prefill time its measured speed predicts (a busy host, a cold cache).
+FIRST_TOKEN_SLACK_S = 15.0
+FIRST_TOKEN_FACTOR = 5.0
+# What the default model's GPU worker is called on a simulated device; the
+# others add their name.
+GPU_FOOTPRINT_OWNER = "gpu-worker"
+
+
+class HostOwner(Protocol):
+    """What a host uses of the service that owns it: the parts all models share."""
+
+    config: Any
+    clock: Callable[[], float]
+    log_dir: Path
+    http: Any
+    observer: Any
+    metrics: Any
+    simulated: Any
+    gpu_reader: Any
+
+    def worker_pids(self) -> list[int]: ...
+
+    async def make_vram_room(self, host: "ModelHost") -> str | None: ...
+
+
+class ModelHost:
+    def __init__(self, service: HostOwner, model: LibraryModel, *, runtime: WorkerRuntime,
+                 gpu_runtime: WorkerRuntime, gpu_missing_reason: str | None) -> None:
+        config = service.config
+        self.service = service
+        self.model = model
+        self._clock = service.clock
+        self.name = model.name
+        self.model_info: ModelInfo = read_model_info(model.path)
+        cpu_path = model.cpu_path or model.path
+        self.fallback_info: ModelInfo = (self.model_info if cpu_path == model.path else read_model_info(cpu_path))
+        self.model_id = self.model_info.path.stem if model.is_default else model.name
+        self.fallback_model_id = (self.fallback_info.path.stem if model.is_default or cpu_path != model.path
+                                  else model.name)
+        self.counter: PromptCounter | None = None
+        self.equivalence: dict[str, Any] = {"equivalent": True, "detail": "same model file on both paths"}
+        self.footprint_owner = GPU_FOOTPRINT_OWNER if model.is_default else f"{GPU_FOOTPRINT_OWNER}:{model.name}"
+        self.slots = {"gpu": min(model.slots, gpu_runtime.max_parallel),
+                      "cpu": min(config.cpu.max_concurrency, runtime.max_parallel)}
+        # Every slot has its own n_ctx of KV cache; logits_all=False: that is
+        # how the runtimes launch workers.
+        self.gpu_settings = estimate.WorkerSettings(
+            n_ctx=model.gpu_n_ctx * self.slots["gpu"], n_gpu_layers=model.gpu_layers,
+            n_batch=config.worker.n_batch, n_parallel=self.slots["gpu"], logits_all=False,
+        )
+        self.cpu_settings = estimate.WorkerSettings(
+            n_ctx=model.cpu_n_ctx * self.slots["cpu"], n_gpu_layers=0, n_batch=config.worker.n_batch,
+            n_parallel=self.slots["cpu"], logits_all=False,
+        )
+        self.gpu_footprint = estimate.estimate_worker(self.model_info, self.gpu_settings)
+        self.cpu_footprint = estimate.estimate_worker(self.fallback_info, self.cpu_settings)
+        self.gpu_recovery_s: float | None = None
+        self._gpu_failed_at: float | None = None
+        self.last_used = self._clock()
+        self.evictions = 0
+        self.requests_by_path: collections.Counter[str] = collections.Counter()
+
+        hooks = _HostHooks(self)
+        backends = {"cpu": self._backend("cpu", runtime, hooks)}
+        if gpu_missing_reason is None:
+            backends["gpu"] = self._backend("gpu", gpu_runtime, hooks)
+        self.breaker = CircuitBreaker(config.breaker, self._clock)
+        observer = service.observer
+        self.dispatcher = Dispatcher(
+            Limits(model.gpu_n_ctx, model.cpu_n_ctx, config.gpu.reserve_mib, config.cpu.ram_floor_mib,
+                   queue_budget_s=config.server.queue_timeout_s,
+                   cpu_load_prior_s=prior_load_s(self.fallback_info.path.stat().st_size / MIB)),
+            backends, self.breaker, observer.latest,
+            Costs(gpu_mib=lambda tokens: estimate.request_vram_bytes(self.model_info, self.gpu_settings, tokens) / MIB,
+                  cpu_mib=lambda tokens: estimate.kv_bytes_per_token(self.fallback_info) * tokens / MIB),
+            _DispatchEvents(self), gpu_missing_reason=gpu_missing_reason, clock=self._clock,
+            # A model without a CPU fallback answers 503 when its GPU can't serve.
+            no_fallback=config.routing.fallback == "never" or model.cpu_path is None,
+        )
+        self.sharing: GpuSharing | None = None
+        if self.dispatcher.gpu is not None:
+            self.sharing = self._gpu_sharing(self.dispatcher.gpu)
+            self.dispatcher.residency = self.sharing
+            if not model.is_default:
+                # Loaded by its first request, not at start.
+                self.sharing.residency.hold = Hold(HoldKind.IDLE, self._clock())
+        cpu_on_demand = config.cpu.keep == "on_demand" or not model.is_default
+        self.on_demand_cpu = (OnDemandWorker(self.dispatcher.cpu, config.cpu.idle_unload_s, self.note,
+                                             self._clock) if cpu_on_demand else None)
+
+    def _gpu_sharing(self, backend: Backend) -> GpuSharing:
+        config = self.service.config
+        policy = SharingPolicy(yield_to_other_apps=config.gpu.yield_to_other_apps,
+                               reload_settle_s=config.gpu.reload_settle_s, idle_unload_s=self.model.idle_unload_s)
+        service = self.service
+        return GpuSharing(
+            Residency(policy, self._clock), backend,
+            need_mib=self.gpu_footprint.gpu.total / MIB, reserve_mib=config.gpu.reserve_mib,
+            model_mib=self.model_info.path.stat().st_size / MIB, drain_s=config.gpu.yield_drain_s,
+            ours_mib=self.vram_mib, our_pids=lambda: set(service.worker_pids()),
+            note=self.note, changed=service.observer.advance,
+            read_gpu=service.gpu_reader.read, clock=self._clock,
+            make_room=lambda: service.make_vram_room(self),
+        )
+
+    def _backend(self, path: str, runtime: WorkerRuntime, hooks: WorkerHooks) -> Backend:
+        service = self.service
+        config = service.config
+        model = self.model
+        info = self.model_info if path == "gpu" else self.fallback_info
+        slots = self.slots[path]
+        spec = WorkerSpec(path, info.path, info.path.stem, model.gpu_n_ctx if path == "gpu" else model.cpu_n_ctx,
+                          model.gpu_layers if path == "gpu" else 0, config.worker.n_batch,
+                          config.cpu.n_threads, parallel=slots)
+        worker = Worker(spec, runtime, service.log_dir, config.worker, hooks, self._clock,
+                        log_name=None if model.is_default else f"{path}-{model.name}")
+        settings = config.gpu if path == "gpu" else config.cpu
+        lane = Lane(path, slots, settings.queue_limit, self._clock)
+        speed = (PathSpeed(tokens_per_s=config.cpu.assumed_tokens_per_s * 5, prompt_tokens_per_s=2000.0)
+                 if path == "gpu" else
+                 PathSpeed(tokens_per_s=config.cpu.assumed_tokens_per_s, prompt_tokens_per_s=200.0))
+        if path == "gpu":
+            deadlines = Deadlines(lambda job: self._gpu_first_token_timeout_s(job, speed), config.gpu.token_timeout_s,
+                                  config.worker.ready_timeout_s)
+        else:
+            deadlines = Deadlines(lambda job: CPU_FIRST_TOKEN_TIMEOUT_S, CPU_FIRST_TOKEN_TIMEOUT_S,
+                                  config.worker.ready_timeout_s)
+        return Backend(path, worker, lane, speed, service.http, deadlines, clock=self._clock,
+                       fingerprint=system_fingerprint(runtime.describe(), info.path),
+                       on_change=lambda: service.observer.advance())
+
+    def _gpu_first_token_timeout_s(self, job: Job, speed: PathSpeed) -> float:
+        """How long the GPU may take to its first token before we call it hung:
+        generous against the prefill time its measured speed predicts, and
+        never more than the configured ceiling."""
+        expected_s = job.prompt_tokens / max(1.0, speed.prompt_tokens_per_s)
+        return min(self.service.config.gpu.first_token_timeout_s,
+                   FIRST_TOKEN_SLACK_S + FIRST_TOKEN_FACTOR * expected_s)
+
+    def note(self, kind: str, **data: Any) -> None:
+        """An event in the log, naming this model unless it is the default one."""
+        if not self.model.is_default:
+            data.setdefault("model", self.model_id)
+        self.service.observer.note(kind, **data)
+
+    # ----- the parts, by name ------------------------------------------------------
+
+    @property
+    def gpu_worker(self) -> Worker | None:
+        return self.dispatcher.gpu.worker if self.dispatcher.gpu is not None else None
+
+    @property
+    def cpu_worker(self) -> Worker:
+        return self.dispatcher.cpu.worker
+
+    def workers(self) -> list[Worker]:
+        return [w for w in (self.gpu_worker, self.cpu_worker) if w is not None]
+
+    def resident_workers(self) -> list[Worker]:
+        """The workers loaded from the start: the default model's GPU worker,
+        and its CPU worker unless that loads on demand."""
+        if not self.model.is_default:
+            return []
+        return [w for w in self.workers() if not (w.role == "cpu" and self.on_demand_cpu is not None)]
+
+    def in_flight(self) -> int:
+        """Requests queued or running on this model's GPU path."""
+        gpu = self.dispatcher.gpu
+        return len(gpu.lane.running_ids) + len(gpu.lane.waiting_ids) if gpu is not None else 0
+
+    def gpu_loaded(self) -> bool:
+        worker = self.gpu_worker
+        return worker is not None and worker.state is not WorkerState.STOPPED
+
+    def vram_mib(self, reading=None) -> float:
+        """What this model's GPU worker holds on the device: NVML's
+        per-process number where it reports one, else the estimate while the
+        worker is up (on a simulated device, what it registered)."""
+        service = self.service
+        if service.simulated is not None:
+            return service.simulated.footprint(self.footprint_owner)
+        worker = self.gpu_worker
+        if worker is None or not worker.pid:
+            return 0.0
+        reading = reading or service.observer.latest().gpu
+        device = reading.devices[0] if reading.devices else None
+        if device is not None and device.processes_reported:
+            mine = [p.used_mib for p in device.processes if p.pid == worker.pid and p.used_mib is not None]
+            if mine:
+                return sum(mine)
+        return self.gpu_footprint.gpu.total / MIB
+
+    # ----- lifecycle ----------------------------------------------------------
+
+    async def start(self) -> None:
+        self.counter = await asyncio.to_thread(PromptCounter, self.model_info.path)
+        if self.fallback_info is not self.model_info:
+            self.equivalence = await asyncio.to_thread(self._check_fallback_equivalence)
+
+    async def close_keepers(self) -> None:
+        for keeper in (self.sharing, self.on_demand_cpu):
+            if keeper is not None:
+                await keeper.close()
+
+    def close_counter(self) -> None:
+        if self.counter is not None:
+            self.counter.close()
+
+    def _check_fallback_equivalence(self) -> dict[str, Any]:
+        fallback = PromptCounter(self.fallback_info.path)
+        try:
+            assert self.counter is not None
+            differences = []
+            if fallback.chat_template != self.counter.chat_template:
+                differences.append("chat template differs")
+            if fallback.vocabulary_fingerprint() != self.counter.vocabulary_fingerprint():
+                differences.append("tokenizer vocabulary differs")
+        finally:
+            fallback.close()
+        if differences:
+            return {"equivalent": False, "detail": "not equivalent: " + ", ".join(differences)}
+        return {"equivalent": True, "detail": "same tokenizer and chat template as the main model"}
+
+    def restart_workers(self) -> None:
+        """Restart the loaded workers. A GPU worker that was given away or
+        unloaded stays so, and so does an on-demand CPU worker at rest."""
+        for worker in self.workers():
+            if worker.role == "gpu" and self.sharing is not None and self.sharing.residency.hold is not None:
+                continue
+            if worker.role == "cpu" and self.on_demand_cpu is not None and worker.state is WorkerState.STOPPED:
+                continue
+            worker.restart("restart requested by the user")
+
+    # ----- what it says about itself (reads only) -----------------------------------
+
+    def location(self) -> str:
+        """Where the model is loaded now: "gpu", "cpu", "gpu+cpu", "loading" or "unloaded"."""
+        places = [w.role for w in self.workers() if w.state is WorkerState.READY]
+        if places:
+            return "+".join(places)
+        if any(w.state is WorkerState.STARTING for w in self.workers()):
+            return "loading"
+        return "unloaded"
+
+    def degraded(self) -> dict[str, Any]:
+        observer = self.service.observer
+        cause = self.dispatcher.degraded_cause()
+        default = self.model.is_default
+        return {
+            # The default model's degraded mode is the observer's (with its
+            # debounce and history); another model's is its dispatcher's now.
+            "active": observer.degraded_since is not None if default else cause is not None,
+            "reason": observer.degraded_reason if default else cause,
+            "since": observer.degraded_since if default else None,
+            "model": self.model_id,
+            "fallback_model": self.fallback_model_id,
+            "fallback_equivalent": self.equivalence["equivalent"],
+            "fallback_detail": self.equivalence["detail"],
+            # What a typical new request (64 prompt tokens) would wait now.
+            "estimated_latency_s": round(self.dispatcher.cpu_wait_s(64, EXPECTED_ANSWER_TOKENS), 2),
+            "cpu_context_cap": self.model.cpu_n_ctx,
+            "cpu_queue_depth": len(self.dispatcher.cpu.lane.waiting_ids),
+        }
+
+    def worker_status(self, snapshot) -> list[dict[str, Any]]:
+        workers = []
+        for worker in self.workers():
+            info = worker.snapshot()
+            info["rss_mib"] = snapshot.host.rss_mib_by_pid.get(worker.pid) if worker.pid else None
+            footprint = self.gpu_footprint if worker.role == "gpu" else self.cpu_footprint
+            info["estimated_vram_mib"] = round(footprint.gpu.total / MIB, 1)
+            info["estimated_ram_mib"] = round(footprint.host.total / MIB, 1)
+            workers.append(info)
+        return workers
+
+    def summary(self) -> dict[str, Any]:
+        """This model's line in /status["models"] and /v1/models."""
+        model = self.model
+        sharing = self.sharing
+        gpu, cpu = self.gpu_worker, self.cpu_worker
+        return {
+            "name": self.model_id, "aliases": list(model.aliases), "source": model.source,
+            "path": str(model.path), "size_bytes": self.model_info.file_size,
+            "cpu_fallback": None if model.cpu_path is None else self.fallback_model_id,
+            "location": self.location(),
+            "gpu": sharing.state() if sharing is not None else "unavailable",
+            "cpu": cpu.state.value if cpu is not None else None,
+            "gpu_pid": gpu.pid if gpu is not None else None,
+            "estimated_vram_mib": round(self.gpu_footprint.gpu.total / MIB, 1),
+            "estimated_ram_mib": round(self.cpu_footprint.host.total / MIB, 1),
+            "vram_mib": round(self.vram_mib(), 1),
+            "context": {"gpu": model.gpu_n_ctx, "cpu": model.cpu_n_ctx},
+            "idle_unload_s": model.idle_unload_s,
+            "last_used": round(time.time() - (self._clock() - self.last_used), 3),
+            "loads": sharing.loads if sharing is not None else 0,
+            "last_load_s": sharing.last_load_s if sharing is not None else None,
+            "evictions": self.evictions,
+            "requests": dict(self.requests_by_path),
+            "in_flight": self.in_flight(),
+            "breaker": self.breaker.snapshot()["state"],
+            "degraded": self.dispatcher.degraded_cause(),
+        }
+
+    # ----- worker hooks ---------------------------------------------------------------
+
+    async def before_spawn(self, worker: Worker) -> LaunchExtras:
+        if worker.role != "gpu":
+            return LaunchExtras()
+        service = self.service
+        need = self.gpu_footprint.gpu.total / MIB
+        if service.simulated is not None:
+            simulated = service.simulated
+            simulated.set_footprint(self.footprint_owner, 0)
+            free = simulated.read().free_mib or 0.0
+            if need <= free:
+                simulated.set_footprint(self.footprint_owner, need)
+            return LaunchExtras(simulated_vram_need_mib=need, simulated_vram_free_mib=free)
+        if worker.last_exit is not None and worker.last_exit.kind is not ExitKind.CLEAN_STOP:
+            # NVML lags a process exit: let the old worker's memory come back
+            # before the new one allocates, or it fails for no real reason.
+            # (A worker we stopped was waited for: GpuSharing saw it released.)
+            baseline = service.gpu_reader.read().free_mib
+            if baseline is not None:
+                await wait_for_vram_recovery(lambda: service.gpu_reader.read().free_mib, baseline, need)
+        return LaunchExtras()
+
+    def on_worker_event(self, event: WorkerEvent) -> None:
+        service = self.service
+        if event.role == "gpu":
+            if event.state is not WorkerState.READY:
+                self.dispatcher.redirect_gpu_waiting(f"the GPU worker is {event.state.value}")
+            if event.exit is not None and service.simulated is not None:
+                service.simulated.set_footprint(self.footprint_owner, 0)
+            if event.exit is not None and event.exit.kind is ExitKind.OUT_OF_MEMORY:
+                self.breaker.trip(f"GPU worker out of memory: {event.exit.evidence or event.exit.describe()}")
+            if event.state is WorkerState.READY and self._gpu_failed_at is not None:
+                self.gpu_recovery_s = round(self._clock() - self._gpu_failed_at, 3)
+                self._gpu_failed_at = None
+            if event.exit is not None and event.exit.kind is not ExitKind.CLEAN_STOP and self._gpu_failed_at is None:
+                self._gpu_failed_at = self._clock()
+        self.note("worker", role=event.role, state=event.state.value,
+                  exit=event.exit.describe() if event.exit else None)
+        service.observer.advance()
+
+
+class _HostHooks(WorkerHooks):
+    def __init__(self, host: ModelHost) -> None:
+        self._host = host
+
+    async def before_spawn(self, worker: Worker) -> LaunchExtras:
+        return await self._host.before_spawn(worker)
+
+    def on_event(self, event: WorkerEvent) -> None:
+        self._host.on_worker_event(event)
+
+
+class _DispatchEvents:
+    """The dispatcher's effects on the rest of the service: the event log,
+    degraded mode, the metrics and the GPU recovery clock."""
+
+    def __init__(self, host: ModelHost) -> None:
+        self._host = host
+
+    def note(self, kind: str, **data: Any) -> None:
+        self._host.note(kind, **data)
+
+    def changed(self) -> None:
+        self._host.service.observer.advance()
+
+    def decided(self, job: Job, decision: Decision) -> None:
+        path = {Route.GPU: "gpu", Route.GPU_QUEUE: "gpu", Route.CPU: "cpu"}.get(decision.route, "rejected")
+        metrics = self._host.service.metrics
+        metrics.requests.labels(path, decision.reason.value).inc()
+        metrics.model_requests.labels(self._host.model_id, path).inc()
+        self._host.requests_by_path[path] += 1
+        if decision.reason is Reason.GPU_FAILED_REPLAYED:
+            metrics.replays.inc()
+
+    def completed(self, job: Job, attempt: Attempt) -> None:
+        metrics = self._host.service.metrics
+        first = attempt.first_token_at or attempt.ended_at
+        assert first is not None and attempt.ended_at is not None
+        metrics.ttft.labels(attempt.path).observe(first - attempt.started_at)
+        if attempt.tokens > 1 and attempt.ended_at > first:
+            metrics.tokens_per_second.labels(attempt.path).observe((attempt.tokens - 1) / (attempt.ended_at - first))
+
+    def gpu_failed(self, job: Job, reason: str) -> None:
+        self._host._gpu_failed_at = self._host._clock()
+        self._host.service.metrics.gpu_failures.labels("yes" if job.committed else "no").inc()
+
+
+def system_fingerprint(engine: str, model_path: Path) -> str:
+    """A stable id of engine build plus model file, cheap for a 40 GB file:
+    its size and its first and last MiB (the GGUF header, the last tensors)."""
+    digest = hashlib.sha256(engine.encode())
+    size = model_path.stat().st_size
+    digest.update(str(size).encode())
+    with open(model_path, "rb") as handle:
+        digest.update(handle.read(MIB))
+        if size > 2 * MIB:
+            handle.seek(-MIB, os.SEEK_END)
+            digest.update(handle.read(MIB))
+    return "fp_" + digest.hexdigest()[:12]

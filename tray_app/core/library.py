@@ -1,0 +1,149 @@
+"""The model library: every model the server can serve, by the name a
+client asks for.
+
+Three sources, in this order: the default model ([model] path, or the
+bundled one), each [[models]] entry in the config, and every .gguf in the
+models folder that no entry already names. Each model has its own GPU
+profile (context, layers, slots), a CPU fallback (the same file, a smaller
+model, or none) and how long its GPU worker stays loaded without a request.
+
+Resolving a name is pure: exact names first, then aliases, Ollama's
+":latest" tag, the file name, and "default".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+# A split GGUF's later parts ("model-00002-of-00003.gguf") are loaded through
+# the first part; listing them as models of their own would be wrong.
+_LATER_SPLIT_PART = re.compile(r"-(\d{5})-of-\d{5}\.gguf$", re.IGNORECASE)
+OLLAMA_TAG = ":latest"
+
+
+@dataclass(frozen=True)
+class LibraryModel:
+    name: str
+    path: Path
+    aliases: tuple[str, ...] = ()
+    source: str = "folder"            # "default", "config" or "folder"
+    gpu_n_ctx: int = 4096             # one request's context on the GPU (per slot)
+    gpu_layers: int = -1
+    slots: int = 4
+    cpu_path: Path | None = None      # the CPU fallback's file; None = no CPU fallback
+    cpu_n_ctx: int = 2048
+    idle_unload_s: float = 300.0      # the GPU worker unloads after this long idle; 0 = never
+
+    @property
+    def is_default(self) -> bool:
+        return self.source == "default"
+
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+
+class LibraryError(ValueError):
+    """Two models claim one name, or an entry names no file."""
+
+
+class Library:
+    def __init__(self, models: Iterable[LibraryModel]) -> None:
+        self.models: tuple[LibraryModel, ...] = tuple(models)
+        if not self.models:
+            raise LibraryError("the library has no model")
+        self._by_name: dict[str, LibraryModel] = {}
+        for model in self.models:
+            for name in model.names():
+                other = self._by_name.get(name)
+                if other is not None and other is not model:
+                    raise LibraryError(f"the name {name!r} is taken by two models: {other.path} and {model.path}; "
+                                       "give one of them another name in its [[models]] entry")
+                self._by_name[name] = model
+
+    def __iter__(self) -> Iterator[LibraryModel]:
+        return iter(self.models)
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    @property
+    def default(self) -> LibraryModel:
+        return self.models[0]
+
+    def resolve(self, name: str | None) -> LibraryModel | None:
+        """The model a request's `model` field means; None when nothing here has that name."""
+        if name is None or name == "default":
+            return self.default
+        if name in self._by_name:
+            return self._by_name[name]
+        if name.endswith(OLLAMA_TAG) and name[: -len(OLLAMA_TAG)] in self._by_name:
+            return self._by_name[name[: -len(OLLAMA_TAG)]]
+        return next((m for m in self.models if m.path.name == name), None)
+
+
+
+def gguf_files(folder: Path) -> list[Path]:
+    """The loadable .gguf files under a folder, recursively (downloads often
+    land in one subfolder per model), the later parts of split files left out."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in sorted(folder.rglob("*")):
+        if path.suffix.lower() != ".gguf" or not path.is_file():
+            continue
+        split = _LATER_SPLIT_PART.search(path.name)
+        if split is not None and split.group(1) != "00001":
+            continue
+        found.append(path)
+    return found
+
+
+def folder_models(folder: Path, taken: Iterable[Path], template: LibraryModel) -> list[LibraryModel]:
+    """A model for each file in the folder that no other entry names, with
+    the default profile (`template`) and its own file as the CPU fallback."""
+    seen = {p.resolve() for p in taken}
+    models = []
+    names = set()
+    for path in gguf_files(folder):
+        if path.resolve() in seen:
+            continue
+        name = _LATER_SPLIT_PART.sub(".gguf", path.name)[: -len(".gguf")]
+        if name in names:  # the same file name in two subfolders: keep the first
+            continue
+        names.add(name)
+        models.append(LibraryModel(name=name, path=path, source="folder", gpu_n_ctx=template.gpu_n_ctx,
+                                   gpu_layers=template.gpu_layers, slots=template.slots, cpu_path=path,
+                                   cpu_n_ctx=template.cpu_n_ctx, idle_unload_s=template.idle_unload_s))
+    return models
+
+
+def build_library(config) -> Library:
+    """The library a config describes: its default model, its [[models]]
+    entries, and the models folder's files (config.Config; typed loosely so
+    this module stays importable without the config's dependencies)."""
+    gpu, cpu = config.gpu, config.cpu
+    default_path = config.model_path()
+    default = LibraryModel(
+        name=default_path.stem, path=default_path, aliases=("default",), source="default", gpu_n_ctx=gpu.n_ctx,
+        gpu_layers=gpu.n_gpu_layers, slots=gpu.max_concurrency, cpu_path=config.fallback_model_path(),
+        cpu_n_ctx=cpu.n_ctx, idle_unload_s=gpu.idle_unload_s)
+    models = [default]
+    for entry in config.models:
+        path = Path(entry.path).expanduser()
+        if entry.cpu_fallback == "none":
+            cpu_path = None
+        elif entry.cpu_fallback == "same":
+            cpu_path = path
+        else:
+            cpu_path = Path(entry.cpu_fallback).expanduser()
+        models.append(LibraryModel(
+            name=entry.name, path=path, aliases=tuple(entry.aliases), source="config",
+            gpu_n_ctx=entry.n_ctx or gpu.n_ctx,
+            gpu_layers=entry.n_gpu_layers, slots=entry.max_concurrency or gpu.max_concurrency, cpu_path=cpu_path,
+            cpu_n_ctx=cpu.n_ctx,
+            idle_unload_s=gpu.idle_unload_s if entry.idle_unload_s < 0 else entry.idle_unload_s))
+    models += folder_models(config.models_folder(), [m.path for m in models], default)
+    return Library(models)
