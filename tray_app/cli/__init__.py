@@ -12,6 +12,7 @@ from ..core.config import DEFAULT_PORT, Config, ConfigError, apply_overrides, lo
 from ..core.memory.gguf_info import ModelFileError
 from ..drill.command import add_drill_parser, run_drill
 from .models import add_models_parser, run_models
+from .pull import add_pull_parser, run_pull
 
 
 def _add_service_options(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="TOML config file whose [server] api_key to send (default: the platform config "
                              "dir's config.toml); TRAY_APP_API_KEY takes precedence, as on the server")
     add_models_parser(sub)
+    add_pull_parser(sub)
     add_drill_parser(sub)
     return parser
 
@@ -134,7 +136,7 @@ def _error_message(response: Any) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     raw = list(argv if argv is not None else sys.argv[1:])
-    subcommands = {"tray", "serve", "status", "models", "drill"}
+    subcommands = {"tray", "serve", "status", "models", "pull", "drill"}
     # Options without a subcommand belong to the default one: `tray-app --port 9000`.
     if raw and raw[0] not in subcommands and raw[0] not in ("-h", "--help"):
         raw = ["tray", *raw]
@@ -152,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return print_status(args.url, args.json, effective_api_key(configured_key))
     if command == "models":
         return run_models(args)
+    if command == "pull":
+        return run_pull(args)
     if command == "drill":
         return run_drill(args)
     try:

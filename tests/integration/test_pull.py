@@ -1,0 +1,370 @@
+"""`tray-app pull` against a local hub laid out like Hugging Face: the tree
+API and resolve URLs, Range requests, a dropped connection, a server that
+ignores Range, a wrong published hash, 404 and 401. It serves the real
+bundled SmolLM2 GGUF (a slice of it would not be a valid GGUF). No network."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote
+
+import httpx
+import pytest
+
+from tray_app.core.config import Config, bundled_model_path
+from tray_app.core.download import (PART_SUFFIX, DownloadCancelled, DownloadError, ErrorKind, download_model,
+                                    sha256_of)
+from tray_app.core.engine.worker import free_loopback_port
+from tray_app.core.library import build_library
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+REPO = "test-org/SmolLM2-GGUF"
+# Not the bundled file's own name: the library would refuse two models called the same.
+FILE = "quant/smollm2-pulled.Q4_1.gguf"
+PRIVATE_REPO = "test-org/private"
+TOKEN = "hf_secret"
+
+
+@pytest.fixture(scope="module")
+def model_bytes() -> bytes:
+    return bundled_model_path().read_bytes()
+
+
+@dataclass
+class HubFile:
+    data: bytes
+    sha256: str | None  # what the tree API publishes; None = a plain (non-LFS) entry
+
+
+@dataclass
+class FakeHub:
+    files: dict[tuple[str, str], HubFile]
+    ignore_range: bool = False
+    drop_after: int | None = None  # the first download sends this many bytes, then hangs up
+    ranges: list[str | None] = field(default_factory=list)  # the Range header of each download request
+    requests: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    url: str = ""
+
+
+def make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:  # quiet test output
+            pass
+
+        def _plain(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
+            self.send_response(status)
+            for key, value in (headers or {}).items():
+                self.send_header(key, value)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _authorised(self, repo: str) -> bool:
+            return repo != PRIVATE_REPO or self.headers.get("Authorization") == f"Bearer {TOKEN}"
+
+        def do_GET(self) -> None:
+            path = unquote(self.path)
+            with hub.lock:
+                hub.requests.append(path)
+            tree = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)(?:/(.*))?", path)
+            resolve = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+            match = tree or resolve
+            if match is None or match.group(2) != "main":
+                return self._plain(404, b"not found")
+            repo = match.group(1)
+            if not self._authorised(repo):
+                return self._plain(401, b"unauthorised")
+            if not any(r == repo for r, _ in hub.files):
+                return self._plain(404, b"no such repo")
+            if tree:
+                return self._tree(repo, match.group(3) or "")
+            return self._resolve(repo, match.group(3))
+
+        def _tree(self, repo: str, folder: str) -> None:
+            entries = []
+            for (r, path), hub_file in hub.files.items():
+                if r != repo or str(Path(path).parent).replace(".", "") != folder:
+                    continue
+                entry = {"type": "file", "path": path, "size": len(hub_file.data), "oid": "0" * 40}
+                if hub_file.sha256 is not None:
+                    entry["lfs"] = {"oid": hub_file.sha256, "size": len(hub_file.data), "pointerSize": 134}
+                entries.append(entry)
+            self._plain(200, json.dumps(entries).encode(), {"Content-Type": "application/json"})
+
+        def _resolve(self, repo: str, path: str) -> None:
+            hub_file = hub.files.get((repo, path))
+            if hub_file is None:
+                return self._plain(404, b"entry not found", {"X-Error-Code": "EntryNotFound"})
+            data, size = hub_file.data, len(hub_file.data)
+            requested = self.headers.get("Range")
+            with hub.lock:
+                hub.ranges.append(requested)
+                drop, hub.drop_after = hub.drop_after, None
+            start = 0
+            if requested and not hub.ignore_range:
+                start = int(re.fullmatch(r"bytes=(\d+)-", requested).group(1))
+                if start >= size:
+                    return self._plain(416, b"", {"Content-Range": f"bytes */{size}"})
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {start}-{size - 1}/{size}")
+            else:
+                self.send_response(200)
+            self.send_header("Content-Length", str(size - start))
+            self.send_header("Accept-Ranges", "bytes")
+            self.end_headers()
+            end = size if drop is None else start + drop
+            view = memoryview(data)
+            try:
+                for offset in range(start, end, 1 << 20):
+                    self.wfile.write(view[offset:min(offset + (1 << 20), end)])
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True  # the client hung up (a cancel)
+                return
+            if drop is not None:
+                # Hang up mid-body, as a dropped connection does.
+                self.close_connection = True
+
+    return Handler
+
+
+@pytest.fixture
+def hub(model_bytes):
+    sha = hashlib.sha256(model_bytes).hexdigest()
+    state = FakeHub(files={
+        (REPO, FILE): HubFile(model_bytes, sha),
+        (REPO, "wrong-hash.gguf"): HubFile(model_bytes, "f" * 64),
+        (REPO, "no-lfs.gguf"): HubFile(model_bytes, None),
+        (PRIVATE_REPO, "m.gguf"): HubFile(model_bytes, sha),
+    })
+    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    state.url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def expected_sha(model_bytes) -> str:
+    return hashlib.sha256(model_bytes).hexdigest()
+
+
+def test_a_full_download_is_verified_and_renamed(hub, tmp_path, expected_sha, model_bytes):
+    seen: list[tuple[int, int | None]] = []
+    result = download_model(hub.url, REPO, FILE, tmp_path, progress=lambda d, t: seen.append((d, t)))
+    dest = tmp_path / "smollm2-pulled.Q4_1.gguf"
+    assert result.path == dest and result.verified and not result.already_present
+    assert (result.size, result.sha256, result.resumed_from) == (len(model_bytes), expected_sha, 0)
+    assert sha256_of(dest) == expected_sha
+    assert not (tmp_path / f"{dest.name}{PART_SUFFIX}").exists()
+    assert seen[0] == (0, len(model_bytes)) and seen[-1] == (len(model_bytes), len(model_bytes))
+    assert hub.ranges == [None]
+    # The tree lookup listed the file's own folder, as the real hub needs.
+    assert f"/api/models/{REPO}/tree/main/quant" in hub.requests
+    print(f"\nfull download: {result.size / result.elapsed_s / 2**20:.0f} MiB/s over loopback")
+
+    again = download_model(hub.url, REPO, FILE, tmp_path)
+    assert again.already_present and again.verified and hub.ranges == [None]
+
+
+def test_a_dropped_download_resumes_with_a_range_request(hub, tmp_path, expected_sha, model_bytes):
+    cut = 40 * 1024 * 1024 + 123
+    hub.drop_after = cut
+    part = tmp_path / f"smollm2-pulled.Q4_1.gguf{PART_SUFFIX}"
+    with pytest.raises(DownloadError) as caught:
+        download_model(hub.url, REPO, FILE, tmp_path, retries=0)
+    assert caught.value.kind is ErrorKind.NETWORK and "run again to resume" in str(caught.value)
+    assert part.stat().st_size == cut
+    assert not (tmp_path / "smollm2-pulled.Q4_1.gguf").exists()
+
+    result = download_model(hub.url, REPO, FILE, tmp_path)
+    assert hub.ranges == [None, f"bytes={cut}-"]
+    assert (result.sha256, result.resumed_from, result.transferred) == (expected_sha, cut, len(model_bytes) - cut)
+    assert not part.exists()
+
+
+def test_a_drop_is_retried_within_one_call(hub, tmp_path, expected_sha):
+    hub.drop_after = 10 * 1024 * 1024
+    result = download_model(hub.url, REPO, FILE, tmp_path, retry_delay_s=0.01)
+    assert hub.ranges == [None, f"bytes={10 * 1024 * 1024}-"]
+    assert result.sha256 == expected_sha and result.resumed_from == 0
+
+
+def test_a_complete_part_gets_416_and_is_verified(hub, tmp_path, expected_sha, model_bytes):
+    (tmp_path / f"smollm2-pulled.Q4_1.gguf{PART_SUFFIX}").write_bytes(model_bytes)
+    result = download_model(hub.url, REPO, FILE, tmp_path)
+    assert hub.ranges == [f"bytes={len(model_bytes)}-"]
+    assert (result.sha256, result.transferred) == (expected_sha, 0)
+
+
+def test_a_server_that_ignores_range_starts_over_cleanly(hub, tmp_path, expected_sha):
+    hub.ignore_range = True
+    part = tmp_path / f"smollm2-pulled.Q4_1.gguf{PART_SUFFIX}"
+    part.write_bytes(b"GGUF" + b"\0" * 5000)  # bytes that would corrupt the file if appended to
+    result = download_model(hub.url, REPO, FILE, tmp_path)
+    assert hub.ranges == ["bytes=5004-"]
+    assert result.sha256 == expected_sha and result.restarts == 1
+    assert sha256_of(result.path) == expected_sha
+
+
+def test_a_wrong_published_hash_is_refused_and_leaves_nothing(hub, tmp_path, expected_sha):
+    with pytest.raises(DownloadError) as caught:
+        download_model(hub.url, REPO, "wrong-hash.gguf", tmp_path)
+    assert caught.value.kind is ErrorKind.HASH_MISMATCH
+    assert expected_sha in str(caught.value) and "f" * 64 in str(caught.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_published_hash_needs_no_verify(hub, tmp_path, expected_sha):
+    with pytest.raises(DownloadError, match="--no-verify") as caught:
+        download_model(hub.url, REPO, "no-lfs.gguf", tmp_path)
+    assert caught.value.kind is ErrorKind.NO_HASH and hub.ranges == []
+    result = download_model(hub.url, REPO, "no-lfs.gguf", tmp_path, verify=False)
+    assert not result.verified and result.sha256 == expected_sha
+
+
+def test_not_found_and_auth_errors(hub, tmp_path):
+    with pytest.raises(DownloadError, match="has no test-org/nope at revision main") as caught:
+        download_model(hub.url, "test-org/nope", "m.gguf", tmp_path)
+    assert caught.value.kind is ErrorKind.NOT_FOUND
+    with pytest.raises(DownloadError, match="has no file absent.gguf at revision main") as caught:
+        download_model(hub.url, REPO, "absent.gguf", tmp_path)
+    assert caught.value.kind is ErrorKind.NOT_FOUND
+    with pytest.raises(DownloadError, match="set HF_TOKEN") as caught:
+        download_model(hub.url, PRIVATE_REPO, "m.gguf", tmp_path)
+    assert caught.value.kind is ErrorKind.AUTH
+    with pytest.raises(DownloadError, match="token in HF_TOKEN has no access") as caught:
+        download_model(hub.url, PRIVATE_REPO, "m.gguf", tmp_path, token="hf_wrong")
+    assert caught.value.kind is ErrorKind.AUTH
+    assert download_model(hub.url, PRIVATE_REPO, "m.gguf", tmp_path, token=TOKEN).verified
+    assert list(tmp_path.iterdir()) == [tmp_path / "m.gguf"]
+
+
+def test_a_network_error_is_one_line(tmp_path):
+    with pytest.raises(DownloadError) as caught:
+        download_model(f"http://127.0.0.1:{free_loopback_port()}", REPO, FILE, tmp_path)
+    assert caught.value.kind is ErrorKind.NETWORK and "\n" not in str(caught.value)
+
+
+def test_cancel_keeps_the_part_for_a_resume(hub, tmp_path, expected_sha):
+    cancel = threading.Event()
+
+    def progress(done: int, total: int | None) -> None:
+        if done >= 20 * 1024 * 1024:
+            cancel.set()
+
+    with pytest.raises(DownloadCancelled):
+        download_model(hub.url, REPO, FILE, tmp_path, progress=progress, cancel=cancel)
+    part = tmp_path / f"smollm2-pulled.Q4_1.gguf{PART_SUFFIX}"
+    kept = part.stat().st_size
+    assert kept >= 20 * 1024 * 1024
+    result = download_model(hub.url, REPO, FILE, tmp_path, client=httpx.Client())
+    assert hub.ranges[-1] == f"bytes={kept}-" and result.sha256 == expected_sha
+
+
+def test_an_existing_different_file_is_not_overwritten(hub, tmp_path):
+    (tmp_path / "smollm2-pulled.Q4_1.gguf").write_bytes(b"GGUF something else")
+    with pytest.raises(DownloadError, match="already exists with other content") as caught:
+        download_model(hub.url, REPO, FILE, tmp_path)
+    assert caught.value.kind is ErrorKind.EXISTS and hub.ranges == []
+
+
+# ----- the command, as a user runs it -------------------------------------------------
+
+
+def run_pull(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "XDG_CONFIG_HOME": str(home / "config"), "XDG_DATA_HOME": str(home / "data"),
+           "XDG_STATE_HOME": str(home / "state"), "XDG_CACHE_HOME": str(home / "cache")}
+    env.pop("HF_TOKEN", None)
+    env.pop("TRAY_APP_HUB_URL", None)
+    # A port nobody listens on: a developer's own running service must not change the fit line.
+    url = f"http://127.0.0.1:{free_loopback_port()}"
+    return subprocess.run([sys.executable, "-m", "tray_app", "pull", *args, "--url", url],
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
+
+
+def test_the_command_pulls_into_the_models_folder_and_the_library_finds_it(hub, tmp_path, monkeypatch,
+                                                                          expected_sha):
+    done = run_pull(tmp_path, f"{REPO}/{FILE}", "--hub", hub.url, "--simulate-gpu-mib", "8192")
+    assert done.returncode == 0, done.stderr
+    models = tmp_path / "data" / "tray-app" / "models"
+    assert sha256_of(models / "smollm2-pulled.Q4_1.gguf") == expected_sha
+    assert "Fit (rough, from the file size" in done.stdout and "fits on the GPU" in done.stdout
+    assert "sha256 verified" in done.stdout and "'smollm2-pulled.Q4_1'" in done.stdout
+    assert expected_sha in done.stderr  # the published hash, said before downloading
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    library = build_library(Config())
+    pulled = library.resolve("smollm2-pulled.Q4_1")
+    assert pulled is not None and pulled.source == "folder"
+    assert pulled.path == models / "smollm2-pulled.Q4_1.gguf"
+
+    again = run_pull(tmp_path, f"{REPO}:{FILE}", "--hub", hub.url)
+    assert again.returncode == 0 and "already there (same sha256)" in again.stdout
+
+
+def test_the_command_reads_the_hub_from_the_environment_and_checks_only(hub, tmp_path):
+    env_home = tmp_path
+    done = subprocess.run(
+        [sys.executable, "-m", "tray_app", "pull", f"{REPO}/{FILE}", "--check-only", "--simulate-gpu-mib", "512",
+         "--url", f"http://127.0.0.1:{free_loopback_port()}"],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "TRAY_APP_HUB_URL": hub.url, "XDG_DATA_HOME": str(env_home / "data"),
+             "XDG_CONFIG_HOME": str(env_home / "config")})
+    assert done.returncode == 0, done.stderr
+    # 94 MiB + 512 MiB of runtime is more than 512 MiB of simulated VRAM minus the reserve.
+    assert "fits only on the CPU" in done.stdout
+    assert hub.ranges == [] and not (env_home / "data" / "tray-app" / "models").exists()
+
+
+@pytest.mark.parametrize("args, code, words", [
+    ([f"{REPO}/README.md"], 2, "not a .gguf file"),
+    (["just-a-name.gguf"], 2, "names no file"),
+    (["test-org/nope/m.gguf"], 1, "has no test-org/nope"),
+    ([f"{PRIVATE_REPO}/m.gguf"], 1, "HF_TOKEN"),
+    ([f"{REPO}/wrong-hash.gguf"], 1, "is corrupt"),
+])
+def test_the_command_fails_with_one_line(hub, tmp_path, args, code, words):
+    done = run_pull(tmp_path, *args, "--hub", hub.url, "--simulate-gpu-mib", "8192")
+    assert done.returncode == code
+    errors = [line for line in done.stderr.splitlines() if line.startswith("tray-app: error:")]
+    assert len(errors) == 1 and words in errors[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert not list((tmp_path / "data" / "tray-app" / "models").glob("*.gguf"))
+
+
+def test_an_unwritable_models_folder_is_one_line(hub, tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the models folder should be")
+    with pytest.raises(DownloadError, match="cannot write the model into") as caught:
+        download_model(hub.url, REPO, FILE, blocker / "models")
+    assert caught.value.kind is ErrorKind.LOCAL
+
+
+def test_too_little_disk_space_is_refused_before_any_byte(hub, tmp_path, monkeypatch):
+    import shutil
+
+    from tray_app.core import download
+
+    real = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(download.shutil, "disk_usage", lambda path: real._replace(free=10 * 1024 * 1024))
+    with pytest.raises(DownloadError, match="not enough space") as caught:
+        download_model(hub.url, REPO, FILE, tmp_path)
+    assert caught.value.kind is ErrorKind.DISK_FULL and hub.ranges == []
