@@ -85,6 +85,17 @@ def test_ram_floor_refuses_cpu():
     assert decision.reason is Reason.RAM_FLOOR and decision.status == 503
 
 
+def test_a_cpu_load_counts_its_ram_and_what_unloading_idle_models_would_free():
+    down = replace(GPU, out=GpuOut(Reason.GPU_UNAVAILABLE, "down"))
+    # 1500 available, a 600 MiB load and a 1024 floor: short of room...
+    cpu = replace(CPU, host_available_mib=1500, load_ram_mib=600)
+    refused = decide(SHORT, down, cpu)
+    assert refused.reason is Reason.RAM_FLOOR and "loading the CPU model (600 MiB)" in refused.detail
+    # ...unless another model's idle CPU worker could be unloaded for it.
+    assert decide(SHORT, down, replace(cpu, evictable_ram_mib=400)).route is Route.CPU
+    assert decide(SHORT, down, replace(cpu, evictable_ram_mib=100)).reason is Reason.RAM_FLOOR
+
+
 def test_deadline_shorter_than_cpu_estimate_is_refused_at_once():
     cpu = replace(CPU, backlog_s=3.0)
     decision = decide(replace(SHORT, deadline_s=4.0), replace(GPU, out=GpuOut(Reason.GPU_UNAVAILABLE, "down")), cpu)

@@ -64,6 +64,10 @@ class HostOwner(Protocol):
 
     async def make_vram_room(self, host: "ModelHost") -> str | None: ...
 
+    async def make_ram_room(self, host: "ModelHost") -> None: ...
+
+    def evictable_cpu_ram_mib(self, host: "ModelHost") -> float: ...
+
 
 class ModelHost:
     def __init__(self, service: HostOwner, model: LibraryModel, *, runtime: WorkerRuntime,
@@ -114,7 +118,9 @@ class ModelHost:
                    cpu_load_prior_s=prior_load_s(self.fallback_info.path.stat().st_size / MIB)),
             backends, self.breaker, observer.latest,
             Costs(gpu_mib=lambda tokens: estimate.request_vram_bytes(self.model_info, self.gpu_settings, tokens) / MIB,
-                  cpu_mib=lambda tokens: estimate.kv_bytes_per_token(self.fallback_info) * tokens / MIB),
+                  cpu_mib=lambda tokens: estimate.kv_bytes_per_token(self.fallback_info) * tokens / MIB,
+                  cpu_load_mib=self.cpu_load_ram_mib,
+                  cpu_evictable_mib=lambda: service.evictable_cpu_ram_mib(self)),
             _DispatchEvents(self), gpu_missing_reason=gpu_missing_reason, clock=self._clock,
             # A model without a CPU fallback answers 503 when its GPU can't serve.
             no_fallback=config.routing.fallback == "never" or model.cpu_path is None,
@@ -204,6 +210,28 @@ class ModelHost:
         if not self.model.is_default:
             return []
         return [w for w in self.workers() if not (w.role == "cpu" and self.on_demand_cpu is not None)]
+
+    def cpu_load_ram_mib(self) -> float:
+        """The RAM loading this model's CPU worker takes; 0 once it is loaded
+        (a warm worker's RAM is already out of the available figure)."""
+        if self.on_demand_cpu is None or self.cpu_worker.state is not WorkerState.STOPPED:
+            return 0.0
+        return self.cpu_footprint.host.total / MIB
+
+    def cpu_idle(self) -> bool:
+        """An on-demand CPU worker that is loaded with nothing queued or running: evictable."""
+        lane = self.dispatcher.cpu.lane
+        return (self.on_demand_cpu is not None and self.cpu_worker.state is WorkerState.READY
+                and not lane.running_ids and not lane.waiting_ids)
+
+    def cpu_ram_mib(self, snapshot=None) -> float:
+        """What this model's CPU worker holds in RAM: its RSS, else the estimate."""
+        worker = self.cpu_worker
+        if not worker.pid:
+            return 0.0
+        snapshot = snapshot or self.service.observer.latest()
+        rss = snapshot.host.rss_mib_by_pid.get(worker.pid)
+        return rss if rss else self.cpu_footprint.host.total / MIB
 
     def in_flight(self) -> int:
         """Requests queued or running on this model's GPU path."""
@@ -346,6 +374,8 @@ class ModelHost:
     # ----- worker hooks ---------------------------------------------------------------
 
     async def before_spawn(self, worker: Worker) -> LaunchExtras:
+        if worker.role == "cpu" and self.on_demand_cpu is not None:
+            await self.service.make_ram_room(self)
         if worker.role != "gpu":
             return LaunchExtras()
         service = self.service

@@ -315,6 +315,35 @@ class Service:
                                    freed_mib=round(residents[name].mib, 1))
             return None
 
+    def _idle_cpu_residents(self, host: ModelHost, snapshot) -> dict[str, Resident]:
+        # Least recently used: when each last gave a CPU slot back (the lanes share one clock).
+        return {h.name: Resident(h.name, h.cpu_ram_mib(snapshot), h.dispatcher.cpu.lane.last_released_at or 0.0)
+                for h in self.hosts.values() if h is not host and h.cpu_idle()}
+
+    def evictable_cpu_ram_mib(self, host: ModelHost) -> float:
+        """The RAM other models' idle on-demand CPU workers hold (admission
+        counts it as room a CPU load can make)."""
+        if host.cpu_load_ram_mib() == 0:
+            return 0.0
+        return sum(r.mib for r in self._idle_cpu_residents(host, self.observer.latest()).values())
+
+    async def make_ram_room(self, host: ModelHost) -> None:
+        """Before `host`'s CPU worker loads on demand: unload other models'
+        idle CPU workers until its load leaves the RAM floor free, by the
+        same policy as VRAM. When nothing can, the load goes ahead: admission
+        already refused what would cross the floor (RAM_FLOOR)."""
+        async with self._load_lock:
+            snapshot = await asyncio.to_thread(self.observer.sample)
+            residents = self._idle_cpu_residents(host, snapshot)
+            need = host.cpu_footprint.host.total / MIB
+            plan = plan_eviction(need, snapshot.host.available_mib, self.config.cpu.ram_floor_mib,
+                                 list(residents.values()))
+            for name in plan.victims if plan is not None else ():
+                victim = self.hosts[name]
+                await victim.cpu_worker.stop()
+                self.observer.note("model_evicted", model=victim.model_id, for_model=host.model_id, path="cpu",
+                                   freed_mib=round(residents[name].mib, 1))
+
     # ----- commands -------------------------------------------------------------
 
     def set_gpu_paused(self, paused: bool) -> None:

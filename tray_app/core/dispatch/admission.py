@@ -155,6 +155,11 @@ class CpuView:
     prompt_tokens_per_s: float
     # Seconds of work already ahead in the CPU lane (running + queued), per slot.
     backlog_s: float
+    # A CPU worker that loads on demand and is not loaded: the RAM its load
+    # takes, and what unloading other models' idle CPU workers would give
+    # back to make room (dispatch.eviction; done just before the load).
+    load_ram_mib: float = 0.0
+    evictable_ram_mib: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -263,12 +268,13 @@ def _to_cpu(request: RequestShape, cpu: CpuView, why: Reason, detail: str,
             f"context cap of {cpu.lane.context_cap}; retry later or shorten the request",
             status=503, retry_after_s=30.0,
         )
-    if cpu.host_available_mib - cpu.request_ram_mib < cpu.ram_floor_mib:
+    left = cpu.host_available_mib - cpu.request_ram_mib - cpu.load_ram_mib
+    if left + cpu.evictable_ram_mib < cpu.ram_floor_mib:
+        loading = f" and loading the CPU model ({cpu.load_ram_mib:.0f} MiB)" if cpu.load_ram_mib else ""
         return Decision(
             Route.REJECT, Reason.RAM_FLOOR,
-            f"the GPU path can't serve ({detail}) and running on the CPU would leave "
-            f"{cpu.host_available_mib - cpu.request_ram_mib:.0f} MiB of RAM, under the "
-            f"{cpu.ram_floor_mib:.0f} MiB floor that keeps the host from swapping",
+            f"the GPU path can't serve ({detail}) and running on the CPU{loading} would leave "
+            f"{left:.0f} MiB of RAM, under the {cpu.ram_floor_mib:.0f} MiB floor that keeps the host from swapping",
             status=503, retry_after_s=30.0,
         )
     latency = estimate_cpu_latency_s(request, cpu)

@@ -91,6 +91,10 @@ class Costs:
 
     gpu_mib: Callable[[int], float]
     cpu_mib: Callable[[int], float]
+    # The RAM a CPU worker's load takes (0 once loaded), and what unloading
+    # other models' idle CPU workers would free (see CpuView).
+    cpu_load_mib: Callable[[], float] = lambda: 0.0
+    cpu_evictable_mib: Callable[[], float] = lambda: 0.0
 
 
 class Dispatcher:
@@ -332,6 +336,8 @@ class Dispatcher:
             prompt_tokens_per_s=self.cpu.speed.prompt_tokens_per_s,
             # A CPU worker that loads on demand, or is restarting, answers after its load.
             backlog_s=self._backlog_s(self.cpu) + self._cpu_load_eta_s(),
+            load_ram_mib=self._costs.cpu_load_mib(),
+            evictable_ram_mib=self._costs.cpu_evictable_mib(),
         )
 
     def _no_fallback(self, job: Job) -> bool:
