@@ -33,7 +33,7 @@ def test_short_drill_passes_and_writes_its_report(tmp_path):
 
     # Every phase ran; none was skipped on the drill's own service.
     ran = {p["number"]: p for p in report["phases"] if p["number"]}
-    assert sorted(ran) == list(range(1, 11)) and not any(p["skipped"] for p in ran.values())
+    assert sorted(ran) == list(range(1, 12)) and not any(p["skipped"] for p in ran.values())
     numbers = report["numbers"]
     assert numbers["lost_requests"] == 0 and numbers["duplicated_side_effects"] == 0
     assert numbers["tool_calls_ran_twice"] == [] and len(numbers["tool_executions"]) >= 2
@@ -46,6 +46,10 @@ def test_short_drill_passes_and_writes_its_report(tmp_path):
     other_app = next(p for p in report["phases"] if p["key"] == "other_app_takes_vram")["data"]["other_app"]
     assert other_app["release_s"] > 0 and other_app["reload_s"] >= other_app["settle_s"]
     assert other_app["lost"] == 0 and other_app["duplicated"] == 0
+    # The second model loaded on demand, and was unloaded to bring the default back under pressure.
+    second = next(p for p in report["phases"] if p["key"] == "second_model")["data"]["second_model"]
+    assert second["load_s"] > 0 and second["other_app_mib"] > 0 and second["default_back_s"] > 0
+    assert second["lost"] == 0 and second["duplicated"] == 0
     assert any(r["error_code"] == "gpu_worker_failed" and r["connection_survived"] for r in report["requests"])
     assert any(r["outcome"] == "canceled" for r in report["requests"])
     # The poison request failed alone, and its retry was refused without running.

@@ -62,6 +62,10 @@ class DrillClient:
         response.raise_for_status()
         return response.json()
 
+    def admin_model(self, name: str, loaded: bool) -> httpx.Response:
+        """Load or unload a library model (POST /admin/models/{name}); the caller reads the answer."""
+        return self.http.post(f"/admin/models/{name}", json={"loaded": loaded}, timeout=60.0)
+
     def cancel(self, request_id: str) -> httpx.Response:
         return self.http.delete(f"/v1/requests/{request_id}", timeout=10.0)
 

@@ -26,7 +26,7 @@ EXIT_INTERRUPTED = 130
 
 DESCRIPTION = """\
 The failover drill: starts its own service (a simulated GPU when NVML finds
-none, the real GPU otherwise), runs ten phases of traffic and faults
+none, the real GPU otherwise), runs eleven phases of traffic and faults
 against it (requests over the GPU profile, streaming, a cancel in the CPU
 queue, 8 concurrent clients, agents with a counted tool, shrinking VRAM, an
 allocation failure, a GPU worker killed mid-request, a request that crashes
@@ -53,7 +53,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="check an already-running service instead of starting one; no faults are injected")
     parser.add_argument("--out", metavar="DIR", default="drill-report",
                         help="where report.json, report.md and latency.png go (default: ./drill-report)")
-    parser.add_argument("--phases", metavar="LIST", help="only these phases, e.g. 1,2,8 (default: all ten)")
+    parser.add_argument("--phases", metavar="LIST", help="only these phases, e.g. 1,2,8 (default: all eleven)")
     parser.add_argument("--simulated-gpu", action="store_true",
                         help="use the simulated GPU even when a real one is present")
     parser.add_argument("--model", metavar="GGUF", help="model for the drill's own service (default: the bundled one)")
@@ -201,7 +201,7 @@ def _parse_phases(text: str | None, known: set[int]) -> set[int] | None:
     for part in text.split(","):
         part = part.strip()
         if not part.isdigit() or int(part) not in known:
-            raise ValueError(f"--phases: {part!r} is not a phase number (1-9)")
+            raise ValueError(f"--phases: {part!r} is not a phase number (1-11)")
         chosen.add(int(part))
     return chosen
 

@@ -7,6 +7,7 @@ phase; the full one sends more requests and injects more faults.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 # The drill's own service has small context caps on purpose: a request that
@@ -84,8 +85,12 @@ PLANS = {"short": SHORT, "full": FULL}
 REAL_GPU_STEPS_SPARE_MIB = (8192.0, 1024.0, 256.0, -64.0)
 
 
-def service_config(*, simulated: bool) -> str:
-    """The TOML the drill's own service runs with."""
+SECOND_MODEL = "drill-second"
+
+
+def service_config(*, simulated: bool, model_path: str) -> str:
+    """The TOML the drill's own service runs with: the model under test, and
+    a second library model (the same file with a smaller profile) for phase 11."""
     gpu_device = f"simulate_mib = {SIMULATED_GPU_MIB}\nreserve_mib = 256" if simulated else "reserve_mib = 512"
     # A real GPU worker must stay down for a moment after a crash, so the
     # drill's second llama.cpp process can take the freed memory first (phase 7).
@@ -113,4 +118,10 @@ cooldown_s = 3
 [worker]
 {backoff}
 stop_timeout_s = 3
+
+[[models]]
+name = "{SECOND_MODEL}"
+path = {json.dumps(model_path)}
+n_ctx = {GPU_CTX}
+max_concurrency = 1
 """

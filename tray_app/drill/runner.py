@@ -44,6 +44,7 @@ PHASES = (
     (8, "gpu_worker_reset", "GPU worker killed mid-request"),
     (9, "poison_request", "A request that crashes the GPU worker, among normal traffic"),
     (10, "other_app_takes_vram", "Another app takes the VRAM while requests stream, holds it, lets go"),
+    (11, "second_model", "A second model loads on demand; a tight GPU unloads the idle one for the other"),
 )
 
 OVER_CAP_MAX_TOKENS = 16
@@ -147,7 +148,11 @@ class Drill:
             return "the service has no GPU worker"
         if number == 10 and has_gpu_path and not (self.initial_status.get("gpu") or {}).get("residency"):
             return "the service does not report GPU residency (an older version)"
-        if number in (7, 8, 9, 10):
+        if number == 11 and len(self.initial_status.get("models") or ()) < 2:
+            return "the service has one model (the drill's own service has two)"
+        if number == 11 and not has_gpu_path:
+            return "the service has no GPU worker"
+        if number in (7, 8, 9, 10, 11):
             if not self.target.can_inject:
                 return "fault injection is off against a live service (--url)"
             if not has_gpu_path:
@@ -811,14 +816,108 @@ class Drill:
             if app is not None:
                 app.crash()
             self.client.admin_gpu({"yield_to_other_apps": yielding_before})
-        mine = [r for r in self.records if r.phase == phase.key]
-        result["lost"] = len([r for r in mine if not self._answered(r)])
-        result["duplicated"] = self.client.status()["accounting"]["duplicate_executions"] - duplicates_before
-        phase.check("no request lost or run twice", result["lost"] == 0 and result["duplicated"] == 0,
-                    f"lost {result['lost']}, duplicated {result['duplicated']}", severity=INVARIANT)
+        self._check_nothing_lost(phase, result, duplicates_before)
         phase.notes.append(
             f"the other app took {result['took_mib']:.0f} MiB; VRAM released {result['release_s']:.2f} s after it "
             f"allocated (the service measured {result['service_release_s']:.2f} s); reloaded "
             f"{result['reload_s']:.2f} s after it let go (settle {result['settle_s']:g} s, load "
             f"{result['service_load_s']:.2f} s); first GPU answer {result['first_gpu_answer_after_let_go_s']:.2f} s "
             "after it let go")
+
+    def _check_nothing_lost(self, phase: PhaseResult, result: dict[str, Any], duplicates_before: int) -> None:
+        """The phase's invariant: every request it sent answered, none run twice."""
+        mine = [r for r in self.records if r.phase == phase.key]
+        result["lost"] = len([r for r in mine if not self._answered(r)])
+        result["duplicated"] = self.client.status()["accounting"]["duplicate_executions"] - duplicates_before
+        phase.check("no request lost or run twice", result["lost"] == 0 and result["duplicated"] == 0,
+                    f"lost {result['lost']}, duplicated {result['duplicated']}", severity=INVARIANT)
+
+    # ----- phase 11 -----------------------------------------------------------------------------------
+
+    def _phase_second_model(self, phase: PhaseResult) -> None:
+        """The library's second model loads on its first request, its CPU
+        fallback answering meanwhile; then, with the default model unloaded
+        and another app holding enough VRAM that both can't fit, a request
+        for the default model unloads the idle second one to make room.
+        Nothing is lost or run twice."""
+        from .vram_hog import OtherApp
+
+        before = self.client.status()
+        default = before["service"]["model"]
+        second = next(m["name"] for m in before["models"] if m["source"] != "default")
+        duplicates_before = before["accounting"]["duplicate_executions"]
+        result: dict[str, Any] = {"second_model": second}
+        phase.data["second_model"] = result
+
+        def model(status: dict[str, Any], name: str) -> dict[str, Any]:
+            return next(m for m in status["models"] if m["name"] == name)
+
+        app: OtherApp | None = None
+        try:
+            self.client.admin_model(second, False)
+            first = self._send(self._record(phase, f"first request for {second}", max_tokens=8,
+                                            prompt_key="second-model-first"),
+                               self._chat(SHORT_PROMPTS[0], model=second))
+            phase.check(f"the first request for {second} is answered by its CPU fallback while its GPU loads",
+                        self._answered(first) and first.served_by == "cpu" and first.route_reason == "gpu_loading",
+                        f"{first.served_by}/{first.route_reason}: {first.outcome}")
+            loading_from = self.clock.now()
+            loaded = self.client.wait_status(lambda s: model(s, second)["gpu"] == "loaded", RECOVERY_WAIT_S,
+                                             interval=0.1, what=f"{second} to load on the GPU")
+            result["load_s"] = model(loaded, second)["last_load_s"]
+            result["loaded_after_first_answer_s"] = round(self.clock.now() - loading_from, 3)
+            with ThreadPoolExecutor(2) as pool:
+                both = [self._record(phase, f"{name} with both loaded", max_tokens=8, prompt_key=f"both-{i}")
+                        for i, name in enumerate((default, second))]
+                done = [self._send_in(pool, record, self._chat(SHORT_PROMPTS[1], model=name))
+                        for record, name in zip(both, (default, second))]
+                for future in done:
+                    future.result()
+            phase.check("both models answer from the GPU at once",
+                        all(r.served_by == "gpu" and self._answered(r) for r in both),
+                        ", ".join(f"{r.served_by}/{r.route_reason}" for r in both))
+
+            # Tight memory: the default model unloaded, another app holding enough that it can
+            # only come back if the idle second model goes.
+            loaded_status = self.client.status()
+            held = model(loaded_status, default)["vram_mib"]
+            free_loaded = loaded_status["gpu"]["free_mib"] or 0.0
+            unloaded = self.client.admin_model(default, False)
+            phase.check("the idle default model unloads on request", unloaded.status_code == 200, unloaded.text[:200])
+            # Until the device reading shows its memory back (a reading lags an exit).
+            status = self.client.wait_status(
+                lambda s: model(s, default)["gpu"] == "unloaded_idle"
+                and (s["gpu"]["free_mib"] or 0.0) >= free_loaded + 0.8 * held, STATUS_WAIT_S, interval=0.1,
+                what="the default model's VRAM back")
+            free = status["gpu"]["free_mib"] or 0.0
+            need = model(status, default)["estimated_vram_mib"] + status["gpu"]["reserve_mib"]
+            second_holds = model(status, second)["vram_mib"]
+            take = max(0.0, free - need + second_holds / 2)
+            app = OtherApp(take, OTHER_APP_NAME,
+                           simulated_dir=status["gpu"].get("simulated_device_dir") if self.target.simulated else None)
+            result["other_app_mib"] = round(take, 1)
+            evictions_before = model(status, second)["evictions"]
+            asked_at = self.clock.now()
+            back = self._send(self._record(phase, f"{default} while memory is tight", max_tokens=8,
+                                           prompt_key="second-model-tight"), self._chat(SHORT_PROMPTS[2]))
+            reloaded = self.client.wait_status(lambda s: model(s, default)["gpu"] == "loaded", RECOVERY_WAIT_S,
+                                               interval=0.1, what=f"{default} to load again")
+            result["default_back_s"] = round(self.clock.now() - asked_at, 3)
+            phase.check(f"{default} comes back by unloading the idle {second}, counting the other app's VRAM",
+                        model(reloaded, second)["evictions"] == evictions_before + 1
+                        and model(reloaded, second)["gpu"] != "loaded" and self._answered(back),
+                        f"{second}: {model(reloaded, second)['gpu']}, evictions "
+                        f"{model(reloaded, second)['evictions']}; {back.served_by}/{back.route_reason}")
+            after = self._send(self._record(phase, f"{default} after it came back", max_tokens=8,
+                                            prompt_key="second-model-after"), self._chat(SHORT_PROMPTS[0]))
+            phase.check(f"{default} serves from the GPU again", after.served_by == "gpu" and self._answered(after),
+                        f"{after.served_by}/{after.route_reason}")
+        finally:
+            if app is not None:
+                app.quit()
+        self._check_nothing_lost(phase, result, duplicates_before)
+        phase.notes.append(
+            f"{second} loaded {result.get('loaded_after_first_answer_s', 0):.2f} s after its first (CPU) answer "
+            f"(the service measured {result.get('load_s') or 0:.2f} s); with another app holding "
+            f"{result.get('other_app_mib', 0):.0f} MiB, {default} was back on the GPU "
+            f"{result.get('default_back_s', 0):.2f} s after it was asked for")

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from ..core.api.security import bearer_header, effective_api_key
-from ..core.config import parse_config_text
+from ..core.config import bundled_model_path, parse_config_text
 from ..core.engine.worker import free_loopback_port
 from . import plan as plans
 from .pressure import Pressure, RealGpuPressure, SimulatedPressure
@@ -98,7 +98,8 @@ class OwnService(Target):
         self.description = f"own service on a {device}"
         self.port = free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.config_text = plans.service_config(simulated=simulated)
+        second = Path(model).expanduser().resolve() if model else bundled_model_path()
+        self.config_text = plans.service_config(simulated=simulated, model_path=str(second))
         # The service inherits our environment, so a TRAY_APP_API_KEY there is its key.
         self.api_key = effective_api_key(parse_config_text(self.config_text).server.api_key)
         self._model = model
