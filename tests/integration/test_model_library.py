@@ -172,3 +172,21 @@ def test_the_tray_loads_and_unloads_a_model_by_name(library):
         refused = library.http.post("/admin/models/tiny", json={"loaded": False})
         assert refused.status_code == 409 and "request" in refused.json()["error"]["message"]
         assert busy.result(120).status_code == 200
+
+
+def test_a_file_downloaded_into_the_folder_is_served_after_a_rescan(library):
+    from tray_app.core.config import bundled_model_path
+
+    folder = library.tmp / "models"
+    shutil.copyfile(bundled_model_path(), folder / "fresh-download.gguf")
+    (folder / "half-written.gguf").write_bytes(b"GGUF but cut short")
+    assert chat(library, "fresh-download").status_code == 404
+    rescanned = library.http.post("/admin/library/rescan").json()
+    assert rescanned["added"] == ["fresh-download"]
+    assert any("half-written.gguf" in line for line in rescanned["skipped"])
+    answer = chat(library, "fresh-download")
+    assert answer.status_code == 200 and answer.headers["x-fallback-model"] == "fresh-download"
+    assert "fresh-download" in {m["id"] for m in library.http.get("/v1/models").json()["data"]}
+    # Nothing new the second time; the broken file is still named.
+    again = library.http.post("/admin/library/rescan").json()
+    assert again["added"] == [] and again["skipped"]

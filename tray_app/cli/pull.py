@@ -157,8 +157,26 @@ def run_pull(args: argparse.Namespace) -> int:
     verified = "sha256 verified" if result.verified else "NOT verified: the hub publishes no sha256"
     print(f"saved {result.path} ({format_bytes(result.size)}, {verified}{resumed}; "
           f"{format_bytes(result.transferred)} in {result.elapsed_s:.1f} s, {rate:.1f} MiB/s). "
-          f"It is the model {name!r} from the service's next start.")
+          f"{_announce(config, args, name)}")
     return 0
+
+
+def _announce(config: Any, args: argparse.Namespace, name: str) -> str:
+    """Tell a running service to read its models folder again, so the new
+    model is served now; without one, it is served from the next start."""
+    import httpx
+
+    from ..core.api.security import bearer_header, effective_api_key
+
+    url = (args.url or f"http://127.0.0.1:{config.server.port}").rstrip("/")
+    try:
+        response = httpx.post(f"{url}/admin/library/rescan", headers=bearer_header(
+            effective_api_key(config.server.api_key)), timeout=30.0)
+    except httpx.HTTPError:
+        return f"It is the model {name!r} from the service's next start."
+    if response.status_code == 200 and name in response.json().get("added", ()):
+        return f"The running service at {url} serves it now as the model {name!r}."
+    return f"It is the model {name!r} (the service at {url} did not add it now: HTTP {response.status_code})."
 
 
 def _describe_remote(remote: RemoteFile) -> str:

@@ -33,8 +33,9 @@ from .embeddings import SPECIAL_TOKEN_MARGIN, EmbeddingPath, embedding_runtime
 from .engine.runtime import WorkerRuntime, choose_runtime
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
 from .host import ModelHost
-from .library import Library, build_library
+from .library import Library, LibraryError, build_library
 from .memory import estimate
+from .memory.gguf_info import ModelFileError
 from .memory.telemetry import GpuReader, MemorySnapshot, NvmlGpuReader, SimulatedGpu, detect_gpu_offload_support
 from .observe import Observer
 
@@ -78,13 +79,24 @@ class Service:
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=5.0),
                                       limits=httpx.Limits(max_connections=64, max_keepalive_connections=0))
         gpu_missing_reason = self._gpu_disabled_reason()
+        # Kept for the hosts of models added later (rescan_models).
+        self._gpu_runtime, self._gpu_missing_reason = gpu_runtime, gpu_missing_reason
         self.observer = Observer(self.gpu_reader, self.worker_pids, self._degraded_cause, on_sample=self._on_sample)
         self.metrics = ServiceMetrics(self.status)
-        self.hosts: dict[str, ModelHost] = {
-            model.name: ModelHost(self, model, runtime=runtime, gpu_runtime=gpu_runtime,
-                                  gpu_missing_reason=gpu_missing_reason)
-            for model in self.library
-        }
+        self.hosts: dict[str, ModelHost] = {}
+        # Files in the library that can't be served (not a readable GGUF), with why.
+        self.library_problems: list[str] = []
+        for model in self.library:
+            try:
+                self.hosts[model.name] = ModelHost(self, model, runtime=runtime, gpu_runtime=gpu_runtime,
+                                                   gpu_missing_reason=gpu_missing_reason)
+            except (ModelFileError, OSError) as exc:
+                if model.is_default:
+                    raise  # the default model is what the service is for: say so at start
+                # One bad download in the models folder must not keep the others from being served.
+                self.library_problems.append(f"{model.path}: {exc}")
+        if self.library_problems:
+            self.library = Library([m for m in self.library if m.name in self.hosts])
         self.default_host = self.hosts[self.library.default.name]
         # Loads of library models run one at a time: two at once would each
         # plan their eviction against the same free memory.
@@ -167,6 +179,32 @@ class Service:
     @property
     def gpu_paused(self) -> bool:
         return self.dispatcher.gpu_paused
+
+    def rescan_models(self) -> dict[str, list[str]]:
+        """Read the models folder again: a file downloaded since the start
+        becomes a model at once. Models already served stay as they are; a
+        file whose name another model already has is skipped and named."""
+        added, skipped = [], []
+        for model in build_library(self.config):
+            if model.name in self.hosts or any(model.path == m.path for m in self.library):
+                continue
+            try:
+                library = Library([*self.library.models, model])
+            except LibraryError as exc:
+                skipped.append(f"{model.path.name}: {exc}")
+                continue
+            try:
+                host = ModelHost(self, model, runtime=self.runtime, gpu_runtime=self._gpu_runtime,
+                                 gpu_missing_reason=self._gpu_missing_reason)
+            except (ModelFileError, OSError) as exc:  # not a readable GGUF
+                skipped.append(f"{model.path.name}: {exc}")
+                continue
+            self.library = library
+            self.hosts[model.name] = host
+            added.append(model.name)
+        if added or skipped:
+            self.observer.note("models_rescanned", added=added, skipped=skipped)
+        return {"added": added, "skipped": skipped}
 
     def host_for(self, name: str | None) -> ModelHost | None:
         """The host of the model a request names; None for an unknown name."""
@@ -519,6 +557,7 @@ class Service:
             "events": list(self.observer.events)[-20:],
             "embeddings": self.embeddings_status(),
             "models": [h.summary() for h in hosts],
+            "library_problems": list(self.library_problems),
         }
 
     def embeddings_status(self) -> dict[str, Any]:

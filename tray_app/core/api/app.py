@@ -48,14 +48,24 @@ _Invalid = InvalidRequest
 class Router:
     def __init__(self, service: Service) -> None:
         self.service = service
-        served = frozenset({service.fallback_model_id} | {host.model_id for host in service.hosts.values()})
-        accepted = served | {service.model_info.path.name, "default"} | {
-            name for model in service.library for name in (*model.names(), model.path.name)}
-        # Ollama's clients name models with a tag (GET /api/tags lists ":latest").
-        self.model_names = ModelNames(service.model_id, served, accepted | {name + DEFAULT_TAG for name in accepted})
+        self._names_for: tuple[Any, ModelNames] | None = None
         self.largest_context = max(max(m.gpu_n_ctx, m.cpu_n_ctx) for m in service.library)
         self.idempotency = IdempotencyStore()
         self.anthropic = AnthropicMessages(self.largest_context)
+
+    @property
+    def model_names(self) -> ModelNames:
+        """The names requests may use: the library's (it grows when the
+        models folder is rescanned), worked out once per library."""
+        service = self.service
+        if self._names_for is None or self._names_for[0] is not service.library:
+            served = frozenset({service.fallback_model_id} | {host.model_id for host in service.hosts.values()})
+            accepted = served | {service.model_info.path.name, "default"} | {
+                name for model in service.library for name in (*model.names(), model.path.name)}
+            # Ollama's clients name models with a tag (GET /api/tags lists ":latest").
+            names = ModelNames(service.model_id, served, accepted | {name + DEFAULT_TAG for name in accepted})
+            self._names_for = (service.library, names)
+        return self._names_for[1]
 
     def _grammar_problem(self, grammar: str) -> str | None:
         counter = self.service.counter
@@ -186,6 +196,10 @@ class Router:
             except ValueError as exc:
                 return error_response(409, str(exc), "model_busy")
         return JSONResponse(host.summary(), status_code=202 if loaded else 200)
+
+    async def admin_rescan(self, request: Request) -> Response:
+        """POST /admin/library/rescan: models downloaded into the folder since the start are served now."""
+        return JSONResponse(self.service.rescan_models())
 
     async def admin_restart(self, request: Request) -> Response:
         self.service.restart_workers()
@@ -484,7 +498,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
             if manage_lifecycle:
                 await service.stop()
 
-    ollama = OllamaRoutes(service, router.complete, router.model_names, router.largest_context)
+    ollama = OllamaRoutes(service, router.complete, lambda: router.model_names, router.largest_context)
     routes = [
         HttpRoute("/", ollama.root, methods=["GET", "HEAD"]),
         HttpRoute("/health", router.health, methods=["GET"]),
@@ -508,6 +522,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         HttpRoute("/admin/gpu", router.admin_gpu, methods=["POST"]),
         HttpRoute("/admin/restart", router.admin_restart, methods=["POST"]),
         HttpRoute("/admin/models/{name:path}", router.admin_model, methods=["POST"]),
+        HttpRoute("/admin/library/rescan", router.admin_rescan, methods=["POST"]),
         # Ollama's API (see ollama.py), for apps that speak only it.
         HttpRoute("/api/chat", ollama.chat, methods=["POST"]),
         HttpRoute("/api/generate", ollama.generate, methods=["POST"]),

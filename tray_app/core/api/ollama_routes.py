@@ -30,10 +30,11 @@ Complete = Callable[[Request, JobKind, Any], Awaitable[Response]]
 
 
 class OllamaRoutes:
-    def __init__(self, service: Any, complete: Complete, models: ModelNames, largest_context: int) -> None:
+    def __init__(self, service: Any, complete: Complete, models: Callable[[], ModelNames],
+                 largest_context: int) -> None:
         self.service = service
         self._complete = complete
-        self._models_accepted = models
+        self._model_names = models
         self.chat_protocol = OllamaChat(largest_context)
         self.generate_protocol = OllamaGenerate(largest_context)
 
@@ -66,7 +67,7 @@ class OllamaRoutes:
         try:
             path = embedding_path(self.service)
             body = await read_json_object(request)
-            check_model(check_model_field(body), self._models_accepted)
+            check_model(check_model_field(body), self._model_names())
             # `truncate` changes nothing: an input over [embeddings] n_ctx is a 400 either way.
             dimensions = body.get("dimensions")
             if dimensions is not None and dimensions != path.dimensions:
