@@ -108,3 +108,38 @@ def test_model_views_in_words() -> None:
     assert big.label == "big: unloaded, 4,096 MiB on disk" and big.can_load and not big.can_unload
     assert game.where == "GPU given away" and not game.can_load
     assert vm.model_names(status) == ["smol", "gemma", "big", "game"] and vm.model_views(None) == []
+
+
+def test_the_download_dialog_checks_fit_downloads_and_the_model_is_served(qtbot, live) -> None:
+    import hashlib
+
+    from tests.fake_hub import FakeHub, HubFile, serve_hub
+    from tray_app.ui.download import DownloadDialog
+
+    data = bundled_model_path().read_bytes()
+    hub = FakeHub(files={("test-org/SmolLM2-GGUF", "smol-downloaded.gguf"):
+                         HubFile(data, hashlib.sha256(data).hexdigest())})
+    client = ServiceClient(live.url)
+    client.start()
+    with serve_hub(hub):
+        dialog = DownloadDialog(client, live.tmp / "data" / "tray-app" / "models", ram_floor_mib=256,
+                                reserve_mib=256, hub=hub.url)
+        qtbot.addWidget(dialog)
+        dialog.show()
+        try:
+            assert not dialog.download_button.isEnabled()
+            dialog.ref_edit.setText("not a reference")
+            dialog.start()
+            assert "OWNER/NAME" in dialog.progress_label.text() or "FILE" in dialog.progress_label.text()
+            dialog.ref_edit.setText("test-org/SmolLM2-GGUF/smol-downloaded.gguf")
+            qtbot.waitUntil(lambda: client.last_status is not None, timeout=WAIT_MS)
+            dialog.check_fit()
+            qtbot.waitUntil(lambda: "fits" in dialog.progress_label.text(), timeout=WAIT_MS)
+            with qtbot.waitSignal(dialog.finished_download, timeout=WAIT_MS):
+                dialog.download_button.click()
+            qtbot.waitUntil(lambda: "served now as the model 'smol-downloaded'" in dialog.progress_label.text(),
+                            timeout=WAIT_MS)
+            assert dialog.bar.value() == dialog.bar.maximum() > 0
+            assert "smol-downloaded" in {m["name"] for m in live.status()["models"]}
+        finally:
+            client.stop()

@@ -62,6 +62,7 @@ class TrayController(QObject):
         self.exit_app: Callable[[], None] = _quit_application
         self._panel = None
         self._chat = None
+        self._download = None
         self._settings = None
         self.model_check = None  # the BackgroundCall reading a chosen model file, while it runs
 
@@ -129,6 +130,9 @@ class TrayController(QObject):
                                            tip="Stop and start both workers (asks first if requests are running)")
         self.choose_model_action = self._action("Choose &model…", self.choose_model,
                                                 tip="Pick a GGUF model file; the service restarts with it")
+        self.download_action = self._action("&Download model…", self.show_download,
+                                            tip="Download a GGUF from Hugging Face into the models folder; "
+                                                "it is served as soon as it is verified")
         self.open_logs_action = self._action("Open &logs folder", self.open_logs,
                                              tip="The folder with the service's and the workers' logs")
         self.copy_url_action = self._action("Copy API &URL", self.copy_api_url,
@@ -158,7 +162,8 @@ class TrayController(QObject):
         self.models_menu_action.setToolTip("Each model's place and memory; load or unload one")
         self.models_menu_action.setVisible(False)
         self.menu.addSeparator()
-        for action in (self.force_cpu_action, self.give_back_action, self.restart_action, self.choose_model_action):
+        for action in (self.force_cpu_action, self.give_back_action, self.restart_action, self.choose_model_action,
+                       self.download_action):
             self.menu.addAction(action)
         self.menu.addSeparator()
         for action in (self.open_logs_action, self.copy_url_action, self.settings_action, self.autostart_action):
@@ -168,7 +173,7 @@ class TrayController(QObject):
         # The panel's "More" button: what has no button of its own.
         self.more_menu = QMenu()
         self.more_menu.setToolTipsVisible(True)
-        for action in (self.choose_model_action, self.open_logs_action, self.copy_url_action):
+        for action in (self.choose_model_action, self.download_action, self.open_logs_action, self.copy_url_action):
             self.more_menu.addAction(action)
         self.more_menu.addSeparator()
         self.more_menu.addAction(self.quit_action)
@@ -196,7 +201,7 @@ class TrayController(QObject):
                                                  self.settings_action))
             more = QToolButton()
             more.setText("&More ▾")
-            more.setToolTip("Choose model, open logs, copy the API URL, quit")
+            more.setToolTip("Choose or download a model, open logs, copy the API URL, quit")
             more.setStyleSheet("QToolButton::menu-indicator { image: none; width: 0px; }")
             more.setMenu(self.more_menu)
             more.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
@@ -218,6 +223,15 @@ class TrayController(QObject):
 
     def show_chat(self) -> None:
         _raise(self.chat())
+
+    def show_download(self) -> None:
+        if self._download is None:
+            from .download import DownloadDialog
+
+            self._download = DownloadDialog(self.client, self.config.models_folder(),
+                                            ram_floor_mib=self.config.cpu.ram_floor_mib,
+                                            reserve_mib=self.config.gpu.reserve_mib)
+        _raise(self._download)
 
     def show_settings(self) -> None:
         from .settings import SettingsDialog
