@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import shutil
+import time
 
 import pytest
 
@@ -70,6 +71,10 @@ def chat(service, model, messages=HELLO, max_tokens=8, **headers):
 
 def models(service) -> dict[str, dict]:
     return {m["name"]: m for m in service.status()["models"]}
+
+
+def by_name(status: dict) -> dict[str, dict]:
+    return {m["name"]: m for m in status["models"]}
 
 
 def wait_loaded(service, name):
@@ -190,3 +195,35 @@ def test_a_file_downloaded_into_the_folder_is_served_after_a_rescan(library):
     # Nothing new the second time; the broken file is still named.
     again = library.http.post("/admin/library/rescan").json()
     assert again["added"] == [] and again["skipped"]
+
+
+def test_when_a_game_crowds_two_loaded_models_the_least_recently_used_gives_way(library):
+    default = library.status()["service"]["model"]
+    others = [name for name in models(library) if name not in (default, "tiny")]
+    for name in others:
+        library.http.post(f"/admin/models/{name}", json={"loaded": False})
+    library.http.post("/admin/models/tiny", json={"loaded": True})
+    wait_loaded(library, "tiny")
+    wait_loaded(library, default)
+    chat(library, "tiny")
+    chat(library, default)  # the default model is now the more recently used
+    status = library.wait_for(lambda s: all(by_name(s)[name]["vram_mib"] == 0 for name in others),
+                              what="only two models loaded")
+    held = {name: by_name(status)[name]["vram_mib"] for name in (default, "tiny")}
+    reserve = status["gpu"]["reserve_mib"]
+    # Both are crowded under the reserve, and either one's release alone would be enough.
+    take = status["gpu"]["total_mib"] - sum(held.values()) - reserve + min(held.values()) / 2
+    library.http.post("/admin/gpu", json={"yield_to_other_apps": True})
+    game = OtherApp(take, "steam", simulated_dir=status["gpu"]["simulated_device_dir"])
+    try:
+        given = library.wait_for(lambda s: by_name(s)["tiny"]["gpu"] == "given_away", timeout=60,
+                                 what="tiny given to the game")
+        assert by_name(given)[default]["gpu"] == "loaded"
+        # Once tiny's memory is back, the default model is not crowded any more: it stays.
+        library.wait_for(lambda s: by_name(s)["tiny"]["vram_mib"] == 0, what="tiny's VRAM released")
+        time.sleep(3)
+        assert models(library)[default]["gpu"] == "loaded"
+        assert chat(library, default).headers["x-served-by"] == "gpu"
+    finally:
+        game.quit()
+        library.http.post("/admin/gpu", json={"yield_to_other_apps": False})

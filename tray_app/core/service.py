@@ -241,9 +241,18 @@ class Service:
         )
 
     def _on_sample(self, snapshot: MemorySnapshot) -> None:
-        for host in self.hosts.values():
-            if host.sharing is not None:
-                host.sharing.on_sample(snapshot)
+        # Least recently used first, and one release at a time: when a game
+        # crowds several loaded models, the one used longest ago gives its
+        # memory back first, and the others look again once it is back
+        # (often that was enough). Without this every model saw the same
+        # crowded reading and all of them unloaded at once.
+        hosts = sorted(self.hosts.values(), key=lambda h: h.sharing.last_activity if h.sharing else 0.0)
+        releasing = any(h.sharing is not None and h.sharing.releasing for h in hosts)
+        for host in hosts:
+            sharing = host.sharing
+            if sharing is not None and not (releasing and host.gpu_loaded() and not sharing.releasing):
+                sharing.on_sample(snapshot)
+                releasing = releasing or sharing.releasing
             if host.on_demand_cpu is not None:
                 host.on_demand_cpu.on_sample()
         if self.embeddings is not None:

@@ -119,6 +119,12 @@ class GpuSharing:
         return (self._task is not None and not self._task.done() and self._task_is_load
                 and self._worker.state in (WorkerState.STOPPED, WorkerState.STOPPING, WorkerState.STARTING))
 
+    @property
+    def releasing(self) -> bool:
+        """An unload is under way (a give-back, an idle unload, an eviction):
+        its memory is on its way back to the device."""
+        return self._task is not None and not self._task.done() and not self._task_is_load
+
     # ----- inputs ----------------------------------------------------------------------------
 
     def on_sample(self, snapshot: MemorySnapshot) -> None:
