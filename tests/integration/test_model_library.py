@@ -214,6 +214,10 @@ def test_when_a_game_crowds_two_loaded_models_the_least_recently_used_gives_way(
     # Both are crowded under the reserve, and either one's release alone would be enough.
     take = status["gpu"]["total_mib"] - sum(held.values()) - reserve + min(held.values()) / 2
     library.http.post("/admin/gpu", json={"yield_to_other_apps": True})
+    # An unloaded model that would not fit beside the two loaded ones is not "given away" to them:
+    # our own models make room by eviction when it is asked for, not by waiting.
+    time.sleep(2.5)
+    assert {by_name(library.status())[name]["gpu"] for name in others} == {"unloaded_idle"}
     game = OtherApp(take, "steam", simulated_dir=status["gpu"]["simulated_device_dir"])
     try:
         given = library.wait_for(lambda s: by_name(s)["tiny"]["gpu"] == "given_away", timeout=60,

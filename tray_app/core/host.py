@@ -66,6 +66,8 @@ class HostOwner(Protocol):
 
     async def make_ram_room(self, host: "ModelHost") -> None: ...
 
+    def vram_of_other_models(self, host: "ModelHost", reading: Any) -> float: ...
+
     def evictable_cpu_ram_mib(self, host: "ModelHost") -> float: ...
 
 
@@ -149,6 +151,7 @@ class ModelHost:
             note=self.note, changed=service.observer.advance,
             read_gpu=service.gpu_reader.read, clock=self._clock,
             make_room=lambda: service.make_vram_room(self),
+            ours_elsewhere_mib=lambda reading: service.vram_of_other_models(self, reading),
         )
 
     def _backend(self, path: str, runtime: WorkerRuntime, hooks: WorkerHooks) -> Backend:

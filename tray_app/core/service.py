@@ -367,6 +367,10 @@ class Service:
         return {h.name: Resident(h.name, h.cpu_ram_mib(snapshot), h.dispatcher.cpu.lane.last_released_at or 0.0)
                 for h in self.hosts.values() if h is not host and h.cpu_idle()}
 
+    def vram_of_other_models(self, host: ModelHost, reading) -> float:
+        """What the other models' GPU workers hold on the device now."""
+        return sum(h.vram_mib(reading) for h in self.hosts.values() if h is not host)
+
     def evictable_cpu_ram_mib(self, host: ModelHost) -> float:
         """The RAM other models' idle on-demand CPU workers hold (admission
         counts it as room a CPU load can make)."""

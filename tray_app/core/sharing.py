@@ -42,8 +42,13 @@ class GpuSharing:
                  model_mib: float, drain_s: float, ours_mib: Callable[[GpuReading], float],
                  our_pids: Callable[[], set[int]], note: Callable[..., None], changed: Callable[[], None],
                  read_gpu: Callable[[], GpuReading], clock: Callable[[], float] = time.monotonic,
-                 make_room: Callable[[], Awaitable[str | None]] | None = None) -> None:
+                 make_room: Callable[[], Awaitable[str | None]] | None = None,
+                 ours_elsewhere_mib: Callable[[GpuReading], float] | None = None) -> None:
         self.residency = residency
+        # What our other models' GPU workers hold: another app's only while
+        # this worker is loaded too (then all of it is in the way); an
+        # unloaded model makes room by eviction, not by waiting for them.
+        self._ours_elsewhere_mib = ours_elsewhere_mib
         # Asked before each load: frees VRAM by unloading other models (see
         # dispatch.eviction); a reason when no unloading can make room.
         self._make_room = make_room
@@ -302,7 +307,10 @@ class GpuSharing:
     def _device_view(self, reading: GpuReading) -> DeviceView:
         if reading.used_mib is None:
             return DeviceView(None, None, self._need_mib, self._reserve_mib)
-        others = max(0.0, reading.used_mib - self._ours_mib(reading))
+        others = reading.used_mib - self._ours_mib(reading)
+        if self._ours_elsewhere_mib is not None and not self._holds_memory():
+            others -= self._ours_elsewhere_mib(reading)
+        others = max(0.0, others)
         ours = self._our_pids()
         strangers = [p for p in reading.devices[0].processes if p.pid not in ours and p.used_mib]
         top = max(strangers, key=lambda p: p.used_mib or 0.0, default=None)
