@@ -91,7 +91,9 @@ def run_app(out: Path, work: Path, env: dict[str, str], which: str, theme: str, 
         from tray_app.core.config import bundled_model_path
 
         model.symlink_to(bundled_model_path())
-    config.write_text(CONFIG + f'[model]\npath = "{model}"\n')
+    # A second library model (the same file, a smaller profile) for the Models menu, panel and chat picker.
+    config.write_text(CONFIG + f'[model]\npath = "{model}"\n[[models]]\nname = "coder"\npath = "{model}"\n'
+                      'n_ctx = 1024\nmax_concurrency = 1\n')
     tray_app = ROOT / ".venv" / "bin" / "tray-app"
     command = [str(tray_app) if tray_app.exists() else sys.executable, *([] if tray_app.exists() else ["-m", "tray_app"]), "tray",
                "--config", str(config), "--port", str(free_port()), "--simulate-gpu-mib", "2048"]

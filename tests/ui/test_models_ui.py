@@ -67,7 +67,7 @@ def test_the_panel_lists_the_models(qtbot, controller, live) -> None:
     controller.show_panel()
     panel = controller.panel()
     qtbot.waitUntil(lambda: panel.models_box.isVisible(), timeout=WAIT_MS)
-    names = [cells[0].text() for cells in panel.model_cells if cells[0].isVisible()]
+    names = [cells[0].full_text for cells in panel.model_cells if cells[0].isVisible()]
     assert names[0].endswith("(default)") and names[1] == "tiny"
     assert [cells[1].text() for cells in panel.model_cells][0] == "on the GPU"
 
@@ -102,12 +102,16 @@ def test_model_views_in_words() -> None:
         {"name": "game", "source": "folder", "location": "unloaded", "gpu": "given_away", "size_bytes": 2**30},
     ]}
     smol, gemma, big, game = vm.model_views(status)
-    assert smol.label == "smol: on the GPU, 806 MiB VRAM" and not smol.can_unload and smol.busy == 1
+    assert smol.label == "smol (default): on the GPU, 806 MiB VRAM" and not smol.can_unload and smol.busy == 1
     assert gemma.label == "gemma: on the CPU, 526 MiB RAM" and gemma.can_load and gemma.can_unload
     assert "also called: g3" in gemma.tooltip and "degraded" in gemma.tooltip
     assert big.label == "big: unloaded, 4,096 MiB on disk" and big.can_load and not big.can_unload
     assert game.where == "GPU given away" and not game.can_load
     assert vm.model_names(status) == ["smol", "gemma", "big", "game"] and vm.model_views(None) == []
+    long = vm.model_views({"models": [{"name": "SmolLM2-135M-Instruct-abliterated-imatrix-with-a-long-name.Q4_1",
+                                       "location": "unloaded", "gpu": "unloaded_idle", "size_bytes": 2**20}]})[0]
+    assert long.label.startswith("SmolLM2-135M-Instruc…th-a-long-name.Q4_1: unloaded")
+    assert len(long.label.split(":")[0]) == vm.MENU_NAME_CHARS and long.name in long.tooltip
 
 
 def test_the_download_dialog_checks_fit_downloads_and_the_model_is_served(qtbot, live) -> None:
@@ -143,3 +147,15 @@ def test_the_download_dialog_checks_fit_downloads_and_the_model_is_served(qtbot,
             assert "smol-downloaded" in {m["name"] for m in live.status()["models"]}
         finally:
             client.stop()
+
+
+def test_a_model_unloaded_for_another_says_for_which() -> None:
+    status = {"service": {"healthy": True}, "gpu": {"available": True, "residency": {
+        "state": "unloaded_idle", "text": "GPU unloaded for coder", "app": "coder", "since": None}},
+        "degraded": {"active": False}, "workers": [{"role": "gpu", "state": "stopped"}, {"role": "cpu", "state": "ready"}]}
+    assert vm.residency_text(status) == "GPU: unloaded for coder"
+    idle = {**status, "gpu": {"available": True, "residency": {"state": "unloaded_idle", "text": "GPU unloaded (idle)",
+                                                               "app": None, "since": None}}}
+    assert vm.residency_text(idle) == "GPU: unloaded (idle)"
+    assert vm.state_title(status) == "The GPU model is unloaded for coder"
+    assert vm.state_title(idle) == vm.IDLE_TITLE

@@ -355,7 +355,7 @@ class Service:
             for name in plan.victims:
                 victim = self.hosts[name]
                 assert victim.sharing is not None
-                await victim.sharing.evict(f"making room for {host.model_id}")
+                await victim.sharing.evict(f"making room for {host.model_id}", for_model=host.model_id)
                 victim.evictions += 1
                 self.metrics.model_evictions.labels(victim.model_id).inc()
                 self.observer.note("model_evicted", model=victim.model_id, for_model=host.model_id,

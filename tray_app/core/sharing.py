@@ -216,10 +216,11 @@ class GpuSharing:
                    release_s=self.last_release_s, drained=drained, by_user=hold.kind is HoldKind.USER)
         self._changed_now()
 
-    async def evict(self, why: str) -> None:
-        """Unload now for another model's load, and wait until the device
-        shows the memory free. It loads again on its next request."""
-        self.residency.hold = Hold(HoldKind.IDLE, self._clock())
+    async def evict(self, why: str, for_model: str | None = None) -> None:
+        """Unload now for another model's load (or the user's Unload), and
+        wait until the device shows the memory free. It loads again on its
+        next request."""
+        self.residency.hold = Hold(HoldKind.IDLE, self._clock(), app=for_model)
         self._worker.request_stop()
         self._start(lambda: self._evicted(why), is_load=False)
         task = self._task

@@ -273,7 +273,11 @@ class ChatWindow(QWidget):
         # Which library model answers; shown once the service has more than one.
         self.model_picker = QComboBox()
         self.model_picker.setToolTip("The model that answers the next message")
-        self.model_picker.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToContents)
+        # As wide as a short name: an 80-character GGUF name would widen the
+        # window; the list that drops down shows the names whole.
+        self.model_picker.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.model_picker.setMinimumContentsLength(24)
+        self.model_picker.currentTextChanged.connect(self.model_picker.setToolTip)
         self.model_label = QLabel("&Model:")
         self.model_label.setBuddy(self.model_picker)
         for widget in (self.model_label, self.model_picker):

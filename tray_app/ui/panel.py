@@ -16,7 +16,7 @@ from . import theme
 from . import viewmodel as vm
 from .client import ServiceClient
 from .icons import state_icon
-from .widgets import BarBlock, DegradedBanner, HistoryChart, StateHeader, box_style_sheet, set_text
+from .widgets import BarBlock, DegradedBanner, ElidedLabel, HistoryChart, StateHeader, box_style_sheet, set_text
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
 WORKER_COLUMNS = ("Worker", "State", "PID", "RSS", "Est. VRAM", "Est. RAM", "Context", "Restarts")
@@ -95,6 +95,9 @@ class HeadroomPanel(QWidget):
         self.models_grid.setHorizontalSpacing(14)
         self.models_grid.setVerticalSpacing(4)
         _header_row(self.models_grid, MODEL_COLUMNS)
+        # The name column takes what the others leave, rather than widening the panel.
+        self.models_grid.setColumnStretch(len(MODEL_COLUMNS), 0)
+        self.models_grid.setColumnStretch(0, 1)
         self.model_cells: list[list[QLabel]] = []
         self.models_box.setVisible(False)
         root.addWidget(self.models_box)
@@ -271,7 +274,8 @@ class HeadroomPanel(QWidget):
             row = len(self.model_cells) + 1
             cells = []
             for column in range(len(MODEL_COLUMNS)):
-                label = QLabel()
+                # The name shortens in the middle to the room it has (the panel keeps its width).
+                label = ElidedLabel() if column == 0 else QLabel()
                 self.models_grid.addWidget(label, row, column)
                 cells.append(label)
             self.model_cells.append(cells)
@@ -281,10 +285,10 @@ class HeadroomPanel(QWidget):
                 label.setVisible(view is not None)
             if view is None:
                 continue
-            values = (view.name + (" (default)" if view.is_default else ""), view.where, view.memory,
-                      str(view.busy) if view.busy else "-")
-            for label, value in zip(cells, values):
+            cells[0].set_full_text(view.name + (" (default)" if view.is_default else ""))
+            for label, value in zip(cells[1:], (view.where, view.memory, str(view.busy) if view.busy else "-")):
                 set_text(label, value)
+            for label in cells:
                 label.setToolTip(view.tooltip)
             # Loaded reads as healthy, loading and unloaded as information (nothing is wrong).
             self._color_state(cells[1], MODEL_PLACE_STATE.get(view.where, "stopping"))

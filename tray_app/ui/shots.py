@@ -227,6 +227,22 @@ class ScreenshotTour(QObject):
         self.save(self.grab_screen(area.intersected(QGuiApplication.primaryScreen().geometry())), name)
         menu.hide()
 
+    def models_menu_shot(self, name: str) -> Step:
+        """The tray menu with its Models submenu open, one crop of both."""
+        menu = self.controller.menu
+        tray = self.tray_rect()
+        menu.popup(QPoint(tray.left(), tray.bottom() + 2))
+        yield ("sleep", 0.6)
+        item = menu.actionGeometry(self.controller.models_menu_action).translated(menu.pos())
+        self.controller.models_menu.popup(QPoint(item.left() - self.controller.models_menu.sizeHint().width(),
+                                                 item.top()))
+        yield ("sleep", 0.8)
+        area = menu.geometry().united(self.controller.models_menu.geometry()).united(tray).adjusted(-16, 0, 16, 16)
+        area.setTop(0)
+        self.save(self.grab_screen(area.intersected(QGuiApplication.primaryScreen().geometry())), name)
+        self.controller.models_menu.hide()
+        menu.hide()
+
     def tour(self) -> Step:
         c = self.controller
         yield ("until", self.all_ready, 240, "both workers ready, serving on the GPU")
@@ -236,6 +252,37 @@ class ScreenshotTour(QObject):
         self.save_tray_icon("tray-icon.png", "Serving on the GPU")
         yield from self.menu_shot("tray-menu.png")
         yield ("sleep", 0.3)
+
+        # The library: a second model loaded, the Models submenu, the download dialog.
+        c.client.set_model_loaded("coder", True)
+        yield ("until", lambda: any(v.name == "coder" and v.where == "on the GPU"
+                                    for v in vm.model_views(self.status())), 60, "the second model loaded")
+        yield ("sleep", 1.5)
+        yield from self.models_menu_shot("tray-menu-models.png")
+        yield ("sleep", 0.3)
+        c.show_download()
+        dialog = c._download
+        dialog.ref_edit.setText("bartowski/Qwen2.5-0.5B-Instruct-GGUF/Qwen2.5-0.5B-Instruct-Q4_K_M.gguf")
+        dialog.bar.setVisible(True)
+        dialog.bar.setRange(0, 100)
+        dialog.bar.setValue(42)
+        dialog.progress_label.setText(vm_progress_example())
+        yield ("sleep", 0.5)
+        dialog.adjustSize()
+        yield ("sleep", 0.3)
+        self.grab_window(dialog, "download.png")
+        dialog.bar.setVisible(False)
+        dialog.progress_label.setText("")
+        dialog.hide()
+        # The small simulated GPU holds one of the two: the default model comes back for the rest of the tour.
+        default = (self.status().get("service") or {}).get("model")
+        c.client.set_model_loaded("coder", False)
+        yield ("until", lambda: all(v.where != "on the GPU" for v in vm.model_views(self.status())
+                                    if v.name == "coder"), 60, "the second model unloaded")
+        c.client.set_model_loaded(default, True)
+        yield ("until", lambda: any(v.name == default and v.where == "on the GPU"
+                                    for v in vm.model_views(self.status())), 60, "the default model back")
+        yield ("until", self.kind_is(vm.GPU), 60, "serving on the GPU again")
 
         # The chat, answered on the GPU.
         chat = c.chat()
@@ -343,3 +390,10 @@ class ScreenshotTour(QObject):
                           "notification-degraded.png")
                 return
         log.info("no notification balloon on screen (the desktop shows notifications itself)")
+
+
+def vm_progress_example() -> str:
+    """What the progress row says mid-download (the shot shows the row, not a real download)."""
+    from ..core.download import render_progress
+
+    return render_progress(168 * 1024 * 1024, 398 * 1024 * 1024, 5.6)

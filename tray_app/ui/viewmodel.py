@@ -71,7 +71,9 @@ def state_title(status: Mapping[str, Any] | None, *, host_starting: bool = False
         return BUSY_TITLE
     kind = icon_kind(status, host_starting=host_starting)
     if kind == GPU and residency_state(status) == "unloaded_idle":
-        return IDLE_TITLE
+        # Unloaded to make room for another library model (its name is the hold's "app").
+        made_room_for = _residency(status).get("app")
+        return f"The GPU model is unloaded for {made_room_for}" if made_room_for else IDLE_TITLE
     return STATE_TITLES[kind]
 
 
@@ -103,7 +105,9 @@ def residency_text(status: Mapping[str, Any] | None) -> str | None:
     since = _clock_time(residency.get("since"))
     at = f" since {since}" if since else ""
     if state == "unloaded_idle":
-        return f"GPU: unloaded (idle){at}"
+        # "GPU unloaded for coder" when another model needed its memory.
+        text = str(residency.get("text") or "GPU unloaded (idle)")
+        return text.replace("GPU unloaded", "GPU: unloaded", 1) + at
     if state == "given_away":
         text = str(residency.get("text") or "GPU given to another app")
         return text.replace("GPU given to", "GPU: given to", 1) + at
@@ -1002,6 +1006,19 @@ def worker_rows(status: Mapping[str, Any]) -> list[WorkerRow]:
 
 # ----- the model library (issue 14) ---------------------------------------------------------
 
+# Community GGUF names run to 80 characters; a menu line longer than this
+# pushes the menu off a laptop screen.
+MENU_NAME_CHARS = 40
+
+
+def elide_middle(text: str, limit: int) -> str:
+    """`text` in at most `limit` characters, its middle replaced by an ellipsis
+    (a model's family and its quantization are at the two ends)."""
+    if len(text) <= limit:
+        return text
+    keep = limit - 1
+    return text[: (keep + 1) // 2] + "…" + text[len(text) - keep // 2:]
+
 
 @dataclass(frozen=True)
 class ModelView:
@@ -1018,7 +1035,9 @@ class ModelView:
 
     @property
     def label(self) -> str:
-        return f"{self.name}: {self.where}, {self.memory}"
+        """The menu's line: a long file name shortened in the middle (the tooltip has it whole)."""
+        default = " (default)" if self.is_default else ""
+        return f"{elide_middle(self.name, MENU_NAME_CHARS)}{default}: {self.where}, {self.memory}"
 
 
 def model_views(status: Mapping[str, Any] | None) -> list[ModelView]:
@@ -1046,7 +1065,9 @@ def model_views(status: Mapping[str, Any] | None) -> list[ModelView]:
             memory = f"{fmt_mib(size / (1024 * 1024))} on disk" if size else "size unknown"
         busy = int(model.get("in_flight") or 0)
         aliases = ", ".join(model.get("aliases") or ())
-        tip = [f"{model.get('name')} ({model.get('source')})", str(model.get("path") or "")]
+        source = {"default": "the default model", "config": "a [[models]] entry", "folder": "from the models folder"}
+        tip = [f"{model.get('name')} ({source[model['source']]})" if model.get("source") in source
+               else str(model.get("name")), str(model.get("path") or "")]
         if aliases:
             tip.append(f"also called: {aliases}")
         tip.append(f"loads {model.get('loads', 0)}, unloaded for other models {model.get('evictions', 0)} times")

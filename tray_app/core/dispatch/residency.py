@@ -48,7 +48,7 @@ class HoldKind(str, enum.Enum):
 class Hold:
     kind: HoldKind
     since: float                    # the residency clock's time
-    app: str | None = None          # YIELDED: the biggest other user of the GPU
+    app: str | None = None          # YIELDED: the biggest other user of the GPU; IDLE: the model it made room for
     app_mib: float | None = None
     # YIELDED: how long the memory must stay free before the reload, fixed
     # when the yield happened (so it can't shrink while it is waited out).
@@ -60,7 +60,7 @@ class Hold:
             size = f" ({self.app_mib / 1024:.1f} GiB)" if self.app_mib else ""
             return f"GPU given to {who}{size}"
         if self.kind is HoldKind.IDLE:
-            return "GPU unloaded (idle)"
+            return f"GPU unloaded for {self.app}" if self.app else "GPU unloaded (idle)"
         return "GPU given back by the user"
 
 
