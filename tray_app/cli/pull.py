@@ -45,8 +45,9 @@ def add_pull_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="download a .gguf model from Hugging Face (or another hub) into the models folder",
         description="Download a GGUF file from a Hugging Face-style hub into the models folder, verify its "
                     "SHA-256, and say whether it will fit this machine. An interrupted download resumes "
-                    "when the same command is run again. The model is served, named by its file stem, "
-                    "from the service's next start.",
+                    "when the same command is run again. The model is named by its file stem; a running "
+                    "service is asked to read its models folder again and serves it at once, otherwise it "
+                    "is served from the service's next start.",
     )
     parser.add_argument("model", metavar="REPO/FILE.gguf",
                         help="owner/name/file.gguf, owner/name/sub/dir/file.gguf or owner/name:file.gguf")
