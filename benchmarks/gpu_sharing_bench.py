@@ -33,7 +33,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.harness import RunningService, sharing_config, wait_gone  # noqa: E402
+from tests.harness import RunningService, running, sharing_config, wait_gone  # noqa: E402
 from tray_app.drill.vram_hog import OtherApp, crowding_mib  # noqa: E402
 
 SETTLE_S = 2.0
@@ -96,9 +96,7 @@ def release_and_reload(service: RunningService, rounds: int) -> None:
 
 def cpu_while_loading(tmp: Path, rounds: int) -> None:
     print("3. the first CPU byte while the GPU loads (after an idle unload)")
-    service = RunningService(tmp / "idle", config(tmp / "idle", idle_unload_s=2))
-    try:
-        service.wait_ready()
+    with running(tmp / "idle", config(tmp / "idle", idle_unload_s=2)) as service:
         loaded, loading, etas = [], [], []
         for _ in range(rounds):
             service.wait_for(lambda s: gpu_state(s) == "ready", timeout=120, what="ready")
@@ -117,16 +115,13 @@ def cpu_while_loading(tmp: Path, rounds: int) -> None:
               f"(x{measured / anchor:.2f} the anchor); X-Estimated-Latency said {statistics.median(etas):.2f} s "
               "for the whole answer")
         print(f"   GPU load time measured by the service: {residency(service)['last_load_s']:.2f} s")
-    finally:
-        service.stop()
 
 
 def warm_against_on_demand(tmp: Path, rounds: int) -> None:
     print("4. the CPU fallback kept warm, or loaded on demand")
     for keep in ("warm", "on_demand"):
-        service = RunningService(tmp / keep, config(tmp / keep, cpu_keep=keep))
-        try:
-            service.wait_ready(roles=("gpu", "cpu") if keep == "warm" else ("gpu",))
+        roles = ("gpu", "cpu") if keep == "warm" else ("gpu",)
+        with running(tmp / keep, config(tmp / keep, cpu_keep=keep), roles) as service:
             time.sleep(2.0)
             cpu = service.worker("cpu")
             rss = cpu["rss_mib"] or 0.0
@@ -144,8 +139,6 @@ def warm_against_on_demand(tmp: Path, rounds: int) -> None:
                 first.append(seconds)
             print(f"   {keep:>9}: CPU worker RSS while idle {rss:.0f} MiB; first CPU byte after the GPU "
                   f"worker died: median {statistics.median(first) * 1000:.0f} ms")
-        finally:
-            service.stop()
 
 
 def main() -> None:
@@ -154,12 +147,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        service = RunningService(tmp / "share", config(tmp / "share"))
-        try:
-            service.wait_ready()
+        with running(tmp / "share", config(tmp / "share")) as service:
             release_and_reload(service, args.rounds)
-        finally:
-            service.stop()
         cpu_while_loading(tmp, args.rounds)
         warm_against_on_demand(tmp, args.rounds)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.harness import BASE_CONFIG, RunningService  # noqa: E402
+from tests.harness import BASE_CONFIG, RunningService, running  # noqa: E402
 from tray_app.core.config import bundled_model_path  # noqa: E402
 
 HELLO = [{"role": "user", "content": "Say hi."}]
@@ -103,9 +103,7 @@ def eviction(service: RunningService) -> None:
 def eviction_needed(rounds: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # 1,200 MiB: the default model (~806 MiB with its reserve) and tiny (~662) can't both load.
-        service = RunningService(Path(tmp) / "tight", config(1200).replace("reserve_mib = 256", "reserve_mib = 64"))
-        try:
-            service.wait_ready()
+        with running(Path(tmp) / "tight", config(1200).replace("reserve_mib = 256", "reserve_mib = 64")) as service:
             default = service.status()["service"]["model"]
             took = []
             for _ in range(rounds):
@@ -118,8 +116,6 @@ def eviction_needed(rounds: int) -> None:
             evictions = sum(m["evictions"] for m in service.status()["models"])
             print(f"   loading a model that needs the other's VRAM (evict, wait for the memory, load): median "
                   f"{statistics.median(took):.2f} s over {len(took)} swaps; {evictions} evictions")
-        finally:
-            service.stop()
 
 
 def main() -> int:
@@ -127,14 +123,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        service = RunningService(Path(tmp) / "bench", config(4096))
-        try:
-            service.wait_ready()
+        with running(Path(tmp) / "bench", config(4096)) as service:
             protocols(service, args.rounds)
             first_request(service)
             eviction(service)
-        finally:
-            service.stop()
     eviction_needed(max(2, args.rounds // 10))
     return 0
 

@@ -4,6 +4,7 @@ and a simulated GPU. Tests talk to it only over HTTP, like any client."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tray_app.core.engine.worker import free_loopback_port, pid_alive
 
@@ -65,11 +67,12 @@ def _toml_lines(values: dict) -> str:
 
 
 @contextlib.contextmanager
-def running(tmp: Path, config_text: str = BASE_CONFIG):
-    """A ready service for the length of a fixture, stopped after it."""
+def running(tmp: Path, config_text: str = BASE_CONFIG, roles: tuple[str, ...] = ("gpu", "cpu")):
+    """A service with `roles` ready, for the length of a fixture or a
+    benchmark, stopped after it."""
     service = RunningService(tmp, config_text)
     try:
-        service.wait_ready()
+        service.wait_ready(roles=roles)
         yield service
     finally:
         service.stop()
@@ -135,6 +138,22 @@ class RunningService:
                 return last
             time.sleep(interval)
         raise TimeoutError(f"timed out waiting for {what}; last status: {last}")
+
+    def kill_gpu_before_first_token(self, request_id: str, run):
+        """Run `run()` (a request sent with X-Request-Id `request_id`) in a
+        thread, SIGKILL the GPU worker as soon as the request is running on it,
+        and return what `run` returned. Skips the test when the GPU answered
+        before the kill landed: the race is the machine's, not the code's."""
+        gpu_pid = self.worker("gpu")["pid"]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(run)
+            self.wait_for(lambda s: any(r["id"] == request_id and r["state"] == "running" and r["path"] == "gpu"
+                                        for r in s["requests"]), interval=0.01, what=f"{request_id} running on gpu")
+            os.kill(gpu_pid, signal.SIGKILL)
+            headers, items = future.result()
+        if headers["x-served-by"] == "gpu":
+            pytest.skip("the GPU produced its first token before the kill landed")
+        return headers, items
 
     def reset(self) -> None:
         """Back to a healthy baseline between tests: no pressure, not paused, all

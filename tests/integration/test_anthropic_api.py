@@ -3,10 +3,7 @@ against the real service on the real small model (issue 15)."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
-import os
-import signal
 
 import anthropic
 import pytest
@@ -126,7 +123,6 @@ def test_a_cpu_served_answer_says_so(fresh, client, model):
 def test_gpu_death_before_the_first_event_replays_once_on_the_cpu(fresh, service, model):
     """A stream whose GPU worker dies before any event reached the client is
     run again on the CPU; the client sees one clean stream."""
-    gpu_pid = fresh.worker("gpu")["pid"]
     prompt = [{"role": "user", "content": "word " * 900 + "\nSay ok."}]
 
     def run():
@@ -134,14 +130,7 @@ def test_gpu_death_before_the_first_event_replays_once_on_the_cpu(fresh, service
                 "model": model, "max_tokens": 8, "temperature": 0, "stream": True, "messages": prompt}) as response:
             return response.headers, [line for line in response.iter_lines() if line.startswith("event:")]
 
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        future = pool.submit(run)
-        fresh.wait_for(lambda s: any(r["id"] == "anthropic-replay" and r["state"] == "running" and r["path"] == "gpu"
-                                     for r in s["requests"]), interval=0.01, what="stream running on gpu")
-        os.kill(gpu_pid, signal.SIGKILL)
-        headers, events = future.result()
-    if headers["x-served-by"] == "gpu":
-        pytest.skip("the GPU produced its first token before the kill landed")
+    headers, events = fresh.kill_gpu_before_first_token("anthropic-replay", run)
     assert headers["x-route-reason"] == "gpu_failed_replayed"
     assert events[0] == "event: message_start" and events[-1] == "event: message_stop"
     assert "event: error" not in events

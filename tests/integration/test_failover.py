@@ -104,23 +104,16 @@ def test_gpu_death_after_first_bytes_ends_stream_with_error_event(fresh):
 
 def test_streaming_gpu_death_before_first_token_replays(fresh):
     """A stream whose GPU dies before any token is replayed on the CPU invisibly."""
-    gpu_pid = fresh.worker("gpu")["pid"]
     # Make the GPU slow to start answering: a long prompt costs prompt-eval time.
     prompt = [{"role": "user", "content": "word " * 900 + "\nSay ok."}]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        def run():
-            with fresh.http.stream("POST", "/v1/chat/completions", json={
-                    "messages": prompt, "max_tokens": 8, "temperature": 0, "stream": True},
-                    headers={"X-Request-Id": "stream-replay"}) as response:
-                lines = [line for line in response.iter_lines() if line.startswith("data:")]
-                return response.headers, lines
-        future = pool.submit(run)
-        fresh.wait_for(lambda s: any(r["id"] == "stream-replay" and r["state"] == "running" and r["path"] == "gpu"
-                                     for r in s["requests"]), interval=0.01, what="stream running on gpu")
-        os.kill(gpu_pid, signal.SIGKILL)
-        headers, lines = future.result()
-    if headers["x-served-by"] == "gpu":
-        pytest.skip("the GPU produced its first token before the kill landed")
+
+    def run():
+        with fresh.http.stream("POST", "/v1/chat/completions", json={
+                "messages": prompt, "max_tokens": 8, "temperature": 0, "stream": True},
+                headers={"X-Request-Id": "stream-replay"}) as response:
+            return response.headers, [line for line in response.iter_lines() if line.startswith("data:")]
+
+    headers, lines = fresh.kill_gpu_before_first_token("stream-replay", run)
     assert headers["x-route-reason"] == "gpu_failed_replayed"
     assert lines[-1] == "data: [DONE]"
 
