@@ -89,6 +89,10 @@ def test_the_library_lists_every_model_and_only_the_default_is_loaded(library):
     assert listed["gemma"]["location"] == "unloaded" and listed["gemma"]["aliases"] == ["gemma3"]
     assert listed["gemma"]["size_bytes"] > 200 * 1024 * 1024 and listed["folder-smol"]["source"] == "folder"
     assert listed[default]["location"] == "gpu+cpu"
+    # Each model's worker logs, for the tray's log viewer: the default model's are the top-level workers'.
+    status = library.status()
+    assert by_name(status)["gemma"]["logs"]["gpu"].endswith("gpu-gemma-worker.log")
+    assert by_name(status)[default]["logs"]["gpu"] == next(w["log"] for w in status["workers"] if w["role"] == "gpu")
     unknown = chat(library, "gema")
     assert unknown.status_code == 404 and "'gemma'" in unknown.json()["error"]["message"]
     # Ollama's clients see the same library.

@@ -73,7 +73,8 @@ def test_tray_icon_shows_the_state(qtbot, live) -> None:
         assert texts[1].startswith("VRAM ") and texts[1].endswith(" headroom")
         del texts[1]  # the headroom line, under the state
         assert texts == ["Serving on the GPU", "Open headroom panel", "Open chat", "Force CPU (pause the GPU path)",
-                         "Give the GPU back now", "Restart workers", "Choose model…", "Download model…", "Open logs folder", "Copy API URL", "Settings…", "Start on login", "Quit"]
+                         "Give the GPU back now", "Restart workers", "Choose model…", "Download model…", "View logs…", "Open logs folder", "Copy API URL",
+                         "Settings…", "Start on login", "Quit"]
         live.http.post("/admin/gpu", json={"paused": True})
         wait_kind(qtbot, controller, vm.DEGRADED)
         assert controller.tray.icon().cacheKey() == state_icon(vm.DEGRADED).cacheKey()
@@ -228,7 +229,8 @@ def test_no_system_tray_opens_the_panel_as_a_window_and_says_why(qtbot, live) ->
                  for b in panel.findChildren(QToolButton) if b.defaultAction()}
         assert {"Open chat", "Force CPU (pause the GPU path)", "Restart workers", "Settings…"} <= texts
         more = {a.text().replace("&", "") for a in controller.more_menu.actions() if not a.isSeparator()}
-        assert more == {"Choose model…", "Download model…", "Open logs folder", "Copy API URL", "Quit"}
+        assert more == {"Choose model…", "Download model…", "View logs…", "Open logs folder", "Copy API URL",
+                        "Quit"}
         # Closing the window quits (there is no tray icon to come back to).
         panel.close()
         assert quits == [True]

@@ -372,6 +372,7 @@ class ModelHost:
             "in_flight": self.in_flight(),
             "breaker": self.breaker.snapshot()["state"],
             "degraded": self.dispatcher.degraded_cause(),
+            "logs": {w.role: str(w.log_path) for w in self.workers()},
         }
 
     # ----- worker hooks ---------------------------------------------------------------

@@ -32,6 +32,7 @@ from .icons import state_icon
 log = logging.getLogger(__name__)
 
 NOTIFY_MS = 8000
+APP_LOG_NAME = "tray-app.log"
 QUIT_TIMEOUT_MS = 60_000
 NO_TRAY_NOTE = ("This desktop has no system tray, so tray-app runs as this window instead of a tray icon. "
                 "Every tray action is in the buttons below; closing this window stops the service and quits.")
@@ -64,6 +65,7 @@ class TrayController(QObject):
         self._chat = None
         self._download = None
         self._settings = None
+        self._logs = None
         self.model_check = None  # the BackgroundCall reading a chosen model file, while it runs
 
         self._build_actions()
@@ -133,6 +135,9 @@ class TrayController(QObject):
         self.download_action = self._action("&Download model…", self.show_download,
                                             tip="Download a GGUF from Hugging Face into the models folder; "
                                                 "it is served as soon as it is verified")
+        self.view_logs_action = self._action("&View logs…", self.show_logs,
+                                             tip="The tray app's and each worker's log, as they are written, "
+                                                 "with a filter")
         self.open_logs_action = self._action("Open &logs folder", self.open_logs,
                                              tip="The folder with the service's and the workers' logs")
         self.copy_url_action = self._action("Copy API &URL", self.copy_api_url,
@@ -166,14 +171,16 @@ class TrayController(QObject):
                        self.download_action):
             self.menu.addAction(action)
         self.menu.addSeparator()
-        for action in (self.open_logs_action, self.copy_url_action, self.settings_action, self.autostart_action):
+        for action in (self.view_logs_action, self.open_logs_action, self.copy_url_action, self.settings_action,
+                       self.autostart_action):
             self.menu.addAction(action)
         self.menu.addSeparator()
         self.menu.addAction(self.quit_action)
         # The panel's "More" button: what has no button of its own.
         self.more_menu = QMenu()
         self.more_menu.setToolTipsVisible(True)
-        for action in (self.choose_model_action, self.download_action, self.open_logs_action, self.copy_url_action):
+        for action in (self.choose_model_action, self.download_action, self.view_logs_action, self.open_logs_action,
+                       self.copy_url_action):
             self.more_menu.addAction(action)
         self.more_menu.addSeparator()
         self.more_menu.addAction(self.quit_action)
@@ -201,7 +208,7 @@ class TrayController(QObject):
                                                  self.settings_action))
             more = QToolButton()
             more.setText("&More ▾")
-            more.setToolTip("Choose or download a model, open logs, copy the API URL, quit")
+            more.setToolTip("Choose or download a model, view the logs or open their folder, copy the API URL, quit")
             more.setStyleSheet("QToolButton::menu-indicator { image: none; width: 0px; }")
             more.setMenu(self.more_menu)
             more.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
@@ -218,8 +225,19 @@ class TrayController(QObject):
             self._chat = ChatWindow(self.client)
         return self._chat
 
+    def logs(self):
+        if self._logs is None:
+            from .logs import LogViewer
+
+            self._logs = LogViewer(log_dir() / APP_LOG_NAME, self.client.last_status)
+            self.client.status_changed.connect(self._logs.set_status)
+        return self._logs
+
     def show_panel(self) -> None:
         _raise(self.panel())
+
+    def show_logs(self) -> None:
+        _raise(self.logs())
 
     def show_chat(self) -> None:
         _raise(self.chat())
@@ -361,7 +379,7 @@ class TrayController(QObject):
         self._quitting = True
         self.quitting.emit()
         log.info("quitting: stopping the service and its workers")
-        for window in (self._panel, self._chat, self._settings):
+        for window in (self._panel, self._chat, self._settings, self._logs):
             if window is not None:
                 window.hide()
         self.client.stop()
@@ -485,7 +503,7 @@ class TrayController(QObject):
             self.state_action.setIcon(state_icon(kind))
             if self.tray is not None:
                 self.tray.setIcon(state_icon(kind))
-            for window in (self._panel, self._chat):
+            for window in (self._panel, self._chat, self._logs):
                 if window is not None:
                     window.setWindowIcon(state_icon(kind))
             self.state_changed.emit(kind)
@@ -536,7 +554,7 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         folder = log_dir()  # made private (0700) if it is new
-        handler = PrivateRotatingFileHandler(folder / "tray-app.log", maxBytes=2_000_000, backupCount=3)
+        handler = PrivateRotatingFileHandler(folder / APP_LOG_NAME, maxBytes=2_000_000, backupCount=3)
         handler.setFormatter(logging.Formatter(fmt))
         logging.getLogger().addHandler(handler)
     except OSError as exc:
@@ -610,6 +628,8 @@ def run_tray(config: Config, log_level: str = "INFO") -> int:
         controller.show_panel()
     if "chat" in opened:
         controller.show_chat()
+    if "logs" in opened:
+        controller.show_logs()
     if shots:
         from .shots import ScreenshotTour
 
