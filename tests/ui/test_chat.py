@@ -17,12 +17,12 @@ WAIT_MS = 120_000
 
 
 @pytest.fixture
-def chat(qtbot, live):
+def chat(qtbot, live, tmp_path):
     client = ServiceClient(live.url)
     client.start()
     # Greedy decoding: the answers, and so what the tests can say of them,
     # are the same on every run (a sampled answer was once two emoji long).
-    window = ChatWindow(client, max_tokens=48, temperature=0)
+    window = ChatWindow(client, max_tokens=48, temperature=0, conversations_dir=tmp_path / "conversations")
     qtbot.addWidget(window)
     window.show()
     yield window
@@ -42,10 +42,42 @@ def test_streams_a_real_answer_and_says_which_path_served_it(qtbot, chat, live) 
     assert answer.text and answer.text == "".join(deltas)
     assert len(deltas) >= 3  # it arrived token by token, not in one piece
     assert answer.meta.startswith("served by GPU · admitted · took ")
+    assert re.search(r" · took .+ · \d+(\.\d)? tok/s( · |$)", answer.meta), answer.meta
     assert chat.history == [{"role": "user", "content": "Count from one to ten in words."},
                             {"role": "assistant", "content": answer.text}]
     assert "served by GPU · admitted" in chat.transcript.toPlainText()
     assert chat.send_button.isEnabled() and not chat.stop_button.isEnabled()
+
+
+def test_the_stream_counts_the_servers_tokens(qtbot, live) -> None:
+    client = ServiceClient(live.url)
+    stream = ChatStream(client, [{"role": "user", "content": "Count from one to ten in words."}], max_tokens=12,
+                        temperature=0)
+    with qtbot.waitSignal(stream.finished, timeout=WAIT_MS):
+        stream.start()
+    # The usage chunk (stream_options.include_usage) says how many tokens; the
+    # chunks that carried text can be fewer (a token may be half a character).
+    assert stream.completion_tokens is not None and 0 < stream.chunks <= stream.completion_tokens <= 12
+    assert stream.tokens == stream.completion_tokens
+    assert stream.speed_text().endswith(" tok/s")
+
+
+def test_a_system_prompt_and_regenerate_against_the_real_service(qtbot, chat, tmp_path) -> None:
+    chat.system_edit.setPlainText("You answer in one short sentence.")
+    with qtbot.waitSignal(chat.answer_finished, timeout=WAIT_MS) as first:
+        chat.send("What is a lighthouse?")
+        sent = chat.stream.messages
+    assert first.args == ["ok"]
+    assert sent[0] == {"role": "system", "content": "You answer in one short sentence."}
+    with qtbot.waitSignal(chat.answer_finished, timeout=WAIT_MS) as again:
+        assert chat.regenerate()
+        resent = chat.stream.messages
+    assert again.args == ["ok"] and resent == sent
+    assert [t.role for t in chat.turns] == ["user", "assistant"] and chat.turns[-1].text
+    assert chat.history == [{"role": "user", "content": "What is a lighthouse?"},
+                            {"role": "assistant", "content": chat.turns[-1].text}]
+    saved = list((tmp_path / "conversations").glob("*.json"))
+    assert len(saved) == 1 and "You answer in one short sentence." in saved[0].read_text()
 
 
 def test_keeps_the_conversation_and_sends_it_each_turn(qtbot, chat) -> None:

@@ -221,8 +221,9 @@ class TrayController(QObject):
     def chat(self):
         if self._chat is None:
             from .chat import ChatWindow
+            from .conversations import default_dir
 
-            self._chat = ChatWindow(self.client)
+            self._chat = ChatWindow(self.client, conversations_dir=default_dir())
         return self._chat
 
     def logs(self):

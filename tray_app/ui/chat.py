@@ -10,27 +10,36 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QByteArray, QEvent, QObject, Qt, QTimer, Signal
-from PySide6.QtGui import QCloseEvent, QKeyEvent, QKeySequence, QShortcut, QTextCursor, QTextDocument
+from PySide6.QtCore import QByteArray, QEvent, QObject, QPoint, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import (
+    QAction, QCloseEvent, QDesktopServices, QKeyEvent, QKeySequence, QShortcut, QTextCursor, QTextDocument, QTextFrame,
+)
 from PySide6.QtNetwork import QNetworkReply, QNetworkRequest
 from PySide6.QtWidgets import (
-    QComboBox, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QTextBrowser, QVBoxLayout, QWidget,
+    QApplication, QComboBox, QHBoxLayout, QLabel, QMenu, QMessageBox, QPlainTextEdit, QPushButton, QTextBrowser,
+    QToolButton, QVBoxLayout, QWidget,
 )
 
 from . import colors
+from . import markdown
 from . import theme
 from . import viewmodel as vm
 from .client import ServiceClient
+from .conversations import Conversation, ConversationStore
 from .icons import state_icon
 from .widgets import DegradedBanner, set_text
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
 STOP_GRACE_MS = 3000
+
+log = logging.getLogger(__name__)
 
 
 class ChatStream(QObject):
@@ -62,6 +71,12 @@ class ChatStream(QObject):
         self.done = False
         self.stopping = False
         self._body = b""
+        # For the answer's speed: the server's token count when it sends one
+        # (stream_options.include_usage), else the chunks that carried text.
+        self.completion_tokens: int | None = None
+        self.chunks = 0
+        self.first_token_at: float | None = None
+        self.ended_at: float | None = None
 
     def start(self) -> None:
         request = self.client.request("/v1/chat/completions", timeout_ms=0)
@@ -69,7 +84,8 @@ class ChatStream(QObject):
         request.setRawHeader(b"Accept", b"text/event-stream")
         request.setRawHeader(b"X-Request-Id", self.request_id.encode())
         request.setRawHeader(b"X-Client-Name", self.client_name.encode())
-        body: dict[str, Any] = {"messages": self.messages, "stream": True}
+        body: dict[str, Any] = {"messages": self.messages, "stream": True,
+                                "stream_options": {"include_usage": True}}
         if self.model:
             body["model"] = self.model
         if self.max_tokens:
@@ -145,9 +161,23 @@ class ChatStream(QObject):
             for choice in event.get("choices") or ():
                 if choice.get("finish_reason"):
                     self.finish_reason = choice["finish_reason"]
+            usage = event.get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                self.completion_tokens = usage["completion_tokens"]
             if text:
+                if self.first_token_at is None:
+                    self.first_token_at = time.monotonic()
+                self.chunks += 1
                 self.text.append(text)
                 self.delta.emit(text)
+
+    @property
+    def tokens(self) -> int:
+        return self.completion_tokens if self.completion_tokens is not None else self.chunks
+
+    def speed_text(self) -> str:
+        """'42 tok/s', or "" before two tokens came."""
+        return speed_text(self.tokens, self.first_token_at, self.ended_at or time.monotonic())
 
     def _on_finished(self) -> None:
         reply = self.reply
@@ -173,11 +203,13 @@ class ChatStream(QObject):
 
     def _finish(self, reason: str) -> None:
         self.done = True
+        self.ended_at = time.monotonic()
         self._release_reply()
         self.finished.emit(reason)
 
     def _fail(self, message: str, code: str) -> None:
         self.done = True
+        self.ended_at = time.monotonic()
         self._release_reply()
         self.failed.emit(message, code)
 
@@ -194,6 +226,22 @@ class ChatStream(QObject):
             reply.finished.connect(reply.deleteLater)
 
 
+def tokens_per_second(tokens: int, first: float | None, end: float) -> float | None:
+    """Decoding speed: the tokens after the first over the time since it came
+    (the wait for the first token is the queue and the prompt, not decoding)."""
+    if first is None or tokens < 2 or end <= first:
+        return None
+    return (tokens - 1) / (end - first)
+
+
+def speed_text(tokens: int, first: float | None, end: float) -> str:
+    rate = tokens_per_second(tokens, first, end)
+    if rate is None:
+        return ""
+    # Whole numbers from 10 up; one decimal below, where it still tells apart.
+    return f"{rate:.0f} tok/s" if rate >= 9.95 else f"{rate:.1f} tok/s"
+
+
 @dataclass
 class Turn:
     role: str            # user | assistant
@@ -203,6 +251,10 @@ class Turn:
     pending: bool = False
     route: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
+
+    def record(self) -> dict[str, str]:
+        """What a saved conversation keeps of it."""
+        return {"role": self.role, "text": self.text, "meta": self.meta, "error": self.error}
 
 
 class _InputBox(QPlainTextEdit):
@@ -218,12 +270,14 @@ class _InputBox(QPlainTextEdit):
 
 
 class ChatWindow(QWidget):
-    """Keeps the conversation for the session; sends all of it each turn."""
+    """Keeps the conversation; sends all of it each turn. With a
+    `conversations_dir`, each conversation is saved there after every answer
+    and can be opened again; without one it lasts for the session."""
 
     answer_finished = Signal(str)   # "ok", "stopped" or "failed"
 
     def __init__(self, client: ServiceClient, *, max_tokens: int | None = None, temperature: float | None = None,
-                 parent: QWidget | None = None) -> None:
+                 conversations_dir: Path | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.client = client
         self.max_tokens = max_tokens
@@ -232,12 +286,15 @@ class ChatWindow(QWidget):
         self.turns: list[Turn] = []
         self.history: list[dict[str, str]] = []
         self.stream: ChatStream | None = None
+        self.store = ConversationStore(conversations_dir) if conversations_dir is not None else None
+        self.conversation = Conversation()
+        self._saved = False  # whether self.conversation has a file yet
         self._answer = Turn("assistant")
         self._render_pending = False
         # Streaming appends to the document in place (a transcript-wide setHtml
         # per chunk grows with the conversation and drops the user's
         # selection); the whole transcript is drawn again only when more than
-        # the answer's text changed.
+        # the answer's text changed. A finished answer is drawn as Markdown.
         self._needs_full_render = True
         self._answer_end: QTextCursor | None = None  # where the next fragment goes, while streaming
         self._answer_chars_shown = 0                 # how much of the answer's text the document has
@@ -252,10 +309,15 @@ class ChatWindow(QWidget):
         self.banner.show_empty_note = False
         self.banner.cancel_requested.connect(self.cancel_request)
         root.addWidget(self.banner)
+        root.addLayout(self._build_conversation_row())
+        root.addWidget(self._build_system_box())
 
         self.transcript = QTextBrowser()
         self.transcript.setOpenExternalLinks(False)
         self.transcript.setOpenLinks(False)
+        self.transcript.anchorClicked.connect(self._open_link)
+        self.transcript.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.transcript.customContextMenuRequested.connect(self._show_context_menu)
         self.transcript.document().setDocumentMargin(10)
         # Follow the answer as it grows, unless the user scrolls up to read.
         self._follow = True
@@ -286,17 +348,17 @@ class ChatWindow(QWidget):
         self.state_label = QLabel()
         theme.set_muted_text(self.state_label)
         row.addWidget(self.state_label, 1)
-        self.clear_button = QPushButton("&New chat")
-        self.clear_button.clicked.connect(self.clear)
+        self.regenerate_button = QPushButton("&Regenerate")
+        self.regenerate_button.setToolTip("Answer the last question again, in place of the last answer (Ctrl+R)")
+        self.regenerate_button.clicked.connect(self.regenerate)
         self.stop_button = QPushButton("Sto&p")
         self.stop_button.setToolTip("Stop the answer (Esc)")
         self.stop_button.clicked.connect(self.stop)
-        self.stop_button.setEnabled(False)
         self.send_button = QPushButton("&Send")
         self.send_button.setToolTip("Send (Enter or Ctrl+Enter)")
         self.send_button.setDefault(True)
         self.send_button.clicked.connect(self.send)
-        for button in (self.clear_button, self.stop_button, self.send_button):
+        for button in (self.regenerate_button, self.stop_button, self.send_button):
             button.setMinimumWidth(84)
             row.addWidget(button)
         root.addLayout(row)
@@ -306,6 +368,7 @@ class ChatWindow(QWidget):
         self.shortcuts: list[QShortcut] = []
         for keys, slot in ((QKeySequence("Ctrl+Return"), self._send_from_shortcut),
                            (QKeySequence("Ctrl+Enter"), self._send_from_shortcut),
+                           (QKeySequence("Ctrl+R"), self._regenerate_from_shortcut),
                            (QKeySequence(Qt.Key.Key_Escape), self._on_escape)):
             shortcut = QShortcut(keys, self)
             shortcut.activated.connect(slot)
@@ -313,7 +376,79 @@ class ChatWindow(QWidget):
 
         client.status_changed.connect(self._on_status)
         self._set_state(f"Talking to {client.api_url}")
+        self._refresh_conversations()
+        self._update_buttons()
         self._render()
+
+    def _build_conversation_row(self) -> QHBoxLayout:
+        """The saved conversations, New chat, and a More menu for what is used less."""
+        row = QHBoxLayout()
+        self.conversation_picker = QComboBox()
+        self.conversation_picker.setToolTip("Open a saved conversation (each is saved after every answer)")
+        self.conversation_picker.setSizeAdjustPolicy(
+            QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.conversation_picker.setMinimumContentsLength(20)
+        self.conversation_picker.activated.connect(self._on_conversation_picked)
+        self.conversation_label = QLabel("C&onversation:")
+        self.conversation_label.setBuddy(self.conversation_picker)
+        row.addWidget(self.conversation_label)
+        row.addWidget(self.conversation_picker, 1)
+        if self.store is None:  # nowhere to save: nothing to pick
+            self.conversation_label.hide()
+            self.conversation_picker.hide()
+            row.addStretch(1)
+        self.clear_button = QPushButton("&New chat")
+        self.clear_button.setToolTip("Start a new conversation; this one stays saved")
+        self.clear_button.setMinimumWidth(84)
+        self.clear_button.clicked.connect(self.clear)
+        row.addWidget(self.clear_button)
+
+        self.system_prompt_action = QAction("&System prompt", self)
+        self.system_prompt_action.setCheckable(True)
+        self.system_prompt_action.setToolTip("Show the system prompt: sent first, as the 'system' message, "
+                                             "and saved with the conversation")
+        self.copy_last_action = QAction("Copy las&t answer", self)
+        self.copy_last_action.setShortcut(QKeySequence("Ctrl+Shift+C"))
+        self.copy_last_action.setToolTip("Copy the last answer's text, as Markdown (Ctrl+Shift+C)")
+        self.copy_last_action.triggered.connect(self.copy_last_answer)
+        self.addAction(self.copy_last_action)  # the shortcut works with the menu closed
+        self.delete_action = QAction("&Delete this conversation…", self)
+        self.delete_action.setToolTip("Delete this conversation's saved file")
+        self.delete_action.triggered.connect(self.delete_conversation)
+        self.more_menu = QMenu(self)
+        self.more_menu.setToolTipsVisible(True)
+        self.more_menu.addAction(self.system_prompt_action)
+        self.more_menu.addAction(self.copy_last_action)
+        if self.store is not None:
+            self.more_menu.addSeparator()
+            self.more_menu.addAction(self.delete_action)
+        self.more_button = QToolButton()
+        self.more_button.setText("⋯")
+        self.more_button.setToolTip("More: the system prompt, copy the last answer, delete this conversation")
+        self.more_button.setAccessibleName("More")
+        self.more_button.setMenu(self.more_menu)
+        self.more_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+        self.more_button.setStyleSheet("QToolButton::menu-indicator { image: none; width: 0px; }")
+        row.addWidget(self.more_button)
+        return row
+
+    def _build_system_box(self) -> QWidget:
+        self.system_box = QWidget()
+        box = QVBoxLayout(self.system_box)
+        box.setContentsMargins(0, 0, 0, 0)
+        box.setSpacing(2)
+        self.system_edit = QPlainTextEdit()
+        self.system_edit.setPlaceholderText("For example: Answer briefly, in plain English.")
+        self.system_edit.setTabChangesFocus(True)
+        self.system_edit.setFixedHeight(self.system_edit.fontMetrics().lineSpacing() * 2 + 16)
+        label = QLabel("S&ystem prompt (sent first, saved with the conversation):")
+        label.setBuddy(self.system_edit)
+        theme.set_muted_text(label)
+        box.addWidget(label)
+        box.addWidget(self.system_edit)
+        self.system_box.setVisible(False)
+        self.system_prompt_action.toggled.connect(self._show_system_prompt)
+        return self.system_box
 
     # ----- actions -----------------------------------------------------------------------
 
@@ -321,18 +456,53 @@ class ChatWindow(QWidget):
     def busy(self) -> bool:
         return self.stream is not None
 
+    def system_prompt(self) -> str:
+        return self.system_edit.toPlainText().strip()
+
+    def messages(self) -> list[dict[str, str]]:
+        """What the next request sends: the system prompt, if any, then the conversation."""
+        prompt = self.system_prompt()
+        return ([{"role": "system", "content": prompt}] if prompt else []) + [dict(m) for m in self.history]
+
     def send(self, text: str | None = None) -> bool:
         text = (text if isinstance(text, str) else self.input.toPlainText()).strip()
         if not text or self.busy:
             return False
         self.input.clear()
-        self._follow = True
         self.history.append({"role": "user", "content": text})
         self.turns.append(Turn("user", text))
+        self._ask()
+        return True
+
+    def can_regenerate(self) -> bool:
+        return (not self.busy and len(self.turns) >= 2 and self.turns[-1].role == "assistant"
+                and self.turns[-2].role == "user")
+
+    def regenerate(self) -> bool:
+        """Drop the last answer and ask the same question again."""
+        if not self.can_regenerate():
+            return False
+        answer = self.turns.pop()
+        question = {"role": "user", "content": self.turns[-1].text}
+        # The dropped answer is in the history if it said anything; a failed
+        # one that said nothing took its question out (see _on_failed).
+        if self.history[-2:] == [question, {"role": "assistant", "content": answer.text}]:
+            self.history.pop()
+        elif self.history[-1:] != [question]:
+            self.history.append(question)
+        self._ask()
+        return True
+
+    def _regenerate_from_shortcut(self) -> None:
+        self.regenerate()
+
+    def _ask(self) -> None:
+        """Start the answer to the conversation as it stands (ending with a question)."""
+        self._follow = True
         answer = Turn("assistant", pending=True, meta="waiting for the service…")
         self.turns.append(answer)
         self._answer = answer
-        stream = ChatStream(self.client, list(self.history), max_tokens=self.max_tokens,
+        stream = ChatStream(self.client, self.messages(), max_tokens=self.max_tokens,
                             temperature=self.temperature, model=self.chosen_model(), parent=self)
         self.stream = stream
         # Bound methods, not lambdas holding the stream: a closure that keeps a
@@ -343,11 +513,9 @@ class ChatWindow(QWidget):
         stream.failed.connect(self._on_failed)
         stream.start()
         self._update_banner(self.client.last_status)
-        self.stop_button.setEnabled(True)
-        self.send_button.setEnabled(False)
+        self._update_buttons()
         self._set_state("Sent; waiting for the first token…")
         self._render()
-        return True
 
     def _send_from_shortcut(self) -> None:
         self.send()
@@ -376,17 +544,184 @@ class ChatWindow(QWidget):
         self.client.cancel(request_id, done)
 
     def clear(self) -> None:
+        """New chat: the current conversation stays saved; the system prompt carries over."""
         if self.busy:
             self.stop()
             return
-        self.turns.clear()
-        self.history.clear()
+        self.save()
+        self._start_new()
+
+    def _start_new(self) -> None:
+        self.turns = []
+        self.history = []
+        self.conversation = Conversation()
+        self._saved = False
         self.banner.set_banner(None)
+        self._refresh_conversations()
+        self._update_buttons()
         self._render(keep_selection=False)
 
     @property
     def request_id(self) -> str | None:
         return self.stream.request_id if self.stream is not None else None
+
+    # ----- copying -------------------------------------------------------------------------
+
+    def _copy(self, text: str, what: str) -> None:
+        QApplication.clipboard().setText(text)
+        self._set_state(f"Copied {what}")
+
+    def copy_message(self, index: int) -> None:
+        """A message's text as written: an answer's Markdown source, not what it renders to."""
+        self._copy(self.turns[index].text, "the message")
+
+    def copy_code_block(self, index: int, block: int) -> None:
+        self._copy(markdown.code_blocks(self.turns[index].text)[block], "the code block")
+
+    def last_answer(self) -> Turn | None:
+        return next((t for t in reversed(self.turns) if t.role == "assistant" and t.text), None)
+
+    def copy_last_answer(self) -> None:
+        answer = self.last_answer()
+        if answer is not None:
+            self._copy(answer.text, "the last answer")
+
+    def message_at(self, pos: QPoint) -> tuple[int, int | None] | None:
+        """(the turn, the code block in it or None) at `pos` in the transcript's viewport.
+
+        Each turn is one top-level table of the document, and each code block
+        of a drawn answer one table inside it, in markdown.code_blocks' order."""
+        cursor = self.transcript.cursorForPosition(pos)
+        chain: list[QTextFrame] = []
+        frame = cursor.currentFrame()
+        while frame is not None and frame.parentFrame() is not None:
+            chain.append(frame)
+            frame = frame.parentFrame()
+        if not chain or frame is None:
+            return None  # on the empty transcript's note
+        top = chain[-1]
+        index = [f.firstPosition() for f in frame.childFrames()].index(top.firstPosition())
+        if index >= len(self.turns):
+            return None
+        block = None
+        if len(chain) > 1:
+            block = [f.firstPosition() for f in top.childFrames()].index(chain[-2].firstPosition())
+            if block >= len(markdown.code_blocks(self.turns[index].text)):
+                block = None
+        return index, block
+
+    def context_menu(self, pos: QPoint) -> QMenu:
+        """The transcript's menu at `pos` (viewport coordinates): the text
+        browser's own (copy the selection, a link), then copying a message."""
+        offset = QPoint(self.transcript.horizontalScrollBar().value(), self.transcript.verticalScrollBar().value())
+        menu = self.transcript.createStandardContextMenu(pos + offset)
+        menu.setToolTipsVisible(True)
+        menu.addSeparator()
+        found = self.message_at(pos)
+        if found is not None:
+            index, block = found
+            copy = menu.addAction("Copy &message")
+            copy.setToolTip("Copy this message's whole text (an answer as Markdown)")
+            copy.triggered.connect(lambda: self.copy_message(index))
+            if block is not None:
+                code = menu.addAction("Copy &code block")
+                code.setToolTip("Copy the code in this block, without the fences")
+                code.triggered.connect(lambda: self.copy_code_block(index, block))
+        menu.addAction(self.copy_last_action)
+        return menu
+
+    def _show_context_menu(self, pos: QPoint) -> None:
+        menu = self.context_menu(pos)
+        menu.exec(self.transcript.viewport().mapToGlobal(pos))
+        menu.deleteLater()
+
+    def _open_link(self, url: QUrl) -> None:
+        # markdown.py links only these; a check here too, as the page is the model's words.
+        if url.scheme() in ("http", "https", "mailto"):
+            QDesktopServices.openUrl(url)
+
+    # ----- saved conversations -----------------------------------------------------------
+
+    def save(self) -> bool:
+        """Write the conversation to its file; nothing without a folder, before
+        the first question, or mid-answer (the answer's end saves it)."""
+        if self.store is None or not self.turns or self.busy:
+            return False
+        conversation = self.conversation
+        conversation.turns = [t.record() for t in self.turns]
+        conversation.messages = [dict(m) for m in self.history]
+        conversation.system_prompt = self.system_edit.toPlainText()
+        try:
+            self.store.save(conversation)
+        except OSError as exc:
+            log.warning("cannot save the conversation %s: %s", conversation.id, exc)
+            self._set_state(f"Could not save the conversation: {exc.strerror or exc}")
+            return False
+        self._saved = True
+        self._refresh_conversations()
+        return True
+
+    def open_conversation(self, conversation_id: str) -> bool:
+        if self.store is None or self.busy:
+            return False
+        if self._saved and conversation_id == self.conversation.id:
+            return True
+        conversation = self.store.load(conversation_id)
+        if conversation is None:
+            self._set_state("That conversation could not be read; the log says why")
+            self._refresh_conversations()
+            return False
+        self.save()  # the one left behind (its system prompt may have changed since its last answer)
+        self.conversation = conversation
+        self._saved = True
+        self.turns = [Turn(t["role"], t["text"], meta=t["meta"], error=t["error"]) for t in conversation.turns]
+        self.history = [dict(m) for m in conversation.messages if m["role"] != "system"]
+        self.system_edit.setPlainText(conversation.system_prompt)
+        if conversation.system_prompt.strip():
+            self.system_prompt_action.setChecked(True)
+        self._follow = True
+        self.banner.set_banner(None)
+        self._refresh_conversations()
+        self._update_buttons()
+        self._set_state(f"Opened “{conversation.title}”")
+        self._render(keep_selection=False)
+        return True
+
+    def delete_conversation(self) -> bool:
+        """Delete the open conversation's file, after asking; a new one starts."""
+        if self.store is None or self.busy or not self._saved:
+            return False
+        title = self.conversation.title
+        answer = QMessageBox.question(self, "Delete the conversation", f"Delete “{title}”? This cannot be undone.")
+        if answer != QMessageBox.StandardButton.Yes:
+            return False
+        self.store.delete(self.conversation.id)
+        self._start_new()
+        self._set_state(f"Deleted “{title}”")
+        return True
+
+    def _refresh_conversations(self) -> None:
+        if self.store is None:
+            return
+        picker = self.conversation_picker
+        picker.clear()
+        if not self._saved:
+            picker.addItem("New conversation", None)
+        for summary in self.store.list():
+            picker.addItem(summary.title, summary.id)
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(summary.updated))
+            picker.setItemData(picker.count() - 1, f"{summary.title}\nsaved {when}", Qt.ItemDataRole.ToolTipRole)
+        picker.setCurrentIndex(max(picker.findData(self.conversation.id) if self._saved else 0, 0))
+
+    def _on_conversation_picked(self, index: int) -> None:
+        conversation_id = self.conversation_picker.itemData(index)
+        if conversation_id:
+            self.open_conversation(conversation_id)
+
+    def _show_system_prompt(self, shown: bool) -> None:
+        self.system_box.setVisible(shown)
+        if shown:
+            self.system_edit.setFocus()
 
     # ----- stream events -----------------------------------------------------------------
 
@@ -403,10 +738,11 @@ class ChatWindow(QWidget):
         self._schedule_render()
 
     @staticmethod
-    def _route_line(answer: Turn, progress: str = "", took_s: float | None = None) -> str:
+    def _route_line(answer: Turn, progress: str = "", took_s: float | None = None, speed: str = "") -> str:
         route = answer.route
-        return vm.route_line(route.get("served_by"), route.get("reason"), route.get("fallback_model"),
+        line = vm.route_line(route.get("served_by"), route.get("reason"), route.get("fallback_model"),
                              progress=progress, took_s=took_s)
+        return f"{line} · {speed}" if speed else line
 
     def _took(self, answer: Turn) -> float:
         return time.monotonic() - answer.started
@@ -416,7 +752,7 @@ class ChatWindow(QWidget):
         if stream is None:
             return
         answer.pending = False
-        answer.meta = self._route_line(answer, took_s=self._took(answer))
+        answer.meta = self._route_line(answer, took_s=self._took(answer), speed=stream.speed_text())
         if reason == "length":
             answer.meta += " · stopped at max_tokens"
         self.history.append({"role": "assistant", "content": answer.text})
@@ -430,7 +766,7 @@ class ChatWindow(QWidget):
         answer.pending = False
         stopped = code == "request_canceled" or stream.stopping
         if route:
-            answer.meta = self._route_line(answer, took_s=self._took(answer))
+            answer.meta = self._route_line(answer, took_s=self._took(answer), speed=stream.speed_text())
         else:
             answer.meta = ""
         if stopped:
@@ -451,12 +787,21 @@ class ChatWindow(QWidget):
         for signal in (stream.routed, stream.delta, stream.finished, stream.failed):
             signal.disconnect()
         stream.deleteLater()
-        self.stop_button.setEnabled(False)
-        self.send_button.setEnabled(True)
         self._set_state(state)
+        self.save()
+        self._update_buttons()
         self._update_banner(self.client.last_status)
         self._render()
         self.answer_finished.emit(outcome)
+
+    def _update_buttons(self) -> None:
+        busy = self.busy
+        self.stop_button.setEnabled(busy)
+        self.send_button.setEnabled(not busy)
+        self.regenerate_button.setEnabled(self.can_regenerate())
+        self.conversation_picker.setEnabled(not busy)
+        self.delete_action.setEnabled(not busy and self._saved)
+        self.copy_last_action.setEnabled(self.last_answer() is not None)
 
     def chosen_model(self) -> str | None:
         """The picked model's name; None (the default model) while there is no choice."""
@@ -595,8 +940,10 @@ class ChatWindow(QWidget):
             self._render()
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt name
-        # Closing only hides: the conversation stays for the session.
+        # Closing only hides: the conversation stays for the session (and is
+        # saved, with a system prompt edited since its last answer).
         event.ignore()
+        self.save()
         self.hide()
 
 
@@ -607,10 +954,12 @@ ANSWER_END_MARK = "\u25ae"
 def render_html(turns: list[Turn], palette: colors.ChatColors | None = None) -> str:
     """The transcript as HTML, in `palette` (by default the light theme's)."""
     c = palette or colors.chat_colors(colors.LIGHT)
+    md = markdown.markdown_colors(c)
     css = theme.css
     if not turns:
         return (f'<p style="color:{css(c.placeholder)}; margin-top:40px" align="center">'
-                'Chat with the model behind this service.<br>Answers say which path served them and why.</p>')
+                'Chat with the model behind this service.<br>Answers say which path served them and why.<br>'
+                'Right-click a message to copy it, or the code block under the pointer.</p>')
     parts = []
     for turn in turns:
         if turn.role == "user":
@@ -620,13 +969,16 @@ def render_html(turns: list[Turn], palette: colors.ChatColors | None = None) -> 
                 f'<td bgcolor="{css(c.user_bubble)}" style="padding:8px 10px; color:{css(c.user_text)}">'
                 f'{_text_html(turn.text)}</td></tr></table>')
         else:
-            body = _text_html(turn.text) if turn.text else ""
             if turn.pending:
+                # Streamed as plain text, appended in place; drawn as Markdown once finished.
+                body = _text_html(turn.text)
                 body += f'<span style="color:{css(c.meta_text)}">{ANSWER_END_MARK}</span>' if turn.text else \
                     f'<span style="color:{css(c.meta_text)}"><i>…</i></span>'
+            else:
+                body = markdown.to_html(turn.text, md)
             if turn.error:
-                body += (('<br>' if body else '')
-                         + f'<span style="color:{css(c.error_text)}"><b>{html.escape(turn.error)}</b></span>')
+                body += (f'<p style="margin-top:{"6px" if body else "0"}; margin-bottom:0; color:{css(c.error_text)}">'
+                         f'<b>{html.escape(turn.error)}</b></p>')
             meta = (f'<div style="color:{css(c.meta_text)}; font-size:small; margin-top:4px">'
                     f'{html.escape(turn.meta)}</div>' if turn.meta else "")
             parts.append(
