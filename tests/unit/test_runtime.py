@@ -82,6 +82,18 @@ def test_a_configured_llama_server_is_used(tmp_path):
     assert choice.runtime.name == "llama-server" and choice.fallback_reason is None
 
 
+def test_the_environment_names_a_llama_server_when_the_config_names_none(tmp_path, monkeypatch):
+    binary = tmp_path / "cuda-build" / "llama-server"
+    binary.parent.mkdir()
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o700)
+    monkeypatch.setenv("TRAY_APP_LLAMA_SERVER", str(binary))
+    choice = choose_runtime("llama-server")
+    assert choice.runtime.binary == binary and not choice.runtime.bundled
+    # The config's own path still wins.
+    assert choose_runtime("llama-server", str(tmp_path / "missing")).fallback_reason is not None
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exec and PR_SET_PDEATHSIG are Linux-only")
 def test_the_wrapper_execs_llama_server_with_the_secret_only_in_its_environment(tmp_path):
     # A stand-in binary that reports what it was given.

@@ -5,8 +5,9 @@ Simulated: the service's own pressure knob (POST /admin/gpu
 allocator, so a worker that no longer fits fails to start with llama.cpp's
 CUDA out-of-memory lines.
 
-Real: a second llama.cpp server process per chunk of memory, exactly what
-happens when another model or another app takes the card. llama.cpp
+Real: a ballast process (ballast.py) holding an exact amount with torch or
+cupy when one is installed; otherwise a second llama.cpp server process per
+chunk of memory, exactly what happens when another model takes the card. llama.cpp
 allocates its KV cache and compute buffers when it loads, so a holder's
 size is set by its context and micro-batch; NVML says what it really took
 and more holders close the gap.
@@ -26,6 +27,7 @@ from typing import Any, Protocol
 import httpx
 
 from ..core.api.security import bearer_header
+from .ballast import Ballast, library as ballast_library
 
 MIB = 1024 * 1024
 HOLDER_READY_TIMEOUT_S = 120.0
@@ -108,6 +110,12 @@ class RealGpuPressure:
         self._reader = NvmlGpuReader()
         self._workdir = workdir
         self.holders: list[Holder] = []
+        self.ballast: Ballast | None = None
+        if ballast_library() is not None:
+            try:
+                self.ballast = Ballast()
+            except RuntimeError:
+                self.ballast = None  # e.g. a CPU-only torch: llama.cpp holders instead
 
     def free_mib(self) -> float:
         free = self._reader.read().free_mib
@@ -118,14 +126,27 @@ class RealGpuPressure:
     def squeeze_to_spare(self, spare_mib: float, reserve_mib: float) -> dict[str, Any]:
         target_free = reserve_mib + spare_mib
         self._take_down_to(target_free)
-        return {"target_free_mib": round(target_free, 1), "free_mib": round(self.free_mib(), 1),
-                "holders": len(self.holders)}
+        return {"target_free_mib": round(target_free, 1), "free_mib": round(self.free_mib(), 1), **self._held()}
 
     def starve_restart(self, need_mib: float) -> dict[str, Any]:
         self._take_down_to(need_mib / 2)
-        return {"free_mib": round(self.free_mib(), 1), "holders": len(self.holders)}
+        return {"free_mib": round(self.free_mib(), 1), **self._held()}
+
+    def _held(self) -> dict[str, Any]:
+        if self.ballast is not None:
+            return {"ballast": self.ballast.library, "ballast_mib": self.ballast.held_mib}
+        return {"holders": len(self.holders)}
 
     def _take_down_to(self, target_free_mib: float) -> None:
+        if self.ballast is not None:
+            # Closed loop on NVML's reading: a CUDA context of its own and the
+            # driver's rounding make the first step land a little off.
+            for _ in range(4):
+                gap = self.free_mib() - target_free_mib
+                if abs(gap) <= REAL_TOLERANCE_MIB:
+                    return
+                self.ballast.hold(self.ballast.held_mib + gap)
+            return
         while len(self.holders) < MAX_HOLDERS:
             gap = self.free_mib() - target_free_mib
             if gap <= REAL_TOLERANCE_MIB:
@@ -166,6 +187,8 @@ class RealGpuPressure:
         raise PressureError(f"a VRAM holder did not load within {HOLDER_READY_TIMEOUT_S:g} s; see {log_path}")
 
     def release(self) -> None:
+        if self.ballast is not None:
+            self.ballast.close()
         for holder in self.holders:
             if holder.process.poll() is None:
                 holder.process.send_signal(signal.SIGTERM)

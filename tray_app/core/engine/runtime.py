@@ -278,11 +278,17 @@ class RuntimeChoice:
     fallback_reason: str | None = None
 
 
+# Another llama-server for every service started from this environment
+# (the drill's, a check's) when the config names none: e.g. a CUDA build.
+LLAMA_SERVER_ENV = "TRAY_APP_LLAMA_SERVER"
+
+
 def choose_runtime(name: str, llama_server_path: str = "") -> RuntimeChoice:
     """The runtime the config asks for, or llama-cpp-python with the reason
     when llama-server can't be found."""
     if name == "llama-cpp-python":
         return RuntimeChoice(LlamaCppPythonRuntime())
+    llama_server_path = llama_server_path or os.environ.get(LLAMA_SERVER_ENV, "")
     if llama_server_path:
         binary = Path(llama_server_path).expanduser()
         if binary.is_file() and os.access(binary, os.X_OK):

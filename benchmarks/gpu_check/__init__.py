@@ -1,0 +1,1 @@
+"""Proving the app on a real NVIDIA GPU machine."""

@@ -1,0 +1,171 @@
+"""Prepare what the real-GPU check carries to a machine that reaches no
+package index, in at most 60 MiB.
+
+    python -m benchmarks.gpu_check.prepare [--dest .gpu_carry]
+
+It writes into DEST (git-ignored):
+- llama.cpp.tar.gz: the llama.cpp that the installed llama-cpp-python
+  vendors (so the GPU build is the same engine as here), trimmed to what a
+  CUDA (or CPU) build of llama-server and libllama needs: no docs, vocab
+  models, tests, web UI sources or other backends' sources;
+- llama_cpp_py.tar.gz: llama-cpp-python's Python package (ctypes bindings,
+  chat formats, grammar helpers: the router counts tokens with them); it
+  loads the GPU build's libllama through LLAMA_CPP_LIB_PATH;
+- wheels/: the pure-Python packages the service needs that the machine
+  lacks;
+- tokenizer.json.gz: the bundled model's tokenizer, from which the check
+  writes a tiny model on the spot (the bundled 98 MB model does not fit);
+- manifest.json: versions and sizes.
+
+Run `bash benchmarks/gpu_check/gpu.sh` there (see that file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import io
+import json
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path, PurePosixPath
+
+from benchmarks.gpu_check import tiny_model
+
+MIB = 1024 * 1024
+CARRY_LIMIT_MIB = 60.0
+# What the service imports that the GPU machine's image lacks (its list is in
+# the device tool's KINDS.md: it has anyio, h11, httpx, psutil, jinja2, numpy,
+# nvidia-ml-py, prometheus-client, matplotlib, pyyaml and tqdm).
+WHEELS = ("starlette", "uvicorn", "platformdirs", "diskcache", "gguf")
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
+
+# Trimmed out of vendor/llama.cpp, as path prefixes. The build with
+# LLAMA_BUILD_TESTS/EXAMPLES/UI off never reads them; the other backends are
+# only added when their GGML_<NAME> option is on.
+DROPPED_PREFIXES = (
+    ".github/", ".devops/", "docs/", "models/", "examples/", "tests/", "benches/", "gguf-py/",
+    "media/", "conversion/", "grammars/", "requirements/", "skills/", "pocs/", "ci/",
+    "tools/ui/src/", "tools/ui/tests/", "tools/ui/static/", "tools/ui/package-lock.json",
+    "tools/server/tests/", "tools/server/bench/",
+)
+KEPT_BACKENDS = {"ggml-cpu", "ggml-cuda", "ggml-rpc"}
+
+
+def kept(relative: str) -> bool:
+    """Whether a path inside vendor/llama.cpp goes into the trimmed source."""
+    path = PurePosixPath(relative)
+    if any(relative.startswith(prefix) or relative + "/" == prefix for prefix in DROPPED_PREFIXES):
+        return False
+    if relative.startswith("scripts/"):
+        return path.suffix == ".cmake"  # the build runs ui-assets.cmake; the rest are maintainers' tools
+    if path.suffix in (".md", ".py") and path.name != "LICENSE":
+        return False  # docs and conversion scripts; the C++ build reads neither
+    parts = path.parts
+    if len(parts) >= 3 and parts[:2] == ("ggml", "src") and parts[2].startswith("ggml-") and "." not in parts[2]:
+        return parts[2] in KEPT_BACKENDS
+    return True
+
+
+def llama_version() -> str:
+    return importlib.metadata.version("llama_cpp_python")
+
+
+def fetch_sdist(version: str, cache: Path) -> Path:
+    """llama-cpp-python's source release (77 MB), from pip's index or cache."""
+    found = sorted(cache.glob(f"llama_cpp_python-{version}.tar.gz"))
+    if found:
+        return found[0]
+    cache.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                    f"llama-cpp-python=={version}", "-d", str(cache)], check=True)
+    return next(cache.glob(f"llama_cpp_python-{version}.tar.gz"))
+
+
+def trim_sources(sdist: Path, dest: Path) -> dict[str, object]:
+    """Writes llama.cpp.tar.gz and llama_cpp_py.tar.gz from the sdist."""
+    root = sdist.name.removesuffix(".tar.gz")
+    vendor = f"{root}/vendor/llama.cpp/"
+    package = f"{root}/llama_cpp/"
+    counts = {"llama.cpp": [0, 0], "llama_cpp_py": [0, 0]}  # files, bytes before compression
+    dropped_bytes = 0
+    with tarfile.open(sdist) as source, \
+            tarfile.open(dest / "llama.cpp.tar.gz", "w:gz", compresslevel=9) as engine, \
+            tarfile.open(dest / "llama_cpp_py.tar.gz", "w:gz", compresslevel=9) as bindings:
+        for member in source:
+            if not member.isfile():
+                continue
+            if member.name.startswith(vendor):
+                relative = member.name[len(vendor):]
+                if not kept(relative):
+                    dropped_bytes += member.size
+                    continue
+                target, name, key = engine, f"llama.cpp/{relative}", "llama.cpp"
+            elif member.name.startswith(package) and "/lib/" not in member.name:
+                target, name, key = bindings, "llama_cpp/" + member.name[len(package):], "llama_cpp_py"
+            else:
+                continue
+            data = source.extractfile(member)
+            assert data is not None
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = member.size, member.mode, member.mtime
+            target.addfile(info, io.BytesIO(data.read()))
+            counts[key][0] += 1
+            counts[key][1] += member.size
+    return {
+        "llama.cpp": {"files": counts["llama.cpp"][0], "source_mib": round(counts["llama.cpp"][1] / MIB, 1),
+                      "dropped_mib": round(dropped_bytes / MIB, 1),
+                      "archive_mib": round((dest / "llama.cpp.tar.gz").stat().st_size / MIB, 2)},
+        "llama_cpp_py": {"files": counts["llama_cpp_py"][0],
+                         "archive_mib": round((dest / "llama_cpp_py.tar.gz").stat().st_size / MIB, 2)},
+    }
+
+
+def download_wheels(dest: Path) -> list[str]:
+    """The versions installed here, as wheels for the machine's Python 3.12."""
+    wheels = dest / "wheels"
+    wheels.mkdir(exist_ok=True)
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in WHEELS]
+    platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(wheels), *pins],
+                   check=True)
+    return sorted(path.name for path in wheels.glob("*.whl"))
+
+
+def folder_mib(folder: Path) -> float:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file()) / MIB
+
+
+def prepare(dest: Path, sdist: Path | None = None) -> dict[str, object]:
+    from tray_app.core.config import bundled_model_path
+
+    dest.mkdir(parents=True, exist_ok=True)
+    version = llama_version()
+    sdist = sdist or fetch_sdist(version, Path(tempfile.gettempdir()) / "tray-app-sdist")
+    manifest: dict[str, object] = {"llama_cpp_python": version, "sdist_mib": round(sdist.stat().st_size / MIB, 1)}
+    manifest.update(trim_sources(sdist, dest))
+    manifest["wheels"] = download_wheels(dest)
+    tiny_model.export_tokenizer(bundled_model_path(), dest / "tokenizer.json.gz")
+    manifest["tokenizer_mib"] = round((dest / "tokenizer.json.gz").stat().st_size / MIB, 2)
+    manifest["carry_mib"] = round(folder_mib(dest), 2)
+    (dest / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    if manifest["carry_mib"] > CARRY_LIMIT_MIB:  # type: ignore[operator]
+        raise SystemExit(f"the carry is {manifest['carry_mib']} MiB, over {CARRY_LIMIT_MIB:g} MiB")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dest", type=Path, default=Path(".gpu_carry"), help="where the carry goes (default .gpu_carry)")
+    parser.add_argument("--sdist", type=Path, help="llama-cpp-python's sdist, if already downloaded")
+    args = parser.parse_args(argv)
+    manifest = prepare(args.dest, args.sdist)
+    print(json.dumps(manifest, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

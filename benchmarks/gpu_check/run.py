@@ -1,0 +1,477 @@
+"""The failover story on a real NVIDIA GPU, in one run; or the same script
+on the simulated device, so it can't rot between GPU loans.
+
+    python -m benchmarks.gpu_check.run --out DIR [--simulated] [--checks LIST]
+
+Checks (each one starts its own service on a tiny generated model, through
+tests.harness.RunningService: `python -m tray_app serve`, real llama-server
+workers, real signals):
+- estimator: the memory estimate against what the device says the GPU
+  worker took (NVML's per-process reading, else the device's used memory
+  before and after), for three contexts;
+- start_oom: a context whose KV cache can't fit; the worker's exit must be
+  classified as out of memory, the breaker must open and requests must go
+  to the CPU;
+- pressure: "the other app" (a torch/cupy ballast, or the simulated knob)
+  takes VRAM step by step until admission sends requests to the CPU, then
+  gives it back; GPU admission must resume (the GPU worker is unloaded for
+  the other app and reloaded);
+- replay: the GPU worker is killed with SIGKILL, then SIGABRT, while a
+  request runs on it; the request must be answered once from the CPU, with
+  nothing lost and nothing duplicated;
+- throughput: the same request on the GPU and forced onto the CPU;
+- drill: `tray-app drill --short` on the same device.
+
+On a real GPU the card is first made into a home-sized one (--card-mib,
+default 6 GiB): a ballast process holds the rest of its free memory, the way
+a game or a desktop does, and every check then works inside what is left.
+
+Results: DIR/gpu_check.json and DIR/gpu_check.md. Exit 0 when every check
+passed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+from benchmarks.gpu_check import tiny_model
+from tests.harness import RunningService
+from tray_app.drill.ballast import Ballast
+
+CHECKS = ("estimator", "start_oom", "pressure", "replay", "throughput", "drill")
+SLOTS = 4
+# The tiny model's KV cache is 2 KiB per token (4 layers, 128-wide K and V,
+# f16); with 4 slots a 128k context per slot is 1 GiB.
+ESTIMATOR_CONTEXTS = (8_192, 32_768, 131_072)
+SERVING_CONTEXT = 16_384
+KV_BYTES_PER_TOKEN = tiny_model.kv_bytes_per_token(n_layer=4, n_embd=128, n_head=4, n_head_kv=4)
+CARRIED_TOKENIZER = Path(".gpu_carry") / "tokenizer.json.gz"
+PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+
+
+# ----- the device -----------------------------------------------------------------------
+
+class Device:
+    """The real GPU through NVML, or the simulated one (a declared size)."""
+
+    def __init__(self, simulated: bool, card_mib: int) -> None:
+        self.simulated = simulated
+        self.card_mib = card_mib
+        self.ballast: Ballast | None = None
+        self.facts: dict[str, Any] = {"simulated": simulated}
+        if simulated:
+            self.facts.update(name=f"simulated {card_mib} MiB device", card_mib=card_mib)
+            return
+        import pynvml
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(self._handle)
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        self.facts.update(name=name.decode() if isinstance(name, bytes) else name,
+                          driver=driver.decode() if isinstance(driver, bytes) else driver,
+                          total_mib=round(self.memory()["total_mib"]))
+
+    def memory(self) -> dict[str, float]:
+        info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+        return {"total_mib": info.total / 2**20, "used_mib": info.used / 2**20, "free_mib": info.free / 2**20}
+
+    def process_mib(self, pid: int) -> float | None:
+        """NVML's reading of one process's memory; None where the driver
+        reports no per-process use (some containers)."""
+        try:
+            for process in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
+                if process.pid == pid and process.usedGpuMemory is not None:
+                    return process.usedGpuMemory / 2**20
+        except self._nvml.NVMLError:
+            return None
+        return None
+
+    def shrink_to_card(self) -> None:
+        """Hold all but card_mib of the free memory: a home-sized card."""
+        if self.simulated:
+            return
+        self.ballast = Ballast()
+        for _ in range(4):
+            gap = self.memory()["free_mib"] - self.card_mib
+            if abs(gap) <= 64:
+                break
+            self.ballast.hold(self.ballast.held_mib + gap)
+        self.facts.update(ballast_mib=self.ballast.held_mib, ballast_library=self.ballast.library,
+                          free_after_ballast_mib=round(self.memory()["free_mib"]))
+
+    def close(self) -> None:
+        if self.ballast is not None:
+            self.ballast.close()
+
+
+# ----- the service ---------------------------------------------------------------------
+
+def service_config(device: Device, model: Path, *, gpu: dict[str, Any] | None = None,
+                   cpu: dict[str, Any] | None = None) -> str:
+    gpu_keys = {"n_ctx": SERVING_CONTEXT, "max_concurrency": SLOTS, "reserve_mib": 256, "queue_limit": 4,
+                "first_token_timeout_s": 60, "token_timeout_s": 30, "yield_to_other_apps": False,
+                "idle_unload_s": 0, **(gpu or {})}
+    if device.simulated:
+        gpu_keys["simulate_mib"] = device.card_mib
+    cpu_keys = {"n_ctx": 8192, "max_concurrency": 1, "queue_limit": 8, **(cpu or {})}
+    sections = {
+        "model": {"path": str(model)},
+        "gpu": gpu_keys,
+        "cpu": cpu_keys,
+        "breaker": {"failure_threshold": 2, "window_s": 60, "cooldown_s": 5},
+        "worker": {"backoff_base_s": 0.2, "backoff_cap_s": 2, "stop_timeout_s": 5},
+        "embeddings": {"enabled": False},
+    }
+    lines = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+class Service(RunningService):
+    def wait_listening(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the service exited with {self.process.returncode}:\n{self.log_text()}")
+            try:
+                self.http.get("/health", timeout=2)
+                return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise TimeoutError(f"the service did not answer within {timeout:g} s")
+
+    def gpu_worker(self, status: dict[str, Any] | None = None) -> dict[str, Any]:
+        return next(w for w in (status or self.status())["workers"] if w["role"] == "gpu")
+
+    def chat(self, max_tokens: int = 8, headers: dict[str, str] | None = None, **extra: Any) -> httpx.Response:
+        return self.http.post("/v1/chat/completions", headers=headers or {}, timeout=300, json={
+            "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0, "seed": 1, **extra})
+
+
+def with_service(workdir: Path, name: str, config: str, body: Callable[[Service], dict[str, Any]],
+                 roles: tuple[str, ...] = ("gpu", "cpu")) -> dict[str, Any]:
+    service = Service(workdir / name, config)
+    try:
+        # No roles: the check itself waits for the state it expects, once the service answers.
+        service.wait_ready(roles=roles) if roles else service.wait_listening()
+        return body(service)
+    finally:
+        service.stop()
+
+
+# ----- the checks ----------------------------------------------------------------------
+
+def check_estimator(device: Device, model: Path, workdir: Path) -> dict[str, Any]:
+    rows = []
+    for n_ctx in ESTIMATOR_CONTEXTS:
+        before = None if device.simulated else device.memory()["used_mib"]
+
+        def measure(service: Service) -> dict[str, Any]:
+            time.sleep(1.0)  # NVML's process list lags a load by a moment
+            worker = service.gpu_worker()
+            row: dict[str, Any] = {"n_ctx_per_slot": n_ctx, "slots": SLOTS,
+                                   "estimated_mib": worker["estimated_vram_mib"]}
+            if device.simulated:
+                # The simulated device charges the estimate itself: this checks the
+                # plumbing, not the estimator.
+                gpu = service.status()["gpu"]
+                row.update(measured_mib=gpu["used_mib"], source="simulated device")
+            else:
+                own = device.process_mib(worker["pid"])
+                if own is not None:
+                    row.update(measured_mib=round(own, 1), source="NVML per-process")
+                else:
+                    row.update(measured_mib=round(device.memory()["used_mib"] - before, 1),
+                               source="device used, before and after")
+            row["error_pct"] = round(100.0 * (row["estimated_mib"] - row["measured_mib"]) / row["measured_mib"], 1)
+            return row
+
+        rows.append(with_service(workdir, f"estimator-{n_ctx}",
+                                 service_config(device, model, gpu={"n_ctx": n_ctx}), measure, roles=("gpu",)))
+    worst = max(abs(row["error_pct"]) for row in rows)
+    # Admission trusts the estimate: under-estimating by more than a tenth
+    # would admit work that can't fit; over-estimating only wastes room.
+    ok = all(-10.0 <= row["error_pct"] <= 35.0 for row in rows)
+    return {"ok": ok, "rows": rows, "worst_abs_error_pct": worst}
+
+
+def check_start_oom(device: Device, model: Path, workdir: Path) -> dict[str, Any]:
+    # Twice the card's KV room per slot: the worker can't allocate at load.
+    n_ctx = int(device.card_mib * 2 * 2**20 / (SLOTS * KV_BYTES_PER_TOKEN))
+
+    def watch(service: Service) -> dict[str, Any]:
+        status = service.wait_for(lambda s: s["breaker"]["state"] == "open" and any(
+            w["role"] == "cpu" and w["state"] == "ready" for w in s["workers"]), timeout=180, what="breaker open")
+        exit_ = service.gpu_worker(status)["last_exit"] or {}
+        response = service.chat()
+        return {
+            "ok": (exit_.get("kind") == "out_of_memory" and response.status_code == 200
+                   and response.headers.get("x-served-by") == "cpu"),
+            "n_ctx_per_slot": n_ctx, "estimated_mib": service.gpu_worker(status)["estimated_vram_mib"],
+            "exit_kind": exit_.get("kind"), "evidence": exit_.get("evidence"), "breaker": status["breaker"]["state"],
+            "request_served_by": response.headers.get("x-served-by"),
+            "route_reason": response.headers.get("x-route-reason"), "status_code": response.status_code,
+        }
+
+    return with_service(workdir, "start-oom", service_config(device, model, gpu={"n_ctx": n_ctx}), watch, roles=())
+
+
+class OtherApp:
+    """Takes VRAM the way another program does: a real ballast process on a
+    GPU, the service's pressure knob on the simulated device."""
+
+    def __init__(self, device: Device, service: Service) -> None:
+        self._service = service
+        self._ballast = None if device.simulated else Ballast()
+
+    def hold(self, mib: float) -> float:
+        if self._ballast is not None:
+            return self._ballast.hold(mib)
+        self._service.http.post("/admin/gpu", json={"simulated_pressure_mib": mib}).raise_for_status()
+        return mib
+
+    def close(self) -> None:
+        if self._ballast is not None:
+            self._ballast.close()
+        else:
+            self._service.http.post("/admin/gpu", json={"simulated_pressure_mib": 0})
+
+
+def check_pressure(device: Device, model: Path, workdir: Path) -> dict[str, Any]:
+    config = service_config(device, model, gpu={"yield_to_other_apps": True, "reload_settle_s": 2,
+                                                "yield_drain_s": 5})
+
+    def squeeze(service: Service) -> dict[str, Any]:
+        other = OtherApp(device, service)
+        steps, step_mib = [], max(64, device.card_mib // 12)
+        try:
+            taken = 0.0
+            redirected = None
+            while taken < device.card_mib:
+                taken = other.hold(taken + step_mib)
+                time.sleep(2.5)  # the sampler confirms a yield over about a second
+                response = service.chat()
+                status = service.status()
+                steps.append({"other_app_mib": taken, "free_mib": round(status["gpu"]["free_mib"]),
+                              "served_by": response.headers.get("x-served-by"),
+                              "reason": response.headers.get("x-route-reason"),
+                              "residency": status["gpu"]["residency"]["state"]})
+                if response.headers.get("x-served-by") == "cpu":
+                    redirected = steps[-1]
+                    break
+            other.close()
+            released_at = time.monotonic()
+            back = None
+            while time.monotonic() - released_at < 120:
+                response = service.chat()
+                if response.headers.get("x-served-by") == "gpu":
+                    back = round(time.monotonic() - released_at, 2)
+                    break
+                time.sleep(1.0)
+            residency = service.status()["gpu"]["residency"]
+        finally:
+            other.close()
+        return {"ok": redirected is not None and back is not None, "steps": steps, "redirected_at": redirected,
+                "gpu_again_after_release_s": back, "yields": residency["yields"], "reloads": residency["reloads"],
+                "last_release_s": residency["last_release_s"], "last_load_s": residency["last_load_s"]}
+
+    return with_service(workdir, "pressure", config, squeeze)
+
+
+def check_replay(device: Device, model: Path, workdir: Path) -> dict[str, Any]:
+    def kill_twice(service: Service) -> dict[str, Any]:
+        rounds = []
+        for sig in (signal.SIGKILL, signal.SIGABRT):
+            service.wait_ready()
+            pid = service.gpu_worker()["pid"]
+            request_id = f"replay-{sig.name}"
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                # A long answer (the tiny model rarely samples its end token) keeps the GPU busy.
+                future = pool.submit(service.chat, 1500, {"X-Request-Id": request_id}, temperature=1.0)
+                service.wait_for(lambda s: any(r["id"] == request_id and r["state"] == "running" and r["path"] == "gpu"
+                                               for r in s["requests"]), interval=0.005, what="running on the GPU")
+                os.kill(pid, sig)
+                response = future.result()
+            body = response.json() if response.status_code == 200 else {}
+            rounds.append({"signal": sig.name, "status_code": response.status_code,
+                           "served_by": response.headers.get("x-served-by"),
+                           "reason": response.headers.get("x-route-reason"),
+                           "completion_tokens": (body.get("usage") or {}).get("completion_tokens")})
+        # Two GPU failures in a minute open the breaker: the workers come back,
+        # the breaker waits for its cool-down.
+        status = service.wait_workers_ready()
+        lost = sum(1 for r in rounds if r["status_code"] != 200)
+        duplicated = status["accounting"]["duplicate_executions"]
+        exits = service.gpu_worker(status)["last_exit"]
+        replayed = sum(1 for r in rounds if r["reason"] == "gpu_failed_replayed")
+        return {"ok": lost == 0 and duplicated == 0 and replayed == len(rounds), "rounds": rounds, "lost": lost,
+                "duplicated": duplicated, "replayed": replayed, "last_exit": exits,
+                "breaker": status["breaker"]["state"]}
+
+    return with_service(workdir, "replay", service_config(device, model), kill_twice)
+
+
+def check_throughput(device: Device, model: Path, workdir: Path) -> dict[str, Any]:
+    def measure(service: Service) -> dict[str, Any]:
+        rates = {}
+        for path, headers in (("gpu", {}), ("cpu", {"X-Force-Path": "cpu"})):
+            service.chat(8, headers)  # warm
+            took, tokens = [], 0
+            for _ in range(3):
+                started = time.perf_counter()
+                response = service.chat(256, headers, temperature=1.0)
+                took.append(time.perf_counter() - started)
+                assert response.headers.get("x-served-by") == path, response.headers
+                tokens += response.json()["usage"]["completion_tokens"]
+            rates[path] = round(tokens / sum(took), 1)
+        status = service.status()
+        return {"ok": True, "tokens_per_s": rates, "gpu_over_cpu": round(rates["gpu"] / rates["cpu"], 2),
+                "engine": status["engine"]["version"], "offload_supported": status["gpu"]["offload_supported"]}
+
+    return with_service(workdir, "throughput", service_config(device, model), measure)
+
+
+# SmolLM2-135M's shape (random weights): the drill times its faults against
+# requests that take a while, which the 4-layer model finishes too soon.
+DRILL_SHAPE = {"n_layer": 30, "n_embd": 576, "n_head": 9, "n_head_kv": 3, "n_ff": 1536, "context_length": 8192}
+
+
+def check_drill(device: Device, tiny: Path, workdir: Path, out: Path) -> dict[str, Any]:
+    import subprocess
+
+    model = workdir / "smollm2-shaped.gguf"
+    tiny_model.write_tiny_model(workdir / "tokenizer.json.gz", model, **DRILL_SHAPE)
+
+    argv = [sys.executable, "-m", "tray_app", "drill", "--short", "--no-progress", "--model", str(model),
+            "--out", str(out / "drill")]
+    if device.simulated:
+        argv.append("--simulated-gpu")
+    started = time.monotonic()
+    with open(workdir / "drill.log", "wb") as log:
+        code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=420).returncode
+    report_path = out / "drill" / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    phases = [{"phase": p["title"], "failed": [f"{c['name']}: {c.get('detail')}" for c in p.get("checks", [])
+                                               if not c.get("passed") and c.get("severity") != "finding"],
+               "findings": [c["name"] for c in p.get("checks", []) if not c.get("passed") and c.get("severity") == "finding"]}
+              for p in report.get("phases", [])]
+    return {"ok": code == 0, "exit_code": code, "seconds": round(time.monotonic() - started, 1),
+            "verdict": report.get("verdict"), "phases": phases,
+            "log_tail": None if code == 0 else (workdir / "drill.log").read_text(errors="replace")[-3000:]}
+
+
+# ----- the report ----------------------------------------------------------------------
+
+def markdown(results: dict[str, Any]) -> str:
+    device = results["device"]
+    lines = [f"# GPU check: {device.get('name')}", "",
+             f"- date: {results['date']}", f"- device: {json.dumps(device)}",
+             f"- host: {results['host']}", f"- total: {results['seconds']} s", ""]
+    for name, result in results["checks"].items():
+        verdict = "PASS" if result.get("ok") else "FAIL"
+        lines.append(f"## {name}: {verdict}")
+        lines.append("")
+        lines.append("```json")
+        lines.append(json.dumps({k: v for k, v in result.items() if k != "log_tail"}, indent=1))
+        lines.append("```")
+        if result.get("log_tail"):
+            lines += ["", "```", result["log_tail"], "```"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="where gpu_check.json and gpu_check.md go")
+    parser.add_argument("--simulated", action="store_true", help="the simulated device even if a GPU is present")
+    parser.add_argument("--card-mib", type=int, default=6144, help="the home-sized card to make (default 6144)")
+    parser.add_argument("--checks", default=",".join(CHECKS), help=f"a subset of {','.join(CHECKS)}")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer.json.gz (default: the carry's, else the bundled model's)")
+    args = parser.parse_args(argv)
+    checks = [name.strip() for name in args.checks.split(",") if name.strip()]
+    unknown = set(checks) - set(CHECKS)
+    if unknown:
+        parser.error(f"unknown checks: {', '.join(sorted(unknown))}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               "host": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
+                               "checks": {}}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        workdir = Path(tmp)
+        model = model_for_check(workdir, args.tokenizer)
+        simulated = args.simulated or not real_gpu_present()
+        device = Device(simulated, args.card_mib)
+        try:
+            device.shrink_to_card()
+            results["device"] = device.facts
+            for name in checks:
+                print(f"gpu_check: {name}…", flush=True)
+                began = time.monotonic()
+                try:
+                    if name == "drill":
+                        result = check_drill(device, model, workdir, args.out)
+                    else:
+                        result = globals()[f"check_{name}"](device, model, workdir)
+                except Exception:  # noqa: BLE001 - one broken check must not hide the others' results
+                    result = {"ok": False, "error": traceback.format_exc()[-3000:]}
+                result["seconds"] = round(time.monotonic() - began, 1)
+                results["checks"][name] = result
+                print(f"gpu_check: {name} {'PASS' if result['ok'] else 'FAIL'} in {result['seconds']} s", flush=True)
+        finally:
+            device.close()
+    results["seconds"] = round(time.monotonic() - started, 1)
+    results["passed"] = all(result["ok"] for result in results["checks"].values())
+    (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1) + "\n")
+    (args.out / "gpu_check.md").write_text(markdown(results))
+    return 0 if results["passed"] else 1
+
+
+def model_for_check(workdir: Path, tokenizer: Path | None) -> Path:
+    """The tiny model, written here from the carried tokenizer (or, off the
+    GPU machine, from the bundled model's); the tokenizer stays in workdir."""
+    import shutil
+
+    if tokenizer is None and CARRIED_TOKENIZER.exists():
+        tokenizer = CARRIED_TOKENIZER
+    if tokenizer is None:
+        from tray_app.core.config import bundled_model_path
+
+        tiny_model.export_tokenizer(bundled_model_path(), workdir / "tokenizer.json.gz")
+    else:
+        shutil.copyfile(tokenizer, workdir / "tokenizer.json.gz")
+    tokenizer = workdir / "tokenizer.json.gz"
+    model = workdir / "tiny.gguf"
+    tiny_model.write_tiny_model(tokenizer, model)
+    return model
+
+
+def real_gpu_present() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount() > 0
+    except Exception:  # noqa: BLE001 - no driver, no library, no device: all mean "simulate"
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

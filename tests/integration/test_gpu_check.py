@@ -1,0 +1,35 @@
+"""The real-GPU check's script, run here on the simulated device so it can't
+rot between GPU loans: the same checks, services, signals and report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_gpu_check_passes_on_the_simulated_device(tmp_path):
+    # The drill has its own tests (test_drill.py); everything else runs here.
+    checks = "estimator,start_oom,pressure,replay,throughput"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check.run", "--simulated", "--out", str(tmp_path),
+                          "--checks", checks], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    failed = {name: result for name, result in report["checks"].items() if not result["ok"]}
+    assert run.returncode == 0 and not failed, (failed, run.stdout[-2000:], run.stderr[-2000:])
+    assert report["device"]["simulated"] is True
+    results = report["checks"]
+    assert list(results) == checks.split(",")
+    assert results["start_oom"]["exit_kind"] == "out_of_memory" and results["start_oom"]["breaker"] == "open"
+    assert results["start_oom"]["request_served_by"] == "cpu"
+    assert results["replay"]["lost"] == 0 and results["replay"]["duplicated"] == 0
+    assert [r["signal"] for r in results["replay"]["rounds"]] == ["SIGKILL", "SIGABRT"]
+    assert results["pressure"]["redirected_at"]["served_by"] == "cpu"
+    assert results["pressure"]["yields"] >= 1 and results["pressure"]["reloads"] >= 1
+    assert len(results["estimator"]["rows"]) == 3
+    assert "## replay: PASS" in (tmp_path / "gpu_check.md").read_text()

@@ -1,0 +1,64 @@
+"""What the real-GPU check carries: the trimmed llama.cpp source and the
+ballast's behaviour where no GPU library is installed."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import pytest
+
+from benchmarks.gpu_check.prepare import kept, trim_sources
+from tray_app.drill import ballast
+
+
+@pytest.mark.parametrize("path", [
+    "CMakeLists.txt", "src/llama.cpp", "include/llama.h", "common/arg.cpp", "ggml/src/ggml.c",
+    "ggml/src/ggml-cuda/fattn.cu", "ggml/src/ggml-cpu/ops.cpp", "ggml/src/CMakeLists.txt",
+    "tools/server/server.cpp", "tools/mtmd/mtmd.cpp", "tools/ui/CMakeLists.txt", "vendor/cpp-httplib/httplib.h",
+    "scripts/ui-assets.cmake", "LICENSE",
+])
+def test_what_the_build_needs_is_kept(path):
+    assert kept(path)
+
+
+@pytest.mark.parametrize("path", [
+    "models/ggml-vocab-llama-bpe.gguf", "docs/build.md", "ggml/src/ggml-vulkan/ggml-vulkan.cpp",
+    "ggml/src/ggml-metal/ggml-metal.m", "tools/ui/src/app.ts", "tools/server/tests/test_basic.py",
+    "scripts/sync-ggml.sh", "convert_hf_to_gguf.py", "README.md", "tests/test-backend-ops.cpp",
+])
+def test_what_the_build_never_reads_is_dropped(path):
+    assert not kept(path)
+
+
+def _sdist(path, files: dict[str, bytes]) -> None:
+    with tarfile.open(path, "w:gz") as archive:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+
+
+def test_the_sdist_splits_into_the_engine_source_and_the_bindings(tmp_path):
+    root = "llama_cpp_python-9.9.9"
+    sdist = tmp_path / f"{root}.tar.gz"
+    _sdist(sdist, {f"{root}/vendor/llama.cpp/src/llama.cpp": b"x" * 10,
+                   f"{root}/vendor/llama.cpp/models/vocab.gguf": b"y" * 1000,
+                   f"{root}/llama_cpp/__init__.py": b"z",
+                   f"{root}/llama_cpp/lib/libllama.so": b"w" * 100,
+                   f"{root}/setup.py": b""})
+    out = tmp_path / "carry"
+    out.mkdir()
+    summary = trim_sources(sdist, out)
+    with tarfile.open(out / "llama.cpp.tar.gz") as engine:
+        assert engine.getnames() == ["llama.cpp/src/llama.cpp"]
+    with tarfile.open(out / "llama_cpp_py.tar.gz") as bindings:
+        assert bindings.getnames() == ["llama_cpp/__init__.py"]  # never a prebuilt library for another machine
+    assert summary["llama.cpp"]["files"] == 1 and summary["llama_cpp_py"]["files"] == 1
+
+
+def test_without_torch_or_cupy_the_ballast_refuses_to_start_and_says_why(monkeypatch, capsys):
+    monkeypatch.setattr(ballast.importlib.util, "find_spec", lambda name: None)
+    assert ballast.library() is None
+    assert ballast.main() == 2
+    assert capsys.readouterr().out == "error neither torch nor cupy is installed\n"
