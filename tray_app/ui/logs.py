@@ -53,6 +53,10 @@ class LogViewer(QWidget):
         self.filter_edit.setPlaceholderText("only lines containing this (any case)")
         self.filter_edit.setToolTip("Show only the lines that contain this text, ignoring case (Ctrl+F)")
         self.filter_edit.setClearButtonEnabled(True)
+        # The combo box grows to any width it is given; the filter must stay wide
+        # enough to read what was typed.
+        self.filter_edit.setMinimumWidth(240)
+        self.source_box.setMaximumWidth(420)
         self.filter_edit.textChanged.connect(self._render_all)
         self.count_label = QLabel()
         theme.set_muted_text(self.count_label)

@@ -289,6 +289,13 @@ class ScreenshotTour(QObject):
         chat.resize(660, 560)
         c.show_chat()
         yield ("sleep", 0.5)
+        # A finished answer is drawn as Markdown: ask for code. Then a new chat,
+        # so the conversation below stays short enough for the CPU's context.
+        chat.send("Write a Python function that reverses a string, in a code block.")
+        yield ("until", lambda: not chat.busy, 120, "the code answer")
+        yield ("sleep", 0.5)
+        self.grab_window(chat, "chat-markdown.png")
+        chat.clear()
         chat.send("In two sentences: what does a lighthouse keeper do?")
         yield ("until", lambda: not chat.busy, 120, "first answer")
         chat.input.setPlainText("")
@@ -338,7 +345,8 @@ class ScreenshotTour(QObject):
         self.game.quit()
         yield ("until", lambda: (self.status().get("service") or {}).get("gpu_paused") is True, 30, "force CPU")
         c.show_chat()
-        chat.send("And what did lighthouse keepers do before electricity?")
+        # A long answer: the CPU must still be writing it when the shot is taken.
+        chat.send("Tell me a long story about a lighthouse keeper before electricity.")
         yield ("until", lambda: len(chat.turns[-1].text) > 200 or not chat.busy, 120,
                "the degraded answer to be under way")
         if not chat.busy:
@@ -356,6 +364,15 @@ class ScreenshotTour(QObject):
         self.fit(panel)
         yield ("sleep", 0.3)
         self.grab_window(panel, "panel-normal.png")
+
+        # The log viewer: the tray app's own log, filtered to what concerns the GPU.
+        c.show_logs()
+        logs = c._logs
+        logs.resize(820, 460)
+        logs.filter_edit.setText("gpu")
+        yield ("sleep", 1.0)
+        self.grab_window(logs, "logs.png")
+        logs.hide()
 
         # Settings: paths in lines, numbers in spin boxes.
         c.show_settings()
