@@ -33,3 +33,14 @@ def test_the_gpu_check_passes_on_the_simulated_device(tmp_path):
     assert results["pressure"]["yields"] >= 1 and results["pressure"]["reloads"] >= 1
     assert len(results["estimator"]["rows"]) == 3
     assert "## replay: PASS" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_a_check_that_no_longer_fits_the_deadline_is_skipped_and_said(tmp_path):
+    """The GPU machine's command limit is hard: a check that can't finish is
+    reported as skipped rather than killed half-way with nothing written."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check.run", "--simulated", "--out", str(tmp_path),
+                          "--checks", "replay", "--deadline-s", "20"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert run.returncode == 1 and report["passed"] is False
+    assert "needs ~45 s" in report["checks"]["replay"]["skipped"]

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import select
 import subprocess
 import sys
 from typing import Any, Callable
 
 CHUNK_MIB = 32
 MIB = 1024 * 1024
+# A CUDA start that hangs must not hang the drill or the check with it.
+ANSWER_TIMEOUT_S = 60.0
 
 
 def library() -> str | None:
@@ -48,6 +51,18 @@ def _allocator(name: str) -> Callable[[int], Any]:
     return lambda mib: cupy.empty(mib * MIB, dtype=cupy.uint8)
 
 
+def _releaser(name: str) -> Callable[[], None]:
+    """Hands freed chunks back to the driver at once, in case a caching
+    allocator is on after all."""
+    if name == "torch":
+        import torch
+
+        return torch.cuda.empty_cache
+    import cupy
+
+    return cupy.get_default_memory_pool().free_all_blocks
+
+
 def main() -> int:
     name = library()
     if name is None:
@@ -59,10 +74,21 @@ def main() -> int:
         print(f"error {exc}", flush=True)
         return 2
     chunks: list[Any] = []
+    release = _releaser(name)
+    try:
+        # The CUDA context (some hundreds of MiB) exists before "ready", so the
+        # first hold() is not off by its size. The chunk itself is dropped at once.
+        allocate(1)
+        release()
+    except Exception as exc:  # noqa: BLE001 - reported to the driver, which decides
+        print(f"error {exc}", flush=True)
+        return 2
     print(f"ready {name}", flush=True)
     for line in sys.stdin:
         want = max(0, int(float(line) // CHUNK_MIB))
-        del chunks[want:]
+        if want < len(chunks):
+            del chunks[want:]
+            release()
         verdict = "held"
         while len(chunks) < want:
             try:
@@ -90,6 +116,10 @@ class Ballast:
 
     def _answer(self) -> str:
         assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], ANSWER_TIMEOUT_S)
+        if not ready:
+            self.process.kill()
+            raise RuntimeError(f"the VRAM ballast did not answer within {ANSWER_TIMEOUT_S:g} s")
         line = self.process.stdout.readline().strip()
         if not line:
             raise RuntimeError(f"the VRAM ballast exited ({self.process.poll()})")

@@ -110,12 +110,10 @@ class RealGpuPressure:
         self._reader = NvmlGpuReader()
         self._workdir = workdir
         self.holders: list[Holder] = []
+        # Started when a phase needs memory taken and closed by release(), so
+        # between phases not even its CUDA context stays on the card.
         self.ballast: Ballast | None = None
-        if ballast_library() is not None:
-            try:
-                self.ballast = Ballast()
-            except RuntimeError:
-                self.ballast = None  # e.g. a CPU-only torch: llama.cpp holders instead
+        self._ballast_works = ballast_library() is not None
 
     def free_mib(self) -> float:
         free = self._reader.read().free_mib
@@ -138,6 +136,11 @@ class RealGpuPressure:
         return {"holders": len(self.holders)}
 
     def _take_down_to(self, target_free_mib: float) -> None:
+        if self.ballast is None and self._ballast_works:
+            try:
+                self.ballast = Ballast()
+            except RuntimeError:
+                self._ballast_works = False  # e.g. a CPU-only torch: llama.cpp holders instead
         if self.ballast is not None:
             # Closed loop on NVML's reading: a CUDA context of its own and the
             # driver's rounding make the first step land a little off.
@@ -189,6 +192,7 @@ class RealGpuPressure:
     def release(self) -> None:
         if self.ballast is not None:
             self.ballast.close()
+            self.ballast = None
         for holder in self.holders:
             if holder.process.poll() is None:
                 holder.process.send_signal(signal.SIGTERM)

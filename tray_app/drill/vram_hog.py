@@ -46,11 +46,16 @@ def set_process_name(name: str) -> None:
 
 
 def allocate_real(mib: float) -> Any:
-    """Hold `mib` of device memory on GPU 0; the returned object owns it."""
-    count = int(mib * MIB)
+    """Hold `mib` of device memory on GPU 0 (less if, once this process's own
+    CUDA context exists, that much is no longer free); the returned object
+    owns it."""
     try:
         import cupy
-        block = cupy.empty(count, dtype=cupy.uint8)
+
+        cupy.cuda.Device(0).use()
+        cupy.cuda.runtime.free(cupy.cuda.runtime.malloc(1))  # the context, before measuring
+        free = cupy.cuda.runtime.memGetInfo()[0]
+        block = cupy.empty(min(int(mib * MIB), free - 64 * MIB), dtype=cupy.uint8)
         block.fill(1)  # touch it, so the driver really commits it
         cupy.cuda.Device(0).synchronize()
         return block
@@ -60,7 +65,9 @@ def allocate_real(mib: float) -> Any:
         import torch
     except ImportError:
         raise SystemExit("a real GPU allocation needs cupy or torch; neither is installed") from None
-    block = torch.ones(count, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.init()
+    free = torch.cuda.mem_get_info(0)[0]
+    block = torch.ones(min(int(mib * MIB), free - 64 * MIB), dtype=torch.uint8, device="cuda:0")
     torch.cuda.synchronize()
     return block
 
