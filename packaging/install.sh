@@ -30,7 +30,9 @@ LLAMA_CMAKE_ARGS="${LLAMA_CMAKE_ARGS:-$DEFAULT_FLAGS}"
 # llama-server too: llama.cpp's tools, installed into the wheel. Its own
 # multimodal library replaces llama-cpp-python's copy (LLAVA_BUILD would add
 # the same folder twice); the web UI is off (it would be downloaded).
-SERVER_FLAGS="-DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_TOOLS_INSTALL=ON -DLLAVA_BUILD=OFF \
+# GGML_RPC: llama-server's --rpc (other machines' devices, [gpu] rpc_servers)
+# and ggml-rpc-server, which `tray-app rpc-worker` runs.
+SERVER_FLAGS="-DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_TOOLS_INSTALL=ON -DLLAVA_BUILD=OFF -DGGML_RPC=ON \
  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
 PYTHON="${PYTHON:-python3}"
 

@@ -13,6 +13,7 @@ from ..core.memory.gguf_info import ModelFileError
 from ..drill.command import add_drill_parser, run_drill
 from .models import add_models_parser, run_models
 from .pull import add_pull_parser, run_pull
+from .rpc_worker import add_rpc_worker_parser, run_rpc_worker
 
 
 def _add_service_options(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_parser(sub)
     add_pull_parser(sub)
     add_drill_parser(sub)
+    add_rpc_worker_parser(sub)
     return parser
 
 
@@ -136,7 +138,7 @@ def _error_message(response: Any) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     raw = list(argv if argv is not None else sys.argv[1:])
-    subcommands = {"tray", "serve", "status", "models", "pull", "drill"}
+    subcommands = {"tray", "serve", "status", "models", "pull", "drill", "rpc-worker"}
     # Options without a subcommand belong to the default one: `tray-app --port 9000`.
     if raw and raw[0] not in subcommands and raw[0] not in ("-h", "--help"):
         raw = ["tray", *raw]
@@ -158,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_pull(args)
     if command == "drill":
         return run_drill(args)
+    if command == "rpc-worker":
+        return run_rpc_worker(args)
     try:
         config = config_from_args(args)
         # Fail fast, with one line, before anything is started.

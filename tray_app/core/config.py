@@ -133,6 +133,10 @@ class GpuConfig:
     # memory has stayed free for reload_settle_s (see dispatch.residency).
     yield_to_other_apps: bool = True
     reload_settle_s: float = 30.0
+    # llama.cpp RPC servers ("host:port", started with `tray-app rpc-worker`
+    # on another machine) whose devices the GPU worker spreads its layers
+    # over, beside the local GPU. Their protocol has no authentication.
+    rpc_servers: tuple[str, ...] = ()
     # How long running GPU requests may take to finish before the worker is
     # unloaded anyway (a request cut short replays on the CPU if it can).
     yield_drain_s: float = 10.0
@@ -302,6 +306,17 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
 _INT_MAX = 2**31 - 1
 
 
+def rpc_address_problem(address: str) -> str | None:
+    """Why an RPC server address is not "host:port" ("[v6]:port" for IPv6),
+    or None."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return "is not host:port (a port from 1 to 65535)"
+    if any(c.isspace() or c == "," for c in address):
+        return "must not contain spaces or commas"
+    return None
+
+
 def whole_number_bounds(section: str, key: str) -> tuple[int, int]:
     """The lowest and highest whole number [section] key accepts, as
     apply_overrides enforces them (for a settings form's spin boxes)."""
@@ -436,6 +451,10 @@ def apply_overrides(config: Config, overrides: Mapping[str, Mapping[str, Any]]) 
 def _check_cross_field(config: Config) -> None:
     if config.worker.backoff_cap_s < config.worker.backoff_base_s:
         raise ConfigError("[worker] backoff_cap_s must be at least backoff_base_s")
+    for address in config.gpu.rpc_servers:
+        problem = rpc_address_problem(address)
+        if problem:
+            raise ConfigError(f"[gpu] rpc_servers: {address!r} {problem}")
     if config.server.ollama_port and config.server.ollama_port == config.server.port:
         raise ConfigError(f"[server] ollama_port is {config.server.ollama_port}, the same as [server] port: "
                           "set another (Ollama's is 11434), or 0 for none")

@@ -162,7 +162,8 @@ class ModelHost:
         slots = self.slots[path]
         spec = WorkerSpec(path, info.path, info.path.stem, model.gpu_n_ctx if path == "gpu" else model.cpu_n_ctx,
                           model.gpu_layers if path == "gpu" else 0, config.worker.n_batch,
-                          config.cpu.n_threads, parallel=slots)
+                          config.cpu.n_threads, parallel=slots,
+                          rpc_servers=config.gpu.rpc_servers if path == "gpu" else ())
         worker = Worker(spec, runtime, service.log_dir, config.worker, hooks, self._clock,
                         log_name=None if model.is_default else f"{path}-{model.name}")
         settings = config.gpu if path == "gpu" else config.cpu

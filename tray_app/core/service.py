@@ -38,6 +38,7 @@ from .memory import estimate
 from .memory.gguf_info import ModelFileError
 from .memory.telemetry import GpuReader, MemorySnapshot, NvmlGpuReader, SimulatedGpu, detect_gpu_offload_support
 from .observe import Observer
+from .rpc import RpcHealth
 
 MIB = 1024 * 1024
 
@@ -82,6 +83,7 @@ class Service:
         # Kept for the hosts of models added later (rescan_models).
         self._gpu_runtime, self._gpu_missing_reason = gpu_runtime, gpu_missing_reason
         self.observer = Observer(self.gpu_reader, self.worker_pids, self._degraded_cause, on_sample=self._on_sample)
+        self.rpc_health = RpcHealth(config.gpu.rpc_servers)
         self.metrics = ServiceMetrics(self.status)
         self.hosts: dict[str, ModelHost] = {}
         # Files in the library that can't be served (not a readable GGUF), with why.
@@ -308,6 +310,7 @@ class Service:
         self.observer.sample()
         self.observer.advance()
         self.observer.start()
+        self.rpc_health.start()
 
     async def ensure_started(self, host: ModelHost) -> None:
         """A library model's tokenizer, read on its first request (reading
@@ -321,6 +324,7 @@ class Service:
 
     async def stop(self) -> None:
         self.observer.stop()
+        await self.rpc_health.stop()
         for host in self.hosts.values():
             await host.close_keepers()
             host.dispatcher.cancel_all("the service is shutting down")
@@ -538,6 +542,7 @@ class Service:
             gpu_status["pressure_mib"] = self.simulated.pressure_mib
             gpu_status["simulated_device_dir"] = str(self.simulated.others_dir)
         gpu_status["residency"] = self.sharing.status() if self.sharing is not None else None
+        gpu_status["rpc_servers"] = self.rpc_health.status()
         return gpu_status
 
     def status(self) -> dict[str, Any]:

@@ -311,9 +311,25 @@ def vram_bars(status: Mapping[str, Any]) -> list[Bar]:
         else:
             segments, warning = [Segment("used", "used", used), Segment("free", "free", free)], ""
         caption = f"{fmt_mib(free, total)} free of {fmt_mib(total)}"
-        bars.append(Bar(title, total, tuple(segments), caption, note=note, warning=warning,
-                        apps=other_apps_text(device.get("processes") or (), _worker_pids(status))))
+        apps = other_apps_text(device.get("processes") or (), _worker_pids(status))
+        if position == 0:
+            apps = "\n".join(line for line in (apps, rpc_servers_text(gpu.get("rpc_servers") or ())) if line)
+        bars.append(Bar(title, total, tuple(segments), caption, note=note, warning=warning, apps=apps))
     return bars
+
+
+def rpc_servers_text(servers: Any) -> str:
+    """'Remote devices (RPC): 10.0.0.2:50052 reachable, 0.4 ms · 10.0.0.3:50052 unreachable'."""
+    parts = []
+    for server in servers:
+        if not isinstance(server, Mapping):
+            continue
+        reachable = server.get("reachable")
+        state = ("not checked yet" if reachable is None
+                 else f"reachable, {server['latency_ms']:g} ms" if reachable and server.get("latency_ms") is not None
+                 else "reachable" if reachable else "unreachable")
+        parts.append(f"{server.get('address')} {state}")
+    return "Remote devices (RPC): " + " · ".join(parts) if parts else ""
 
 
 # Apps named on a VRAM bar; the rest are counted.

@@ -35,6 +35,8 @@ class LaunchRequest:
     api_key: str | None = None
     # Requests decoded at once; each gets its own n_ctx of KV cache.
     parallel: int = 1
+    # llama.cpp RPC servers whose devices take a share of the layers.
+    rpc_servers: tuple[str, ...] = ()
 
 
 # The worker wrapper takes the secret from here and removes it from its
@@ -138,6 +140,7 @@ class LlamaCppPythonRuntime:
             # context token: 1.5 GiB for SmolLM2 at 8k. Only logprobs need it.
             "--logits_all", "False",
             *(["--n_threads", str(launch.n_threads)] if launch.n_threads > 0 else []),
+            *(["--rpc_servers", ",".join(launch.rpc_servers)] if launch.rpc_servers else []),
         ]
 
     def environment(self, launch: LaunchRequest) -> dict[str, str]:
@@ -185,6 +188,18 @@ def bundled_llama_server() -> Path | None:
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return candidate
     return None
+
+
+RPC_SERVER_BINARY = "ggml-rpc-server" + (".exe" if sys.platform == "win32" else "")
+
+
+def bundled_rpc_server() -> Path | None:
+    """llama.cpp's RPC server, built beside llama-server (GGML_RPC=ON)."""
+    server = bundled_llama_server()
+    if server is None:
+        return None
+    candidate = server.parent / RPC_SERVER_BINARY
+    return candidate if candidate.is_file() and os.access(candidate, os.X_OK) else None
 
 
 def library_dirs(binary: Path, *, bundled: bool = True) -> list[Path]:
@@ -256,6 +271,7 @@ class LlamaServerRuntime:
             # 1.4 ms of CPU per request. Load failures and OOMs are errors.
             "--log-verbosity", "2",
             *(["--threads", str(launch.n_threads)] if launch.n_threads > 0 else []),
+            *(["--rpc", ",".join(launch.rpc_servers)] if launch.rpc_servers else []),
         ]
 
     def environment(self, launch: LaunchRequest) -> dict[str, str]:

@@ -134,6 +134,7 @@ class WorkerSpec:
     n_threads: int = 0
     # Slots: requests the process decodes at once, each with its own n_ctx.
     parallel: int = 1
+    rpc_servers: tuple[str, ...] = ()
 
 
 class _Command(enum.Enum):
@@ -425,6 +426,7 @@ class Worker:
             simulated_vram_free_mib=extras.simulated_vram_free_mib,
             api_key=self._secret,
             parallel=self.spec.parallel,
+            rpc_servers=self.spec.rpc_servers,
         )
         argv = self.runtime.argv(launch)
         self._log_tail.clear()

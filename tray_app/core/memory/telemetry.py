@@ -559,6 +559,23 @@ class OffloadSupport:
     message: str
 
 
+def _local_gpu_backend(llama_cpp: Any) -> bool:
+    """llama_supports_gpu_offload() is also true for a CPU build with the RPC
+    backend (other machines' devices): ask ggml for a local GPU device."""
+    supports_rpc = getattr(llama_cpp, "llama_supports_rpc", None)
+    if supports_rpc is None or not supports_rpc():
+        return True
+    try:
+        import ctypes
+
+        by_type = llama_cpp.llama_cpp._lib.ggml_backend_dev_by_type
+        by_type.restype, by_type.argtypes = ctypes.c_void_p, [ctypes.c_int]
+        # ggml_backend_dev_type: 1 = GPU, 2 = IGPU (an integrated one)
+        return by_type(1) is not None or by_type(2) is not None
+    except (AttributeError, OSError):
+        return True  # can't tell: trust llama.cpp's own answer
+
+
 def detect_gpu_offload_support() -> OffloadSupport:
     """Whether the installed llama-cpp-python was built with GPU offload."""
     try:
@@ -577,7 +594,7 @@ def detect_gpu_offload_support() -> OffloadSupport:
             supported=None,
             message="this llama-cpp-python has no llama_supports_gpu_offload(); upgrade it",
         )
-    if bool(probe()):
+    if bool(probe()) and _local_gpu_backend(llama_cpp):
         return OffloadSupport(supported=True, message="llama.cpp was built with GPU offload")
     return OffloadSupport(
         supported=False,

@@ -1,0 +1,88 @@
+"""llama.cpp's RPC backend on loopback: `tray-app rpc-worker` lends this
+machine's CPU device to the GPU worker, which spreads the model over it; the
+RPC server killed mid-request fails the GPU path over to the CPU worker
+under the usual rules (replayed once, nothing lost, nothing duplicated)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.harness import BASE_CONFIG, running
+from tray_app.core.engine.runtime import bundled_rpc_server
+from tray_app.core.engine.worker import free_loopback_port
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(bundled_rpc_server() is None, reason="llama.cpp was built without GGML_RPC"),
+]
+
+
+def wait_listening(port: int, process: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"rpc-worker exited with {process.returncode}"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"rpc-worker not listening on {port}")
+
+
+@pytest.fixture
+def rpc_worker(tmp_path):
+    port = free_loopback_port()
+    log = open(tmp_path / "rpc-worker.log", "wb")
+    process = subprocess.Popen([sys.executable, "-m", "tray_app", "rpc-worker", "--port", str(port), "--threads", "1"],
+                               stdout=log, stderr=subprocess.STDOUT)
+    wait_listening(port, process)
+    yield port, process, tmp_path / "rpc-worker.log"
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+    log.close()
+
+
+def test_the_gpu_worker_spreads_the_model_over_an_rpc_worker_and_fails_over_when_it_dies(tmp_path, rpc_worker):
+    port, rpc, rpc_log = rpc_worker
+    config = BASE_CONFIG.replace("[gpu]\n", f'[gpu]\nrpc_servers = ["127.0.0.1:{port}"]\n', 1)
+    with running(tmp_path / "service", config) as service:
+        status = service.wait_for(lambda s: s["gpu"]["rpc_servers"][0]["reachable"] is True, timeout=15,
+                                  what="the RPC server seen")
+        gpu = next(w for w in status["workers"] if w["role"] == "gpu")
+        worker_log = open(gpu["log"], errors="replace").read()
+        assert f"--rpc 127.0.0.1:{port}" in worker_log
+        answer = service.http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0})
+        assert answer.status_code == 200 and answer.headers["x-served-by"] == "gpu"
+
+        def long_request():
+            return service.http.post("/v1/chat/completions", headers={"X-Request-Id": "rpc-replay"}, timeout=120,
+                                     json={"messages": [{"role": "user", "content": "Tell a long story."}],
+                                           "max_tokens": 300, "temperature": 0, "logit_bias": {"2": -100}})
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(long_request)
+            service.wait_for(lambda s: any(r["id"] == "rpc-replay" and r["state"] == "running" and r["path"] == "gpu"
+                                           for r in s["requests"]), interval=0.01, what="running on the GPU")
+            rpc.send_signal(signal.SIGKILL)
+            response = future.result()
+        if response.headers["x-served-by"] == "gpu":
+            pytest.skip("the GPU answered before the RPC server's death reached it")
+        assert response.status_code == 200
+        assert response.headers["x-route-reason"] == "gpu_failed_replayed"
+        status = service.wait_for(lambda s: s["gpu"]["rpc_servers"][0]["reachable"] is False, timeout=15,
+                                  what="the RPC server seen gone")
+        assert status["accounting"]["duplicate_executions"] == 0
+        assert status["gpu"]["rpc_servers"][0]["error"]
+        # The GPU worker went down with its remote device: llama.cpp aborts on a broken RPC link.
+        gpu = next(w for w in status["workers"] if w["role"] == "gpu")
+        assert gpu["last_exit"]["kind"] in ("crash", "error"), gpu["last_exit"]
+        assert "RPC" in (gpu["last_exit"]["evidence"] or "") or gpu["last_exit"]["signal"] == "SIGABRT", gpu["last_exit"]
