@@ -81,5 +81,7 @@ extra=""
 .venv/bin/python -c "
 import llama_cpp, tray_app
 from tray_app.core.engine.runtime import bundled_llama_server
-print('llama-cpp-python', llama_cpp.__version__, '| GPU offload:', llama_cpp.llama_supports_gpu_offload(),
+from tray_app.core.memory.telemetry import detect_gpu_offload_support
+# Not llama_supports_gpu_offload() alone: it is also true for the RPC backend.
+print('llama-cpp-python', llama_cpp.__version__, '| GPU offload:', detect_gpu_offload_support().supported,
       '| llama-server:', bundled_llama_server() or 'missing')"
