@@ -552,3 +552,46 @@ def test_the_gpu_taken_again_notice_survives_the_loading_in_between() -> None:
     notifier.update(with_residency("unloaded_idle"))
     notifier.update(with_residency("loading"))
     assert notifier.update(with_residency("loaded")) is None
+
+
+# ----- peers ------------------------------------------------------------------------------------
+
+def test_the_banner_names_the_peer_that_serves_and_lists_its_request() -> None:
+    data = paused()
+    data["degraded"]["model"] = "SmolLM2"
+    data["degraded"]["peers"] = ["desk"]
+    data["requests"] = [{"id": "away", "state": "running", "path": "peer", "peer": "desk", "reason": "peer",
+                         "age_s": 2.0, "estimated_latency_s": 3.0}]
+    banner = vm.degraded_banner(data)
+    assert banner.title == "Degraded mode: peer desk is serving"
+    assert banner.model == "SmolLM2 on peer desk"
+    assert banner.requests[0].text.startswith("away · running on peer desk")
+    data["requests"].append({"id": "here", "state": "running", "path": "cpu", "reason": "forced_cpu", "age_s": 1.0})
+    banner = vm.degraded_banner(data)
+    assert banner.title == "Degraded mode: the CPU and peer desk are serving"
+    assert banner.model == "SmolLM2 on peer desk · SmolLM2 on the CPU"
+
+
+def test_the_chat_banner_shows_its_own_request_on_a_peer() -> None:
+    data = status()
+    data["requests"] = [{"id": "mine", "state": "running", "path": "peer", "peer": "desk", "reason": "peer",
+                         "detail": "GPU busy; peer desk takes it before the local CPU"}]
+    banner = vm.degraded_banner(data, own_request_id="mine", only_own=True)
+    assert banner is not None and banner.requests[0].text.startswith("Your request · running on peer desk")
+
+
+def test_peers_text_says_each_peers_health() -> None:
+    peers = [{"name": "desk", "healthy": True, "latency_ms": 2.1, "served": 3},
+             {"name": "attic", "healthy": False, "problem": "it refused our API key (HTTP 401)"},
+             {"name": "old", "healthy": False, "problem": None, "breaker": {"state": "open"}}]
+    assert vm.peers_text(peers) == ("Peers: desk healthy, 2.1 ms, 3 served · attic: it refused our API key "
+                                    "(HTTP 401) · old: breaker open")
+    assert vm.peers_text([]) == ""
+    data = status(peers=peers[:1])
+    assert "Peers: desk healthy" in vm.vram_bars(data)[0].apps
+
+
+def test_route_reasons_for_peers_are_in_words() -> None:
+    assert vm.route_reason_text("peer") == "sent to a peer"
+    assert vm.humanize_reason("peer_failed_replayed: the peer failed") == "Peer failed, re-run on the CPU: the peer failed"
+    assert vm.route_line("peer", "peer", peer="desk") == "served by peer desk · sent to a peer"

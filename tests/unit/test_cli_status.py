@@ -52,3 +52,17 @@ def test_status_text_names_the_engine_and_why_it_is_not_the_configured_one():
                                      "fallback_reason": "llama-server is not installed", "slots": {"gpu": 1, "cpu": 1}}})
     assert "engine:    llama-cpp-python 0.3.36; slots: GPU 1, CPU 1" in text
     assert "not llama-server: llama-server is not installed" in text
+
+
+def test_status_text_lists_the_peers_and_names_one_that_serves():
+    from tray_app.cli.status_text import render_status
+
+    text = render_status({
+        "degraded": {"active": True, "fallback_model": "Smol", "reason": "paused", "peers": ["desk"]},
+        "peers": [{"name": "desk", "role": "fallback", "url": "http://desk:8642", "healthy": True, "latency_ms": 1.5,
+                   "served": 2, "failures": 0},
+                  {"name": "attic", "role": "overflow", "url": "http://attic:8642", "healthy": False,
+                   "problem": "it refused our API key (HTTP 401)", "latency_ms": None, "served": 0, "failures": 1}]})
+    assert "peer serving: desk" in text
+    assert "  desk  fallback  http://desk:8642  healthy  rtt 1.5 ms  served 2  failures 0" in text
+    assert "  attic  overflow  http://attic:8642  out: it refused our API key (HTTP 401)  rtt -" in text

@@ -1,4 +1,5 @@
 import dataclasses
+import itertools
 import os
 import stat
 import tomllib
@@ -126,3 +127,17 @@ def test_log_dir_is_private_even_if_it_existed_world_readable(monkeypatch, tmp_p
     os.chmod(existing, 0o755)
     assert log_dir() == existing
     assert stat.S_IMODE(os.stat(existing).st_mode) == 0o700
+
+
+def test_the_example_config_documents_every_peers_key():
+    from pathlib import Path
+
+    from tray_app.core.config import PeerEntry
+
+    text = (Path(__file__).resolve().parents[2] / "resources" / "config.example.toml").read_text()
+    lines = text.splitlines()
+    start = lines.index("# [[peers]]")
+    table = "\n".join(line[2:] for line in itertools.takewhile(lambda line: line.startswith("# "), lines[start:]))
+    (entry,) = parse_config_text(table).peers
+    assert [f.name for f in dataclasses.fields(PeerEntry) if f.name not in table] == []
+    assert dataclasses.replace(entry, name="", url="") == PeerEntry()

@@ -36,6 +36,16 @@ def render_status(status: dict[str, Any]) -> str:
     if degraded.get("active"):
         lines.append(f"DEGRADED:  CPU serving {degraded.get('fallback_model')}: {degraded.get('reason')}; "
                      f"about {degraded.get('estimated_latency_s')} s per answer")
+        if degraded.get("peers"):
+            lines.append(f"           peer serving: {', '.join(degraded['peers'])}")
+    peers = status.get("peers") or []
+    if peers:
+        lines.append("peers:")
+    for peer in peers:
+        state = "healthy" if peer.get("healthy") else f"out: {peer.get('problem') or peer.get('breaker', {}).get('state')}"
+        latency = f"{peer['latency_ms']:g} ms" if peer.get("latency_ms") is not None else "-"
+        lines.append(f"  {peer.get('name')}  {peer.get('role')}  {peer.get('url')}  {state}  rtt {latency}  "
+                     f"served {peer.get('served')}  failures {peer.get('failures')}")
     lines.append("workers:")
     for worker in status.get("workers", []):
         lines.append(f"  {worker['role']:<4} {worker['state']:<10} pid {worker.get('pid') or '-':<8} "

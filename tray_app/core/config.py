@@ -12,6 +12,7 @@ import importlib.util
 import math
 import os
 import tomllib
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -145,6 +146,34 @@ class GpuConfig:
     idle_unload_s: float = 300.0
 
 
+PEER_ROLES = ("fallback", "overflow")
+
+
+@dataclass(frozen=True)
+class PeerEntry:
+    """A [[peers]] entry: another OpenAI-compatible server on the LAN (often
+    a second tray-app) that takes requests this one can't serve well."""
+
+    name: str = ""
+    # Its base URL, e.g. "http://desk-pc.lan:8642" (a trailing /v1 is fine).
+    url: str = ""
+    # Sent as "Authorization: Bearer ..."; the peer's [server] api_key.
+    api_key: str = ""
+    # The model names it serves, as clients here name them; empty = what
+    # its /v1/models lists, read at every health check.
+    models: tuple[str, ...] = ()
+    # "fallback": preferred to this machine's CPU whenever the local GPU
+    # can't take a request. "overflow": only what neither local path can
+    # take (the CPU queue full, say), instead of a 503.
+    role: str = "fallback"
+    # Requests sent to it at once; more stay local.
+    max_concurrency: int = 4
+    # How long to wait for its first token (a hung peer is a failed one: the
+    # request runs here instead, if nothing reached the client yet).
+    first_token_timeout_s: float = 60.0
+    token_timeout_s: float = 30.0
+
+
 CPU_KEEP_MODES = ("warm", "on_demand")
 FALLBACK_POLICIES = ("cpu", "never")
 
@@ -223,6 +252,8 @@ class Config:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     # [[models]]: the library's configured models, after the default one.
     models: tuple[ModelEntry, ...] = ()
+    # [[peers]]: other servers on the LAN (see PeerEntry).
+    peers: tuple[PeerEntry, ...] = ()
     # Where the file came from, for messages and for saving; None = defaults only.
     source: Path | None = None
 
@@ -292,6 +323,9 @@ _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("models", "n_gpu_layers"): (-1, None),
     ("models", "max_concurrency"): (0, 64),
     ("models", "idle_unload_s"): (-1.0, None),
+    ("peers", "max_concurrency"): (1, 256),
+    ("peers", "first_token_timeout_s"): (0.1, 86400.0),
+    ("peers", "token_timeout_s"): (0.1, 86400.0),
 }
 # (section, key) -> the only strings it takes.
 _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
@@ -299,6 +333,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("cpu", "keep"): CPU_KEEP_MODES,
     ("routing", "fallback"): FALLBACK_POLICIES,
     ("embeddings", "pooling"): EMBEDDING_POOLING,
+    ("peers", "role"): PEER_ROLES,
 }
 # The ceiling of every whole number: several become C `int` arguments to
 # llama.cpp (n_ctx, n_batch, n_gpu_layers, n_threads), where a larger value
@@ -431,17 +466,59 @@ def _model_entries(value: Any) -> tuple[ModelEntry, ...]:
     return tuple(entries)
 
 
+def peer_url_problem(url: str) -> str | None:
+    """Why a peer's URL is not an http(s) base URL, or None."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        return "is not an http:// or https:// URL with a host, e.g. \"http://desk-pc.lan:8642\""
+    try:
+        parsed.port
+    except ValueError:
+        return "has a port that is not a number from 0 to 65535"
+    if parsed.query or parsed.fragment or parsed.username or parsed.password:
+        return "must not carry a query, a fragment or a user name (the key goes in api_key)"
+    return None
+
+
+def peer_base_url(url: str) -> str:
+    """The URL the API paths (/v1/...) are appended to."""
+    return url.rstrip("/").removesuffix("/v1").rstrip("/")
+
+
+def _peer_entries(value: Any) -> tuple[PeerEntry, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError("[[peers]] must be an array of tables: one [[peers]] with name and url per peer")
+    entries: list[PeerEntry] = []
+    for index, table in enumerate(value):
+        entry = table if isinstance(table, PeerEntry) else _build_section("peers", PeerEntry, table, PeerEntry())
+        where = f"[[peers]] entry {index + 1}"
+        if not entry.name.strip() or entry.name != entry.name.strip():
+            raise ConfigError(f"{where} needs a name without surrounding spaces (it names the peer in "
+                              "headers, /status and the tray)")
+        if any(entry.name == other.name for other in entries):
+            raise ConfigError(f"{where}: another peer is already named {entry.name!r}")
+        problem = peer_url_problem(entry.url)
+        if problem:
+            raise ConfigError(f"{where} ({entry.name!r}) url {entry.url!r} {problem}")
+        entries.append(entry)
+    return tuple(entries)
+
+
 def apply_overrides(config: Config, overrides: Mapping[str, Mapping[str, Any]]) -> Config:
     """Return config with {section: {key: value}} applied and validated;
-    "models" replaces the [[models]] list."""
+    "models" and "peers" replace the [[models]] and [[peers]] lists."""
     changes: dict[str, Any] = {}
     for section, values in overrides.items():
         if section == "models":
             changes["models"] = _model_entries(values)
             continue
+        if section == "peers":
+            changes["peers"] = _peer_entries(values)
+            continue
         cls = _SECTIONS.get(section)
         if cls is None:
-            raise ConfigError(f"unknown section [{section}]; known sections: {', '.join(_SECTIONS)}, [[models]]")
+            raise ConfigError(f"unknown section [{section}]; known sections: {', '.join(_SECTIONS)}, "
+                              "[[models]], [[peers]]")
         changes[section] = _build_section(section, cls, values, getattr(config, section))
     result = dataclasses.replace(config, **changes)
     _check_cross_field(result)
@@ -455,6 +532,12 @@ def _check_cross_field(config: Config) -> None:
         problem = rpc_address_problem(address)
         if problem:
             raise ConfigError(f"[gpu] rpc_servers: {address!r} {problem}")
+    for peer in config.peers:
+        parsed = urllib.parse.urlsplit(peer.url)
+        if (parsed.hostname in ("127.0.0.1", "localhost", "::1")
+                and (parsed.port or (443 if parsed.scheme == "https" else 80)) == config.server.port):
+            raise ConfigError(f"[[peers]] {peer.name!r} is this server itself ({peer.url}): a peer is another "
+                              "server, on another machine or port")
     if config.server.ollama_port and config.server.ollama_port == config.server.port:
         raise ConfigError(f"[server] ollama_port is {config.server.ollama_port}, the same as [server] port: "
                           "set another (Ollama's is 11434), or 0 for none")
@@ -490,10 +573,11 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
 
 
 def config_to_toml(config: Config) -> str:
-    """Serialise to TOML (the sections and [[models]]; `source` is not stored)."""
+    """Serialise to TOML (the sections, [[models]] and [[peers]]; `source` is not stored)."""
     lines: list[str] = []
     tables = [(f"[{section}]", getattr(config, section)) for section in _SECTIONS]
-    for header, table in tables + [("[[models]]", entry) for entry in config.models]:
+    entries = [("[[models]]", entry) for entry in config.models] + [("[[peers]]", entry) for entry in config.peers]
+    for header, table in tables + entries:
         lines.append(header)
         for f in dataclasses.fields(table):
             lines.append(f"{f.name} = {_toml_value(getattr(table, f.name))}")

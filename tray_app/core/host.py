@@ -59,6 +59,7 @@ class HostOwner(Protocol):
     metrics: Any
     simulated: Any
     gpu_reader: Any
+    peers: Any
 
     def worker_pids(self) -> list[int]: ...
 
@@ -126,6 +127,8 @@ class ModelHost:
             _DispatchEvents(self), gpu_missing_reason=gpu_missing_reason, clock=self._clock,
             # A model without a CPU fallback answers 503 when its GPU can't serve.
             no_fallback=config.routing.fallback == "never" or model.cpu_path is None,
+            peers=service.peers,
+            model_names=tuple(dict.fromkeys((self.model_info.path.stem, self.model_id, *model.names()))),
         )
         self.sharing: GpuSharing | None = None
         if self.dispatcher.gpu is not None:
@@ -334,6 +337,9 @@ class ModelHost:
             "estimated_latency_s": round(self.dispatcher.cpu_wait_s(64, EXPECTED_ANSWER_TOKENS), 2),
             "cpu_context_cap": self.model.cpu_n_ctx,
             "cpu_queue_depth": len(self.dispatcher.cpu.lane.waiting_ids),
+            # The peers serving this model's requests now (degraded mode names them).
+            "peers": sorted({job.peer for job in self.dispatcher.jobs.values()
+                             if job.path == "peer" and job.peer is not None}),
         }
 
     def worker_status(self, snapshot) -> list[dict[str, Any]]:
@@ -445,12 +451,13 @@ class _DispatchEvents:
         self._host.service.observer.advance()
 
     def decided(self, job: Job, decision: Decision) -> None:
-        path = {Route.GPU: "gpu", Route.GPU_QUEUE: "gpu", Route.CPU: "cpu"}.get(decision.route, "rejected")
+        path = {Route.GPU: "gpu", Route.GPU_QUEUE: "gpu", Route.CPU: "cpu", Route.PEER: "peer"}.get(
+            decision.route, "rejected")
         metrics = self._host.service.metrics
         metrics.requests.labels(path, decision.reason.value).inc()
         metrics.model_requests.labels(self._host.model_id, path).inc()
         self._host.requests_by_path[path] += 1
-        if decision.reason is Reason.GPU_FAILED_REPLAYED:
+        if decision.reason in (Reason.GPU_FAILED_REPLAYED, Reason.PEER_FAILED_REPLAYED):
             metrics.replays.inc()
 
     def completed(self, job: Job, attempt: Attempt) -> None:

@@ -25,9 +25,10 @@ from typing import Any, Callable
 import httpx
 
 from .api.metrics import ServiceMetrics
-from .config import Config, log_dir as default_log_dir, simulated_device_dir
+from .config import Config, log_dir as default_log_dir, peer_base_url, simulated_device_dir
 from .dispatch.eviction import Resident, eviction_shortfall_text, plan_eviction
 from .dispatch.lanes import Lane
+from .dispatch.peer import Peer, Peers
 from .dispatch.residency import HoldKind
 from .embeddings import SPECIAL_TOKEN_MARGIN, EmbeddingPath, embedding_runtime
 from .engine.runtime import WorkerRuntime, choose_runtime
@@ -85,6 +86,9 @@ class Service:
         self.observer = Observer(self.gpu_reader, self.worker_pids, self._degraded_cause, on_sample=self._on_sample)
         self.rpc_health = RpcHealth(config.gpu.rpc_servers)
         self.metrics = ServiceMetrics(self.status)
+        # Other servers on the LAN that take what this one can't ([[peers]]).
+        self.peers = Peers([Peer(entry, peer_base_url(entry.url), self.http, config.breaker, clock)
+                            for entry in config.peers])
         self.hosts: dict[str, ModelHost] = {}
         # Files in the library that can't be served (not a readable GGUF), with why.
         self.library_problems: list[str] = []
@@ -310,6 +314,7 @@ class Service:
         self.observer.sample()
         self.observer.advance()
         self.observer.start()
+        self.peers.start()
         self.rpc_health.start()
 
     async def ensure_started(self, host: ModelHost) -> None:
@@ -324,6 +329,7 @@ class Service:
 
     async def stop(self) -> None:
         self.observer.stop()
+        await self.peers.stop()
         await self.rpc_health.stop()
         for host in self.hosts.values():
             await host.close_keepers()
@@ -576,6 +582,7 @@ class Service:
             "embeddings": self.embeddings_status(),
             "models": [h.summary() for h in hosts],
             "library_problems": list(self.library_problems),
+            "peers": self.peers.status(),
         }
 
     def embeddings_status(self) -> dict[str, Any]:

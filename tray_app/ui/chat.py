@@ -131,7 +131,7 @@ class ChatStream(QObject):
         h = self.headers
         return {"served_by": h.get("x-served-by"), "reason": h.get("x-route-reason"),
                 "fallback_model": h.get("x-fallback-model"), "estimated_latency": h.get("x-estimated-latency"),
-                "request_id": h.get("x-request-id")}
+                "request_id": h.get("x-request-id"), "peer": h.get("x-peer")}
 
     def _on_ready_read(self) -> None:
         reply = self.reply
@@ -741,7 +741,7 @@ class ChatWindow(QWidget):
     def _route_line(answer: Turn, progress: str = "", took_s: float | None = None, speed: str = "") -> str:
         route = answer.route
         line = vm.route_line(route.get("served_by"), route.get("reason"), route.get("fallback_model"),
-                             progress=progress, took_s=took_s)
+                             progress=progress, took_s=took_s, peer=route.get("peer"))
         return f"{line} · {speed}" if speed else line
 
     def _took(self, answer: Turn) -> float:

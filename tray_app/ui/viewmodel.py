@@ -313,7 +313,8 @@ def vram_bars(status: Mapping[str, Any]) -> list[Bar]:
         caption = f"{fmt_mib(free, total)} free of {fmt_mib(total)}"
         apps = other_apps_text(device.get("processes") or (), _worker_pids(status))
         if position == 0:
-            apps = "\n".join(line for line in (apps, rpc_servers_text(gpu.get("rpc_servers") or ())) if line)
+            apps = "\n".join(line for line in (apps, rpc_servers_text(gpu.get("rpc_servers") or ()),
+                                                peers_text(status.get("peers") or ())) if line)
         bars.append(Bar(title, total, tuple(segments), caption, note=note, warning=warning, apps=apps))
     return bars
 
@@ -330,6 +331,28 @@ def rpc_servers_text(servers: Any) -> str:
                  else "reachable" if reachable else "unreachable")
         parts.append(f"{server.get('address')} {state}")
     return "Remote devices (RPC): " + " · ".join(parts) if parts else ""
+
+
+# Apps named on a VRAM bar; the rest are counted.
+MAX_APPS_SHOWN = 4
+
+
+def peers_text(peers: Any) -> str:
+    """'Peers: desk healthy, 2.1 ms, 3 served · attic: it refused our API key ...'."""
+    parts = []
+    for peer in peers:
+        if not isinstance(peer, Mapping):
+            continue
+        if peer.get("healthy"):
+            state = "healthy" + (f", {peer['latency_ms']:g} ms" if peer.get("latency_ms") is not None else "")
+            if peer.get("served"):
+                state += f", {peer['served']} served"
+            parts.append(f"{peer.get('name')} {state}")
+            continue
+        breaker = (peer.get("breaker") or {}).get("state")
+        state = peer.get("problem") or (f"breaker {breaker}" if breaker and breaker != "closed" else "not healthy")
+        parts.append(f"{peer.get('name')}: {state}")
+    return "Peers: " + " · ".join(parts) if parts else ""
 
 
 # Apps named on a VRAM bar; the rest are counted.
@@ -515,6 +538,8 @@ def request_line(request: Mapping[str, Any], *, own: bool = False) -> str:
     position = request.get("queue_position")
     if state == "queued" and position:
         where = f"{_ordinal(position)} in the CPU queue" if request.get("path") == "cpu" else f"{_ordinal(position)} in the GPU queue"
+    elif state == "running" and request.get("path") == "peer":
+        where = f"running on peer {request.get('peer') or '?'}"
     elif state == "running":
         where = f"running on the {str(request.get('path') or '?').upper()}"
     else:
@@ -539,7 +564,7 @@ def cpu_requests(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     """Requests on the CPU path, as a queue reads: the running ones (oldest
     first), then the waiting ones by position. Past the rows shown, the
     banner counts the rest, so what is being served is never the hidden one."""
-    found = [r for r in status.get("requests") or () if r.get("path") == "cpu"
+    found = [r for r in status.get("requests") or () if r.get("path") in ("cpu", "peer")
              and r.get("state") in ("queued", "running")]
     return sorted(found, key=lambda r: (r.get("state") == "queued", r.get("queue_position") or 0, -(r.get("age_s") or 0)))
 
@@ -595,7 +620,7 @@ def degraded_banner(status: Mapping[str, Any] | None, *, own_request_id: str | N
     degraded = status.get("degraded") or {}
     requests = {r.get("id"): r for r in status.get("requests") or ()}
     own = requests.get(own_request_id) if own_request_id else None
-    own_on_cpu = own is not None and own.get("path") == "cpu"
+    own_on_cpu = own is not None and own.get("path") in ("cpu", "peer")
     if not degraded.get("active") and not own_on_cpu:
         return None
     reason = degraded.get("reason") or (own or {}).get("detail") or "the GPU path can't take this request"
@@ -606,6 +631,12 @@ def degraded_banner(status: Mapping[str, Any] | None, *, own_request_id: str | N
     if degraded.get("fallback_equivalent") is False:
         model += " (a different model)"
         warning = f"Answers may differ from the GPU model: {degraded.get('fallback_detail')}"
+    # Peers serving now are named: the answers come from another machine.
+    peers = [str(name) for name in degraded.get("peers") or ()]
+    if peers:
+        on_peers = f"{degraded.get('model') or 'the model'} on peer {', '.join(peers)}"
+        on_cpu = any(r.get("path") == "cpu" for r in cpu_requests(status))
+        model = f"{on_peers} · {model} on the CPU" if on_cpu else on_peers
     cap = degraded.get("cpu_context_cap")
     queues = (status.get("queues") or {}).get("cpu") or {}
     depth = degraded.get("cpu_queue_depth", queues.get("depth", 0))
@@ -621,10 +652,22 @@ def degraded_banner(status: Mapping[str, Any] | None, *, own_request_id: str | N
         listed = cpu_requests(status)
     rows = tuple(BannerRequest(str(r.get("id")), request_line(r, own=r is own)) for r in listed[:MAX_BANNER_ROWS])
     return Banner(
-        title=BUSY_TITLE if is_busy_overflow(status) else "Degraded mode: the CPU is serving",
+        title=_degraded_title(status, peers),
         reason=humanize_reason(reason), model=model, limits=limits, latency=new_request_wait_text(status),
         requests=rows, warning=warning, more=max(0, len(listed) - MAX_BANNER_ROWS),
     )
+
+
+def _degraded_title(status: Mapping[str, Any], peers: list[str]) -> str:
+    busy = is_busy_overflow(status)
+    if not peers:
+        return BUSY_TITLE if busy else "Degraded mode: the CPU is serving"
+    named = f"peer {', '.join(peers)}"
+    if any(r.get("path") == "cpu" for r in cpu_requests(status)):
+        named = f"the CPU and {named}"
+    if busy:
+        return f"Busy: {named} {'take' if ' and ' in named or len(peers) > 1 else 'takes'} the GPU's overflow"
+    return f"Degraded mode: {named} {'are' if ' and ' in named or len(peers) > 1 else 'is'} serving"
 
 
 # ----- chat ---------------------------------------------------------------------------
@@ -640,6 +683,8 @@ ROUTE_REASONS = {
     "gpu_failed_replayed": "GPU failed, re-run on the CPU",
     "gpu_yielded": "GPU given to another app",
     "gpu_loading": "GPU model loading",
+    "peer": "sent to a peer",
+    "peer_failed_replayed": "peer failed, re-run on the CPU",
 }
 
 
@@ -651,13 +696,17 @@ def route_reason_text(code: str | None) -> str:
 
 
 def route_line(served_by: str | None, reason: str | None, fallback_model: str | None = None, *,
-               progress: str = "", took_s: float | None = None) -> str:
-    """'served by GPU · admitted' or 'served by CPU · GPU busy · Small · about 3.2 s left'.
+               progress: str = "", took_s: float | None = None, peer: str | None = None) -> str:
+    """'served by GPU · admitted', 'served by CPU · GPU busy · Small · about 3.2 s left'
+    or 'served by peer desk · sent to a peer'.
 
     `progress` is the live part (time left or overdue, from the latest poll);
     the estimate in the response headers is fixed at admission, so it is not used.
     """
-    parts = [f"served by {(served_by or 'unknown').upper()}"]
+    if served_by == "peer":
+        parts = [f"served by peer {peer or 'unknown'}"]
+    else:
+        parts = [f"served by {(served_by or 'unknown').upper()}"]
     if reason:
         parts.append(route_reason_text(reason))
     if served_by == "cpu" and fallback_model:

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
 from ..dispatch.jobs import Job, JobFailed, JobKind, new_request_id
+from ..dispatch.peer import HOP_HEADER
 from ..dispatch.quarantine import request_fingerprint
 from ..host import ModelHost
 from ..service import Service
@@ -316,6 +317,9 @@ class Router:
                   client=client_name(request.headers.get("x-client-name"), request.headers.get("user-agent")))
         job.fingerprint = request_fingerprint(kind.value, body)
         job.model = "" if host is self.service.default_host else host.name
+        # A request a peer forwarded is served here or refused, never sent on.
+        job.no_peer = HOP_HEADER.lower() in request.headers
+        job.idempotency_key = request.headers.get("idempotency-key")
         # Registered before the first await, so a twin with the same id that
         # arrives while this one's prompt is counted finds it taken.
         if self.service.request_in_flight(request_id) or not dispatcher.register(job):
@@ -398,6 +402,9 @@ class Router:
         estimated = job.estimated_latency_s
         if job.path == "cpu":
             headers["X-Fallback-Model"] = host.fallback_model_id
+            headers["X-Estimated-Latency"] = f"{estimated:.2f}" if estimated is not None else "unknown"
+        elif job.path == "peer" and job.peer is not None:
+            headers["X-Peer"] = job.peer
             headers["X-Estimated-Latency"] = f"{estimated:.2f}" if estimated is not None else "unknown"
         elif estimated is not None:  # refused at admission: what the CPU would have taken
             headers["X-Estimated-Latency"] = f"{estimated:.2f}"

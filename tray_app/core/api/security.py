@@ -27,7 +27,7 @@ PUBLIC_PATHS = frozenset({"/health"})
 MAX_HEADER_BYTES = 16 * 1024
 # What `curl -d` says a body is, and what some scripts send.
 _CURL_DEFAULT_TYPES = frozenset({"application/x-www-form-urlencoded", "text/plain"})
-EXPOSED_HEADERS = ("X-Request-Id", "X-Served-By", "X-Route-Reason", "X-Fallback-Model",
+EXPOSED_HEADERS = ("X-Request-Id", "X-Served-By", "X-Route-Reason", "X-Fallback-Model", "X-Peer",
                    "X-Estimated-Latency", "X-Queue-Wait", "Retry-After")
 
 

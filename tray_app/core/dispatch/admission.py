@@ -16,6 +16,7 @@ class Route(str, enum.Enum):
     GPU = "gpu"          # run now on the GPU worker
     GPU_QUEUE = "gpu_queue"  # wait for a GPU slot in the short bounded queue
     CPU = "cpu"          # run on the CPU path (maybe after waiting in its queue)
+    PEER = "peer"        # forward to another server on the LAN ([[peers]])
     REJECT = "reject"    # a controlled error; nothing runs
 
 
@@ -27,6 +28,8 @@ class Reason(str, enum.Enum):
     GPU_VRAM_HEADROOM = "gpu_vram_headroom"
     GPU_BUSY = "gpu_busy"
     GPU_FAILED_REPLAYED = "gpu_failed_replayed"
+    # A peer failed before any output: re-run once here, on the CPU.
+    PEER_FAILED_REPLAYED = "peer_failed_replayed"
     # The GPU worker gave its memory to another app (or the user gave it back).
     GPU_YIELDED = "gpu_yielded"
     # The GPU worker is unloaded, starting or restarting: the CPU answers meanwhile.
@@ -38,12 +41,16 @@ class Reason(str, enum.Enum):
     DEADLINE_TOO_SHORT = "deadline_too_short"
     QUEUE_WAIT_TOO_LONG = "queue_wait_too_long"
     NO_WORKER = "no_worker"
+    # The local GPU can't take it (or the local CPU can't either) and a peer
+    # server on the LAN does ([[peers]]; see offer_to_peer).
+    PEER = "peer"
 
 
 # Reasons under which the CPU serves because the GPU path can't: degraded mode.
 GPU_OUT_REASONS = frozenset({
     Reason.GPU_UNAVAILABLE, Reason.GPU_CONTEXT_CAP, Reason.GPU_VRAM_HEADROOM,
     Reason.GPU_BUSY, Reason.GPU_FAILED_REPLAYED, Reason.FORCED_CPU, Reason.GPU_YIELDED, Reason.GPU_LOADING,
+    Reason.PEER_FAILED_REPLAYED,
 })
 
 
@@ -99,6 +106,8 @@ class RequestShape:
     force_cpu: bool = False
     deadline_s: float | None = None  # the client's X-Request-Timeout
     is_replay: bool = False  # a GPU failure being re-run: must not be refused for queue space
+    # Where the failure being re-run happened: "gpu" or "peer".
+    replayed_from: str = "gpu"
     # The longest the request may wait in a queue for a slot: its
     # X-Request-Timeout, else the configured default. None = no time limit.
     queue_budget_s: float | None = None
@@ -194,6 +203,8 @@ def decide(request: RequestShape, gpu: GpuView | None, cpu: CpuView) -> Decision
             "shorten the prompt or lower max_tokens",
             status=400,
         )
+    if request.is_replay and request.replayed_from == "peer":
+        return _to_cpu(request, cpu, Reason.PEER_FAILED_REPLAYED, "the peer failed before any output; re-run once on the CPU")
     if request.is_replay:
         return _to_cpu(request, cpu, Reason.GPU_FAILED_REPLAYED, "the GPU worker failed before any output; re-run once on the CPU")
     if request.force_cpu:
@@ -300,6 +311,65 @@ def _to_cpu(request: RequestShape, cpu: CpuView, why: Reason, detail: str,
             status=503, retry_after_s=_retry_after(cpu.backlog_s), estimated_latency_s=latency,
         )
     return Decision(Route.CPU, why, detail, estimated_latency_s=latency)
+
+
+# Refusals of the local CPU path that a peer with room can answer instead.
+CPU_OUT_REASONS = frozenset({
+    Reason.NO_WORKER, Reason.CPU_CONTEXT_CAP, Reason.RAM_FLOOR, Reason.CPU_QUEUE_FULL,
+    Reason.QUEUE_WAIT_TOO_LONG, Reason.DEADLINE_TOO_SHORT,
+})
+
+
+class PeerRole(str, enum.Enum):
+    # Preferred to the local CPU whenever the local GPU can't take a request
+    # (a second box with a GPU answers faster than this one's CPU).
+    FALLBACK = "fallback"
+    # Only extra capacity: takes what neither local path can (the local CPU
+    # is full, down or too slow for the deadline), instead of a 503.
+    OVERFLOW = "overflow"
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """One peer server as the dispatcher sees it right now: only peers that
+    are healthy, have the model, have room and whose breaker lets a request
+    through are offered at all."""
+
+    name: str
+    role: PeerRole
+    # The measured time to an answer of this size (None until measured).
+    estimated_latency_s: float | None = None
+
+
+def offer_to_peer(decision: Decision, request: RequestShape, peers: list[PeerView]) -> tuple[Decision, str | None]:
+    """Admission's local decision, or a better one through a peer: the
+    decision and the chosen peer's name (None = stay local).
+
+    A request goes to a peer only instead of a local fallback: when the
+    GPU can't take it, a fallback peer comes before the local CPU; when the
+    local CPU can't take it either, any peer comes before a 503. Never for
+    a replay (the rule is one re-run, on the local CPU), a client that asked
+    for the CPU, or one that may not leave the GPU (X-Fallback: never):
+    callers say so by passing no peers.
+    """
+    if not peers or request.is_replay:
+        return decision, None
+    if decision.route is Route.CPU and decision.reason in GPU_OUT_REASONS:
+        candidates = [peer for peer in peers if peer.role is PeerRole.FALLBACK]
+    elif decision.route is Route.REJECT and decision.reason in CPU_OUT_REASONS:
+        candidates = list(peers)
+    else:
+        return decision, None
+    if not candidates:
+        return decision, None
+    # The fastest measured first; an unmeasured peer after them, in config order.
+    peer = min(candidates, key=lambda p: (p.estimated_latency_s is None, p.estimated_latency_s or 0.0))
+    if request.deadline_s is not None and peer.estimated_latency_s is not None \
+            and peer.estimated_latency_s > request.deadline_s:
+        return decision, None
+    detail = (f"{decision.detail}; peer {peer.name} takes it before the local CPU" if decision.route is Route.CPU
+              else f"{decision.detail}; peer {peer.name} takes it instead")
+    return Decision(Route.PEER, Reason.PEER, detail, estimated_latency_s=peer.estimated_latency_s), peer.name
 
 
 def _fits_budget(wait_s: float, request: RequestShape) -> bool:

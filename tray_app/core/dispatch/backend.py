@@ -24,7 +24,7 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn, Protocol
 
 import httpx
 
@@ -175,31 +175,24 @@ class Backend:
         attempt = Attempt(self.path, self._clock(), worker_exits=worker.exits)
         job.attempts.append(attempt)
         log_mark = worker.log_lines
-        body = _worker_body(job)
+        body = worker_body(job)
         first_timeout = self._deadlines.first_token_s(job)
         token_timeout = self._deadlines.between_tokens_s
         canceled = asyncio.ensure_future(job.canceled.wait())
         done_seen = False
-        named_tool_calls: set[tuple[int, int]] = set()
-        # Until the first token one deadline covers the wait for the headers
-        # (llama-cpp-python sends them after prefill) and for the first event.
         first_deadline = time.monotonic() + first_timeout
 
-        # Between tokens the deadline runs from the last event with data, so
-        # llama-server's keep-alive comments (":" lines) can't hide a stall.
-        last_event = [0.0]
-
-        def wait_limit() -> float:
-            if attempt.first_token_at is None:
-                return max(0.0, first_deadline - time.monotonic())
-            return max(0.0, last_event[0] + token_timeout - time.monotonic())
-
         async def from_worker(awaitable):
-            result = await _wait_on_worker(awaitable, canceled, wait_limit(), worker.liveness_problem)
+            result = await _wait_on_worker(awaitable, canceled, attempt.wait_limit_s(first_deadline, token_timeout),
+                                           worker.liveness_problem)
             if result is _CANCELED:
                 attempt.outcome = "canceled"
                 raise canceled_error(job, "while it ran")
             return result
+
+        def worker_error(message: str) -> NoReturn:
+            _raise_upstream_failure(f"the worker {message}")
+            raise AssertionError("unreachable")
 
         self._enter_process(job.id, attempt)
         try:
@@ -210,42 +203,9 @@ class Backend:
                 attempt.reached_worker = True
                 if response.status_code >= 400:
                     await _upstream_error(response)
-                lines = sse_lines(response)
-                while True:
-                    line = await from_worker(lines.__anext__())
-                    if line is None:
-                        break
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done_seen = True
-                        break
-                    event = json.loads(data)
-                    if "error" in event:
-                        _raise_upstream_failure(f"the worker reported an error: {event['error']}")
-                    if not event.get("choices"):
-                        # llama-server's own usage chunk: the sink writes the
-                        # usage of the whole request (one execution) itself.
-                        continue
-                    # llama-server's per-request timings and usage are the
-                    # worker's business (the sink writes the usage of the one
-                    # execution), and the same answer looks the same on any engine.
-                    event.pop("timings", None)
-                    event.pop("usage", None)
-                    _trim_logprobs(event, job.top_logprobs)
-                    if job.forced_tool is not None:
-                        _as_forced_tool_call(event, job)
-                    if _carries_token(event):
-                        attempt.tokens += 1
-                        last_event[0] = time.monotonic()
-                        if attempt.first_token_at is None:
-                            attempt.first_token_at = self._clock()
-                    event["id"] = response_id(job)
-                    event["model"] = worker.spec.model_name
-                    event["system_fingerprint"] = self.fingerprint
-                    _drop_repeated_tool_names(event, named_tool_calls)
-                    sink.emit(event)
+                done_seen = await relay_answer(response, job, attempt, sink, from_worker, fail=worker_error,
+                                               model=worker.spec.model_name, fingerprint=self.fingerprint,
+                                               clock=self._clock)
             finally:
                 await response.aclose()
         except WorkerFailure as failure:
@@ -361,7 +321,67 @@ async def sse_lines(response: Any) -> AsyncIterator[str]:
 
 
 
-def _worker_body(job: Job) -> dict[str, Any]:
+async def relay_answer(response: httpx.Response, job: Job, attempt: Attempt, sink: Sink,
+                       wait: Callable[[Any], Awaitable[Any]], *, fail: Callable[[str], NoReturn], model: str,
+                       fingerprint: str, clock: Callable[[], float]) -> bool:
+    """Relay an upstream's streamed answer (a worker's or a peer's) to the
+    sink, each event shaped as this server's, counting the tokens on the
+    attempt. `wait` awaits each next line under the caller's deadlines and
+    cancel; `fail(what)` raises the caller's failure for a bad or error
+    event. Returns whether the stream ended with [DONE]."""
+    named_tool_calls: set[tuple[int, int]] = set()
+    lines = sse_lines(response)
+    while True:
+        line = await wait(lines.__anext__())
+        if line is None:
+            return False
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return True
+        try:
+            event = json.loads(data)
+        except ValueError:
+            fail("sent an event that is not JSON")
+        if not isinstance(event, dict):
+            fail("sent an event that is not a JSON object")
+        if "error" in event:
+            fail(f"reported an error: {event['error']}")
+        if not event.get("choices"):
+            # llama-server's own usage chunk: the sink writes the usage of
+            # the whole request (one execution) itself.
+            continue
+        if shape_event(event, job, named_tool_calls, model=model, fingerprint=fingerprint):
+            attempt.tokens += 1
+            attempt.last_token_at = time.monotonic()
+            if attempt.first_token_at is None:
+                attempt.first_token_at = clock()
+        sink.emit(event)
+
+
+def shape_event(event: dict[str, Any], job: Job, named_tool_calls: set[tuple[int, int]], *, model: str,
+                fingerprint: str) -> bool:
+    """Make one streamed event of an upstream server (a worker, or a peer)
+    what this server sends: its ids, its model name, OpenAI's shapes.
+    Returns whether the event carries output (a token)."""
+    # The upstream's per-request timings and usage are its business (the
+    # sink writes the usage of the one execution), and the same answer
+    # looks the same from any engine or server.
+    event.pop("timings", None)
+    event.pop("usage", None)
+    _trim_logprobs(event, job.top_logprobs)
+    if job.forced_tool is not None:
+        _as_forced_tool_call(event, job)
+    carries = _carries_token(event)
+    event["id"] = response_id(job)
+    event["model"] = model
+    event["system_fingerprint"] = fingerprint
+    _drop_repeated_tool_names(event, named_tool_calls)
+    return carries
+
+
+def worker_body(job: Job) -> dict[str, Any]:
     body = dict(job.body)
     body.pop("model", None)
     # Always an explicit limit, the one admission planned with: the worker's
@@ -380,7 +400,8 @@ def _worker_body(job: Job) -> dict[str, Any]:
     return body
 
 
-async def _upstream_error(response: httpx.Response) -> None:
+async def upstream_error_message(response: httpx.Response) -> str:
+    """An upstream's error answer as one client-safe line."""
     raw = await response.aread()
     try:
         payload = json.loads(raw)
@@ -389,7 +410,11 @@ async def _upstream_error(response: httpx.Response) -> None:
     error = payload.get("error") if isinstance(payload, dict) else None
     message = (error or {}).get("message") if isinstance(error, dict) else None
     message = message or (payload.get("detail") if isinstance(payload, dict) else None) or raw.decode("utf-8", "replace")
-    message = client_safe(str(message))
+    return client_safe(str(message))
+
+
+async def _upstream_error(response: httpx.Response) -> None:
+    message = await upstream_error_message(response)
     if 400 <= response.status_code < 500:
         raise JobFailed(response.status_code, "invalid_request", f"the model server rejected the request: {message}")
     _raise_upstream_failure(f"the worker answered HTTP {response.status_code}: {message or 'no detail'}")

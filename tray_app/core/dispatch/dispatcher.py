@@ -20,12 +20,14 @@ from typing import Any, Callable, Protocol
 
 from ..memory.telemetry import MemorySnapshot
 from .admission import (
-    GPU_OUT_REASONS, CpuView, Decision, GpuOut, GpuView, Reason, RequestShape, Route, decide, token_limit,
+    GPU_OUT_REASONS, CpuView, Decision, GpuOut, GpuView, Reason, RequestShape, Route, decide, offer_to_peer,
+    token_limit,
 )
 from .backend import Backend, Sink
 from .breaker import BreakerState, CircuitBreaker
 from .jobs import Attempt, Job, JobFailed, JobState, WorkerFailure, WorkerRequestError
 from .lanes import Redirected
+from .peer import PeerFailure, Peers, job_may_use_peers
 from .quarantine import Quarantine
 
 log = logging.getLogger(__name__)
@@ -101,7 +103,8 @@ class Dispatcher:
     def __init__(self, limits: Limits, backends: dict[str, Backend], breaker: CircuitBreaker,
                  memory: Callable[[], MemorySnapshot], costs: Costs, events: DispatchEvents, *,
                  gpu_missing_reason: str | None = None, clock: Callable[[], float] = time.monotonic,
-                 no_fallback: bool = False) -> None:
+                 no_fallback: bool = False, peers: Peers | None = None,
+                 model_names: tuple[str, ...] = ("",)) -> None:
         self.limits = limits
         self.gpu = backends.get("gpu")
         self.cpu = backends["cpu"]
@@ -115,6 +118,10 @@ class Dispatcher:
         # [routing] fallback = "never": requests may not run on the CPU unless they ask.
         self.no_fallback = no_fallback
         self.residency: GpuResidency = _AlwaysResident()
+        # Other servers on the LAN ([[peers]]), and the names this model goes
+        # by (the first is what answers say; a peer may know it by any).
+        self.peers = peers
+        self.model_names = model_names
         self.jobs: dict[str, Job] = {}
         self.quarantine = Quarantine(clock)
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_DECISIONS)
@@ -250,6 +257,9 @@ class Dispatcher:
         for job in self.jobs.values():
             if job.path == "cpu" and job.state in (JobState.QUEUED, JobState.RUNNING) and job.reason in GPU_OUT_REASONS:
                 return f"{job.reason.value}: {job.reason_detail}"
+        for job in self.jobs.values():
+            if job.path == "peer" and job.state is JobState.RUNNING:
+                return f"{Reason.PEER.value}: {job.reason_detail}"
         return None
 
     def cpu_wait_s(self, prompt_tokens: int, max_tokens: int) -> float:
@@ -263,8 +273,8 @@ class Dispatcher:
             if job.state is JobState.ADMITTING:
                 continue
             row = job.summary()
-            lane = self._backend(job.path).lane if job.path else None
-            row["queue_position"] = lane.position(job.id) if lane is not None else None
+            backend = self._backend(job.path)
+            row["queue_position"] = backend.lane.position(job.id) if backend is not None else None
             rows.append(row)
         return rows
 
@@ -288,10 +298,11 @@ class Dispatcher:
                     Reason.GPU_UNAVAILABLE, "the circuit breaker is half-open and a probe request is testing the GPU"))
         shape = RequestShape(prompt_tokens=job.prompt_tokens, max_tokens=job.max_tokens,
                              force_cpu=job.force_cpu or self.gpu_paused, deadline_s=job.deadline_s,
-                             is_replay=job.replayed,
+                             is_replay=job.replayed, replayed_from=job.replayed_from,
                              queue_budget_s=job.deadline_s if job.deadline_s is not None else self.limits.queue_budget_s,
                              prefer_gpu=job.prefer_gpu, no_fallback=self._no_fallback(job))
         decision = decide(shape, gpu, self._cpu_view(job))
+        decision, job.peer = offer_to_peer(decision, shape, self._peer_views(job))
         on_gpu = decision.route in (Route.GPU, Route.GPU_QUEUE)
         if half_open_probe and not on_gpu:
             self.breaker.release_probe()
@@ -339,6 +350,12 @@ class Dispatcher:
             load_ram_mib=self._costs.cpu_load_mib(),
             evictable_ram_mib=self._costs.cpu_evictable_mib(),
         )
+
+    def _peer_views(self, job: Job) -> list:
+        if self.peers is None or not job_may_use_peers(job) or self._no_fallback(job):
+            return []
+        expected = EXPECTED_ANSWER_TOKENS
+        return [peer.view(job.prompt_tokens, job.max_tokens, expected) for peer in self.peers.offering(self.model_names)]
 
     def _no_fallback(self, job: Job) -> bool:
         """May this job not run on the CPU? A client that asked for the CPU
@@ -389,9 +406,14 @@ class Dispatcher:
     # ----- execution ------------------------------------------------------------------------
 
     async def _execute(self, job: Job, sink: Sink, decision: Decision) -> None:
-        """Run an admitted job, replaying once on the CPU if the GPU fails
-        before anything reached the client."""
+        """Run an admitted job, replaying once on the CPU if the GPU (or a
+        peer) fails before anything reached the client."""
         try:
+            if decision.route is Route.PEER:
+                replay = await self._run_on_peer(job, sink)
+                if replay is None:
+                    return
+                decision = replay
             if decision.route in (Route.GPU, Route.GPU_QUEUE):
                 assert self.gpu is not None
                 try:
@@ -448,6 +470,42 @@ class Dispatcher:
                                 "nothing was re-run. It is safe to retry this request.") from None
         except WorkerRequestError as error:
             raise JobFailed(502, "worker_error", f"the model server failed on this request: {error}") from None
+
+    async def _run_on_peer(self, job: Job, sink: Sink) -> Decision | None:
+        """Run the job on the peer admission chose. None when it answered;
+        the decision for the one re-run here when it failed before any
+        output reached the client."""
+        assert self.peers is not None
+        peer = self.peers.get(job.peer)
+        assert peer is not None
+        job.path, job.state = "peer", JobState.RUNNING
+        self._events.changed()
+        try:
+            # The answer names the model as this server does; its fingerprint
+            # says another server made it.
+            attempt = await peer.run(job, sink, self.model_names, self.model_names[0], f"fp_peer_{peer.name}")
+        except PeerFailure as failure:
+            peer.record_failure(failure)
+            job.first_failure = job.first_failure or f"peer {peer.name}: {failure}"
+            job.no_peer = True
+            self._events.note("peer_failure", id=job.id, peer=peer.name, reason=str(failure), committed=job.committed)
+            if job.committed:
+                raise JobFailed(502, "peer_failed",
+                                f"peer {peer.name} failed after part of the answer was sent ({failure}); "
+                                "nothing was re-run. It is safe to retry this request.") from None
+            sink.reset()
+            if failure.ran:
+                # It may have begun there: this is the one re-run, on the CPU.
+                job.replayed, job.replayed_from = True, "peer"
+            decision = self.decide(job)
+            if not decision.accepted:
+                raise _rejection(decision) from None
+            if failure.ran:
+                self._events.note("replay", id=job.id, reason=f"peer {peer.name}: {failure}")
+            return decision
+        self._count_execution(job.id)
+        self._events.completed(job, attempt)
+        return None
 
     async def _raise_if_crashed_by_input(self, job: Job, backend: Backend, failure: WorkerFailure) -> None:
         """A request that crashed its worker is not replayed: a request that
@@ -507,7 +565,7 @@ class Dispatcher:
             self.breaker.release_probe()
         job.half_open_probe = False
 
-    def _backend(self, path: str) -> Backend | None:
+    def _backend(self, path: str | None) -> Backend | None:
         return self.gpu if path == "gpu" else self.cpu if path == "cpu" else None
 
 

@@ -52,6 +52,17 @@ class Attempt:
     # The other attempts that were inside the same process at some point
     # while this one was (llama-server decodes its slots together).
     neighbours: list["Attempt"] = field(default_factory=list, repr=False, compare=False)
+    # When the last token came (time.monotonic), for the between-tokens deadline.
+    last_token_at: float = 0.0
+
+    def wait_limit_s(self, first_deadline: float, between_tokens_s: float) -> float:
+        """How long the upstream may stay silent from now. Until the first
+        token one deadline (first_deadline, time.monotonic) covers the wait
+        for the headers and the first event; then it runs from the last
+        token, so keep-alive comments (":" lines) can't hide a stall."""
+        if self.first_token_at is None:
+            return max(0.0, first_deadline - time.monotonic())
+        return max(0.0, self.last_token_at + between_tokens_s - time.monotonic())
 
     def shared_at_crash(self) -> bool:
         """Whether another request was inside the process when it died: then
@@ -107,6 +118,17 @@ class Job:
     fingerprint: str = ""
     # The library model it is for (its name there); "" = the default model.
     model: str = ""
+    # The peer server it was sent to ([[peers]]), when it was.
+    peer: str | None = None
+    # Peers are out for this job: it came from a peer (X-Peer-Hop: one hop
+    # only, so two servers that are each other's peers can't bounce it), or
+    # a peer already failed it.
+    no_peer: bool = False
+    # Where the failure that made this job a replay happened: "gpu" or "peer".
+    replayed_from: str = "gpu"
+    # The client's Idempotency-Key, handed on to a peer so a retry there
+    # finds the first run's result.
+    idempotency_key: str | None = None
 
     def cancel(self, why: str) -> None:
         if not self.canceled.is_set():
@@ -125,6 +147,7 @@ class Job:
             "stream": self.stream,
             "state": self.state.value,
             "path": self.path,
+            "peer": self.peer,
             "reason": self.reason.value if self.reason else None,
             "detail": self.reason_detail,
             "age_s": self.age_s(),

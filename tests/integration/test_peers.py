@@ -1,0 +1,160 @@
+"""Peers on loopback: a second instance of the service ("b", its own port,
+its own workers) is the first one's ([[peers]]) peer. With the first one's
+GPU paused, its requests go to the peer before its own CPU, under the usual
+rules: identity and idempotency keys forwarded, degraded mode names the
+peer, a peer killed mid-request is replayed once on the local CPU, and a
+peer that refuses our key is never used."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import time
+
+import openai
+import pytest
+
+from tests.harness import BASE_CONFIG, READY_TIMEOUT_S, RunningService
+
+pytestmark = pytest.mark.integration
+
+PEER_KEY = "peer-secret-key"
+CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("peers")
+    peer = RunningService(tmp / "b", BASE_CONFIG + f'[server]\napi_key = "{PEER_KEY}"\n')
+    peer.http.headers["Authorization"] = f"Bearer {PEER_KEY}"
+    local = None
+    try:
+        peer.wait_ready()
+        local = RunningService(tmp / "a", BASE_CONFIG + f"""
+[[peers]]
+name = "b"
+url = "{peer.url}/v1"
+api_key = "{PEER_KEY}"
+[[peers]]
+name = "b-wrong-key"
+url = "{peer.url}"
+api_key = "not-the-key"
+""")
+        local.wait_ready()
+        local.wait_for(lambda s: s["peers"][0]["healthy"], timeout=20, what="the peer healthy")
+        # The local GPU takes no work: every request is one the local GPU can't serve.
+        assert local.http.post("/admin/gpu", json={"paused": True}).status_code == 200
+        yield local, peer
+    finally:
+        if local is not None:
+            local.stop()
+        peer.stop()
+
+
+def test_status_shows_each_peer_its_health_and_latency(pair):
+    local, _ = pair
+    good, wrong = local.status()["peers"]
+    assert good["healthy"] and good["reachable"] and good["problem"] is None
+    assert good["latency_ms"] > 0 and good["role"] == "fallback"
+    assert local.status()["service"]["model"] in good["models"]
+    assert not wrong["healthy"] and wrong["reachable"]
+    assert "refused our API key (HTTP 401)" in wrong["problem"]
+
+
+def test_a_request_the_local_gpu_cant_take_goes_to_the_peer_with_its_identity(pair):
+    local, peer = pair
+    client = openai.OpenAI(base_url=f"{local.url}/v1", api_key="unused", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="default", extra_headers={"X-Request-Id": "via-peer-1"}, **CHAT)
+    answer = raw.parse()
+    assert raw.headers["x-served-by"] == "peer" and raw.headers["x-peer"] == "b"
+    assert raw.headers["x-route-reason"] == "peer"
+    # This server's identity on the answer: its id and model name.
+    assert answer.id == "chatcmpl-via-peer-1"
+    assert answer.model == local.status()["service"]["model"]
+    assert answer.choices[0].message.content
+    # The peer served it under the same request id, and never sent it on.
+    decisions = peer.status()["recent_decisions"]
+    assert any(d["id"] == "via-peer-1" for d in decisions)
+    # Streamed, through the official client.
+    chunks = list(client.chat.completions.create(model="default", stream=True, **CHAT))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    status = local.status()
+    assert status["peers"][0]["served"] >= 2 and status["peers"][1]["served"] == 0
+    assert status["accounting"]["duplicate_executions"] == 0
+
+
+def test_the_idempotency_key_is_forwarded_to_the_peer(pair):
+    local, peer = pair
+    headers = {"Idempotency-Key": "peer-idem-1"}
+    first = local.http.post("/v1/chat/completions", json=CHAT, headers=headers)
+    assert first.status_code == 200 and first.headers["x-served-by"] == "peer"
+    again = local.http.post("/v1/chat/completions", json=CHAT, headers=headers)
+    assert again.headers["x-idempotent-replay"] == "true" and again.json() == first.json()
+    # The peer holds the key too: another body under it is refused there
+    # (422), which it could only do if the key came with the forwarded request.
+    other = peer.http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3}, headers=headers)
+    assert other.status_code == 422, other.text
+    assert local.status()["peers"][0]["served"] >= 1
+
+
+def test_other_protocols_go_to_the_peer_too(pair):
+    local, _ = pair
+    ollama = local.http.post("/api/chat", json={"model": "default", "messages": CHAT["messages"], "stream": False,
+                                                "options": {"num_predict": 8}})
+    assert ollama.status_code == 200 and ollama.headers["x-served-by"] == "peer"
+    assert ollama.json()["message"]["content"]
+    anthropic = local.http.post("/v1/messages", json={"model": "default", "max_tokens": 8,
+                                                      "messages": CHAT["messages"]})
+    assert anthropic.status_code == 200 and anthropic.headers["x-served-by"] == "peer"
+
+
+def test_a_request_forwarded_by_a_peer_is_never_sent_on(pair):
+    local, _ = pair
+    response = local.http.post("/v1/chat/completions", json=CHAT, headers={"X-Peer-Hop": "1"})
+    assert response.status_code == 200
+    assert response.headers["x-served-by"] == "cpu" and response.headers["x-route-reason"] == "forced_cpu"
+
+
+def test_the_peer_killed_mid_request_is_replayed_once_on_the_local_cpu(pair):
+    local, peer = pair
+
+    def long_request():
+        return local.http.post("/v1/chat/completions", headers={"X-Request-Id": "peer-kill"}, timeout=180, json={
+            "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 120, "temperature": 0,
+            "logit_bias": {"2": -100}})
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(long_request)
+        peer.wait_for(lambda s: any(r["id"] == "peer-kill" and r["state"] == "running" for r in s["requests"]),
+                      interval=0.01, what="running on the peer")
+        # Degraded mode names the peer while it serves (and why the GPU can't).
+        degraded = local.status()["degraded"]
+        assert degraded["active"] and degraded["peers"] == ["b"] and "paused" in degraded["reason"]
+        killed_at = time.monotonic()
+        peer.process.send_signal(signal.SIGKILL)
+        response = future.result()
+        answered_s = time.monotonic() - killed_at
+    assert response.status_code == 200, response.text
+    assert response.headers["x-served-by"] == "cpu"
+    assert response.headers["x-route-reason"] == "peer_failed_replayed"
+    assert response.json()["choices"][0]["message"]["content"]
+    status = local.status()
+    assert status["accounting"]["duplicate_executions"] == 0
+    assert status["peers"][0]["failures"] == 1
+    print(f"\npeer killed mid-request: answered by the local CPU {answered_s:.2f} s after the kill "
+          f"({response.json()['usage']['completion_tokens']} tokens)")
+    # The health check notices; later requests stay local without trying it.
+    local.wait_for(lambda s: s["peers"][0]["reachable"] is False, timeout=15, what="the peer seen unreachable")
+    after = local.http.post("/v1/chat/completions", json=CHAT)
+    assert after.status_code == 200 and after.headers["x-served-by"] == "cpu"
+    assert after.headers["x-route-reason"] == "forced_cpu"
+
+
+def test_the_local_service_is_healthy_after_the_peer_died(pair):
+    local, _ = pair
+    local.http.post("/admin/gpu", json={"paused": False})
+    status = local.wait_for(lambda s: s["breaker"]["state"] == "closed", timeout=READY_TIMEOUT_S, what="closed")
+    assert status["service"]["healthy"]
+    response = local.http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200 and response.headers["x-served-by"] == "gpu"

@@ -1,0 +1,344 @@
+"""Peers without a network: the pure offer (admission.offer_to_peer), the
+[[peers]] config, and a real Peer and Dispatcher whose HTTP goes to an
+httpx.MockTransport that plays the peer server (answers, refusals, a
+connection that breaks before or after the first byte)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tray_app.core.config import ConfigError, PeerEntry, parse_config_text, peer_base_url
+from tray_app.core.dispatch.admission import (
+    Decision, PeerRole, PeerView, Reason, RequestShape, Route, offer_to_peer,
+)
+from tray_app.core.dispatch.breaker import BreakerPolicy, BreakerState
+from tray_app.core.dispatch.jobs import JobFailed
+from tray_app.core.dispatch.peer import HOP_HEADER, Peer, PeerFailure, Peers
+from tests.unit.test_dispatcher import Sink, make_job, make_rig, run_job
+
+SHAPE = RequestShape(prompt_tokens=10, max_tokens=10)
+GPU_OUT = Decision(Route.CPU, Reason.GPU_VRAM_HEADROOM, "needs 900 MiB but only 100 MiB is free",
+                   estimated_latency_s=12.0)
+CPU_FULL = Decision(Route.REJECT, Reason.CPU_QUEUE_FULL, "the CPU queue is full (2/2)", status=503)
+FALLBACK = PeerView("desk", PeerRole.FALLBACK, 2.0)
+OVERFLOW = PeerView("attic", PeerRole.OVERFLOW, 1.0)
+
+
+# ----- the pure offer ---------------------------------------------------------------------
+
+
+def test_a_fallback_peer_comes_before_the_local_cpu():
+    decision, peer = offer_to_peer(GPU_OUT, SHAPE, [FALLBACK])
+    assert peer == "desk" and decision.route is Route.PEER and decision.reason is Reason.PEER
+    assert "peer desk takes it before the local CPU" in decision.detail
+    assert decision.estimated_latency_s == 2.0
+
+
+def test_an_overflow_peer_takes_only_what_the_local_cpu_cant():
+    assert offer_to_peer(GPU_OUT, SHAPE, [OVERFLOW]) == (GPU_OUT, None)
+    decision, peer = offer_to_peer(CPU_FULL, SHAPE, [OVERFLOW])
+    assert peer == "attic" and decision.route is Route.PEER and decision.status == 200
+
+
+def test_the_fastest_measured_peer_wins_and_an_unmeasured_one_comes_after():
+    slow = PeerView("slow", PeerRole.FALLBACK, 9.0)
+    unmeasured = PeerView("new", PeerRole.FALLBACK, None)
+    assert offer_to_peer(GPU_OUT, SHAPE, [unmeasured, slow, FALLBACK])[1] == "desk"
+    assert offer_to_peer(GPU_OUT, SHAPE, [unmeasured])[1] == "new"
+
+
+@pytest.mark.parametrize("decision", [
+    Decision(Route.GPU, Reason.ADMITTED, "fits on the GPU"),
+    Decision(Route.GPU_QUEUE, Reason.ADMITTED, "waiting for a GPU slot"),
+    Decision(Route.REJECT, Reason.CONTEXT_LENGTH_EXCEEDED, "too long", status=400),
+])
+def test_what_the_local_gpu_takes_or_nobody_can_take_stays_local(decision):
+    assert offer_to_peer(decision, SHAPE, [FALLBACK, OVERFLOW]) == (decision, None)
+
+
+def test_a_replay_stays_local_and_a_peer_slower_than_the_deadline_is_not_offered():
+    replay = RequestShape(prompt_tokens=10, max_tokens=10, is_replay=True)
+    assert offer_to_peer(GPU_OUT, replay, [FALLBACK]) == (GPU_OUT, None)
+    hurried = RequestShape(prompt_tokens=10, max_tokens=10, deadline_s=1.0)
+    assert offer_to_peer(GPU_OUT, hurried, [FALLBACK]) == (GPU_OUT, None)
+
+
+# ----- the config -----------------------------------------------------------------------------
+
+
+def test_peers_parse_and_round_trip():
+    config = parse_config_text('[[peers]]\nname = "desk"\nurl = "http://desk.lan:8642/v1/"\nrole = "overflow"\n'
+                               'models = ["qwen"]\n')
+    (peer,) = config.peers
+    assert peer == PeerEntry(name="desk", url="http://desk.lan:8642/v1/", role="overflow", models=("qwen",))
+    assert peer_base_url(peer.url) == "http://desk.lan:8642"
+
+
+@pytest.mark.parametrize("table, message", [
+    ('name = "a"\nurl = "desk.lan:8642"', "is not an http:// or https:// URL"),
+    ('name = "a"\nurl = "http://user:pw@desk.lan"', "must not carry"),
+    ('name = " a"\nurl = "http://desk.lan"', "needs a name"),
+    ('name = "a"\nurl = "http://desk.lan"\nrole = "primary"', "must be one of 'fallback', 'overflow'"),
+    ('name = "a"\nurl = "http://desk.lan"\nmax_concurrency = 0', "must be at least 1"),
+    ('name = "a"\nurl = "http://127.0.0.1:8642"', "is this server itself"),
+])
+def test_a_bad_peer_entry_is_a_config_error_that_says_why(table, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config_text(f"[[peers]]\n{table}\n")
+
+
+def test_two_peers_may_not_share_a_name():
+    with pytest.raises(ConfigError, match="already named 'a'"):
+        parse_config_text('[[peers]]\nname = "a"\nurl = "http://x"\n[[peers]]\nname = "a"\nurl = "http://y"\n')
+
+
+# ----- a Peer over a mock transport ---------------------------------------------------------------
+
+
+def sse(*events, done: bool = True) -> bytes:
+    body = b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events)
+    return body + (b"data: [DONE]\n\n" if done else b"")
+
+
+TOKEN = {"id": "theirs", "model": "their-name", "choices": [{"index": 0, "delta": {"content": "hi"}}],
+         "timings": {"x": 1}}
+MODELS = {"object": "list", "data": [{"id": "smol"}, {"id": "other"}]}
+
+
+class FakePeerServer:
+    """The peer's HTTP side: /v1/models and a scripted chat answer."""
+
+    def __init__(self) -> None:
+        self.models_status = 200
+        self.chat: httpx.Response | Exception = httpx.Response(200, content=sse(TOKEN, TOKEN))
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        if request.url.path == "/v1/models":
+            return httpx.Response(self.models_status, json=MODELS if self.models_status == 200 else {})
+        if isinstance(self.chat, Exception):
+            raise self.chat
+        return self.chat
+
+
+def make_peer(server: FakePeerServer, role: str = "fallback", threshold: int = 2, **settings) -> Peer:
+    entry = PeerEntry(name="desk", url="http://desk.lan:8642", api_key="k", role=role, **settings)
+    http = httpx.AsyncClient(transport=httpx.MockTransport(server))
+    return Peer(entry, peer_base_url(entry.url), http, BreakerPolicy(failure_threshold=threshold, cooldown_s=5.0))
+
+
+async def test_a_health_check_reads_the_models_and_the_round_trip():
+    server = FakePeerServer()
+    peer = make_peer(server)
+    assert peer.unavailable(("smol",)) == "not checked yet"
+    await peer.check()
+    assert peer.unavailable(("smol",)) is None and peer.remote_model(("x", "other")) == "other"
+    assert peer.unavailable(("missing",)) == "it does not serve missing"
+    assert peer.status()["healthy"] and peer.status()["latency_ms"] >= 0
+    assert server.requests[0].headers["authorization"] == "Bearer k"
+
+
+async def test_a_wrong_key_and_an_unreachable_peer_say_why():
+    server = FakePeerServer()
+    server.models_status = 401
+    peer = make_peer(server)
+    await peer.check()
+    assert "refused our API key (HTTP 401)" in peer.unavailable(("smol",))
+    server.models_status = 200
+    peer._http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: (_ for _ in ()).throw(
+        httpx.ConnectError("connection refused"))))
+    await peer.check()
+    assert peer.status()["reachable"] is False and peer.unavailable(("smol",)).startswith("unreachable: ConnectError")
+
+
+async def test_the_answer_carries_this_servers_identity_and_the_forwarding_headers():
+    server = FakePeerServer()
+    peer = make_peer(server)
+    await peer.check()
+    job = make_job("req-id-7")
+    job.idempotency_key = "key-1"
+    sink = Sink(job)
+    attempt = await peer.run(job, sink, ("smol",), "Local-Name", "fp_peer_desk")
+    assert attempt.tokens == 2 and attempt.outcome == "completed"
+    assert [e["id"] for e in sink.events] == ["chatcmpl-req-id-7"] * 2
+    assert {e["model"] for e in sink.events} == {"Local-Name"} and "timings" not in sink.events[0]
+    sent = server.requests[-1]
+    assert sent.headers[HOP_HEADER] == "1" and sent.headers["x-request-id"] == "req-id-7"
+    assert sent.headers["idempotency-key"] == "key-1" and sent.headers["x-fallback"] == "never"
+    body = json.loads(sent.content)
+    assert body["model"] == "smol" and body["stream"] is True and body["max_tokens"] == 10
+    assert peer.in_flight == 0 and peer.served == 1
+
+
+async def test_an_overflow_peer_may_use_its_own_cpu():
+    server = FakePeerServer()
+    peer = make_peer(server, role="overflow")
+    await peer.check()
+    await peer.run(make_job(), Sink(), ("smol",), "m", "fp")
+    assert "x-fallback" not in server.requests[-1].headers
+
+
+@pytest.mark.parametrize("answer, counts, ran", [
+    (httpx.Response(503, json={"error": {"message": "busy"}}), False, False),
+    (httpx.Response(429, json={"error": {"message": "slow down"}}), False, False),
+    (httpx.Response(500, json={"error": {"message": "boom"}}), True, False),
+    (httpx.Response(400, json={"error": {"message": "context too long"}}), False, False),
+    (httpx.ConnectError("refused"), True, False),
+    (httpx.ReadError("reset by peer"), True, True),
+    (httpx.Response(200, content=sse(TOKEN, done=False)), True, True),
+    (httpx.Response(200, content=b"data: {not json\n\n"), True, True),
+])
+async def test_how_each_failure_counts(answer, counts, ran):
+    server = FakePeerServer()
+    server.chat = answer
+    peer = make_peer(server)
+    await peer.check()
+    with pytest.raises(PeerFailure) as caught:
+        await peer.run(make_job(), Sink(), ("smol",), "m", "fp")
+    assert (caught.value.counts, caught.value.ran) == (counts, ran)
+    assert peer.in_flight == 0
+
+
+async def test_a_refused_key_at_request_time_opens_the_breaker_at_once():
+    server = FakePeerServer()
+    peer = make_peer(server)
+    await peer.check()
+    server.chat = httpx.Response(401, json={"error": {"message": "bad key"}})
+    with pytest.raises(PeerFailure) as caught:
+        await peer.run(make_job(), Sink(), ("smol",), "m", "fp")
+    peer.record_failure(caught.value)
+    assert peer.breaker.state is BreakerState.OPEN
+    assert "refused our API key" in peer.unavailable(("smol",))
+
+
+async def test_failures_open_the_breaker_and_a_healthy_check_after_the_cooldown_closes_it():
+    server = FakePeerServer()
+    peer = make_peer(server, threshold=2)
+    clock = [0.0]
+    peer.breaker._clock = lambda: clock[0]
+    await peer.check()
+    for _ in range(2):
+        peer.record_failure(PeerFailure("connection broke"))
+    assert peer.breaker.state is BreakerState.OPEN and "breaker is open" in peer.unavailable(("smol",))
+    clock[0] = 6.0
+    await peer.check()
+    assert peer.breaker.state is BreakerState.CLOSED and peer.unavailable(("smol",)) is None
+
+
+async def test_a_full_peer_takes_no_more():
+    peer = make_peer(FakePeerServer(), max_concurrency=1)
+    await peer.check()
+    peer.in_flight = 1
+    assert "max_concurrency" in peer.unavailable(("smol",))
+
+
+# ----- the dispatcher with a peer ---------------------------------------------------------------
+
+
+async def peer_rig(server: FakePeerServer, role: str = "fallback"):
+    rig = make_rig()
+    peer = make_peer(server, role=role)
+    await peer.check()
+    rig.dispatcher.peers = Peers([peer])
+    rig.dispatcher.model_names = ("Local-Name", "smol")
+    return rig, peer
+
+
+async def test_the_gpu_cant_take_it_so_the_peer_answers_before_the_local_cpu():
+    rig, peer = await peer_rig(FakePeerServer())
+    rig.memory.free_mib = 100.0  # under the reserve: the GPU can't admit
+    job = make_job()
+    sink = await run_job(rig, job)
+    assert job.path == "peer" and job.peer == "desk" and job.reason is Reason.PEER
+    assert rig.cpu.calls == [] and rig.gpu.calls == []
+    assert rig.events.completions == [(job.id, "peer")] and rig.dispatcher.duplicate_executions == 0
+    assert sink.events[0]["model"] == "Local-Name"
+
+
+async def test_the_peer_breaking_before_any_output_replays_once_on_the_local_cpu():
+    server = FakePeerServer()
+    server.chat = httpx.ReadError("reset")
+    rig, peer = await peer_rig(server)
+    rig.memory.free_mib = 100.0
+    job = make_job()
+    await run_job(rig, job)
+    assert job.path == "cpu" and job.reason is Reason.PEER_FAILED_REPLAYED and job.replayed
+    assert rig.cpu.calls == [job.id] and peer.failures == 1
+    assert "replay" in rig.events.kinds() and rig.events.completions == [(job.id, "cpu")]
+
+
+async def test_a_peer_that_declines_sends_the_request_to_the_local_cpu_without_a_replay():
+    server = FakePeerServer()
+    server.chat = httpx.Response(503, json={"error": {"message": "my GPU is busy"}})
+    rig, peer = await peer_rig(server)
+    rig.memory.free_mib = 100.0
+    job = make_job()
+    await run_job(rig, job)
+    assert job.path == "cpu" and job.reason is Reason.GPU_VRAM_HEADROOM and not job.replayed
+    assert peer.breaker.snapshot()["recent_failures"] == 0 and "replay" not in rig.events.kinds()
+
+
+async def test_the_peer_breaking_after_output_reached_the_client_is_a_502_and_nothing_reruns():
+    server = FakePeerServer()
+    server.chat = httpx.Response(200, content=sse(TOKEN, done=False))
+    rig, _ = await peer_rig(server)
+    rig.memory.free_mib = 100.0
+    job = make_job()
+    with pytest.raises(JobFailed) as caught:
+        await run_job(rig, job, Sink(job, streaming=True))
+    assert caught.value.status == 502 and caught.value.code == "peer_failed"
+    assert "nothing was re-run" in str(caught.value.message)
+    assert rig.cpu.calls == [] and rig.dispatcher.completed_total == 0
+
+
+async def test_no_peer_for_a_forwarded_request_a_forced_cpu_one_or_one_that_may_not_leave_the_gpu():
+    rig, _ = await peer_rig(FakePeerServer())
+    rig.memory.free_mib = 100.0
+    hopped, forced, kept = make_job("hop"), make_job("forced"), make_job("kept")
+    hopped.no_peer, forced.force_cpu, kept.no_fallback = True, True, True
+    await run_job(rig, hopped)
+    await run_job(rig, forced)
+    assert (hopped.path, forced.path) == ("cpu", "cpu")
+    with pytest.raises(JobFailed) as caught:
+        await run_job(rig, kept)
+    assert caught.value.status == 503
+
+
+async def test_the_paused_gpu_sends_work_to_the_peer_and_degraded_mode_names_it():
+    server = FakePeerServer()
+    release = asyncio.Event()
+
+    async def slow_stream():
+        yield f"data: {json.dumps(TOKEN)}\n\n".encode()
+        await release.wait()
+        yield b"data: [DONE]\n\n"
+
+    server.chat = httpx.Response(200, content=slow_stream())
+    rig, _ = await peer_rig(server)
+    rig.dispatcher.set_gpu_paused(True)
+    job = make_job()
+    assert rig.dispatcher.register(job)
+    task = asyncio.create_task(rig.dispatcher.run(job, Sink(job)))
+    for _ in range(200):
+        if job.attempts and job.attempts[-1].tokens:
+            break
+        await asyncio.sleep(0)
+    assert job.path == "peer" and rig.dispatcher.request_status()[0]["peer"] == "desk"
+    assert "paused" in rig.dispatcher.degraded_cause()
+    release.set()
+    await task
+    assert job.attempts[-1].outcome == "completed"
+
+
+async def test_an_overflow_peer_takes_what_the_full_local_cpu_would_refuse():
+    rig, _ = await peer_rig(FakePeerServer(), role="overflow")
+    rig.memory.free_mib = 100.0
+    rig.memory.host_mib = 500.0  # under the RAM floor: the CPU would refuse
+    job = make_job()
+    await run_job(rig, job)
+    assert job.path == "peer" and "instead" in job.reason_detail

@@ -1,0 +1,348 @@
+"""Peer servers: other OpenAI-compatible servers on the LAN ([[peers]]),
+usually a second tray-app, that take requests this one can't serve well.
+
+A peer is a path like the GPU and the CPU, with the same rules:
+- admission offers it only what the local GPU can't take (see
+  admission.offer_to_peer), and only while it is healthy, serves the
+  model, has room and its own breaker is closed;
+- its answer streams through the same shaping as a worker's, so the client
+  sees this server's ids and model name; the headers say a peer served it;
+- a peer that fails before any byte reached the client is a failure of
+  that path: the request runs once more here, on the CPU; after a byte it
+  is a 502 that says nothing was re-run.
+
+A request sent to a peer carries X-Peer-Hop, and a request that arrives
+with it is never sent on: two servers that are each other's peers can't
+bounce a request between them. The client's X-Request-Id and
+Idempotency-Key go with it, so the peer's logs name the same request and
+a retry there finds the first result. A "fallback" peer is asked with
+X-Fallback: never (a tray-app peer then answers from its GPU or says no at
+once): its CPU is no better than this one's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, NoReturn, Protocol
+
+import httpx
+
+from .admission import PeerRole, PeerView
+from .backend import (
+    _CANCELED, Sink, _wait_on_worker, canceled_error, client_safe, relay_answer, upstream_error_message, worker_body,
+)
+from .breaker import BreakerPolicy, BreakerState, CircuitBreaker
+from .jobs import Attempt, Job, JobState, PathSpeed
+
+# How often each peer is asked for its models (its health), and how long it may take.
+HEALTH_INTERVAL_S = 5.0
+HEALTH_TIMEOUT_S = 3.0
+# The header that marks a request as forwarded by a peer (one hop only).
+HOP_HEADER = "X-Peer-Hop"
+# Peer answers that mean "not now" (busy, or its GPU can't take it): the
+# request stays here, and the peer's breaker counts nothing.
+BUSY_STATUSES = (429, 503)
+# Wrong or missing key: the peer is misconfigured, not flaky. Its breaker
+# opens at once and health checks keep saying why.
+AUTH_STATUSES = (401, 403)
+
+
+class PeerSettings(Protocol):
+    """A [[peers]] entry (config.PeerEntry), as this module reads it."""
+
+    name: str
+    url: str
+    api_key: str
+    models: tuple[str, ...]
+    role: str
+    max_concurrency: int
+    first_token_timeout_s: float
+    token_timeout_s: float
+
+
+class PeerFailure(Exception):
+    """The peer did not answer this request.
+
+    `counts`: a failure of the peer (its breaker counts it), not a peer that
+    is busy or declined. `ran`: the request may have begun there (it broke
+    or hung after the peer took it): running it here is a replay, the one
+    re-run allowed. A peer that declined with an error status ran nothing.
+    """
+
+    def __init__(self, message: str, *, counts: bool = True, ran: bool = True) -> None:
+        super().__init__(message)
+        self.counts = counts
+        self.ran = ran
+
+
+@dataclass
+class PeerHealth:
+    # None until the first check; then whether the last check got an answer.
+    reachable: bool | None = None
+    # Why it takes no requests now (unreachable, wrong key, an error), or None.
+    problem: str | None = "not checked yet"
+    # The last check's round trip, and a smoothed one.
+    latency_ms: float | None = None
+    smoothed_ms: float | None = None
+    checked_at: float | None = None
+    # Since when the peer has been in its current state (healthy or not), wall clock.
+    since: float = field(default_factory=time.time)
+    # What /v1/models listed at the last check.
+    listed: tuple[str, ...] = ()
+
+
+class Peer:
+    def __init__(self, settings: PeerSettings, base_url: str, http: httpx.AsyncClient, breaker: BreakerPolicy,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.role = PeerRole(settings.role)
+        self.base_url = base_url
+        self._http = http
+        self._clock = clock
+        self.breaker = CircuitBreaker(breaker, clock)
+        self.health = PeerHealth()
+        # Measured on its answers: the estimate admission compares. Unknown
+        # (no estimate) until the first answer of a few tokens.
+        self.speed = PathSpeed(tokens_per_s=1.0, prompt_tokens_per_s=1.0)
+        self.in_flight = 0
+        self.served = 0
+        self.failures = 0
+        self.last_failure: str | None = None
+
+    # ----- what admission sees ---------------------------------------------------------
+
+    def remote_model(self, names: tuple[str, ...]) -> str | None:
+        """The name the peer serves this model under (the first of `names`,
+        the local model's names, that it has), or None."""
+        offered = self.settings.models or self.health.listed
+        return next((name for name in names if name in offered), None)
+
+    def unavailable(self, names: tuple[str, ...]) -> str | None:
+        """Why this peer can't take a request for this model now, or None."""
+        if self.health.problem is not None:
+            return self.health.problem
+        if self.breaker.state is not BreakerState.CLOSED:
+            return f"its circuit breaker is {self.breaker.state.value} ({self.breaker.snapshot()['last_failure_reason']})"
+        if self.remote_model(names) is None:
+            return f"it does not serve {names[0]}"
+        if self.in_flight >= self.settings.max_concurrency:
+            return f"it already has {self.in_flight} requests from here (max_concurrency)"
+        return None
+
+    def view(self, prompt_tokens: int, max_tokens: int, expected_tokens: int) -> PeerView:
+        return PeerView(self.name, self.role, self.estimate_s(prompt_tokens, min(max_tokens, expected_tokens)))
+
+    def estimate_s(self, prompt_tokens: int, answer_tokens: int) -> float | None:
+        """Seconds to an answer of this size: the network round trip plus
+        the measured speeds; None until an answer has been measured."""
+        if self.speed.samples == 0:
+            return None
+        rtt = (self.health.smoothed_ms or 0.0) / 1000
+        return round(rtt + answer_tokens / self.speed.tokens_per_s + prompt_tokens / self.speed.prompt_tokens_per_s, 2)
+
+    # ----- health ----------------------------------------------------------------------------
+
+    async def check(self) -> None:
+        """Ask the peer for its models: reachable, key accepted, what it serves."""
+        started = time.perf_counter()
+        problem: str | None = None
+        listed = self.health.listed
+        reachable = True
+        try:
+            response = await self._http.get(f"{self.base_url}/v1/models", headers=self._auth_headers(),
+                                            timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            reachable, problem = False, f"unreachable: {type(exc).__name__}: {client_safe(str(exc)) or 'no detail'}"
+        else:
+            if response.status_code in AUTH_STATUSES:
+                problem = f"it refused our API key (HTTP {response.status_code}): check api_key in [[peers]]"
+            elif response.status_code >= 400:
+                problem = f"its /v1/models answered HTTP {response.status_code}"
+            else:
+                try:
+                    listed = tuple(str(m.get("id")) for m in response.json().get("data") or ()
+                                   if isinstance(m, dict) and m.get("id"))
+                except (ValueError, AttributeError):
+                    problem = "its /v1/models is not an OpenAI model list"
+        rtt_ms = (time.perf_counter() - started) * 1000
+        health = self.health
+        if (problem is None) != (health.problem is None):
+            health.since = time.time()
+        health.reachable, health.problem, health.listed = reachable, problem, listed
+        health.checked_at = time.time()
+        if reachable:
+            health.latency_ms = round(rtt_ms, 1)
+            health.smoothed_ms = round(rtt_ms if health.smoothed_ms is None
+                                       else 0.3 * rtt_ms + 0.7 * health.smoothed_ms, 1)
+        if problem is None and self.breaker.state is BreakerState.HALF_OPEN and self.breaker.try_acquire():
+            # The cooldown is over and the peer answers again: close the breaker.
+            self.breaker.record_success()
+
+    # ----- a request -------------------------------------------------------------------------
+
+    async def run(self, job: Job, sink: Sink, names: tuple[str, ...], model: str, fingerprint: str) -> Attempt:
+        """Stream the job through the peer. Raises PeerFailure when the peer
+        does not answer it; JobFailed when the client canceled."""
+        remote = self.remote_model(names)
+        attempt = Attempt("peer", self._clock())
+        job.attempts.append(attempt)
+        body = worker_body(job)
+        body["model"] = remote
+        headers = {**self._auth_headers(), HOP_HEADER: "1", "X-Request-Id": job.id}
+        if job.idempotency_key:
+            headers["Idempotency-Key"] = job.idempotency_key
+        if self.role is PeerRole.FALLBACK:
+            headers["X-Fallback"] = "never"
+        first_deadline = time.monotonic() + self.settings.first_token_timeout_s
+        canceled = asyncio.ensure_future(job.canceled.wait())
+
+        async def from_peer(awaitable):
+            limit = attempt.wait_limit_s(first_deadline, self.settings.token_timeout_s)
+            result = await _wait_on_worker(awaitable, canceled, limit, lambda: None)
+            if result is _CANCELED:
+                attempt.outcome = "canceled"
+                raise canceled_error(job, f"while peer {self.name} served it")
+            return result
+
+        def peer_error(message: str) -> NoReturn:
+            raise PeerFailure(f"it {client_safe(message)}")
+
+        self.in_flight += 1
+        done_seen = False
+        try:
+            request = self._http.build_request("POST", f"{self.base_url}{job.kind.upstream_path}", json=body,
+                                               headers=headers)
+            response = await from_peer(self._http.send(request, stream=True))
+            try:
+                attempt.reached_worker = True
+                if response.status_code >= 400:
+                    await self._refused(response)
+                done_seen = await relay_answer(response, job, attempt, sink, from_peer, fail=peer_error, model=model,
+                                               fingerprint=fingerprint, clock=self._clock)
+            finally:
+                await response.aclose()
+        except PeerFailure as failure:
+            attempt.outcome = f"failed: {failure}"
+            raise
+        except asyncio.TimeoutError:
+            attempt.outcome = "failed: hang"
+            limit = self.settings.first_token_timeout_s if attempt.first_token_at is None else self.settings.token_timeout_s
+            raise PeerFailure(f"no output for {limit:g} s") from None
+        except (httpx.TransportError, httpx.StreamError) as exc:
+            attempt.outcome = f"failed: {type(exc).__name__}"
+            # Refused at connect: the request never got there.
+            raise PeerFailure(f"the connection broke: {type(exc).__name__}: {client_safe(str(exc)) or 'no detail'}",
+                              ran=not isinstance(exc, httpx.ConnectError)) from None
+        finally:
+            canceled.cancel()
+            self.in_flight -= 1
+            attempt.ended_at = self._clock()
+        if not done_seen:
+            attempt.outcome = "failed: truncated"
+            raise PeerFailure("its stream ended without [DONE]")
+        attempt.outcome = "completed"
+        first = attempt.first_token_at or attempt.ended_at
+        self.speed.observe(attempt.tokens, attempt.ended_at - first, job.prompt_tokens, first - attempt.started_at)
+        self.served += 1
+        return attempt
+
+    def record_failure(self, failure: PeerFailure) -> None:
+        self.failures += 1
+        self.last_failure = str(failure)
+        if failure.counts:
+            self.breaker.record_failure(str(failure))
+
+    async def _refused(self, response: httpx.Response) -> None:
+        message = await upstream_error_message(response)
+        status = response.status_code
+        if status in AUTH_STATUSES:
+            reason = f"it refused our API key (HTTP {status}): check api_key in [[peers]]"
+            self.breaker.trip(reason)
+            if self.health.problem is None:
+                self.health.since = time.time()
+            self.health.problem = reason
+            raise PeerFailure(reason, counts=False, ran=False)
+        # A 4xx here is the peer's limit (a smaller context, say), not the
+        # client's mistake: this server already accepted the request.
+        raise PeerFailure(f"it answered HTTP {status}: {message}", ran=False,
+                          counts=status >= 500 and status not in BUSY_STATUSES)
+
+    def _auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+
+    # ----- what it says about itself ---------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        health = self.health
+        return {
+            "name": self.name,
+            "url": self.base_url,
+            "role": self.role.value,
+            "models": list(self.settings.models or health.listed),
+            "healthy": health.problem is None and self.breaker.state is BreakerState.CLOSED,
+            "reachable": health.reachable,
+            "problem": health.problem,
+            "latency_ms": health.latency_ms,
+            "smoothed_latency_ms": health.smoothed_ms,
+            "checked_at": health.checked_at,
+            "since": health.since,
+            "breaker": self.breaker.snapshot(),
+            "in_flight": self.in_flight,
+            "max_concurrency": self.settings.max_concurrency,
+            "served": self.served,
+            "failures": self.failures,
+            "last_failure": self.last_failure,
+            "tokens_per_s": round(self.speed.tokens_per_s, 1) if self.speed.samples else None,
+        }
+
+
+class Peers:
+    """The configured peers and their health checks (one task, off the request path)."""
+
+    def __init__(self, peers: list[Peer], interval_s: float = HEALTH_INTERVAL_S) -> None:
+        self.peers = peers
+        self._by_name = {peer.name: peer for peer in peers}
+        self._interval_s = interval_s
+        self._task: asyncio.Task | None = None
+
+    def get(self, name: str | None) -> Peer | None:
+        return self._by_name.get(name) if name else None
+
+    def offering(self, names: tuple[str, ...]) -> list[Peer]:
+        """The peers that could take a request for this model now, in config order."""
+        return [peer for peer in self.peers if peer.unavailable(names) is None]
+
+    def start(self) -> None:
+        if self.peers and self._task is None:
+            self._task = asyncio.create_task(self._check_forever(), name="peer-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(peer.check() for peer in self.peers))
+
+    async def _check_forever(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self._interval_s)
+
+    def status(self) -> list[dict[str, Any]]:
+        return [peer.status() for peer in self.peers]
+
+
+def job_may_use_peers(job: Job) -> bool:
+    """Whether a peer may serve this job at all: not one that came from a
+    peer or that a peer already failed, not one the client sent to the CPU,
+    and not a named tool_choice (its answer is rebuilt from a grammar this
+    server added, which another server would refuse). The dispatcher also
+    keeps a request that may not leave the GPU (X-Fallback: never) here."""
+    return not (job.no_peer or job.force_cpu or job.forced_tool is not None or job.state is JobState.DONE)
