@@ -1,11 +1,14 @@
 """llama.cpp's RPC backend on loopback: `tray-app rpc-worker` lends this
-machine's CPU device to the GPU worker, which spreads the model over it; the
-RPC server killed mid-request fails the GPU path over to the CPU worker
-under the usual rules (replayed once, nothing lost, nothing duplicated)."""
+machine's CPU device to the GPU worker, which spreads the model over it;
+/status shows the device's memory, read with the RPC protocol, and the local
+GPU's share admission charges; the RPC server killed mid-request fails the
+GPU path over to the CPU worker under the usual rules (replayed once, nothing
+lost, nothing duplicated)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import signal
 import socket
 import subprocess
@@ -56,6 +59,23 @@ def test_the_gpu_worker_spreads_the_model_over_an_rpc_worker_and_fails_over_when
     with running(tmp_path / "service", config) as service:
         status = service.wait_for(lambda s: s["gpu"]["rpc_servers"][0]["reachable"] is True, timeout=15,
                                   what="the RPC server seen")
+        # Its memory, read with the RPC protocol at start, before the GPU worker
+        # took the server's one client slot: a CPU rpc-server reports the
+        # machine's RAM (ggml's sysconf figure) as its device's free and total.
+        server = status["gpu"]["rpc_servers"][0]
+        ram_mib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
+        assert server["protocol"] == "7.0.0" and len(server["devices"]) == 1, server
+        assert server["total_mib"] == pytest.approx(ram_mib, abs=0.1) and server["free_mib"] == server["total_mib"]
+        assert server["memory_read_at"] <= time.time() and server["query_ms"] < 1000
+        # Admission charges the simulated local GPU only its share of the layers.
+        split = status["gpu"]["rpc_split"]
+        assert 0 <= split["local_layers"] < split["offloaded_layers"], split
+        assert split["local_gpu_mib"] < split["all_local_gpu_mib"], split
+        # The loaded GPU worker holds the server: in use, still reachable, the reading kept.
+        status = service.wait_for(lambda s: s["gpu"]["rpc_servers"][0]["state"] == "in_use", timeout=15,
+                                  what="the RPC server in use")
+        assert status["gpu"]["rpc_servers"][0]["reachable"] is True
+        assert status["gpu"]["rpc_servers"][0]["free_mib"] == server["free_mib"]
         gpu = next(w for w in status["workers"] if w["role"] == "gpu")
         worker_log = open(gpu["log"], errors="replace").read()
         assert f"--rpc 127.0.0.1:{port}" in worker_log

@@ -1,18 +1,23 @@
 """llama.cpp RPC workers: addresses, the GPU worker's flags, the
-rpc-worker command's refusal to listen openly, and the health probe."""
+rpc-worker command's refusal to listen openly, the health probe, the
+panel's line per server, and the local GPU's share of a split model."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from tests.unit.test_estimate import llama3_8b_shape
+from tests.unit.test_rpc_protocol import fake_rpc_server
 from tray_app.cli.rpc_worker import is_loopback, rpc_server_argv, run_rpc_worker
 from tray_app.core.config import ConfigError, parse_config_text, rpc_address_problem
 from tray_app.core.engine.runtime import LaunchRequest, LlamaServerRuntime
 from tray_app.core.engine.worker import free_loopback_port
+from tray_app.core.memory import estimate
 from tray_app.core.rpc import RpcHealth
 
 
@@ -76,7 +81,7 @@ def test_the_probe_sees_a_server_come_and_go():
         port = free_loopback_port()
         health = RpcHealth((f"127.0.0.1:{port}",), clock=lambda: 100.0)
         seen = [health.status()]
-        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
+        server = await asyncio.start_server(fake_rpc_server(), "127.0.0.1", port)
         await health.probe_all()
         seen.append(health.status())
         server.close()
@@ -89,6 +94,8 @@ def test_the_probe_sees_a_server_come_and_go():
     assert before["reachable"] is None
     assert up["reachable"] is True and up["latency_ms"] is not None and up["since"] == 100.0
     assert down["reachable"] is False and down["error"] and down["latency_ms"] is None
+    # The memory read while it was up is kept, with its time.
+    assert down["free_mib"] == up["free_mib"] == 6144.0 and down["memory_read_at"] == 100.0
 
 
 class _FakeLlamaCpp:
@@ -117,12 +124,83 @@ def test_an_rpc_build_without_a_local_gpu_is_not_called_gpu_capable(monkeypatch)
         assert telemetry.detect_gpu_offload_support().supported is local_gpu
 
 
-def test_the_panel_names_each_remote_device_and_its_state():
+def test_the_panel_names_each_remote_device_its_memory_and_its_state():
     from tray_app.ui.viewmodel import rpc_servers_text
 
     assert rpc_servers_text([]) == ""
-    text = rpc_servers_text([{"address": "10.0.0.2:50052", "reachable": True, "latency_ms": 0.4},
-                             {"address": "10.0.0.3:50052", "reachable": False, "latency_ms": None},
-                             {"address": "10.0.0.4:50052", "reachable": None}])
-    assert text == ("Remote devices (RPC): 10.0.0.2:50052 reachable, 0.4 ms · 10.0.0.3:50052 unreachable · "
-                    "10.0.0.4:50052 not checked yet")
+    text = rpc_servers_text([
+        {"address": "10.0.0.2:50052", "reachable": True, "state": "idle", "latency_ms": 0.4,
+         "free_mib": 7987.2, "total_mib": 8192.0, "memory_age_s": 0.0},
+        {"address": "10.0.0.5:50052", "reachable": True, "state": "in_use", "latency_ms": None,
+         "free_mib": 24105.6, "total_mib": 24105.6, "memory_age_s": 720.0},
+        {"address": "10.0.0.3:50052", "reachable": False, "state": "unreachable", "latency_ms": None,
+         "error": "[Errno 111] Connection refused", "free_mib": None},
+        {"address": "10.0.0.6:50052", "reachable": True, "state": "busy", "error": "serving another client"},
+        {"address": "10.0.0.7:50052", "reachable": True, "state": "incompatible",
+         "error": "the server speaks RPC protocol v8.0.0"},
+        {"address": "10.0.0.4:50052", "reachable": None}])
+    assert text.split("\n") == [
+        "RPC 10.0.0.2:50052: 7,987 MiB free of 8,192 MiB · 0.4 ms",
+        "RPC 10.0.0.5:50052: 23.5 GiB free (read 12 min ago) · in use by the GPU worker",
+        "RPC 10.0.0.3:50052: unreachable: [Errno 111] Connection refused",
+        "RPC 10.0.0.6:50052: busy with another client",
+        "RPC 10.0.0.7:50052: can't be used: the server speaks RPC protocol v8.0.0",
+        "RPC 10.0.0.4:50052: not checked yet",
+    ]
+    # A status from before memory was read: reachability only.
+    assert rpc_servers_text([{"address": "a:1", "reachable": True, "latency_ms": 2.0}]) == "RPC a:1: 2 ms"
+
+
+# ----- the local GPU's share of a model split over RPC devices ----------------------------------
+
+
+def _llama_cpp_local_layers(offloaded: int, free: list[float]) -> int:
+    """llama_model_base::load_tensors' default split, line by line: cumulative
+    fractions of each device's free memory, RPC devices first and the local
+    GPU last; layer k goes to upper_bound(splits, k / offloaded)."""
+    import bisect
+
+    total = sum(free)
+    cumulative, running = [], 0.0
+    for value in free:
+        running += value
+        cumulative.append(running / total)
+    devices = [bisect.bisect_right(cumulative, k / offloaded) for k in range(offloaded)]
+    return devices.count(len(free) - 1)
+
+
+@pytest.mark.parametrize("offloaded", [1, 2, 7, 25, 31, 81])
+@pytest.mark.parametrize("local, remote", [(8192, [24576]), (24576, [8192]), (12288, [12288]),
+                                           (10000, [5000, 3000]), (1, [100000]), (100000, [1]),
+                                           (6000, [24105.6])])
+def test_the_local_share_is_what_llama_cpp_gives_the_last_device(offloaded, local, remote):
+    assert estimate.local_gpu_layers(offloaded, local, remote) == _llama_cpp_local_layers(offloaded, [*remote, local])
+
+
+def test_local_share_in_plain_numbers():
+    assert estimate.local_share(8192, [24576]) == 0.25
+    assert estimate.local_share(8192, [4096, 4096]) == 0.5
+    assert estimate.local_share(8192, []) == 1.0  # no remote device: all local
+    # A build without a local GPU: the RPC devices are the only offload devices.
+    assert estimate.local_share(None, [24576]) == 0.0 and estimate.local_share(0, [24576]) == 0.0
+    assert estimate.local_gpu_layers(31, None, [24576]) == 0
+    assert estimate.local_gpu_layers(31, 8192, []) == 31
+    # 31 layers, a quarter local: layers 24..30 (k/31 >= 0.75), the output layer among them.
+    assert estimate.local_gpu_layers(31, 8192, [24576]) == 7
+
+
+def test_the_local_footprint_is_its_layers_weights_and_kv_plus_the_whole_runtime():
+    # Llama-3-8B's shape, every block a different size so the slice shows.
+    info = dataclasses.replace(llama3_8b_shape(), layer_bytes=tuple((100 + i) * 1024 * 1024 for i in range(32)))
+    settings = estimate.WorkerSettings(n_ctx=1024, n_gpu_layers=-1, logits_all=False)
+    full = estimate.estimate_worker(info, settings)
+    assert estimate.local_footprint(info, settings, full.layers_on_gpu) == full
+    half = estimate.local_footprint(info, settings, 3)
+    assert half.layers_on_gpu == 3 and half.host == full.host
+    assert half.gpu.weights == sum(info.layer_bytes[info.n_layer - 2:]) + info.output_bytes
+    assert half.gpu.kv_cache * info.n_layer == full.gpu.kv_cache * 2
+    assert half.gpu.compute == full.gpu.compute and half.gpu.runtime_overhead == full.gpu.runtime_overhead
+    none = estimate.local_footprint(info, settings, 0)
+    assert none.gpu.weights == none.gpu.kv_cache == 0 and none.gpu.runtime_overhead == full.gpu.runtime_overhead
+    assert estimate.request_vram_bytes(info, estimate.with_gpu_layers(settings, 3), 100) < \
+        estimate.request_vram_bytes(info, settings, 100)

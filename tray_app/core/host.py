@@ -59,6 +59,7 @@ class HostOwner(Protocol):
     metrics: Any
     simulated: Any
     gpu_reader: Any
+    rpc_health: Any  # rpc.RpcHealth: the remote devices' memory, for the local GPU's share
     peers: Any
 
     def worker_pids(self) -> list[int]: ...
@@ -101,7 +102,9 @@ class ModelHost:
             n_ctx=model.cpu_n_ctx * self.slots["cpu"], n_gpu_layers=0, n_batch=config.worker.n_batch,
             n_parallel=self.slots["cpu"], logits_all=False,
         )
-        self.gpu_footprint = estimate.estimate_worker(self.model_info, self.gpu_settings)
+        # Every offloaded layer on the local GPU. What it is charged is
+        # gpu_footprint: less when [gpu] rpc_servers lend devices.
+        self.all_local_gpu_footprint = estimate.estimate_worker(self.model_info, self.gpu_settings)
         self.cpu_footprint = estimate.estimate_worker(self.fallback_info, self.cpu_settings)
         self.gpu_recovery_s: float | None = None
         self._gpu_failed_at: float | None = None
@@ -120,7 +123,8 @@ class ModelHost:
                    queue_budget_s=config.server.queue_timeout_s,
                    cpu_load_prior_s=prior_load_s(self.fallback_info.path.stat().st_size / MIB)),
             backends, self.breaker, observer.latest,
-            Costs(gpu_mib=lambda tokens: estimate.request_vram_bytes(self.model_info, self.gpu_settings, tokens) / MIB,
+            Costs(gpu_mib=lambda tokens: estimate.request_vram_bytes(self.model_info, self.local_gpu_settings(),
+                                                                     tokens) / MIB,
                   cpu_mib=lambda tokens: estimate.kv_bytes_per_token(self.fallback_info) * tokens / MIB,
                   cpu_load_mib=self.cpu_load_ram_mib,
                   cpu_evictable_mib=lambda: service.evictable_cpu_ram_mib(self)),
@@ -248,6 +252,56 @@ class ModelHost:
     def gpu_loaded(self) -> bool:
         worker = self.gpu_worker
         return worker is not None and worker.state is not WorkerState.STOPPED
+
+    # ----- the local GPU's share, with llama.cpp RPC devices ---------------------------
+
+    @property
+    def gpu_footprint(self) -> estimate.Footprint:
+        """What the GPU worker holds on the local GPU: with [gpu] rpc_servers
+        whose memory has been read, only the layers llama.cpp's split leaves
+        here (estimate.local_gpu_layers); otherwise all of them, as if there
+        were no remote device (conservative)."""
+        layers = self._local_gpu_layers()
+        if layers is None:
+            return self.all_local_gpu_footprint
+        return estimate.local_footprint(self.model_info, self.gpu_settings, layers)
+
+    def local_gpu_settings(self) -> estimate.WorkerSettings:
+        """The GPU worker's settings as the local GPU sees them: its layers only."""
+        layers = self._local_gpu_layers()
+        return self.gpu_settings if layers is None else estimate.with_gpu_layers(self.gpu_settings, layers)
+
+    def _local_gpu_layers(self) -> int | None:
+        """The offloaded layers on the local GPU; None when there are no RPC
+        servers or their memory is not known yet. llama.cpp weighs the local
+        GPU by its free memory at load; its total stands in for that here:
+        never less, so the local share is never underestimated, and steady,
+        where free memory moves with other apps and with our own load."""
+        remote = self.service.rpc_health.free_mib()
+        if remote is None:
+            return None
+        local_total = self.service.observer.latest().gpu.total_mib
+        if local_total is None:
+            return None
+        offloaded = estimate.layers_offloaded(self.model_info, self.gpu_settings.n_gpu_layers)
+        return estimate.local_gpu_layers(offloaded, local_total, remote)
+
+    def rpc_split(self) -> dict[str, Any] | None:
+        """/status gpu.rpc_split: what admission charges the local GPU with."""
+        if not self.service.config.gpu.rpc_servers:
+            return None
+        offloaded = estimate.layers_offloaded(self.model_info, self.gpu_settings.n_gpu_layers)
+        layers = self._local_gpu_layers()
+        return {
+            "offloaded_layers": offloaded,
+            "local_layers": layers,
+            "local_share": round(layers / offloaded, 3) if layers is not None and offloaded else None,
+            "local_gpu_mib": round(self.gpu_footprint.gpu.total / MIB, 1),
+            "all_local_gpu_mib": round(self.all_local_gpu_footprint.gpu.total / MIB, 1),
+            "basis": ("llama.cpp's default split by free memory: the local GPU's total against the remote "
+                      "devices' last reading" if layers is not None else
+                      "the remote devices' memory is not known: all layers charged to the local GPU"),
+        }
 
     def vram_mib(self, reading=None) -> float:
         """What this model's GPU worker holds on the device: NVML's

@@ -84,7 +84,9 @@ class Service:
         # Kept for the hosts of models added later (rescan_models).
         self._gpu_runtime, self._gpu_missing_reason = gpu_runtime, gpu_missing_reason
         self.observer = Observer(self.gpu_reader, self.worker_pids, self._degraded_cause, on_sample=self._on_sample)
-        self.rpc_health = RpcHealth(config.gpu.rpc_servers)
+        # A GPU worker of ours that is up holds each RPC server's one client slot.
+        self.rpc_health = RpcHealth(config.gpu.rpc_servers, in_use=lambda: any(
+            h.gpu_loaded() for h in self.hosts.values()))
         self.metrics = ServiceMetrics(self.status)
         # Other servers on the LAN that take what this one can't ([[peers]]).
         self.peers = Peers([Peer(entry, peer_base_url(entry.url), self.http, config.breaker, clock)
@@ -306,6 +308,8 @@ class Service:
         return None
 
     async def start(self) -> None:
+        # First, while the RPC servers are free to answer: their memory, before a GPU worker takes them.
+        await self.rpc_health.start()
         await self.default_host.start()
         if self.engine_fallback_reason:
             self.observer.note("engine_fallback", reason=self.engine_fallback_reason)
@@ -315,7 +319,6 @@ class Service:
         self.observer.advance()
         self.observer.start()
         self.peers.start()
-        self.rpc_health.start()
 
     async def ensure_started(self, host: ModelHost) -> None:
         """A library model's tokenizer, read on its first request (reading
@@ -549,6 +552,7 @@ class Service:
             gpu_status["simulated_device_dir"] = str(self.simulated.others_dir)
         gpu_status["residency"] = self.sharing.status() if self.sharing is not None else None
         gpu_status["rpc_servers"] = self.rpc_health.status()
+        gpu_status["rpc_split"] = self.default_host.rpc_split()  # the local GPU's share admission charges
         return gpu_status
 
     def status(self) -> dict[str, Any]:

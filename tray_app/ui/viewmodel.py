@@ -320,21 +320,37 @@ def vram_bars(status: Mapping[str, Any]) -> list[Bar]:
 
 
 def rpc_servers_text(servers: Any) -> str:
-    """'Remote devices (RPC): 10.0.0.2:50052 reachable, 0.4 ms · 10.0.0.3:50052 unreachable'."""
-    parts = []
+    """One line per remote device server, its memory first:
+    'RPC 10.0.0.2:50052: 7.8 GiB free of 8.0 GiB · 0.4 ms',
+    'RPC 10.0.0.2:50052: 23.5 GiB free (read 12 min ago) · in use by the GPU worker',
+    'RPC 10.0.0.3:50052: unreachable: [Errno 111] Connection refused'."""
+    lines = []
     for server in servers:
         if not isinstance(server, Mapping):
             continue
         reachable = server.get("reachable")
-        state = ("not checked yet" if reachable is None
-                 else f"reachable, {server['latency_ms']:g} ms" if reachable and server.get("latency_ms") is not None
-                 else "reachable" if reachable else "unreachable")
-        parts.append(f"{server.get('address')} {state}")
-    return "Remote devices (RPC): " + " · ".join(parts) if parts else ""
-
-
-# Apps named on a VRAM bar; the rest are counted.
-MAX_APPS_SHOWN = 4
+        state = server.get("state") or ("unreachable" if reachable is False else "idle" if reachable else None)
+        error = server.get("error")
+        latency = _num(server.get("latency_ms"))
+        what = {
+            None: "not checked yet",
+            "idle": f"{latency:g} ms" if latency is not None else "reachable",
+            # Its one client slot is taken: the memory shown was read before.
+            "in_use": "in use by the GPU worker",
+            "busy": "busy with another client",
+            "incompatible": f"can't be used: {error}" if error else "can't be used",
+        }.get(state, f"unreachable: {error}" if error else "unreachable")
+        free, total = _num(server.get("free_mib")), _num(server.get("total_mib"))
+        memory = ""
+        if free is not None:
+            memory = f"{fmt_mib(free, total)} free"
+            if total is not None and round(total) != round(free):
+                memory += f" of {fmt_mib(total)}"
+            age = _num(server.get("memory_age_s"))
+            if age is not None and age >= 60:
+                memory += f" (read {fmt_seconds(age)} ago)"
+        lines.append(f"RPC {server.get('address')}: " + " · ".join(part for part in (memory, what) if part))
+    return "\n".join(lines)
 
 
 def peers_text(peers: Any) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from dataclasses import replace
 
 from .gguf_info import ModelInfo
 
@@ -272,3 +273,66 @@ def _attention_conversion(info: ModelInfo, settings: WorkerSettings) -> int:
     if settings.flash_attn or settings.kv_type == "f32":
         return 0
     return _slot_cells(info, settings) * _ubatch(info, settings) * info.n_head * F16_BYTES
+
+
+# ----- remote devices (llama.cpp RPC): the local GPU's share -------------------------------------
+#
+# With `--rpc host:port,...` llama.cpp lists the RPC servers' devices first
+# and the local GPUs after them (src/llama.cpp: "add RPC servers at the front
+# of the list to minimize network transfers"). Without --tensor-split, which
+# the runtimes never pass, llama_model_base::load_tensors
+# (src/llama-model.cpp) splits the offloaded layers by each device's free
+# memory at load: it sums the free bytes into cumulative fractions and gives
+# offloaded layer k (of the n_gpu_layers counted as above, output layer last)
+# to the first device whose cumulative fraction exceeds k / n_offloaded. The
+# local GPU, last in the list, thus gets the *last* layers of the offloaded
+# range, output layer included: exactly what offloading that many layers
+# with no remote device puts on it, so estimate_worker prices its share.
+# A device that reports 0 free and 0 total stands in with the host's RAM.
+# A CPU ggml-rpc-server reports the machine's whole RAM as free. In a build
+# without a local GPU the RPC devices are the only offload devices: local
+# share 0 (but such a build has no GPU path here: telemetry says so).
+
+
+def local_share(local_free_mib: float | None, remote_free_mib: list[float]) -> float:
+    """The fraction of the offloaded layers' weight llama.cpp's default split
+    aims at the local GPU, from each device's free memory at load. None or 0
+    for local_free_mib: no local GPU (a CPU-only build), share 0."""
+    local = max(local_free_mib or 0.0, 0.0)
+    total = local + sum(max(free, 0.0) for free in remote_free_mib)
+    if total <= 0:
+        return 1.0 if not remote_free_mib else 0.0
+    return local / total
+
+
+def local_gpu_layers(offloaded: int, local_free_mib: float | None, remote_free_mib: list[float]) -> int:
+    """How many of the `offloaded` layers (layers_offloaded's count) land on
+    the local GPU: those k with k / offloaded at or past the remote devices'
+    cumulative fraction. llama.cpp does this in float32, so a layer exactly
+    on a boundary may fall either side: the estimate is good to one layer."""
+    if not remote_free_mib:
+        return offloaded
+    remote_fraction = 1.0 - local_share(local_free_mib, remote_free_mib)
+    return sum(1 for k in range(offloaded) if k / offloaded >= remote_fraction)
+
+
+def with_gpu_layers(settings: WorkerSettings, n_gpu_layers: int) -> WorkerSettings:
+    return replace(settings, n_gpu_layers=n_gpu_layers)
+
+
+def local_footprint(info: ModelInfo, settings: WorkerSettings, local_layers: int) -> Footprint:
+    """The GPU worker's footprint when only the last `local_layers` of its
+    offloaded layers are on the local GPU and the rest on RPC devices: the
+    weights and KV cache of those layers, the compute buffer and the CUDA
+    runtime in full. The host part stays what the whole model offloaded
+    leaves on the host: the remote layers are in neither."""
+    full = estimate_worker(info, settings)
+    if local_layers >= full.layers_on_gpu:
+        return full
+    if local_layers > 0:
+        gpu = estimate_worker(info, with_gpu_layers(settings, local_layers)).gpu
+    else:
+        # No layer here, but the worker still opens the GPU and may run big
+        # batches there: keep its runtime and compute buffer, conservatively.
+        gpu = DeviceNeed(0, 0, full.gpu.compute, full.gpu.runtime_overhead)
+    return Footprint(gpu=gpu, host=full.host, layers_on_gpu=local_layers)
