@@ -85,6 +85,10 @@ def test_peers_parse_and_round_trip():
     ('name = "a"\nurl = "http://desk.lan"\nrole = "primary"', "must be one of 'fallback', 'overflow'"),
     ('name = "a"\nurl = "http://desk.lan"\nmax_concurrency = 0', "must be at least 1"),
     ('name = "a"\nurl = "http://127.0.0.1:8642"', "is this server itself"),
+    ('name = "a"\nurl = "http://127.0.0.2:8642"', "is this server itself"),
+    ('name = "a"\nurl = "http://desk.lan:0"', "a number from 1 to 65535"),
+    ('name = "a"\nurl = "http://desk.lan"\napi_key = "s3cret "', "printable ASCII without spaces"),
+    ('name = "a"\nurl = "http://desk.lan"\napi_key = "sécret"', "printable ASCII without spaces"),
 ])
 def test_a_bad_peer_entry_is_a_config_error_that_says_why(table, message):
     with pytest.raises(ConfigError, match=message):
@@ -186,9 +190,16 @@ async def test_an_overflow_peer_may_use_its_own_cpu():
 @pytest.mark.parametrize("answer, counts, ran", [
     (httpx.Response(503, json={"error": {"message": "busy"}}), False, False),
     (httpx.Response(429, json={"error": {"message": "slow down"}}), False, False),
-    (httpx.Response(500, json={"error": {"message": "boom"}}), True, False),
+    # A 5xx other than 503 may come after it began (a tray-app peer's 502).
+    (httpx.Response(500, json={"error": {"message": "boom"}}), True, True),
+    (httpx.Response(502, json={"error": {"message": "its worker failed"}}), True, True),
     (httpx.Response(400, json={"error": {"message": "context too long"}}), False, False),
     (httpx.ConnectError("refused"), True, False),
+    (httpx.ConnectTimeout("powered off"), True, False),
+    (httpx.DecodingError("bad gzip"), True, True),
+    (httpx.Response(200, content=sse({"choices": ["x"]})), True, True),
+    (httpx.Response(200, content=sse({"choices": [{"delta": "x"}]})), True, True),
+    (httpx.Response(200, content=sse([1, 2])), True, True),
     (httpx.ReadError("reset by peer"), True, True),
     (httpx.Response(200, content=sse(TOKEN, done=False)), True, True),
     (httpx.Response(200, content=b"data: {not json\n\n"), True, True),
@@ -216,18 +227,50 @@ async def test_a_refused_key_at_request_time_opens_the_breaker_at_once():
     assert "refused our API key" in peer.unavailable(("smol",))
 
 
-async def test_failures_open_the_breaker_and_a_healthy_check_after_the_cooldown_closes_it():
+async def test_failures_open_the_breaker_and_after_the_cooldown_one_request_probes_it():
     server = FakePeerServer()
-    peer = make_peer(server, threshold=2)
+    rig, peer = await peer_rig(server)
     clock = [0.0]
     peer.breaker._clock = lambda: clock[0]
-    await peer.check()
     for _ in range(2):
         peer.record_failure(PeerFailure("connection broke"))
     assert peer.breaker.state is BreakerState.OPEN and "breaker is open" in peer.unavailable(("smol",))
+    rig.memory.free_mib = 100.0
+    job = make_job("while-open")
+    await run_job(rig, job)
+    assert job.path == "cpu"
+    # A health check alone does not close it: only a request that the peer answers.
     clock[0] = 6.0
     await peer.check()
-    assert peer.breaker.state is BreakerState.CLOSED and peer.unavailable(("smol",)) is None
+    assert peer.breaker.state is BreakerState.HALF_OPEN and peer.unavailable(("smol",)) is None
+    release = asyncio.Event()
+    server.chat = httpx.Response(200, content=held_stream(release))
+    probe = make_job("probe")
+    task = await start_streaming(rig, probe)
+    assert probe.path == "peer" and probe.peer_probe
+    # One probe at a time: the next request stays here.
+    assert "a probe request is testing it" in peer.unavailable(("smol",))
+    other = make_job("other")
+    await run_job(rig, other)
+    assert other.path == "cpu"
+    release.set()
+    await task
+    assert peer.breaker.state is BreakerState.CLOSED and not probe.peer_probe
+
+
+async def test_a_failed_probe_opens_the_breaker_again():
+    server = FakePeerServer()
+    server.chat = httpx.ReadError("reset")
+    rig, peer = await peer_rig(server)
+    clock = [0.0]
+    peer.breaker._clock = lambda: clock[0]
+    peer.breaker.trip("earlier failures")
+    clock[0] = 6.0
+    rig.memory.free_mib = 100.0
+    job = make_job()
+    await run_job(rig, job)
+    assert job.reason is Reason.PEER_FAILED_REPLAYED
+    assert peer.breaker.state is BreakerState.OPEN and not peer.breaker.probe_in_flight
 
 
 async def test_a_full_peer_takes_no_more():
@@ -247,6 +290,26 @@ async def peer_rig(server: FakePeerServer, role: str = "fallback"):
     rig.dispatcher.peers = Peers([peer])
     rig.dispatcher.model_names = ("Local-Name", "smol")
     return rig, peer
+
+
+def held_stream(release: asyncio.Event):
+    """A peer answer that sends one token, then waits for `release`."""
+    async def stream():
+        yield f"data: {json.dumps(TOKEN)}\n\n".encode()
+        await release.wait()
+        yield b"data: [DONE]\n\n"
+    return stream()
+
+
+async def start_streaming(rig, job) -> asyncio.Task:
+    """Run the job on the rig until its first token has arrived."""
+    assert rig.dispatcher.register(job)
+    task = asyncio.create_task(rig.dispatcher.run(job, Sink(job)))
+    for _ in range(200):
+        if job.attempts and job.attempts[-1].tokens:
+            return task
+        await asyncio.sleep(0)
+    raise AssertionError("no token arrived")
 
 
 async def test_the_gpu_cant_take_it_so_the_peer_answers_before_the_local_cpu():
@@ -312,27 +375,30 @@ async def test_no_peer_for_a_forwarded_request_a_forced_cpu_one_or_one_that_may_
 async def test_the_paused_gpu_sends_work_to_the_peer_and_degraded_mode_names_it():
     server = FakePeerServer()
     release = asyncio.Event()
-
-    async def slow_stream():
-        yield f"data: {json.dumps(TOKEN)}\n\n".encode()
-        await release.wait()
-        yield b"data: [DONE]\n\n"
-
-    server.chat = httpx.Response(200, content=slow_stream())
+    server.chat = httpx.Response(200, content=held_stream(release))
     rig, _ = await peer_rig(server)
     rig.dispatcher.set_gpu_paused(True)
     job = make_job()
-    assert rig.dispatcher.register(job)
-    task = asyncio.create_task(rig.dispatcher.run(job, Sink(job)))
-    for _ in range(200):
-        if job.attempts and job.attempts[-1].tokens:
-            break
-        await asyncio.sleep(0)
+    task = await start_streaming(rig, job)
     assert job.path == "peer" and rig.dispatcher.request_status()[0]["peer"] == "desk"
     assert "paused" in rig.dispatcher.degraded_cause()
     release.set()
     await task
     assert job.attempts[-1].outcome == "completed"
+
+
+async def test_degraded_mode_says_a_peer_serves_when_the_gpu_path_is_up_but_short_of_room():
+    server = FakePeerServer()
+    release = asyncio.Event()
+    server.chat = httpx.Response(200, content=held_stream(release))
+    rig, _ = await peer_rig(server)
+    rig.memory.free_mib = 600.0  # above the 500 MiB reserve, but not 600 MiB above it
+    job = make_job(prompt=500, max_tokens=100)
+    task = await start_streaming(rig, job)
+    cause = rig.dispatcher.degraded_cause()
+    assert cause.startswith("peer: needs 600 MiB") and cause.endswith("peer desk takes it before the local CPU")
+    release.set()
+    await task
 
 
 async def test_an_overflow_peer_takes_what_the_full_local_cpu_would_refuse():
@@ -342,3 +408,104 @@ async def test_an_overflow_peer_takes_what_the_full_local_cpu_would_refuse():
     job = make_job()
     await run_job(rig, job)
     assert job.path == "peer" and "instead" in job.reason_detail
+
+
+async def test_an_odd_models_answer_is_the_peers_problem_and_the_checks_go_on():
+    server = FakePeerServer()
+    peer = make_peer(server)
+    peer._http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200, json={"data": 5})))
+    await peer.check()
+    assert peer.health.problem == "its /v1/models is not an OpenAI model list"
+    broken = make_peer(server)
+
+    async def explode():
+        raise RuntimeError("not an httpx error")
+
+    broken.check = explode
+    healthy = make_peer(FakePeerServer())
+    await Peers([broken, healthy]).check_all()
+    assert healthy.unavailable(("smol",)) is None
+
+
+async def test_a_request_redirected_from_the_gpu_queue_goes_to_the_peer_not_the_cpu():
+    from tests.unit.test_dispatcher import Gate
+
+    rig, peer = await peer_rig(FakePeerServer())
+    gate = Gate()
+    rig.gpu.scripts["first"] = gate
+    first, waiting = make_job("first"), make_job("waiting")
+    assert rig.dispatcher.register(first) and rig.dispatcher.register(waiting)
+    running = asyncio.create_task(rig.dispatcher.run(first, Sink(first)))
+    await asyncio.sleep(0)
+    queued = asyncio.create_task(rig.dispatcher.run(waiting, Sink(waiting)))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert waiting.path == "gpu"
+    rig.dispatcher.set_gpu_paused(True)  # the waiter is redirected, and decided again
+    await queued
+    assert waiting.path == "peer" and waiting.reason is Reason.PEER and rig.cpu.calls == []
+    assert peer.served == 1
+    gate.release.set()
+    await running
+
+
+async def test_the_clients_deadline_goes_with_the_request_and_bounds_the_wait():
+    server = FakePeerServer()
+    peer = make_peer(server)
+    await peer.check()
+    job = make_job()
+    job.deadline_s = 30.0
+    await peer.run(job, Sink(), ("smol",), "m", "fp")
+    assert 29.0 < float(server.requests[-1].headers["x-request-timeout"]) <= 30.0
+
+
+async def test_a_failed_overflow_peer_is_named_in_the_capacity_error():
+    server = FakePeerServer()
+    server.chat = httpx.Response(503, json={"error": {"message": "full too"}})
+    rig, _ = await peer_rig(server, role="overflow")
+    rig.memory.free_mib = 100.0
+    rig.memory.host_mib = 500.0
+    job = make_job()
+    with pytest.raises(JobFailed) as caught:
+        await run_job(rig, job)
+    assert caught.value.status == 503 and caught.value.code == "ram_floor"
+    assert caught.value.message.startswith("peer desk failed (it answered HTTP 503")
+    assert job.path is None
+
+
+async def test_a_constrained_request_stays_local():
+    rig, peer = await peer_rig(FakePeerServer())
+    rig.memory.free_mib = 100.0
+    job = make_job()
+    job.body["grammar"] = 'root ::= "yes"'
+    await run_job(rig, job)
+    assert job.path == "cpu" and peer.served == 0
+
+
+async def test_a_peer_line_without_end_is_cut_off():
+    from tray_app.core.dispatch.backend import MAX_SSE_LINE_BYTES
+
+    async def endless():
+        chunk = b"x" * 65536
+        for _ in range(MAX_SSE_LINE_BYTES // len(chunk) + 2):
+            yield chunk
+
+    server = FakePeerServer()
+    server.chat = httpx.Response(200, content=endless())
+    peer = make_peer(server)
+    await peer.check()
+    with pytest.raises(PeerFailure, match="SSE line longer"):
+        await peer.run(make_job(), Sink(), ("smol",), "m", "fp")
+
+
+async def test_a_client_cancel_mid_peer_stream_is_a_499_and_frees_the_peer_slot():
+    server = FakePeerServer()
+    server.chat = httpx.Response(200, content=held_stream(asyncio.Event()))
+    rig, peer = await peer_rig(server)
+    rig.memory.free_mib = 100.0
+    job = make_job()
+    task = await start_streaming(rig, job)
+    job.cancel("the client went away")
+    with pytest.raises(JobFailed) as caught:
+        await task
+    assert caught.value.status == 499 and peer.in_flight == 0 and peer.failures == 0

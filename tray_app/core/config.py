@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import ipaddress
 import math
 import os
 import tomllib
@@ -472,12 +473,23 @@ def peer_url_problem(url: str) -> str | None:
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         return "is not an http:// or https:// URL with a host, e.g. \"http://desk-pc.lan:8642\""
     try:
-        parsed.port
+        port = parsed.port
     except ValueError:
-        return "has a port that is not a number from 0 to 65535"
+        port = 0
+    if port == 0:
+        return "has a port that is not a number from 1 to 65535"
     if parsed.query or parsed.fragment or parsed.username or parsed.password:
         return "must not carry a query, a fragment or a user name (the key goes in api_key)"
     return None
+
+
+def _is_this_machine(host: str) -> bool:
+    if host in ("localhost", "0.0.0.0", "::"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def peer_base_url(url: str) -> str:
@@ -500,6 +512,10 @@ def _peer_entries(value: Any) -> tuple[PeerEntry, ...]:
         problem = peer_url_problem(entry.url)
         if problem:
             raise ConfigError(f"{where} ({entry.name!r}) url {entry.url!r} {problem}")
+        if entry.api_key and not all("!" <= c <= "~" for c in entry.api_key):
+            # It goes into an HTTP header as it is: a space, a newline or a
+            # non-ASCII letter would break every request to the peer.
+            raise ConfigError(f"{where} ({entry.name!r}) api_key must be printable ASCII without spaces")
         entries.append(entry)
     return tuple(entries)
 
@@ -532,10 +548,11 @@ def _check_cross_field(config: Config) -> None:
         problem = rpc_address_problem(address)
         if problem:
             raise ConfigError(f"[gpu] rpc_servers: {address!r} {problem}")
+    own_ports = {config.server.port, config.server.ollama_port} - {0}
     for peer in config.peers:
         parsed = urllib.parse.urlsplit(peer.url)
-        if (parsed.hostname in ("127.0.0.1", "localhost", "::1")
-                and (parsed.port or (443 if parsed.scheme == "https" else 80)) == config.server.port):
+        if (_is_this_machine(parsed.hostname or "")
+                and (parsed.port or (443 if parsed.scheme == "https" else 80)) in own_ports):
             raise ConfigError(f"[[peers]] {peer.name!r} is this server itself ({peer.url}): a peer is another "
                               "server, on another machine or port")
     if config.server.ollama_port and config.server.ollama_port == config.server.port:

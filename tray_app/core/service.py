@@ -78,8 +78,11 @@ class Service:
         # A request may run on either path, so both must offer what it asks.
         self.supports_logprobs = runtime.supports_logprobs and gpu_runtime.supports_logprobs
         self.started_at = time.time()
+        # trust_env=False: no HTTP_PROXY from the environment. Workers are on
+        # loopback, and a peer's Bearer key must not pass through a proxy.
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=5.0),
-                                      limits=httpx.Limits(max_connections=64, max_keepalive_connections=0))
+                                      limits=httpx.Limits(max_connections=64, max_keepalive_connections=0),
+                                      trust_env=False)
         gpu_missing_reason = self._gpu_disabled_reason()
         # Kept for the hosts of models added later (rescan_models).
         self._gpu_runtime, self._gpu_missing_reason = gpu_runtime, gpu_missing_reason

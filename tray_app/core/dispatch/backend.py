@@ -40,6 +40,8 @@ LIVENESS_INTERVAL_S = 1.0
 # which says whether the request crashed it (SIGSEGV) or something else did.
 INPUT_CRASH_WAIT_S = 3.0
 STREAM_END_EXIT_WAIT_S = 1.0
+# The longest SSE line an upstream may send (an event with logprobs is a few KiB).
+MAX_SSE_LINE_BYTES = 4 * 1024 * 1024
 
 
 class Sink(Protocol):
@@ -316,6 +318,10 @@ async def sse_lines(response: Any) -> AsyncIterator[str]:
         *complete, pending = pending.split(b"\n")
         for line in complete:
             yield line.removesuffix(b"\r").decode("utf-8", "replace")
+        if len(pending) > MAX_SSE_LINE_BYTES:
+            # No event is this large: an upstream (a peer, say) that never
+            # ends its line must not fill our memory.
+            raise httpx.RemoteProtocolError(f"an SSE line longer than {MAX_SSE_LINE_BYTES} bytes")
     if pending:
         yield pending.removesuffix(b"\r").decode("utf-8", "replace")
 
@@ -348,10 +354,14 @@ async def relay_answer(response: httpx.Response, job: Job, attempt: Attempt, sin
             fail("sent an event that is not a JSON object")
         if "error" in event:
             fail(f"reported an error: {event['error']}")
-        if not event.get("choices"):
+        choices = event.get("choices")
+        if not choices:
             # llama-server's own usage chunk: the sink writes the usage of
             # the whole request (one execution) itself.
             continue
+        if not isinstance(choices, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("delta", {}), dict) for c in choices):
+            fail("sent an event whose choices are not OpenAI's shape")
         if shape_event(event, job, named_tool_calls, model=model, fingerprint=fingerprint):
             attempt.tokens += 1
             attempt.last_token_at = time.monotonic()

@@ -92,6 +92,10 @@ class CircuitBreaker:
     def release_probe(self) -> None:
         self._probe_in_flight = False
 
+    @property
+    def probe_in_flight(self) -> bool:
+        return self._probe_in_flight
+
     def snapshot(self) -> dict[str, Any]:
         now = self._clock()
         state = self.state

@@ -303,6 +303,11 @@ class Dispatcher:
                              prefer_gpu=job.prefer_gpu, no_fallback=self._no_fallback(job))
         decision = decide(shape, gpu, self._cpu_view(job))
         decision, job.peer = offer_to_peer(decision, shape, self._peer_views(job))
+        peer = self.peers.get(job.peer) if self.peers is not None else None
+        if peer is not None and peer.breaker.state is BreakerState.HALF_OPEN:
+            # Its cooldown is over: this request is the one probe that tests it
+            # (offered only while no other probe is out; no await since).
+            job.peer_probe = peer.breaker.try_acquire()
         on_gpu = decision.route in (Route.GPU, Route.GPU_QUEUE)
         if half_open_probe and not on_gpu:
             self.breaker.release_probe()
@@ -409,55 +414,17 @@ class Dispatcher:
         """Run an admitted job, replaying once on the CPU if the GPU (or a
         peer) fails before anything reached the client."""
         try:
-            if decision.route is Route.PEER:
-                replay = await self._run_on_peer(job, sink)
-                if replay is None:
+            # Each path either answers (None) or hands over the next decision.
+            # It ends: a peer is tried once (job.no_peer after), a redirected
+            # GPU job goes to the CPU or a peer, a failed one replays on the CPU.
+            while decision.route is not Route.CPU:
+                if decision.route is Route.PEER:
+                    next_decision = await self._run_on_peer(job, sink)
+                else:
+                    next_decision = await self._run_on_gpu(job, sink)
+                if next_decision is None:
                     return
-                decision = replay
-            if decision.route in (Route.GPU, Route.GPU_QUEUE):
-                assert self.gpu is not None
-                try:
-                    self._completed(job, await self.gpu.run(job, sink, lambda: self._gpu_closed_for(job)))
-                    return
-                except Redirected as redirected:
-                    # Nothing ran yet; decide again with what we know now.
-                    decision = self.decide(job)
-                    if decision.reason is Reason.ADMITTED:
-                        # The GPU said no once for this job: it goes to the CPU, and
-                        # a probe the fresh decision took goes back at once.
-                        self._release_probe(job)
-                        if self._no_fallback(job):
-                            decision = Decision(Route.REJECT, Reason.GPU_UNAVAILABLE,
-                                                f"the GPU path closed while this request waited ({redirected.reason}) "
-                                                "and it may not run on the CPU (X-Fallback: never)",
-                                                status=503, retry_after_s=30.0)
-                        else:
-                            decision = Decision(Route.CPU, Reason.GPU_UNAVAILABLE, redirected.reason)
-                        self._apply(job, decision)
-                    if not decision.accepted:
-                        raise _rejection(decision) from None
-                except WorkerFailure as failure:
-                    await self._raise_if_crashed_by_input(job, self.gpu, failure)
-                    self._on_gpu_failure(job, str(failure))
-                    if job.committed:
-                        raise JobFailed(
-                            502, "gpu_worker_failed",
-                            f"the GPU worker failed after part of the answer was sent ({failure}); "
-                            "nothing was re-run. It is safe to retry this request.",
-                        ) from None
-                    if self._no_fallback(job):
-                        raise JobFailed(
-                            503, "gpu_worker_failed",
-                            f"the GPU worker failed before any output ({failure}) and this request may not "
-                            "run on the CPU (X-Fallback: never); nothing was re-run. It is safe to retry it.",
-                            retry_after_s=30.0,
-                        ) from None
-                    sink.reset()
-                    job.replayed = True
-                    decision = self.decide(job)
-                    if not decision.accepted:
-                        raise _rejection(decision) from None
-                    self._events.note("replay", id=job.id, reason=str(failure))
+                decision = next_decision
             try:
                 self._completed(job, await self.cpu.run(job, sink))
             except WorkerFailure as failure:
@@ -471,6 +438,55 @@ class Dispatcher:
         except WorkerRequestError as error:
             raise JobFailed(502, "worker_error", f"the model server failed on this request: {error}") from None
 
+    async def _run_on_gpu(self, job: Job, sink: Sink) -> Decision | None:
+        """Run the job on the GPU. None when it answered; the next decision
+        when the GPU closed while it waited, or failed before any output."""
+        assert self.gpu is not None
+        try:
+            self._completed(job, await self.gpu.run(job, sink, lambda: self._gpu_closed_for(job)))
+            return None
+        except Redirected as redirected:
+            # Nothing ran yet; decide again with what we know now.
+            decision = self.decide(job)
+            if decision.reason is Reason.ADMITTED:
+                # The GPU said no once for this job: it goes to the CPU, and
+                # a probe the fresh decision took goes back at once.
+                self._release_probe(job)
+                if self._no_fallback(job):
+                    decision = Decision(Route.REJECT, Reason.GPU_UNAVAILABLE,
+                                        f"the GPU path closed while this request waited ({redirected.reason}) "
+                                        "and it may not run on the CPU (X-Fallback: never)",
+                                        status=503, retry_after_s=30.0)
+                else:
+                    decision = Decision(Route.CPU, Reason.GPU_UNAVAILABLE, redirected.reason)
+                self._apply(job, decision)
+            if not decision.accepted:
+                raise _rejection(decision) from None
+            return decision
+        except WorkerFailure as failure:
+            await self._raise_if_crashed_by_input(job, self.gpu, failure)
+            self._on_gpu_failure(job, str(failure))
+            if job.committed:
+                raise JobFailed(
+                    502, "gpu_worker_failed",
+                    f"the GPU worker failed after part of the answer was sent ({failure}); "
+                    "nothing was re-run. It is safe to retry this request.",
+                ) from None
+            if self._no_fallback(job):
+                raise JobFailed(
+                    503, "gpu_worker_failed",
+                    f"the GPU worker failed before any output ({failure}) and this request may not "
+                    "run on the CPU (X-Fallback: never); nothing was re-run. It is safe to retry it.",
+                    retry_after_s=30.0,
+                ) from None
+            sink.reset()
+            job.replayed = True
+            decision = self.decide(job)
+            if not decision.accepted:
+                raise _rejection(decision) from None
+            self._events.note("replay", id=job.id, reason=str(failure))
+            return decision
+
     async def _run_on_peer(self, job: Job, sink: Sink) -> Decision | None:
         """Run the job on the peer admission chose. None when it answered;
         the decision for the one re-run here when it failed before any
@@ -480,29 +496,39 @@ class Dispatcher:
         assert peer is not None
         job.path, job.state = "peer", JobState.RUNNING
         self._events.changed()
+        succeeded = False
         try:
             # The answer names the model as this server does; its fingerprint
             # says another server made it.
             attempt = await peer.run(job, sink, self.model_names, self.model_names[0], f"fp_peer_{peer.name}")
+            succeeded = True
         except PeerFailure as failure:
             peer.record_failure(failure)
             job.first_failure = job.first_failure or f"peer {peer.name}: {failure}"
             job.no_peer = True
-            self._events.note("peer_failure", id=job.id, peer=peer.name, reason=str(failure), committed=job.committed)
+            self._events.note("peer_failure", id=job.id, peer=peer.name, reason=str(failure), committed=job.committed,
+                              ran=failure.ran)
             if job.committed:
                 raise JobFailed(502, "peer_failed",
                                 f"peer {peer.name} failed after part of the answer was sent ({failure}); "
                                 "nothing was re-run. It is safe to retry this request.") from None
             sink.reset()
+            job.path, job.state = None, JobState.ADMITTING
             if failure.ran:
                 # It may have begun there: this is the one re-run, on the CPU.
                 job.replayed, job.replayed_from = True, "peer"
             decision = self.decide(job)
             if not decision.accepted:
-                raise _rejection(decision) from None
+                raise JobFailed(decision.status, decision.reason.value,
+                                f"peer {peer.name} failed ({failure}), and {decision.detail}",
+                                retry_after_s=decision.retry_after_s) from None
             if failure.ran:
                 self._events.note("replay", id=job.id, reason=f"peer {peer.name}: {failure}")
             return decision
+        finally:
+            if job.peer_probe:
+                job.peer_probe = False
+                peer.settle_probe(succeeded)
         self._count_execution(job.id)
         self._events.completed(job, attempt)
         return None

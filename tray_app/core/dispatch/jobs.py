@@ -124,6 +124,8 @@ class Job:
     # only, so two servers that are each other's peers can't bounce it), or
     # a peer already failed it.
     no_peer: bool = False
+    # This job is the half-open probe of its peer's breaker.
+    peer_probe: bool = False
     # Where the failure that made this job a replay happened: "gpu" or "peer".
     replayed_from: str = "gpu"
     # The client's Idempotency-Key, handed on to a peer so a retry there

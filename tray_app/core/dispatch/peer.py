@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn, Protocol
@@ -35,7 +36,9 @@ from .backend import (
     _CANCELED, Sink, _wait_on_worker, canceled_error, client_safe, relay_answer, upstream_error_message, worker_body,
 )
 from .breaker import BreakerPolicy, BreakerState, CircuitBreaker
-from .jobs import Attempt, Job, JobState, PathSpeed
+from .jobs import Attempt, Job, JobFailed, JobState, PathSpeed
+
+log = logging.getLogger(__name__)
 
 # How often each peer is asked for its models (its health), and how long it may take.
 HEALTH_INTERVAL_S = 5.0
@@ -45,6 +48,8 @@ HOP_HEADER = "X-Peer-Hop"
 # Peer answers that mean "not now" (busy, or its GPU can't take it): the
 # request stays here, and the peer's breaker counts nothing.
 BUSY_STATUSES = (429, 503)
+# Transport errors that mean the request never left this machine.
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 # Wrong or missing key: the peer is misconfigured, not flaky. Its breaker
 # opens at once and health checks keep saying why.
 AUTH_STATUSES = (401, 403)
@@ -125,8 +130,11 @@ class Peer:
         """Why this peer can't take a request for this model now, or None."""
         if self.health.problem is not None:
             return self.health.problem
-        if self.breaker.state is not BreakerState.CLOSED:
-            return f"its circuit breaker is {self.breaker.state.value} ({self.breaker.snapshot()['last_failure_reason']})"
+        state = self.breaker.state
+        if state is BreakerState.OPEN or (state is BreakerState.HALF_OPEN and self.breaker.probe_in_flight):
+            why = ("a probe request is testing it" if state is BreakerState.HALF_OPEN
+                   else self.breaker.snapshot()["last_failure_reason"])
+            return f"its circuit breaker is {state.value} ({why})"
         if self.remote_model(names) is None:
             return f"it does not serve {names[0]}"
         if self.in_flight >= self.settings.max_concurrency:
@@ -147,7 +155,9 @@ class Peer:
     # ----- health ----------------------------------------------------------------------------
 
     async def check(self) -> None:
-        """Ask the peer for its models: reachable, key accepted, what it serves."""
+        """Ask the peer for its models: reachable, key accepted, what it
+        serves. Never raises: a peer's odd answer is its problem, said in
+        /status, and must not stop the checks of the others."""
         started = time.perf_counter()
         problem: str | None = None
         listed = self.health.listed
@@ -155,19 +165,18 @@ class Peer:
         try:
             response = await self._http.get(f"{self.base_url}/v1/models", headers=self._auth_headers(),
                                             timeout=HEALTH_TIMEOUT_S)
-        except httpx.HTTPError as exc:
+        except (httpx.TransportError, httpx.TimeoutException) as exc:
             reachable, problem = False, f"unreachable: {type(exc).__name__}: {client_safe(str(exc)) or 'no detail'}"
+        except Exception as exc:  # noqa: BLE001 - any odd answer is the peer's problem, shown in /status
+            log.warning("peer %s: health check failed: %r", self.name, exc)
+            reachable, problem = False, f"its /v1/models could not be read ({type(exc).__name__})"
         else:
             if response.status_code in AUTH_STATUSES:
                 problem = f"it refused our API key (HTTP {response.status_code}): check api_key in [[peers]]"
             elif response.status_code >= 400:
                 problem = f"its /v1/models answered HTTP {response.status_code}"
             else:
-                try:
-                    listed = tuple(str(m.get("id")) for m in response.json().get("data") or ()
-                                   if isinstance(m, dict) and m.get("id"))
-                except (ValueError, AttributeError):
-                    problem = "its /v1/models is not an OpenAI model list"
+                listed, problem = _model_ids(response)
         rtt_ms = (time.perf_counter() - started) * 1000
         health = self.health
         if (problem is None) != (health.problem is None):
@@ -178,9 +187,6 @@ class Peer:
             health.latency_ms = round(rtt_ms, 1)
             health.smoothed_ms = round(rtt_ms if health.smoothed_ms is None
                                        else 0.3 * rtt_ms + 0.7 * health.smoothed_ms, 1)
-        if problem is None and self.breaker.state is BreakerState.HALF_OPEN and self.breaker.try_acquire():
-            # The cooldown is over and the peer answers again: close the breaker.
-            self.breaker.record_success()
 
     # ----- a request -------------------------------------------------------------------------
 
@@ -197,7 +203,14 @@ class Peer:
             headers["Idempotency-Key"] = job.idempotency_key
         if self.role is PeerRole.FALLBACK:
             headers["X-Fallback"] = "never"
-        first_deadline = time.monotonic() + self.settings.first_token_timeout_s
+        first_wait_s = self.settings.first_token_timeout_s
+        if job.deadline_s is not None:
+            # The client's X-Request-Timeout, what is left of it: the peer
+            # plans with it, and we wait no longer for its first token.
+            left_s = max(0.1, job.deadline_s - job.age_s())
+            headers["X-Request-Timeout"] = f"{left_s:.3f}"
+            first_wait_s = min(first_wait_s, left_s)
+        first_deadline = time.monotonic() + first_wait_s
         canceled = asyncio.ensure_future(job.canceled.wait())
 
         async def from_peer(awaitable):
@@ -210,6 +223,9 @@ class Peer:
 
         def peer_error(message: str) -> NoReturn:
             raise PeerFailure(f"it {client_safe(message)}")
+
+        def limit_s() -> float:
+            return first_wait_s if attempt.first_token_at is None else self.settings.token_timeout_s
 
         self.in_flight += 1
         done_seen = False
@@ -230,13 +246,20 @@ class Peer:
             raise
         except asyncio.TimeoutError:
             attempt.outcome = "failed: hang"
-            limit = self.settings.first_token_timeout_s if attempt.first_token_at is None else self.settings.token_timeout_s
-            raise PeerFailure(f"no output for {limit:g} s") from None
+            raise PeerFailure(f"no output for {limit_s():g} s") from None
         except (httpx.TransportError, httpx.StreamError) as exc:
             attempt.outcome = f"failed: {type(exc).__name__}"
-            # Refused at connect: the request never got there.
+            # Refused or timed out at connect: the request never got there.
             raise PeerFailure(f"the connection broke: {type(exc).__name__}: {client_safe(str(exc)) or 'no detail'}",
-                              ran=not isinstance(exc, httpx.ConnectError)) from None
+                              ran=not isinstance(exc, NOT_SENT)) from None
+        except (JobFailed, asyncio.CancelledError):
+            raise  # the client canceled: not the peer's failure
+        except Exception as exc:  # noqa: BLE001 - whatever a peer sends, the request must not be lost
+            # A body httpx can't decode, an event of an odd shape: the peer's
+            # failure, and the request may have begun there.
+            attempt.outcome = f"failed: {type(exc).__name__}"
+            log.warning("peer %s: unexpected failure on %s: %r", self.name, job.id, exc)
+            raise PeerFailure(f"its answer could not be read ({type(exc).__name__})") from None
         finally:
             canceled.cancel()
             self.in_flight -= 1
@@ -254,7 +277,15 @@ class Peer:
         self.failures += 1
         self.last_failure = str(failure)
         if failure.counts:
-            self.breaker.record_failure(str(failure))
+            self.breaker.record_failure(str(failure))  # a failed half-open probe opens it again
+
+    def settle_probe(self, succeeded: bool) -> None:
+        """The half-open probe request this job held has ended: a success
+        closes the breaker; anything else gives the probe back (a failure
+        that counts has already opened it again)."""
+        if succeeded:
+            self.breaker.record_success()
+        self.breaker.release_probe()
 
     async def _refused(self, response: httpx.Response) -> None:
         message = await upstream_error_message(response)
@@ -267,8 +298,10 @@ class Peer:
             self.health.problem = reason
             raise PeerFailure(reason, counts=False, ran=False)
         # A 4xx here is the peer's limit (a smaller context, say), not the
-        # client's mistake: this server already accepted the request.
-        raise PeerFailure(f"it answered HTTP {status}: {message}", ran=False,
+        # client's mistake: this server already accepted the request; it ran
+        # nothing. A 5xx other than 503 may come after it began (a tray-app
+        # peer's 502 after its worker failed): that one counts as run.
+        raise PeerFailure(f"it answered HTTP {status}: {message}", ran=status >= 500 and status != 503,
                           counts=status >= 500 and status not in BUSY_STATUSES)
 
     def _auth_headers(self) -> dict[str, str]:
@@ -300,6 +333,17 @@ class Peer:
         }
 
 
+def _model_ids(response: httpx.Response) -> tuple[tuple[str, ...], str | None]:
+    """The model ids of an OpenAI /v1/models answer, or why it isn't one."""
+    try:
+        data = response.json().get("data")
+    except (ValueError, AttributeError):
+        data = None
+    if not isinstance(data, list):
+        return (), "its /v1/models is not an OpenAI model list"
+    return tuple(str(m["id"]) for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)), None
+
+
 class Peers:
     """The configured peers and their health checks (one task, off the request path)."""
 
@@ -328,7 +372,9 @@ class Peers:
             self._task = None
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(peer.check() for peer in self.peers))
+        # check() never raises; return_exceptions is the second guard, so
+        # one peer can't end the loop that watches all of them.
+        await asyncio.gather(*(peer.check() for peer in self.peers), return_exceptions=True)
 
     async def _check_forever(self) -> None:
         while True:
@@ -342,7 +388,9 @@ class Peers:
 def job_may_use_peers(job: Job) -> bool:
     """Whether a peer may serve this job at all: not one that came from a
     peer or that a peer already failed, not one the client sent to the CPU,
-    and not a named tool_choice (its answer is rebuilt from a grammar this
-    server added, which another server would refuse). The dispatcher also
+    and not one constrained by a grammar: structured output and a named
+    tool_choice become llama.cpp's `grammar` here, which another kind of
+    server would ignore (an unconstrained answer) or refuse. The dispatcher also
     keeps a request that may not leave the GPU (X-Fallback: never) here."""
-    return not (job.no_peer or job.force_cpu or job.forced_tool is not None or job.state is JobState.DONE)
+    return not (job.no_peer or job.force_cpu or job.forced_tool is not None or "grammar" in job.body
+                or job.state is JobState.DONE)
