@@ -152,7 +152,8 @@ class ModelHost:
         service = self.service
         return GpuSharing(
             Residency(policy, self._clock), backend,
-            need_mib=self.gpu_footprint.gpu.total / MIB, reserve_mib=config.gpu.reserve_mib,
+            # What the worker holds here: its local share when RPC devices lend memory.
+            need_mib=lambda: self.gpu_footprint.gpu.total / MIB, reserve_mib=config.gpu.reserve_mib,
             model_mib=self.model_info.path.stat().st_size / MIB, drain_s=config.gpu.yield_drain_s,
             ours_mib=self.vram_mib, our_pids=lambda: set(service.worker_pids()),
             note=self.note, changed=service.observer.advance,

@@ -38,7 +38,7 @@ RELEASE_WAIT_S = 10.0
 
 
 class GpuSharing:
-    def __init__(self, residency: Residency, backend: Backend, *, need_mib: float, reserve_mib: float,
+    def __init__(self, residency: Residency, backend: Backend, *, need_mib: Callable[[], float], reserve_mib: float,
                  model_mib: float, drain_s: float, ours_mib: Callable[[GpuReading], float],
                  our_pids: Callable[[], set[int]], note: Callable[..., None], changed: Callable[[], None],
                  read_gpu: Callable[[], GpuReading], clock: Callable[[], float] = time.monotonic,
@@ -285,7 +285,7 @@ class GpuSharing:
         while self._clock() < deadline:
             reading = await asyncio.to_thread(self._read_gpu)
             free = reading.free_mib
-            if free is not None and free - free_before >= 0.75 * self._need_mib:
+            if free is not None and free - free_before >= 0.75 * self._need_mib():
                 return
             device = reading.devices[0] if reading.available and reading.devices else None
             if (pid is not None and device is not None and device.processes_reported and device.processes
@@ -307,7 +307,7 @@ class GpuSharing:
 
     def _device_view(self, reading: GpuReading) -> DeviceView:
         if reading.used_mib is None:
-            return DeviceView(None, None, self._need_mib, self._reserve_mib)
+            return DeviceView(None, None, self._need_mib(), self._reserve_mib)
         others = reading.used_mib - self._ours_mib(reading)
         if self._ours_elsewhere_mib is not None and not self._holds_memory():
             others -= self._ours_elsewhere_mib(reading)
@@ -315,7 +315,7 @@ class GpuSharing:
         ours = self._our_pids()
         strangers = [p for p in reading.devices[0].processes if p.pid not in ours and p.used_mib]
         top = max(strangers, key=lambda p: p.used_mib or 0.0, default=None)
-        return DeviceView(reading.total_mib, others, self._need_mib, self._reserve_mib,
+        return DeviceView(reading.total_mib, others, self._need_mib(), self._reserve_mib,
                           top_app=top.name if top is not None else None,
                           top_app_mib=top.used_mib if top is not None else None)
 
