@@ -106,3 +106,18 @@ def test_the_gpu_worker_spreads_the_model_over_an_rpc_worker_and_fails_over_when
         gpu = next(w for w in status["workers"] if w["role"] == "gpu")
         assert gpu["last_exit"]["kind"] in ("crash", "error"), gpu["last_exit"]
         assert "RPC" in (gpu["last_exit"]["evidence"] or "") or gpu["last_exit"]["signal"] == "SIGABRT", gpu["last_exit"]
+
+
+
+def test_the_llama_cpp_python_engine_is_refused_with_rpc_servers(tmp_path, rpc_worker):
+    """llama-cpp-python 0.3.36's server takes --rpc_servers and drops it: every
+    layer stays local (its load log says "assigned to device CPU" for all of
+    them), while admission would charge the local GPU only a share. So the
+    service refuses to start, and says what to do."""
+    port, _, _ = rpc_worker
+    config = tmp_path / "config.toml"
+    config.write_text(f'[engine]\nruntime = "llama-cpp-python"\n[gpu]\nrpc_servers = ["127.0.0.1:{port}"]\n')
+    done = subprocess.run([sys.executable, "-m", "tray_app", "serve", "--config", str(config), "--port", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "[gpu] rpc_servers needs the llama-server engine" in done.stderr, done.stderr

@@ -175,6 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = bind_problem(config.server.host, effective_api_key(config.server.api_key))
         if problem:
             raise ConfigError(problem)
+        from ..core.engine.runtime import choose_runtime, rpc_runtime_problem
+
+        problem = rpc_runtime_problem(config.gpu.rpc_servers,
+                                      choose_runtime(config.engine.runtime, config.engine.llama_server))
+        if problem:
+            raise ConfigError(problem)
     except (ConfigError, ModelFileError) as exc:
         return _fail(str(exc))
     if command == "serve":

@@ -25,13 +25,13 @@ from typing import Any, Callable
 import httpx
 
 from .api.metrics import ServiceMetrics
-from .config import Config, log_dir as default_log_dir, peer_base_url, simulated_device_dir
+from .config import Config, ConfigError, log_dir as default_log_dir, peer_base_url, simulated_device_dir
 from .dispatch.eviction import Resident, eviction_shortfall_text, plan_eviction
 from .dispatch.lanes import Lane
 from .dispatch.peer import Peer, Peers
 from .dispatch.residency import HoldKind
 from .embeddings import SPECIAL_TOKEN_MARGIN, EmbeddingPath, embedding_runtime
-from .engine.runtime import WorkerRuntime, choose_runtime
+from .engine.runtime import RuntimeChoice, WorkerRuntime, choose_runtime, rpc_runtime_problem
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
 from .host import ModelHost
 from .library import Library, LibraryError, build_library
@@ -75,6 +75,9 @@ class Service:
             self.engine_fallback_reason = None
         self.runtime = runtime
         gpu_runtime = gpu_runtime or runtime
+        problem = rpc_runtime_problem(config.gpu.rpc_servers, RuntimeChoice(gpu_runtime, self.engine_fallback_reason))
+        if problem:
+            raise ConfigError(problem)
         # A request may run on either path, so both must offer what it asks.
         self.supports_logprobs = runtime.supports_logprobs and gpu_runtime.supports_logprobs
         self.started_at = time.time()

@@ -92,6 +92,8 @@ class WorkerRuntime(Protocol):
     max_parallel: int
     # Whether a request may ask for logprobs.
     supports_logprobs: bool
+    # Whether the worker can spread a model over llama.cpp RPC servers.
+    supports_rpc: bool
 
     def describe(self) -> str:
         """Name and version, for /status and the system fingerprint."""
@@ -121,6 +123,11 @@ class LlamaCppPythonRuntime:
     # It would have to keep the logits of every context position (about
     # 1.5 GiB at 8k context for a 135M model): launched without them.
     supports_logprobs = False
+    # Its server takes --rpc_servers, but 0.3.36's Llama drops the setting
+    # (llama.cpp now registers RPC devices another way): every layer stays
+    # local, seen in the load log. Admission would then charge the local GPU
+    # only a share of a model it holds whole, so it is refused instead.
+    supports_rpc = False
 
     def __init__(self, python: str = sys.executable) -> None:
         self._python = python
@@ -140,7 +147,6 @@ class LlamaCppPythonRuntime:
             # context token: 1.5 GiB for SmolLM2 at 8k. Only logprobs need it.
             "--logits_all", "False",
             *(["--n_threads", str(launch.n_threads)] if launch.n_threads > 0 else []),
-            *(["--rpc_servers", ",".join(launch.rpc_servers)] if launch.rpc_servers else []),
         ]
 
     def environment(self, launch: LaunchRequest) -> dict[str, str]:
@@ -232,6 +238,7 @@ class LlamaServerRuntime:
     max_parallel = 64
     # It computes the probabilities of the sampled token's candidates only.
     supports_logprobs = True
+    supports_rpc = True
 
     def __init__(self, binary: Path, python: str = sys.executable, *, bundled: bool = True) -> None:
         self.binary = binary
@@ -317,3 +324,14 @@ def choose_runtime(name: str, llama_server_path: str = "") -> RuntimeChoice:
         reason = ("llama-server is not installed beside llama-cpp-python; "
                   "run packaging/install.sh again to build it")
     return RuntimeChoice(LlamaCppPythonRuntime(), f"{reason}; serving with llama-cpp-python (one request at a time)")
+
+
+def rpc_runtime_problem(rpc_servers: tuple[str, ...], choice: RuntimeChoice) -> str | None:
+    """Why the GPU worker can't use [gpu] rpc_servers with this runtime, or None."""
+    if not rpc_servers or choice.runtime.supports_rpc:
+        return None
+    why = f" ({choice.fallback_reason})" if choice.fallback_reason else ""
+    return ("[gpu] rpc_servers needs the llama-server engine: llama-cpp-python's server ignores the RPC "
+            f"servers, and every layer would stay on this machine{why}. Set [engine] runtime = "
+            '"llama-server" (packaging/install.sh builds it), or remove rpc_servers')
+
