@@ -147,3 +147,19 @@ def test_a_failed_cancel_stays_in_the_footer_for_a_few_seconds(qtbot, monkeypatc
     monkeypatch.setattr(panel.footer_note, "_clock", lambda: float("inf"))
     panel.refresh()
     assert panel.footer.text().startswith("SmolLM2 · ")
+
+
+def test_a_finished_request_row_is_gone_at_once_and_a_peer_row_can_be_canceled(qtbot) -> None:
+    status = degraded_with_cpu_requests(2)
+    status["degraded"]["peers"] = ["desk"]
+    status["requests"].insert(0, {"id": "away", "state": "running", "path": "peer", "peer": "desk",
+                                  "reason": "peer", "age_s": 1.0})
+    panel = fed_panel(qtbot, status)
+    assert panel.banner.title.text() == "Degraded mode: the CPU and peer desk are serving"
+    dropped = panel.banner.cancel_button("queued-2").parentWidget()
+    assert panel.banner.cancel_button("away") is not None
+    panel.client.last_status = degraded_with_cpu_requests(1)
+    panel.refresh()
+    # Hidden before the event loop deletes it: never drawn over the rows that moved up.
+    assert not dropped.isVisible()
+    assert panel.banner.title.text() == "Degraded mode: the CPU is serving"

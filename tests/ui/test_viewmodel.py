@@ -595,3 +595,15 @@ def test_route_reasons_for_peers_are_in_words() -> None:
     assert vm.route_reason_text("peer") == "sent to a peer"
     assert vm.humanize_reason("peer_failed_replayed: the peer failed") == "Peer failed, re-run on the CPU: the peer failed"
     assert vm.route_line("peer", "peer", peer="desk") == "served by peer desk · sent to a peer"
+
+
+def test_the_header_says_a_peer_serves_and_not_the_cpu() -> None:
+    data = paused()
+    data["degraded"]["peers"] = ["desk"]
+    data["requests"] = [{"id": "away", "state": "running", "path": "peer", "peer": "desk", "reason": "peer"}]
+    assert vm.state_title(data) == "Degraded: peer desk is serving"
+    assert vm.state_detail(data).startswith("Peer desk (another machine) answers since")
+    data["requests"].append({"id": "here", "state": "running", "path": "cpu", "reason": "forced_cpu"})
+    assert vm.state_title(data) == "Degraded: the CPU and peer desk are serving"
+    assert vm.state_detail(data).startswith("The CPU worker and peer desk (another machine) answer since")
+    assert vm.state_title(paused()) == vm.STATE_TITLES[vm.DEGRADED]

@@ -67,9 +67,12 @@ IDLE_TITLE = "Idle: the GPU model is unloaded"
 
 def state_title(status: Mapping[str, Any] | None, *, host_starting: bool = False) -> str:
     """The state in a few words; a busy GPU's overflow is not called degraded."""
+    peers = serving_peers(status)
     if is_busy_overflow(status):
-        return BUSY_TITLE
+        return _degraded_title(status, peers) if peers else BUSY_TITLE
     kind = icon_kind(status, host_starting=host_starting)
+    if kind == DEGRADED and peers:
+        return "Degraded: " + _who_serves(status, peers)
     if kind == GPU and residency_state(status) == "unloaded_idle":
         # Unloaded to make room for another library model (its name is the hold's "app").
         made_room_for = _residency(status).get("app")
@@ -173,6 +176,11 @@ def state_detail(status: Mapping[str, Any] | None, error: str | None = None) -> 
         # The model is named in the banner below, where a long name is elided
         # to fit; here it would widen the window.
         text = "The CPU worker answers with the fallback model"
+        peers = serving_peers(status)
+        if peers:
+            on_cpu = _cpu_serving(status)
+            named = f"peer {', '.join(peers)} (another machine)"
+            text = f"The CPU worker and {named} answer" if on_cpu else f"{named[0].upper()}{named[1:]} answers"
         since = _num(degraded.get("since"))
         if since:
             text += " since " + time.strftime("%H:%M:%S", time.localtime(since))
@@ -648,11 +656,10 @@ def degraded_banner(status: Mapping[str, Any] | None, *, own_request_id: str | N
         model += " (a different model)"
         warning = f"Answers may differ from the GPU model: {degraded.get('fallback_detail')}"
     # Peers serving now are named: the answers come from another machine.
-    peers = [str(name) for name in degraded.get("peers") or ()]
+    peers = serving_peers(status)
     if peers:
         on_peers = f"{degraded.get('model') or 'the model'} on peer {', '.join(peers)}"
-        on_cpu = any(r.get("path") == "cpu" for r in cpu_requests(status))
-        model = f"{on_peers} · {model} on the CPU" if on_cpu else on_peers
+        model = f"{on_peers} · {model} on the CPU" if _cpu_serving(status) else on_peers
     cap = degraded.get("cpu_context_cap")
     queues = (status.get("queues") or {}).get("cpu") or {}
     depth = degraded.get("cpu_queue_depth", queues.get("depth", 0))
@@ -674,16 +681,30 @@ def degraded_banner(status: Mapping[str, Any] | None, *, own_request_id: str | N
     )
 
 
-def _degraded_title(status: Mapping[str, Any], peers: list[str]) -> str:
-    busy = is_busy_overflow(status)
+def serving_peers(status: Mapping[str, Any] | None) -> list[str]:
+    """The peers serving the default model's requests now (degraded.peers)."""
+    return [str(name) for name in ((status or {}).get("degraded") or {}).get("peers") or ()]
+
+
+def _cpu_serving(status: Mapping[str, Any]) -> bool:
+    return any(r.get("path") == "cpu" for r in cpu_requests(status))
+
+
+def _who_serves(status: Mapping[str, Any], peers: list[str], verb: str = "serving") -> str:
+    """'the CPU is serving', 'peer desk is serving', 'the CPU and peer desk are serving'."""
     if not peers:
-        return BUSY_TITLE if busy else "Degraded mode: the CPU is serving"
+        return f"the CPU is {verb}"
     named = f"peer {', '.join(peers)}"
-    if any(r.get("path") == "cpu" for r in cpu_requests(status)):
+    if _cpu_serving(status):
         named = f"the CPU and {named}"
-    if busy:
-        return f"Busy: {named} {'take' if ' and ' in named or len(peers) > 1 else 'takes'} the GPU's overflow"
-    return f"Degraded mode: {named} {'are' if ' and ' in named or len(peers) > 1 else 'is'} serving"
+    plural = " and " in named or len(peers) > 1
+    return f"{named} {'are' if plural else 'is'} {verb}"
+
+
+def _degraded_title(status: Mapping[str, Any], peers: list[str]) -> str:
+    if is_busy_overflow(status):
+        return BUSY_TITLE if not peers else f"Busy: {_who_serves(status, peers, 'taking')} the GPU's overflow"
+    return "Degraded mode: " + _who_serves(status, peers)
 
 
 # ----- chat ---------------------------------------------------------------------------

@@ -486,6 +486,9 @@ class DegradedBanner(QFrame):
     def _drop_row(self, request_id: str) -> None:
         row, _, _ = self._rows.pop(request_id)
         self.rows_box.removeWidget(row)
+        # Hidden now: deleteLater waits for the event loop, and until then the
+        # row would still be drawn, overlapping the rows that moved up.
+        row.hide()
         row.deleteLater()
 
 
