@@ -59,6 +59,8 @@ def test_status_shows_each_peer_its_health_and_latency(pair):
     assert local.status()["service"]["model"] in good["models"]
     assert not wrong["healthy"] and wrong["reachable"]
     assert "refused our API key (HTTP 401)" in wrong["problem"]
+    metrics = local.http.get("/metrics").text
+    assert 'tray_app_peer_up{peer="b"} 1.0' in metrics and 'tray_app_peer_up{peer="b-wrong-key"} 0.0' in metrics
 
 
 def test_a_request_the_local_gpu_cant_take_goes_to_the_peer_with_its_identity(pair):
@@ -82,6 +84,8 @@ def test_a_request_the_local_gpu_cant_take_goes_to_the_peer_with_its_identity(pa
     status = local.status()
     assert status["peers"][0]["served"] >= 2 and status["peers"][1]["served"] == 0
     assert status["accounting"]["duplicate_executions"] == 0
+    # ...and the peer ran each of them once, by its own ledger.
+    assert peer.status()["accounting"]["duplicate_executions"] == 0
 
 
 def test_the_idempotency_key_is_forwarded_to_the_peer(pair):

@@ -25,7 +25,7 @@ class ServiceMetrics:
                                 ["path", "reason"], registry=self.registry)
         self.gpu_failures = Counter("tray_app_gpu_failures", "GPU worker failures seen while serving a request",
                                     ["committed"], registry=self.registry)
-        self.replays = Counter("tray_app_replays", "Requests re-run once on the CPU after a GPU failure",
+        self.replays = Counter("tray_app_replays", "Requests re-run once on the CPU after a GPU or peer failure",
                                registry=self.registry)
         self.ttft = Histogram("tray_app_time_to_first_token_seconds", "Time to first token per path",
                               ["path"], buckets=TTFT_BUCKETS, registry=self.registry)
@@ -97,6 +97,18 @@ class _LiveGauges:
                 load_s.add_metric([model["name"]], model["last_load_s"])
             loaded.add_metric([model["name"], model["location"]], 1.0)
         yield from (loads, load_s, loaded)
+        up = GaugeMetricFamily("tray_app_peer_up", "1 when the peer server takes requests now", labels=["peer"])
+        rtt = GaugeMetricFamily("tray_app_peer_latency_ms", "The last health check's round trip to the peer",
+                                labels=["peer"])
+        served = GaugeMetricFamily("tray_app_peer_served", "Requests the peer answered", labels=["peer"])
+        failures = GaugeMetricFamily("tray_app_peer_failures", "Requests the peer did not answer", labels=["peer"])
+        for peer in status.get("peers", ()):
+            up.add_metric([peer["name"]], 1.0 if peer["healthy"] else 0.0)
+            if peer["latency_ms"] is not None:
+                rtt.add_metric([peer["name"]], peer["latency_ms"])
+            served.add_metric([peer["name"]], peer["served"])
+            failures.add_metric([peer["name"]], peer["failures"])
+        yield from (up, rtt, served, failures)
         executions = GaugeMetricFamily("tray_app_duplicate_executions", "Requests that completed more than once")
         executions.add_metric([], status["accounting"]["duplicate_executions"])
         yield executions
