@@ -204,3 +204,21 @@ def test_the_local_footprint_is_its_layers_weights_and_kv_plus_the_whole_runtime
     assert none.gpu.weights == none.gpu.kv_cache == 0 and none.gpu.runtime_overhead == full.gpu.runtime_overhead
     assert estimate.request_vram_bytes(info, estimate.with_gpu_layers(settings, 3), 100) < \
         estimate.request_vram_bytes(info, settings, 100)
+
+
+def test_a_probe_that_fails_oddly_is_the_servers_error_and_start_goes_on():
+    health = RpcHealth(("127.0.0.1:1", "127.0.0.1:2"))
+
+    async def odd(address: str) -> None:
+        raise ValueError("something no one expected")
+
+    health._probe_memory = odd
+
+    async def scenario() -> None:
+        await health.start()  # the service awaits this before its GPU worker starts
+        await health.stop()
+
+    asyncio.run(scenario())
+    first = health.status()[0]
+    assert first["reachable"] is False and first["state"] == "unreachable"
+    assert first["error"] == "probe failed: ValueError: something no one expected"

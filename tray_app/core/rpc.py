@@ -23,11 +23,14 @@ with its time. No connection is ever held open.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import struct
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
+
+log = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 5.0
 PROBE_TIMEOUT_S = 1.0  # the TCP connect
@@ -248,10 +251,16 @@ class RpcHealth:
         self._task: asyncio.Task | None = None
 
     async def probe(self, address: str) -> None:
-        if self._in_use():
-            await self._probe_connect(address)
-        else:
-            await self._probe_memory(address)
+        """Never raises: what a server does is its state in /status, and the
+        service's start (which awaits the first probe) must not fail on it."""
+        try:
+            if self._in_use():
+                await self._probe_connect(address)
+            else:
+                await self._probe_memory(address)
+        except Exception as exc:  # noqa: BLE001 - shown as the server's error, not raised
+            log.warning("RPC server %s: probe failed: %r", address, exc)
+            self._set(address, False, None, f"probe failed: {type(exc).__name__}: {exc}", UNREACHABLE)
 
     async def _probe_connect(self, address: str) -> None:
         """A bare connect, while our GPU worker holds the server: sends nothing,
@@ -309,7 +318,7 @@ class RpcHealth:
         server.update(reachable=reachable, latency_ms=latency_ms, error=error, state=state, checked_at=self._clock())
 
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self.probe(address) for address in self._servers))
+        await asyncio.gather(*(self.probe(address) for address in self._servers), return_exceptions=True)
 
     async def _run(self) -> None:
         while True:
