@@ -565,6 +565,9 @@ def test_the_banner_names_the_peer_that_serves_and_lists_its_request() -> None:
     banner = vm.degraded_banner(data)
     assert banner.title == "Degraded mode: peer desk is serving"
     assert banner.model == "SmolLM2 on peer desk"
+    assert banner.latency == "a new request would wait about 26 s"
+    data["degraded"]["peer_latency_s"] = {"desk": 2.4}
+    assert vm.degraded_banner(data).latency == "a new request would wait about 26 s · on peer desk about 2.4 s"
     assert banner.requests[0].text.startswith("away · running on peer desk")
     data["requests"].append({"id": "here", "state": "running", "path": "cpu", "reason": "forced_cpu", "age_s": 1.0})
     banner = vm.degraded_banner(data)

@@ -377,6 +377,8 @@ class ModelHost:
     def degraded(self) -> dict[str, Any]:
         observer = self.service.observer
         cause = self.dispatcher.degraded_cause()
+        serving = sorted({job.peer for job in self.dispatcher.jobs.values()
+                          if job.path == "peer" and job.peer is not None})
         default = self.model.is_default
         return {
             # The default model's degraded mode is the observer's (with its
@@ -392,10 +394,16 @@ class ModelHost:
             "estimated_latency_s": round(self.dispatcher.cpu_wait_s(64, EXPECTED_ANSWER_TOKENS), 2),
             "cpu_context_cap": self.model.cpu_n_ctx,
             "cpu_queue_depth": len(self.dispatcher.cpu.lane.waiting_ids),
-            # The peers serving this model's requests now (degraded mode names them).
-            "peers": sorted({job.peer for job in self.dispatcher.jobs.values()
-                             if job.path == "peer" and job.peer is not None}),
+            # The peers serving this model's requests now (degraded mode names
+            # them), and what a typical request takes there (None: not measured yet).
+            "peers": serving,
+            "peer_latency_s": {name: self._peer_estimate_s(name) for name in serving},
         }
+
+    def _peer_estimate_s(self, name: str) -> float | None:
+        peers = self.dispatcher.peers
+        peer = peers.get(name) if peers is not None else None
+        return peer.estimate_s(64, EXPECTED_ANSWER_TOKENS) if peer is not None else None
 
     def worker_status(self, snapshot) -> list[dict[str, Any]]:
         workers = []

@@ -626,8 +626,14 @@ def humanize_reason(reason: str | None) -> str:
 
 
 def new_request_wait_text(status: Mapping[str, Any]) -> str:
-    latency_s = _num((status.get("degraded") or {}).get("estimated_latency_s"))
-    return f"a new request would wait about {fmt_seconds(latency_s)}" if latency_s is not None else "unknown"
+    degraded = status.get("degraded") or {}
+    latency_s = _num(degraded.get("estimated_latency_s"))
+    text = f"a new request would wait about {fmt_seconds(latency_s)}" if latency_s is not None else "unknown"
+    # A peer serving now answers in its own time, measured on its answers.
+    for name, peer_s in (degraded.get("peer_latency_s") or {}).items():
+        peer_s = _num(peer_s)
+        text += f" · on peer {name} about {fmt_seconds(peer_s)}" if peer_s is not None else ""
+    return text
 
 
 def degraded_banner(status: Mapping[str, Any] | None, *, own_request_id: str | None = None,
