@@ -21,13 +21,13 @@ from tray_app.core.memory import estimate
 from tray_app.core.rpc import RpcHealth
 
 
-@pytest.mark.parametrize("address", ["10.0.0.2:50052", "[::1]:50052", "gpu-box.lan:1", "127.0.0.1:65535"])
+@pytest.mark.parametrize("address", ["10.0.0.2:50052", "gpu-box.lan:1", "127.0.0.1:65535"])
 def test_good_addresses(address):
     assert rpc_address_problem(address) is None
 
 
 @pytest.mark.parametrize("address", ["gpu-box", "gpu-box:0", "gpu-box:65536", ":50052", "gpu-box:port",
-                                     "a b:50052", "a,b:50052", ""])
+                                     "a b:50052", "a,b:50052", "", "[::1]:50052", "fe80::1:50052"])
 def test_bad_addresses_are_refused_with_the_reason(address):
     assert rpc_address_problem(address)
 
@@ -68,6 +68,13 @@ def test_rpc_worker_refuses_an_open_address_without_the_acknowledgement(capsys):
     assert run_rpc_worker(_args(host="0.0.0.0")) == 2
     assert "no authentication" in capsys.readouterr().err
     assert run_rpc_worker(_args(port=0)) == 2
+
+
+@pytest.mark.parametrize("host", ["gpu-box.lan", "::1", "[::1]"])
+def test_rpc_worker_refuses_what_llama_cpps_server_cant_listen_on(host, capsys):
+    # ggml-rpc-server would say "Invalid host address" and exit 0, like a clean stop.
+    assert run_rpc_worker(_args(host=host, understood=True)) == 2
+    assert "IPv4 address only" in capsys.readouterr().err
 
 
 def test_rpc_server_argv():
@@ -222,3 +229,10 @@ def test_a_probe_that_fails_oddly_is_the_servers_error_and_start_goes_on():
     first = health.status()[0]
     assert first["reachable"] is False and first["state"] == "unreachable"
     assert first["error"] == "probe failed: ValueError: something no one expected"
+
+
+def test_a_layer_exactly_on_a_split_boundary_is_charged_to_the_local_gpu():
+    # llama.cpp compares in float32 and puts this layer on the local GPU; in
+    # double precision 1 - 2/3 is a hair over 1/3 and the layer would go remote.
+    assert estimate.local_gpu_layers(3, 2.0, [1.0]) == 2
+    assert estimate.local_gpu_layers(30, 1.0, [1.0]) == 15

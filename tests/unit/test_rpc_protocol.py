@@ -194,7 +194,56 @@ def test_a_server_held_by_our_gpu_worker_stays_reachable_when_its_queue_fills():
     states = asyncio.run(scenario())
     assert [s["state"] for s in states] == [IN_USE] * 4
     assert all(s["reachable"] is True for s in states)
-    assert states[0]["latency_ms"] is not None and states[-1]["latency_ms"] is None  # the last ones timed out
+    assert states[0]["latency_ms"] is not None and "unverified_since" not in states[0]
+    # Once its queue is full of ours, nothing more can be learnt: it says so.
+    assert states[-1]["unverified_since"] == 100.0
+
+
+def test_a_held_server_whose_first_connect_times_out_is_unreachable():
+    """No connect got through since our GPU worker took it: the machine is
+    gone (here: a queue already full of others' connects stands in for it)."""
+    async def scenario():
+        server = busy_server()
+        port = server.getsockname()[1]
+        fillers = []
+        for _ in range(2):
+            filler = socket.socket()
+            filler.connect(("127.0.0.1", port))
+            fillers.append(filler)
+        health = _health(port, [True])
+        await health.probe_all()
+        for filler in fillers:
+            filler.close()
+        server.close()
+        return health.status()[0]
+
+    state = asyncio.run(scenario())
+    assert state["state"] == "unreachable" and state["reachable"] is False
+    assert state["error"] == "no answer to connect in 0.3 s"
+
+
+def test_the_memory_is_read_afresh_before_the_gpu_worker_starts():
+    async def scenario():
+        devices = [(6 * GIB, 8 * GIB)]
+        server = await asyncio.start_server(fake_rpc_server(devices=devices), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        in_use = [False]
+        health = _health(port, in_use)
+        await health.start()
+        first = health.free_mib()
+        in_use[0] = True  # the worker loaded, crashed, and is about to start again
+        devices[0] = (2 * GIB, 8 * GIB)  # the lending PC's own apps took memory meanwhile
+        await health.reread_memory()
+        second = health.free_mib()
+        server.close()
+        await server.wait_closed()
+        await health.reread_memory()  # and a server that doesn't answer keeps no reading
+        third = health.free_mib()
+        await health.stop()
+        return first, second, third
+
+    first, second, third = asyncio.run(scenario())
+    assert first == [6144.0] and second == [2048.0] and third is None
 
 
 def test_a_server_busy_with_someone_else_is_busy_not_unreachable():

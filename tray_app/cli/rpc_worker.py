@@ -47,6 +47,19 @@ def is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve to anything
 
 
+def listen_address_problem(host: str) -> str | None:
+    """Why ggml-rpc-server can't listen on `host`, or None. It takes an IPv4
+    address only: given a name it says "Invalid host address" and exits 0,
+    which would look like a clean stop."""
+    if host == "localhost":
+        return None  # we pass 127.0.0.1
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return "llama.cpp's RPC server listens on an IPv4 address only (e.g. 192.168.1.20, or 0.0.0.0 for all)"
+    return None
+
+
 def rpc_server_argv(binary: str, args: argparse.Namespace) -> list[str]:
     argv = [binary, "--host", args.host, "--port", str(args.port)]
     if args.device:
@@ -64,6 +77,12 @@ def run_rpc_worker(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         print(f"tray-app rpc-worker: --port {args.port} is not a port (1-65535)", file=sys.stderr)
         return 2
+    problem = listen_address_problem(args.host)
+    if problem:
+        print(f"tray-app rpc-worker: --host {args.host}: {problem}", file=sys.stderr)
+        return 2
+    if args.host == "localhost":
+        args.host = "127.0.0.1"
     if not is_loopback(args.host) and not args.understood:
         print(f"tray-app rpc-worker: refusing to listen on {args.host}: llama.cpp's RPC protocol has no "
               "authentication or encryption, so anyone who can reach the port can use this machine's device "

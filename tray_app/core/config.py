@@ -343,13 +343,15 @@ _INT_MAX = 2**31 - 1
 
 
 def rpc_address_problem(address: str) -> str | None:
-    """Why an RPC server address is not "host:port" ("[v6]:port" for IPv6),
-    or None."""
+    """Why an RPC server address is not "host:port" (IPv4 or a name), or None."""
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         return "is not host:port (a port from 1 to 65535)"
     if any(c.isspace() or c == "," for c in address):
         return "must not contain spaces or commas"
+    if ":" in host or host.startswith("["):
+        # llama.cpp's client takes the host up to the first ':' and connects over IPv4.
+        return "is IPv6: llama.cpp's RPC client connects over IPv4 only (use an IPv4 address or a host name)"
     return None
 
 

@@ -90,6 +90,10 @@ class ModelHost:
         self.counter: PromptCounter | None = None
         self.equivalence: dict[str, Any] = {"equivalent": True, "detail": "same model file on both paths"}
         self.footprint_owner = GPU_FOOTPRINT_OWNER if model.is_default else f"{GPU_FOOTPRINT_OWNER}:{model.name}"
+        # llama.cpp's RPC server serves one client: only the default model's
+        # GPU worker is given the servers (a second model's worker would wait
+        # on the busy server until its ready timeout, and again on each retry).
+        self.rpc_servers: tuple[str, ...] = config.gpu.rpc_servers if model.is_default else ()
         self.slots = {"gpu": min(model.slots, gpu_runtime.max_parallel),
                       "cpu": min(config.cpu.max_concurrency, runtime.max_parallel)}
         # Every slot has its own n_ctx of KV cache; logits_all=False: that is
@@ -171,7 +175,7 @@ class ModelHost:
         spec = WorkerSpec(path, info.path, info.path.stem, model.gpu_n_ctx if path == "gpu" else model.cpu_n_ctx,
                           model.gpu_layers if path == "gpu" else 0, config.worker.n_batch,
                           config.cpu.n_threads, parallel=slots,
-                          rpc_servers=config.gpu.rpc_servers if path == "gpu" else ())
+                          rpc_servers=self.rpc_servers if path == "gpu" else ())
         worker = Worker(spec, runtime, service.log_dir, config.worker, hooks, self._clock,
                         log_name=None if model.is_default else f"{path}-{model.name}")
         settings = config.gpu if path == "gpu" else config.cpu
@@ -278,6 +282,8 @@ class ModelHost:
         GPU by its free memory at load; its total stands in for that here:
         never less, so the local share is never underestimated, and steady,
         where free memory moves with other apps and with our own load."""
+        if not self.rpc_servers:
+            return None
         remote = self.service.rpc_health.free_mib()
         if remote is None:
             return None
@@ -289,7 +295,7 @@ class ModelHost:
 
     def rpc_split(self) -> dict[str, Any] | None:
         """/status gpu.rpc_split: what admission charges the local GPU with."""
-        if not self.service.config.gpu.rpc_servers:
+        if not self.rpc_servers:
             return None
         offloaded = estimate.layers_offloaded(self.model_info, self.gpu_settings.n_gpu_layers)
         layers = self._local_gpu_layers()
@@ -453,6 +459,12 @@ class ModelHost:
         if worker.role != "gpu":
             return LaunchExtras()
         service = self.service
+        if self.rpc_servers:
+            # No process of ours holds the servers now: read their memory
+            # afresh, as llama.cpp will at this load. What was free when the
+            # service started may be taken since (the lending PC's own apps);
+            # a server that can't answer leaves the whole model charged here.
+            await service.rpc_health.reread_memory()
         need = self.gpu_footprint.gpu.total / MIB
         if service.simulated is not None:
             simulated = service.simulated

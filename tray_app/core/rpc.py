@@ -230,6 +230,8 @@ IN_USE = "in_use"  # our GPU worker is up and holds its one client slot
 BUSY = "busy"  # connected, no answer: serving someone else's client
 INCOMPATIBLE = "incompatible"  # answers, in another protocol
 UNREACHABLE = "unreachable"
+# ggml-rpc-server listens with a backlog of 1: Linux queues two connections.
+ACCEPT_QUEUE = 2
 
 
 class RpcHealth:
@@ -248,6 +250,9 @@ class RpcHealth:
             for address in addresses
         }
         self._memory: dict[str, MemoryReading] = {}
+        # Bare connects that got through while our GPU worker holds a server:
+        # they wait in its accept queue (room for two) until the worker lets go.
+        self._queued: dict[str, int] = {address: 0 for address in addresses}
         self._task: asyncio.Task | None = None
 
     async def probe(self, address: str) -> None:
@@ -257,6 +262,7 @@ class RpcHealth:
             if self._in_use():
                 await self._probe_connect(address)
             else:
+                self._queued[address] = 0  # the server has drained them with the worker gone
                 await self._probe_memory(address)
         except Exception as exc:  # noqa: BLE001 - shown as the server's error, not raised
             log.warning("RPC server %s: probe failed: %r", address, exc)
@@ -264,22 +270,34 @@ class RpcHealth:
 
     async def _probe_connect(self, address: str) -> None:
         """A bare connect, while our GPU worker holds the server: sends nothing,
-        so nothing waits in the server's queue to be answered later."""
+        so nothing waits in the server's queue to be answered later. Each one
+        that gets through waits in the server's accept queue, which holds two:
+        after that every connect times out whatever the machine does, so the
+        probing stops, and the state says since when it is unverified (the
+        GPU worker's own next request finds a lost machine)."""
+        server = self._servers[address]
+        if self._queued[address] >= ACCEPT_QUEUE:
+            server.update(state=IN_USE, error=None, checked_at=self._clock())
+            return
         host, port = split_address(address)
         started = time.perf_counter()
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self._connect_timeout_s)
         except asyncio.TimeoutError:
-            if self._servers[address]["reachable"]:
-                # Our own stale connects fill its accept queue of two while the
-                # GPU worker holds it: a timeout now says nothing about the machine.
-                self._set(address, True, None, None, IN_USE)
-            else:
-                self._set(address, False, None, f"no answer to connect in {self._connect_timeout_s:g} s", UNREACHABLE)
+            if self._queued[address]:
+                # Ours (and a memory query's reset connection, which also
+                # waits to be accepted) fill it: nothing more to learn now.
+                self._queued[address] = ACCEPT_QUEUE
+                server.update(state=IN_USE, error=None, checked_at=self._clock())
+                server.setdefault("unverified_since", self._clock())
+                return
+            # Not one connect got through since the worker took it: gone.
+            self._set(address, False, None, f"no answer to connect in {self._connect_timeout_s:g} s", UNREACHABLE)
             return
         except OSError as exc:
             self._set(address, False, None, str(exc) or type(exc).__name__, UNREACHABLE)
             return
+        self._queued[address] += 1
         latency_ms = round((time.perf_counter() - started) * 1000, 1)
         writer.close()
         try:
@@ -287,6 +305,8 @@ class RpcHealth:
         except OSError:
             pass
         self._set(address, True, latency_ms, None, IN_USE)
+        if self._queued[address] >= ACCEPT_QUEUE:
+            server["unverified_since"] = self._clock()
 
     async def _probe_memory(self, address: str) -> None:
         host, port = split_address(address)
@@ -313,9 +333,26 @@ class RpcHealth:
 
     def _set(self, address: str, reachable: bool, latency_ms: float | None, error: str | None, state: str) -> None:
         server = self._servers[address]
+        server.pop("unverified_since", None)
         if server["reachable"] is not reachable:
             server["since"] = self._clock()
         server.update(reachable=reachable, latency_ms=latency_ms, error=error, state=state, checked_at=self._clock())
+
+    async def reread_memory(self) -> None:
+        """Read every server's memory now, whatever in_use says: called just
+        before our GPU worker starts, when no process of ours holds them. A
+        server that doesn't answer keeps no reading, so the estimate charges
+        the whole model to the local GPU rather than trust an old one."""
+        for address in self._servers:
+            self._queued[address] = 0
+        await asyncio.gather(*(self._fresh_memory(address) for address in self._servers), return_exceptions=True)
+
+    async def _fresh_memory(self, address: str) -> None:
+        self._memory.pop(address, None)
+        try:
+            await self._probe_memory(address)
+        except Exception as exc:  # noqa: BLE001 - shown as the server's error, not raised
+            self._set(address, False, None, f"probe failed: {type(exc).__name__}: {exc}", UNREACHABLE)
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(address) for address in self._servers), return_exceptions=True)

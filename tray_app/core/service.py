@@ -91,8 +91,7 @@ class Service:
         self._gpu_runtime, self._gpu_missing_reason = gpu_runtime, gpu_missing_reason
         self.observer = Observer(self.gpu_reader, self.worker_pids, self._degraded_cause, on_sample=self._on_sample)
         # A GPU worker of ours that is up holds each RPC server's one client slot.
-        self.rpc_health = RpcHealth(config.gpu.rpc_servers, in_use=lambda: any(
-            h.gpu_loaded() for h in self.hosts.values()))
+        self.rpc_health = RpcHealth(config.gpu.rpc_servers, in_use=lambda: self.default_host.gpu_loaded())
         self.metrics = ServiceMetrics(self.status)
         # Other servers on the LAN that take what this one can't ([[peers]]).
         self.peers = Peers([Peer(entry, peer_base_url(entry.url), self.http, config.breaker, clock)

@@ -309,11 +309,14 @@ def local_gpu_layers(offloaded: int, local_free_mib: float | None, remote_free_m
     """How many of the `offloaded` layers (layers_offloaded's count) land on
     the local GPU: those k with k / offloaded at or past the remote devices'
     cumulative fraction. llama.cpp does this in float32, so a layer exactly
-    on a boundary may fall either side: the estimate is good to one layer."""
+    on a boundary may fall either side; it is counted local here."""
     if not remote_free_mib:
         return offloaded
     remote_fraction = 1.0 - local_share(local_free_mib, remote_free_mib)
-    return sum(1 for k in range(offloaded) if k / offloaded >= remote_fraction)
+    # llama.cpp compares in float32: a layer exactly on the boundary can go
+    # either way. The allowance sends it to the local GPU, so the estimate
+    # errs towards charging the local GPU more, never less.
+    return sum(1 for k in range(offloaded) if k / offloaded >= remote_fraction - 1e-6)
 
 
 def with_gpu_layers(settings: WorkerSettings, n_gpu_layers: int) -> WorkerSettings:
