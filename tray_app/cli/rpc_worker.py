@@ -27,7 +27,8 @@ def add_rpc_worker_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0] + " The other machine adds this one to [gpu] rpc_servers.",
     )
     parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default 127.0.0.1; another address needs " + UNDERSTOOD_FLAG + ")")
+                        help="IPv4 address to listen on (default 127.0.0.1; 0.0.0.0 for all; any but "
+                             "loopback needs " + UNDERSTOOD_FLAG + ")")
     parser.add_argument("--port", type=int, default=DEFAULT_RPC_PORT, help=f"port (default {DEFAULT_RPC_PORT})")
     parser.add_argument("--device", help="llama.cpp devices to lend, comma-separated (default: all)")
     parser.add_argument("--threads", type=int, default=0, help="threads for a CPU device (default: llama.cpp's)")
