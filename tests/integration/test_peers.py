@@ -8,6 +8,7 @@ peer that refuses our key is never used."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import time
 
@@ -164,3 +165,117 @@ def test_the_local_service_is_healthy_after_the_peer_died(pair):
     assert status["service"]["healthy"]
     response = local.http.post("/v1/chat/completions", json=CHAT)
     assert response.status_code == 200 and response.headers["x-served-by"] == "gpu"
+
+
+# ----- a careless or hostile peer -------------------------------------------------------------
+
+
+class HostilePeer:
+    """A real HTTP server on loopback that lists the model, as a healthy peer
+    does, and then answers chats in the way `mode` says: never, with junk,
+    with an error event, with a line that never ends, or refusing the key."""
+
+    def __init__(self, model: str) -> None:
+        import http.server
+        import threading
+
+        self.mode = "hang"
+        self.release = threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                self._send(200, json.dumps({"object": "list", "data": [{"id": model}]}).encode())
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                mode = outer.mode
+                if mode == "hang":
+                    outer.release.wait(30)
+                elif mode == "junk":
+                    self._send(200, b"hello, I am not an event stream", "text/plain")
+                elif mode == "error_event":
+                    self._send(200, b'data: {"error": {"message": "out of memory"}}\n\n', "text/event-stream")
+                elif mode == "endless_line":
+                    self._send(200, b"data: " + b"x" * (5 * 1024 * 1024), "text/event-stream")
+                elif mode == "refuse_key":
+                    self._send(401, b'{"error": {"message": "bad key"}}')
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def with_hostile_peer(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hostile")
+    config = BASE_CONFIG.replace("failure_threshold = 2", "failure_threshold = 100")
+    # The model's id as this service names it, before the peer exists.
+    from tray_app.core.config import bundled_model_path
+
+    hostile = HostilePeer(bundled_model_path().stem)
+    local = RunningService(tmp / "a", config + f"""
+[[peers]]
+name = "careless"
+url = "{hostile.url}"
+first_token_timeout_s = 2
+""")
+    try:
+        local.wait_ready()
+        local.wait_for(lambda s: s["peers"][0]["healthy"], timeout=20, what="the peer healthy")
+        assert local.http.post("/admin/gpu", json={"paused": True}).status_code == 200
+        yield local, hostile
+    finally:
+        local.stop()
+        hostile.close()
+
+
+@pytest.mark.parametrize("mode, failure", [
+    ("hang", "no output for 2 s"),
+    ("junk", "its stream ended without [DONE]"),
+    ("error_event", "it reported an error"),
+    ("endless_line", "an SSE line longer than"),
+])
+def test_a_peer_that_answers_badly_costs_the_request_nothing_but_time(with_hostile_peer, mode, failure):
+    local, hostile = with_hostile_peer
+    hostile.mode = mode
+    request_id = f"hostile-{mode.replace('_', '-')}"
+    response = local.http.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": request_id})
+    assert response.status_code == 200, response.text
+    assert response.headers["x-served-by"] == "cpu"
+    assert response.headers["x-route-reason"] == "peer_failed_replayed"
+    assert response.json()["choices"][0]["message"]["content"]
+    status = local.status()
+    event = next(e for e in reversed(status["events"]) if e["kind"] == "peer_failure" and e["id"] == request_id)
+    assert failure in event["reason"]
+    assert status["accounting"]["duplicate_executions"] == 0
+
+
+def test_a_peer_that_refuses_the_key_mid_flight_is_taken_out_and_nothing_reruns(with_hostile_peer):
+    local, hostile = with_hostile_peer
+    hostile.mode = "refuse_key"
+    response = local.http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200
+    # It ran nothing there: decided again here, not a replay.
+    assert response.headers["x-served-by"] == "cpu" and response.headers["x-route-reason"] == "forced_cpu"
+    peer = local.status()["peers"][0]
+    assert not peer["healthy"] and peer["breaker"]["state"] == "open"
+    assert "refused our API key (HTTP 401)" in peer["problem"]
