@@ -156,6 +156,11 @@ def test_the_panel_names_each_remote_device_its_memory_and_its_state():
     ]
     # A status from before memory was read: reachability only.
     assert rpc_servers_text([{"address": "a:1", "reachable": True, "latency_ms": 2.0}]) == "RPC a:1: 2 ms"
+    # A server lending two GPUs: each is its own share of the split.
+    two = rpc_servers_text([{"address": "b:1", "reachable": True, "state": "idle", "latency_ms": 0.5,
+                             "free_mib": 30720.0, "total_mib": 32768.0,
+                             "devices": [{"index": 0, "free_mib": 22528.0}, {"index": 1, "free_mib": 8192.0}]}])
+    assert two == "RPC b:1: 30.0 GiB free of 32.0 GiB (device 0: 22.0 GiB + device 1: 8.0 GiB) · 0.5 ms"
 
 
 # ----- the local GPU's share of a model split over RPC devices ----------------------------------

@@ -354,6 +354,11 @@ def rpc_servers_text(servers: Any) -> str:
             memory = f"{fmt_mib(free, total)} free"
             if total is not None and round(total) != round(free):
                 memory += f" of {fmt_mib(total)}"
+            devices = [d for d in server.get("devices") or () if isinstance(d, Mapping)]
+            if len(devices) > 1:
+                # Each device is its own share of the split: name them one by one.
+                memory += " (" + " + ".join(f"device {d.get('index')}: {fmt_mib(_num(d.get('free_mib')), total)}"
+                                            for d in devices) + ")"
             age = _num(server.get("memory_age_s"))
             if age is not None and age >= 60:
                 memory += f" (read {fmt_seconds(age)} ago)"
