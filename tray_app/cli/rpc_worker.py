@@ -16,6 +16,8 @@ import os
 import sys
 from typing import Any
 
+from ..core.http_basics import is_loopback
+
 DEFAULT_RPC_PORT = 50052  # llama.cpp's rpc-server default
 UNDERSTOOD_FLAG = "--i-understand-rpc-has-no-authentication"
 
@@ -37,15 +39,6 @@ def add_rpc_worker_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="listen on a non-loopback address although the protocol has no authentication "
                              "or encryption: only do this on a network where every machine is yours")
     return parser
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to anything
 
 
 def listen_address_problem(host: str) -> str | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import ipaddress
 import math
 import os
 import tomllib
@@ -23,6 +22,7 @@ import platformdirs
 from .dispatch.breaker import BreakerPolicy
 from .engine.worker import RestartPolicy
 from .files import make_private_dir, write_atomically
+from .http_basics import is_loopback
 from .memory.estimate import DEFAULT_GPU_RESERVE_MIB
 
 APP_NAME = "tray-app"
@@ -486,12 +486,8 @@ def peer_url_problem(url: str) -> str | None:
 
 
 def _is_this_machine(host: str) -> bool:
-    if host in ("localhost", "0.0.0.0", "::"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    # The wildcard addresses reach this machine too.
+    return host in ("0.0.0.0", "::") or is_loopback(host)
 
 
 def peer_base_url(url: str) -> str:

@@ -10,16 +10,19 @@ needs no preflight (caught by refusing any Origin not on the allowlist).
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import os
 from dataclasses import dataclass
 from typing import Iterable
 
+from ..http_basics import bearer_header, is_loopback
 from .errors import error_body_for_path
 
 API_KEY_ENV = "TRAY_APP_API_KEY"
-LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "ip6-localhost"})
+# Defined in http_basics, below api/ (the peer path and the config use them
+# too); the clients of our own port import them from here.
+__all__ = ["API_KEY_ENV", "EXPOSED_HEADERS", "MAX_HEADER_BYTES", "PUBLIC_PATHS", "AccessGuard", "AccessPolicy",
+           "bearer_header", "bind_problem", "effective_api_key", "host_name", "is_loopback"]
 # Routes a monitor may call without the key.
 PUBLIC_PATHS = frozenset({"/health"})
 # The request line and headers together; the h11 parser enforces the same cap on
@@ -31,26 +34,11 @@ EXPOSED_HEADERS = ("X-Request-Id", "X-Served-By", "X-Route-Reason", "X-Fallback-
                    "X-Estimated-Latency", "X-Queue-Wait", "Retry-After")
 
 
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]").lower()
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def effective_api_key(configured: str) -> str:
     """The one rule for which key is in force, `configured` being [server] api_key.
     The environment wins, so a key need not be written to disk. The server checks
     requests against this and every client of ours sends it, so they can't disagree."""
     return os.environ.get(API_KEY_ENV, "") or configured
-
-
-def bearer_header(api_key: str) -> dict[str, str]:
-    """The Authorization header a client sends with `api_key`; none without a key."""
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def bind_problem(host: str, api_key: str) -> str | None:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 
 from ..memory.telemetry import MemorySnapshot
 from .admission import (
-    GPU_OUT_REASONS, CpuView, Decision, GpuOut, GpuView, Reason, RequestShape, Route, decide, offer_to_peer,
+    GPU_OUT_REASONS, CpuView, Decision, GpuOut, GpuView, PeerView, Reason, RequestShape, Route, decide, offer_to_peer,
     token_limit,
 )
 from .backend import Backend, Sink
@@ -356,7 +356,7 @@ class Dispatcher:
             evictable_ram_mib=self._costs.cpu_evictable_mib(),
         )
 
-    def _peer_views(self, job: Job) -> list:
+    def _peer_views(self, job: Job) -> list[PeerView]:
         if self.peers is None or not job_may_use_peers(job) or self._no_fallback(job):
             return []
         expected = EXPECTED_ANSWER_TOKENS

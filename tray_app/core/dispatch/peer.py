@@ -31,12 +31,13 @@ from typing import Any, Callable, NoReturn, Protocol
 
 import httpx
 
+from ..http_basics import bearer_header
 from .admission import PeerRole, PeerView
 from .backend import (
     _CANCELED, Sink, _wait_on_worker, canceled_error, client_safe, relay_answer, upstream_error_message, worker_body,
 )
 from .breaker import BreakerPolicy, BreakerState, CircuitBreaker
-from .jobs import Attempt, Job, JobFailed, JobState, PathSpeed
+from .jobs import Attempt, Job, JobFailed, PathSpeed
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +306,7 @@ class Peer:
                           counts=status >= 500 and status not in BUSY_STATUSES)
 
     def _auth_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+        return bearer_header(self.settings.api_key)
 
     # ----- what it says about itself ---------------------------------------------------------
 
@@ -392,5 +393,4 @@ def job_may_use_peers(job: Job) -> bool:
     tool_choice become llama.cpp's `grammar` here, which another kind of
     server would ignore (an unconstrained answer) or refuse. The dispatcher also
     keeps a request that may not leave the GPU (X-Fallback: never) here."""
-    return not (job.no_peer or job.force_cpu or job.forced_tool is not None or "grammar" in job.body
-                or job.state is JobState.DONE)
+    return not (job.no_peer or job.force_cpu or job.forced_tool is not None or "grammar" in job.body)
