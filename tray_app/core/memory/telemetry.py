@@ -358,12 +358,12 @@ class NvmlGpuReader:
                         by_pid[pid] = used
                 else:
                     by_pid[pid] = used
-        processes = tuple(GpuProcess(pid=pid, used_mib=used, name=_process_name(pid))
+        processes = tuple(GpuProcess(pid=pid, used_mib=used, name=process_name(pid))
                           for pid, used in sorted(by_pid.items()))
         return processes, reported
 
 
-def _process_name(pid: int) -> str | None:
+def process_name(pid: int) -> str | None:
     try:
         return psutil.Process(pid).name() or None
     except (psutil.Error, OSError):
