@@ -198,15 +198,16 @@ def _fetch_status(url: str, config: Config) -> tuple[dict[str, Any] | None, str]
 
 
 def _read_directly(config: Config, why_not_service: str) -> HeadroomReading:
-    from ..core.memory.telemetry import NvmlGpuReader, SimulatedGpu, read_host
+    from ..core.memory.gpu_readers import detect_gpu_reader
+    from ..core.memory.telemetry import SimulatedGpu, read_host
 
     host = read_host()
     if config.gpu.simulate_mib > 0:
         reader: Any = SimulatedGpu(config.gpu.simulate_mib)
         kind, origin = "simulated", f"a simulated GPU of {config.gpu.simulate_mib} MiB and psutil"
     else:
-        reader = NvmlGpuReader()
-        kind, origin = "direct", "NVML and psutil"
+        reader = detect_gpu_reader(config.engine.llama_server)
+        kind, origin = "direct", "the GPU's driver (NVML, amdgpu, fdinfo or llama.cpp) and psutil"
     try:
         gpu = reader.read()
     finally:

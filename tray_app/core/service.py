@@ -37,7 +37,8 @@ from .host import ModelHost
 from .library import Library, LibraryError, build_library
 from .memory import estimate
 from .memory.gguf_info import ModelFileError
-from .memory.telemetry import GpuReader, MemorySnapshot, NvmlGpuReader, SimulatedGpu, detect_gpu_offload_support
+from .memory.gpu_readers import detect_gpu_reader
+from .memory.telemetry import GpuReader, MemorySnapshot, SimulatedGpu, detect_gpu_offload_support
 from .observe import Observer
 from .rpc import RpcHealth
 
@@ -66,7 +67,7 @@ class Service:
             self.simulated = SimulatedGpu(config.gpu.simulate_mib, others_dir=simulated_device_dir(config))
             self.gpu_reader: GpuReader = self.simulated
         else:
-            self.gpu_reader = gpu_reader or NvmlGpuReader()
+            self.gpu_reader = gpu_reader or detect_gpu_reader(config.engine.llama_server)
         self.offload_support = detect_gpu_offload_support()
         if runtime is None:
             choice = choose_runtime(config.engine.runtime, config.engine.llama_server)
