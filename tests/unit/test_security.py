@@ -3,7 +3,10 @@ from __future__ import annotations
 import pytest
 
 from tray_app.core.config import ConfigError, parse_config_text
-from tray_app.core.api.security import API_KEY_ENV, AccessPolicy, bearer_header, effective_api_key
+from tray_app.core.api.connections import (
+    CONNECTION_SCOPE_KEY, FREE_KEY_FAILURES, ClientConnection, ConnectionLedger,
+)
+from tray_app.core.api.security import API_KEY_ENV, AccessGuard, AccessPolicy, bearer_header, effective_api_key
 
 
 def policy(allowed_hosts=()) -> AccessPolicy:
@@ -44,3 +47,101 @@ def test_a_star_in_allowed_hosts_is_not_a_wildcard():
 def test_config_refuses_wildcards_in_allowed_hosts(hosts):
     with pytest.raises(ConfigError, match=r"\[server\] allowed_hosts takes host names, not wildcards"):
         parse_config_text(f"[server]\nallowed_hosts = {hosts}\n")
+
+
+# ----- the guard with a connection ledger (issue 27, part 3) -------------------------------
+
+KEY = "the-right-key-0123456789"
+LAN = "192.168.1.50"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _ok(scope, receive, send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+
+def keyed_guard(clock: Clock) -> tuple[AccessGuard, ConnectionLedger]:
+    ledger = ConnectionLedger(256, key_required=True)
+    keyed = AccessPolicy.build(api_key=KEY, bound_host="0.0.0.0", allowed_hosts=(), cors_origins=())
+    return AccessGuard(_ok, keyed, ledger, clock=clock), ledger
+
+
+async def ask(guard: AccessGuard, connection: ClientConnection, key: str | None, path: str = "/status"):
+    headers = [(b"host", b"localhost")] + ([(b"authorization", f"Bearer {key}".encode())] if key else [])
+    scope = {"type": "http", "method": "GET", "path": path, "headers": headers, "client": (connection.address, 4000),
+             "extensions": {CONNECTION_SCOPE_KEY: connection}}
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    await guard(scope, receive, send)
+    start = sent[0]
+    return start["status"], {name.decode(): value.decode() for name, value in start["headers"]}
+
+
+async def test_the_right_key_marks_the_connection_authenticated():
+    guard, ledger = keyed_guard(Clock())
+    connection, _ = ledger.open(LAN)
+    assert ledger.held_by(LAN) == (1, 1)
+    status, _ = await ask(guard, connection, KEY)
+    assert status == 200 and connection.authenticated and ledger.held_by(LAN) == (1, 0)
+
+
+async def test_a_refusal_at_the_door_closes_the_connection():
+    guard, ledger = keyed_guard(Clock())
+    connection, _ = ledger.open(LAN)
+    status, headers = await ask(guard, connection, None)
+    assert status == 401 and headers["connection"] == "close" and not connection.authenticated
+
+
+async def test_an_address_sending_wrong_keys_must_wait_and_learns_nothing_meanwhile():
+    clock = Clock()
+    guard, ledger = keyed_guard(clock)
+    trusted, _ = ledger.open(LAN)
+    assert (await ask(guard, trusted, KEY))[0] == 200
+    statuses = []
+    for _ in range(FREE_KEY_FAILURES + 1):
+        connection, _ = ledger.open(LAN)
+        statuses.append((await ask(guard, connection, "guess"))[0])
+        ledger.closed(connection)
+    assert statuses == [401] * (FREE_KEY_FAILURES + 1)
+    # Now even the right key is refused unchecked, so a guess can't be confirmed.
+    guesser, _ = ledger.open(LAN)
+    status, headers = await ask(guard, guesser, KEY)
+    assert status == 429 and headers["retry-after"] == "1" and headers["connection"] == "close"
+    assert not guesser.authenticated
+    # A connection that showed the key before carries on.
+    assert (await ask(guard, trusted, KEY))[0] == 200
+    clock.now += 1.0
+    assert (await ask(guard, guesser, KEY))[0] == 200
+
+
+async def test_a_missing_key_is_refused_but_is_not_a_guess():
+    clock = Clock()
+    guard, ledger = keyed_guard(clock)
+    for _ in range(3 * FREE_KEY_FAILURES):
+        connection, _ = ledger.open(LAN)
+        assert (await ask(guard, connection, None))[0] == 401
+        ledger.closed(connection)
+    assert ledger.key_wait_s(LAN, clock.now) is None
+
+
+async def test_this_machine_is_never_made_to_wait():
+    guard, ledger = keyed_guard(Clock())
+    for _ in range(3 * FREE_KEY_FAILURES):
+        connection, _ = ledger.open("127.0.0.1")
+        assert (await ask(guard, connection, "guess"))[0] == 401
+    tray, _ = ledger.open("127.0.0.1")
+    assert (await ask(guard, tray, KEY))[0] == 200

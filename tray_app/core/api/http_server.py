@@ -18,31 +18,44 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ..config import Config
 from ..service import Service
 from .app import create_app
+from .connections import CONNECTION_SCOPE_KEY, ConnectionLedger, client_key
 from .errors import error_bytes
 from .security import MAX_HEADER_BYTES, AccessGuard, AccessPolicy, effective_api_key
 
 
 class GuardedH11Protocol(H11Protocol):
-    """Cuts off clients that take too long to send their headers, and answers
-    unparseable or oversized requests in the OpenAI error envelope."""
+    """Cuts off clients that take too long to send their headers, answers
+    unparseable or oversized requests in the OpenAI error envelope, and
+    refuses a connection its client address may not open (connections.py)."""
 
     header_timeout_s = 10.0
-    # Open connections the server holds at once; past it a new one is refused
-    # at once, so idle or slow clients can't take every file descriptor.
-    max_connections = 256
+    # Who holds which connections, shared by every connection of one server;
+    # build_server sets it. Past its caps a new connection is refused at
+    # once, so idle or slow clients can't take every file descriptor, and
+    # one client can't take them all from the others.
+    ledger: ConnectionLedger
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
-        if len(self.connections) > self.max_connections:
-            self._reply_and_close(503, "too_many_connections",
-                                  f"the server already holds {self.max_connections} connections "
-                                  "([server] max_connections); retry shortly")
+        self.client_connection, refusal = self.ledger.open(client_key(self.client[0] if self.client else None))
+        if refusal is not None:
+            self._reply_and_close(503, refusal.code, refusal.message)
             return
+        # The access guard marks the connection authenticated when a request
+        # on it carries the key; it finds the connection in the request's scope.
+        app, connection = self.app, self.client_connection
+
+        async def app_knowing_the_connection(scope, receive, send) -> None:
+            scope.setdefault("extensions", {})[CONNECTION_SCOPE_KEY] = connection
+            await app(scope, receive, send)
+
+        self.app = app_knowing_the_connection
         self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        self.ledger.closed(self.client_connection)
         super().connection_lost(exc)
 
     def handle_events(self) -> None:
@@ -136,7 +149,9 @@ class CloseWhenBodyUnread:
 
         async def closing_send(message) -> None:
             if message["type"] == "http.response.start" and not body_read:
-                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+                headers = message.get("headers", [])
+                if (b"connection", b"close") not in headers:
+                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
             await send(message)
 
         await self.app(scope, tracking_receive, closing_send)
@@ -201,16 +216,16 @@ def build_server(config: Config, service: Service | None = None, log_level: str 
         api_key=effective_api_key(config.server.api_key), bound_host=config.server.host,
         allowed_hosts=config.server.allowed_hosts, cors_origins=config.server.cors_origins,
     )
+    ledger = ConnectionLedger(config.server.max_connections, key_required=bool(policy.api_key))
     protocol = type("ConfiguredGuardedH11Protocol", (GuardedH11Protocol,),
-                    {"header_timeout_s": config.server.header_timeout_s,
-                     "max_connections": config.server.max_connections})
+                    {"header_timeout_s": config.server.header_timeout_s, "ledger": ledger})
     sockets = None
     if config.server.ollama_port:
         sockets = (_listen(config.server.host, config.server.port, "port")
                    + _listen(config.server.host, config.server.ollama_port, "ollama_port"))
         server_class = type(server_class.__name__, (_ListensOnBoundSockets, server_class), {"bound_sockets": sockets})
     server = server_class(uvicorn.Config(
-        CloseWhenBodyUnread(AccessGuard(app, policy)), host=config.server.host, port=config.server.port, http=protocol,
+        CloseWhenBodyUnread(AccessGuard(app, policy, ledger)), host=config.server.host, port=config.server.port, http=protocol,
         log_level=log_level.lower(), access_log=False, lifespan="on", timeout_graceful_shutdown=10,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_keep_alive=5, **uvicorn_options,
     ))

@@ -12,10 +12,12 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from ..http_basics import bearer_header, is_loopback
+from .connections import CONNECTION_SCOPE_KEY, ClientConnection, ConnectionLedger, client_key, retry_after_header
 from .errors import error_body_for_path
 
 API_KEY_ENV = "TRAY_APP_API_KEY"
@@ -99,18 +101,29 @@ class AccessPolicy:
 
 
 def _envelope(path: str, status: int, code: str, message: str, extra_headers: list[tuple[bytes, bytes]] = ()):
+    """A refusal at the door, in the route's error envelope. It closes the
+    connection (uvicorn closes it after a "Connection: close" answer)."""
     body = json.dumps(error_body_for_path(path, status, message, code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               *extra_headers]
+               (b"connection", b"close"), *extra_headers]
     return status, headers, body
 
 
 class AccessGuard:
-    """ASGI middleware applying an AccessPolicy before any route runs."""
+    """ASGI middleware applying an AccessPolicy before any route runs.
 
-    def __init__(self, app, policy: AccessPolicy) -> None:
+    With a ConnectionLedger it also marks a connection authenticated once a
+    request on it carries the key, and slows down an address that keeps
+    sending wrong keys (connections.py). Every refusal here closes the
+    connection: a client that was turned away at the door must not keep
+    holding one of the server's connections by retrying on it."""
+
+    def __init__(self, app, policy: AccessPolicy, ledger: ConnectionLedger | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.app = app
         self.policy = policy
+        self.ledger = ledger
+        self._clock = clock
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -155,11 +168,10 @@ class AccessGuard:
                              "[server] cors_origins to let that page use the API")
         if scope["method"] == "OPTIONS":
             return None
-        if scope["path"] not in PUBLIC_PATHS and not self.policy.key_matches(headers.get("authorization"),
-                                                                             headers.get("x-api-key")):
-            return _envelope(scope["path"], 401, "invalid_api_key",
-                             "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>') "
-                             f"with the key set in {API_KEY_ENV} or [server] api_key", [(b"www-authenticate", b"Bearer")])
+        if scope["path"] not in PUBLIC_PATHS:
+            refusal = self._check_key(scope, headers)
+            if refusal is not None:
+                return refusal
         if scope["method"] == "POST":
             content_type = headers.get("content-type", "application/json").split(";")[0].strip().lower()
             # Ollama's own examples post with `curl -d`, which labels the JSON
@@ -171,6 +183,39 @@ class AccessGuard:
                 return _envelope(scope["path"], 415, "unsupported_media_type",
                                  f"send the body as application/json, not {content_type!r}")
         return None
+
+    def _check_key(self, scope, headers: dict[str, str]):
+        connection: ClientConnection | None = (scope.get("extensions") or {}).get(CONNECTION_SCOPE_KEY)
+        if connection is not None and connection.authenticated:
+            # Shown the key before (or none is set): checked again, but never
+            # held back by what other connections from its address did.
+            if self.policy.key_matches(headers.get("authorization"), headers.get("x-api-key")):
+                return None
+            return self._wrong_key(scope, headers, connection.address)
+        address = connection.address if connection is not None else client_key((scope.get("client") or ("",))[0])
+        if self.ledger is not None and self.policy.api_key:
+            wait_s = self.ledger.key_wait_s(address, self._clock())
+            if wait_s is not None:
+                # Refused before the key is compared, right or wrong, so that
+                # a guesser learns nothing until the wait is over.
+                return _envelope(scope["path"], 429, "too_many_wrong_keys",
+                                 f"too many wrong API keys from {address}: wait {retry_after_header(wait_s)} s "
+                                 "before sending a key again (each further wrong key doubles the wait)",
+                                 [(b"retry-after", retry_after_header(wait_s).encode())])
+        if not self.policy.key_matches(headers.get("authorization"), headers.get("x-api-key")):
+            return self._wrong_key(scope, headers, address)
+        if connection is not None and self.ledger is not None:
+            self.ledger.authenticated(connection)
+        return None
+
+    def _wrong_key(self, scope, headers: dict[str, str], address: str):
+        # Only a key that was offered counts towards the wait: a client that
+        # sent none is not guessing, and shouldn't lock out its address.
+        if self.ledger is not None and (headers.get("authorization") or headers.get("x-api-key")):
+            self.ledger.key_failed(address, self._clock())
+        return _envelope(scope["path"], 401, "invalid_api_key",
+                         "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>') "
+                         f"with the key set in {API_KEY_ENV} or [server] api_key", [(b"www-authenticate", b"Bearer")])
 
     def _cors_headers(self, origin: str, preflight: bool) -> list[tuple[bytes, bytes]]:
         headers = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin"),
