@@ -34,7 +34,7 @@ from tray_app.core.memory.gpu_readers import (
     AmdGpuReader,
     DrmFdinfoGpuReader,
     LlamaReportGpuReader,
-    UnknownGpuReader,
+    RedetectingGpuReader,
     detect_gpu_reader,
     first_device_total_mib,
     llama_server_probe,
@@ -530,12 +530,35 @@ def test_nothing_anywhere_is_an_explicit_unknown_that_says_what_is_missing(roots
     sys_root, proc_root = roots
     add_card(sys_root, "card0", driver="i915", slot="0000:00:02.0", pci_id="8086:46A6")
     reader = detect_gpu_reader(nvml=FakeNvml(NO_NVML), sys_root=sys_root, proc_root=proc_root, probe=lambda: None)
-    assert isinstance(reader, UnknownGpuReader)
+    assert isinstance(reader, RedetectingGpuReader)
     reading = reader.read()
     assert not reading.available and reading.free_mib is None
     reason = reading.reason or ""
     assert reason.startswith("NVIDIA driver not loaded") and "running CPU-only" not in reason
     assert "card0 (i915)" in reason and "llama-server is not installed" in reason
+
+
+def test_a_driver_that_comes_up_later_is_found_without_a_restart(roots: tuple[Path, Path]) -> None:
+    """NVML's reader retried its init; the choice keeps that: it looks again every 30 s."""
+    sys_root, proc_root = roots
+    now = [0.0]
+    nvml = FakeNvml(NO_NVML)
+    reader = detect_gpu_reader(nvml=nvml, sys_root=sys_root, proc_root=proc_root, probe=lambda: None,
+                               clock=lambda: now[0])
+    assert not reader.read().available
+    nvml.reading = NVIDIA  # the driver finished loading
+    now[0] = 29.0
+    assert not reader.read().available
+    now[0] = 30.0
+    assert reader.read() == NVIDIA and reader.read().devices[0].name == "NVIDIA GeForce RTX 4090"
+
+
+def test_an_amdgpu_card_without_numbers_falls_through_to_llama_cpp(roots: tuple[Path, Path]) -> None:
+    sys_root, proc_root = roots
+    add_card(sys_root, "card0", driver="amdgpu", slot=AMD_SLOT, pci_id="1002:6798")
+    probe = LlamaDeviceProbe(["llama-server"], run=FakeRun())
+    reader = detect_gpu_reader(nvml=FakeNvml(NO_NVML), sys_root=sys_root, proc_root=proc_root, probe=lambda: probe)
+    assert isinstance(reader, LlamaReportGpuReader)
 
 
 def test_the_real_llama_server_on_this_machine_is_asked_in_a_process_of_its_own(roots: tuple[Path, Path]) -> None:

@@ -15,6 +15,8 @@ and the worker's own footprint work the same way wherever per-process numbers ex
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -191,17 +193,34 @@ class LlamaReportGpuReader:
         """The probe is shared by every reader of this binary; it holds no process between runs."""
 
 
-class UnknownGpuReader:
-    """No reader can see a GPU here: unknown, with what each one was missing."""
+class RedetectingGpuReader:
+    """No reader sees a GPU yet: unknown, with what each one was missing, and another look
+    every `retry_after_s`, as NVML's reader retries its init: a driver that finishes loading
+    after the tray started, or an update that needed a reboot, is found without a restart.
+    From the first look that finds a device on, reads go through that reader."""
 
-    def __init__(self, reason: str) -> None:
-        self._reading = UNKNOWN_GPU(reason)
+    def __init__(self, reason: str, find: Callable[[], tuple[GpuReader | None, str]], *,
+                 retry_after_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._reason = reason
+        self._find = find
+        self._retry_after_s = retry_after_s
+        self._clock = clock
+        self._looked_at = clock()
+        self._found: GpuReader | None = None
+        self._lock = threading.Lock()
 
     def read(self) -> GpuReading:
-        return self._reading
+        with self._lock:
+            if self._found is None and self._clock() - self._looked_at >= self._retry_after_s:
+                self._looked_at = self._clock()
+                self._found, self._reason = self._find()
+            found, reason = self._found, self._reason
+        return found.read() if found is not None else UNKNOWN_GPU(reason)
 
     def close(self) -> None:
-        """Nothing held."""
+        with self._lock:
+            if self._found is not None:
+                self._found.close()
 
 
 def first_device_total_mib(probe: LlamaDeviceProbe) -> Callable[[], tuple[float | None, str]]:
@@ -234,40 +253,49 @@ def llama_server_probe(llama_server_path: str = "",
 def detect_gpu_reader(llama_server_path: str = "", *, environment: Mapping[str, str] | None = None,
                       sys_root: Path = SYS_ROOT, proc_root: Path = PROC_ROOT,
                       nvml: GpuReader | None = None,
-                      probe: Callable[[], LlamaDeviceProbe | None] | None = None) -> GpuReader:
+                      probe: Callable[[], LlamaDeviceProbe | None] | None = None,
+                      clock: Callable[[], float] = time.monotonic) -> GpuReader:
     """The reader for this machine's GPU: NVML when it sees a device, else the amdgpu reader
     when there is an amdgpu card, else fdinfo for other DRM cards that report VRAM, else
-    llama.cpp's device list, else an explicit unknown that says what each was missing."""
+    llama.cpp's device list, else an explicit unknown that says what each was missing (and
+    looks again now and then)."""
     nvml = nvml if nvml is not None else NvmlGpuReader()
+
+    def find() -> tuple[GpuReader | None, str]:
+        llama_probe = (probe or (lambda: llama_server_probe(llama_server_path, environment)))()
+        return find_gpu_reader(nvml, sys_root, proc_root, llama_probe)
+
+    reader, reason = find()
+    return reader if reader is not None else RedetectingGpuReader(reason, find, clock=clock)
+
+
+def find_gpu_reader(nvml: GpuReader, sys_root: Path, proc_root: Path,
+                    llama_probe: LlamaDeviceProbe | None) -> tuple[GpuReader | None, str]:
+    """The first reader, in detect_gpu_reader's order, that sees a device now; else None and
+    what each was missing."""
     nvml_reading = nvml.read()
     if nvml_reading.available:
-        return nvml
+        return nvml, ""
     nvml.close()
     # The service says "serving CPU-only" itself, after all the reasons.
     reasons = [(nvml_reading.reason or "NVML sees no NVIDIA GPU").removesuffix("; running CPU-only")]
 
     cards = scan_cards(sys_root)
+    fallback = first_device_total_mib(llama_probe) if llama_probe is not None else None
+    candidates: list[GpuReader] = []
     if any(card.driver == "amdgpu" for card in cards):
-        return AmdGpuReader(sys_root, proc_root)
-
-    llama_probe = (probe or (lambda: llama_server_probe(llama_server_path, environment)))()
-    others = [card for card in cards if card.driver is not None and card.driver not in _NOT_FDINFO_DRIVERS]
-    if others:
-        fallback = first_device_total_mib(llama_probe) if llama_probe is not None else None
-        fdinfo = DrmFdinfoGpuReader(sys_root, proc_root, total_mib_fallback=fallback)
-        reading = fdinfo.read()
-        if reading.available:
-            return fdinfo
-        reasons.append(reading.reason or "no DRM card reports VRAM")
-    else:
+        candidates.append(AmdGpuReader(sys_root, proc_root))
+    if any(card.driver not in (None, "amdgpu", *_NOT_FDINFO_DRIVERS) for card in cards):
+        candidates.append(DrmFdinfoGpuReader(sys_root, proc_root, total_mib_fallback=fallback))
+    if not candidates:
         reasons.append(f"no AMD or Intel card in {sys_root / 'class' / 'drm'}")
-
+    if llama_probe is not None:
+        candidates.append(LlamaReportGpuReader(llama_probe))
+    for candidate in candidates:
+        reading = candidate.read()
+        if reading.available:
+            return candidate, ""
+        reasons.append(reading.reason or f"{type(candidate).__name__} sees no device")
     if llama_probe is None:
         reasons.append("llama-server is not installed, so llama.cpp can't be asked for its devices")
-    else:
-        llama = LlamaReportGpuReader(llama_probe)
-        reading = llama.read()
-        if reading.available:
-            return llama
-        reasons.append(reading.reason or "llama.cpp sees no GPU device")
-    return UnknownGpuReader("; ".join(reasons))
+    return None, "; ".join(reasons)
