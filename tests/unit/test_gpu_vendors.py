@@ -469,6 +469,18 @@ def test_llama_report_reader() -> None:
     assert total() == (None, "llama.cpp sees no GPU device")
 
 
+def test_a_cards_total_is_asked_of_llama_cpp_once() -> None:
+    """Each probe starts a GPU context: the fdinfo reader's total, which never changes, is not
+    worth another one every refresh."""
+    now = [0.0]
+    run = FakeRun()
+    total = first_device_total_mib(LlamaDeviceProbe(["llama-server"], refresh_after_s=60, clock=lambda: now[0],
+                                                    run=run))
+    assert total() == (2048.0, "")
+    now[0] = 3600.0
+    assert total() == (2048.0, "") and len(run.calls) == 1
+
+
 # --------------------------------------------------------------------------
 # The choice
 # --------------------------------------------------------------------------

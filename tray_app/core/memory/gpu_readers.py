@@ -6,7 +6,8 @@
   kernel publishes it, else from llama.cpp's device list (`DrmFdinfoGpuReader`).
 - Anything else llama.cpp can drive (Windows, macOS, a driver without fdinfo): llama.cpp's own
   device list, from a probe process (`LlamaReportGpuReader`).
-- Nothing: an explicit unknown with what was missing (`UnknownGpuReader`).
+- Nothing: an explicit unknown with what each was missing, looked at again every 30 s
+  (`RedetectingGpuReader`).
 
 Every reader fills the same `GpuReading` NVML's does, so "other apps", the give-back to games
 and the worker's own footprint work the same way wherever per-process numbers exist.
@@ -224,13 +225,20 @@ class RedetectingGpuReader:
 
 
 def first_device_total_mib(probe: LlamaDeviceProbe) -> Callable[[], tuple[float | None, str]]:
+    """llama.cpp's first device's total, the GPU worker's. A card's total does not change, so
+    once known it is kept: asking again would start a GPU context each refresh for nothing."""
+    known: list[float] = []
+
     def total() -> tuple[float | None, str]:
+        if known:
+            return known[0], ""
         report = probe.report()
         if report.error is not None:
             return None, f"llama.cpp's device list is not available: {report.error}"
         if not report.devices:
             return None, "llama.cpp sees no GPU device"
-        return report.devices[0].total_mib, ""
+        known.append(report.devices[0].total_mib)
+        return known[0], ""
     return total
 
 

@@ -77,7 +77,7 @@ def run_list_devices(argv: Sequence[str], env: Mapping[str, str] | None, timeout
     """One probe process; every failure becomes a report with the reason, never an exception."""
     command = " ".join([Path(argv[0]).name, *argv[1:]])
     try:
-        done = run(list(argv), capture_output=True, text=True, timeout=timeout_s,
+        done = run(list(argv), capture_output=True, text=True, errors="replace", timeout=timeout_s,
                    env=dict(env) if env is not None else None, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return DeviceReport((), f"{command} did not answer within {timeout_s:.0f} s")
