@@ -53,27 +53,6 @@ class PromptCounter:
         with self._lock:
             return len(self._llm.tokenize(rendered.prompt.encode("utf-8"), add_bos=not rendered.added_special, special=True))
 
-    def grammar_problem(self, grammar: str) -> str | None:
-        """Why llama.cpp can't use this GBNF grammar, or None if it can.
-
-        The same parser the worker runs, on the same vocabulary: a grammar it
-        refuses makes llama-cpp-python's server crash on a null sampler, so it
-        must be refused here, before any worker sees it."""
-        try:
-            encoded = grammar.encode("utf-8")
-        except UnicodeEncodeError:
-            return "it is not valid UTF-8 text"
-        if b"\0" in encoded:
-            return "it contains a NUL character"
-        with self._lock:
-            vocab = llama_cpp.llama_model_get_vocab(self._llm.model)
-            sampler = llama_cpp.llama_sampler_init_grammar(vocab, encoded, b"root")
-            if sampler:
-                llama_cpp.llama_sampler_free(sampler)
-                return None
-        return ("llama.cpp can't parse it as a GBNF grammar with a 'root' rule "
-                "(a syntax error, an undefined rule, or left recursion)")
-
     def vocabulary_fingerprint(self) -> str:
         """A digest of every token's text: equal fingerprints mean equal vocabularies."""
         digest = hashlib.sha256()

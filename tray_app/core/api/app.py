@@ -24,6 +24,7 @@ from starlette.routing import Route as HttpRoute
 from ..dispatch.jobs import Job, JobFailed, JobKind, new_request_id
 from ..dispatch.peer import HOP_HEADER
 from ..dispatch.quarantine import request_fingerprint
+from ..grammar_check import GrammarChecker
 from ..host import ModelHost
 from ..service import Service
 from . import bounds
@@ -53,6 +54,7 @@ class Router:
         self.largest_context = max(max(m.gpu_n_ctx, m.cpu_n_ctx) for m in service.library)
         self.idempotency = IdempotencyStore()
         self.anthropic = AnthropicMessages(self.largest_context)
+        self._grammars: GrammarChecker | None = None
 
     @property
     def model_names(self) -> ModelNames:
@@ -68,10 +70,28 @@ class Router:
             self._names_for = (service.library, names)
         return self._names_for[1]
 
-    def _grammar_problem(self, grammar: str) -> str | None:
-        counter = self.service.counter
-        assert counter is not None, "the service counts tokens once started"
-        return counter.grammar_problem(grammar)
+    @property
+    def grammars(self) -> GrammarChecker:
+        """The grammar checker, started with the first structured request."""
+        if self._grammars is None:
+            self._grammars = GrammarChecker(self.service.model_info.path)
+        return self._grammars
+
+    async def _constrain(self, body: dict[str, Any], checked: Checked) -> None:
+        """The answer's constraint as the body's GBNF grammar, converted and
+        parsed by llama.cpp in the grammar checker's child process: never in
+        this process, whose crash would take every request with it."""
+        constraint = checked.constraint
+        if constraint is None:
+            return
+        checker = self.grammars
+        verdict = await (checker.check_schema(constraint.schema) if constraint.schema is not None
+                         else checker.check_grammar(constraint.grammar or ""))
+        if verdict.grammar is None:
+            status = 503 if verdict.code == "grammar_checker_unavailable" else 400
+            raise _Invalid(status, f"'{constraint.param}' can't constrain the answer: {verdict.problem}",
+                           verdict.code or "invalid_grammar", constraint.param)
+        body["grammar"] = verdict.grammar
 
     # ----- small routes -----------------------------------------------------
 
@@ -219,7 +239,8 @@ class Router:
             body = await read_json_object(request)
             body.setdefault("max_tokens", 1)  # not part of this route's body
             translated = protocol.translate(body, JobKind.CHAT)
-            validate(translated.body, JobKind.CHAT, self.model_names, self.largest_context, self._grammar_problem)
+            checked = validate(translated.body, JobKind.CHAT, self.model_names, self.largest_context)
+            await self._constrain(translated.body, checked)
             job = Job(id=new_request_id(), kind=JobKind.CHAT, body=translated.body, stream=False)
             host = self._host(translated.body.get("model"))
             await self.service.ensure_started(host)
@@ -252,8 +273,9 @@ class Router:
             kind, body = translated.kind, translated.body
             if translated.load_only:
                 return self._load_only(translated, protocol)
-            checked = validate(body, kind, self.model_names, self.largest_context, self._grammar_problem,
+            checked = validate(body, kind, self.model_names, self.largest_context,
                                logprobs=self.service.supports_logprobs)
+            await self._constrain(body, checked)
             routing = routing_headers(request)
         except _Invalid as bad:
             headers = dict(base_headers)
@@ -502,6 +524,8 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         try:
             yield
         finally:
+            if router._grammars is not None:
+                await router._grammars.close()
             if manage_lifecycle:
                 await service.stop()
 

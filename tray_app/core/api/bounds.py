@@ -106,3 +106,29 @@ def request_properties(max_tokens: int) -> dict[str, Any]:
                  "maxItems": MAX_STOP},
         "reasoning_format": {"type": "string", "enum": list(REASONING_FORMATS)},
     }
+
+
+# Structured output: a JSON schema (response_format, Ollama's format, a forced
+# tool's parameters) becomes a GBNF grammar, and llama.cpp parses grammars
+# recursively with no depth limit (upstream #26600): llama-cpp-python's
+# converter writes maxLength N as N nested groups, so one 200-byte schema
+# overflowed the stack. These bounds are checked before anything converts or
+# parses, and again on the grammar the conversion writes. Each is far above
+# what a real schema asks (OpenAI's strict mode allows 10 levels of nesting
+# and 5000 properties) and below what the parser survives: measured with the
+# vendored llama.cpp, it takes about 400 bytes of stack per nested group, so
+# about 2,500 levels on the checker's 1 MiB stack (GRAMMAR_CHECK_STACK_BYTES)
+# and 20,000 on a worker's 8 MiB.
+MAX_SCHEMA_DEPTH = 64           # nested objects and arrays in the schema's JSON
+MAX_SCHEMA_NODES = 20_000       # values of any kind in the schema's JSON
+MAX_SCHEMA_COUNT = 1_000        # any one minLength, maxLength, minItems, maxItems or pattern {m,n}
+MAX_SCHEMA_REPETITION = 4_096   # all of them summed
+MAX_SCHEMA_NUMBER = 10**15      # |minimum|, |maximum| and the like: digit rules grow with them
+MAX_PATTERN_CHARS = 1_000
+MAX_GRAMMAR_BYTES = 512 * 1024
+MAX_GRAMMAR_NESTING = 1_200     # a schema within the bounds converts to less (about MAX_SCHEMA_COUNT)
+MAX_GRAMMAR_REPETITION = MAX_SCHEMA_REPETITION  # a raw grammar's {m,n} quantifiers, summed
+# The grammar check runs in a child process (core/grammar_check.py) with these limits.
+GRAMMAR_CHECK_TIMEOUT_S = 10.0
+GRAMMAR_CHECK_MEMORY_MIB = 1024
+GRAMMAR_CHECK_STACK_BYTES = 1024 * 1024

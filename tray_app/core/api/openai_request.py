@@ -7,10 +7,12 @@ worker, the token counter and admission all see the same request.
 
 from __future__ import annotations
 
-import json
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
-from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+from llama_cpp.llama_grammar import JSON_GBNF
+
+from . import grammar_bounds
 
 
 class InvalidRequest(Exception):
@@ -60,42 +62,46 @@ def _part_text(index: int, number: int, part: Any, model_name: str) -> str:
     return text
 
 
-def constrain_output(body: dict[str, Any], grammar_problem: Callable[[str], str | None]) -> None:
-    """Turn response_format into the GBNF grammar the worker constrains
-    decoding with, in place, and check that llama.cpp can parse it.
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's answer must match, before it is a grammar.
 
-    A grammar llama.cpp can't parse used to reach the worker, whose server
-    then crashed on it; now it is a 400 before anything runs. Both workers
-    get the same grammar string, so a replay is constrained the same way.
-    """
+    Validation only decides this and checks its size (grammar_bounds): the
+    router never converts or parses it itself. The grammar checker's child
+    process turns `schema` into GBNF, parses the grammar with llama.cpp, and
+    the result becomes the body's `grammar`, which both workers get, so a
+    replay is constrained the same way."""
+
+    param: str                 # the field it came from, for the 400
+    schema: Any = None         # a JSON schema to convert
+    grammar: str | None = None  # or a GBNF grammar as it is
+    tool: str | None = None    # the forced tool's name (tool_choice)
+
+
+def constrain_output(body: dict[str, Any]) -> Constraint | None:
+    """response_format or a raw `grammar`, as a Constraint; both leave the body."""
     response_format = body.pop("response_format", None)
-    grammar = body.get("grammar")
-    if response_format is not None:
-        converted = _grammar_for(response_format)
-        if converted is not None and grammar is not None:
-            raise InvalidRequest(400, "send either 'response_format' or 'grammar', not both", "invalid_value",
-                                 "response_format")
-        grammar = converted if converted is not None else grammar
-    if grammar is None:
-        body.pop("grammar", None)
-        return
+    grammar = body.pop("grammar", None)
+    constraint = _constraint_for(response_format) if response_format is not None else None
+    if constraint is not None and grammar is not None:
+        raise InvalidRequest(400, "send either 'response_format' or 'grammar', not both", "invalid_value",
+                             "response_format")
+    if constraint is not None or grammar is None:
+        return constraint
     if not isinstance(grammar, str) or not grammar.strip():
         raise InvalidRequest(400, "'grammar' must be a non-empty GBNF string", "invalid_value", "grammar")
-    problem = grammar_problem(grammar)
-    if problem is not None:
-        param = "response_format" if response_format is not None else "grammar"
-        raise InvalidRequest(400, f"the {param} can't be used to constrain the output: {problem}",
-                             "invalid_grammar", param)
-    body["grammar"] = grammar
+    _check_size(grammar_bounds.grammar_problem(grammar), "grammar", "the grammar is too large for llama.cpp")
+    return Constraint("grammar", grammar=grammar)
 
 
-def force_named_tool(body: dict[str, Any], grammar_problem: Callable[[str], str | None]) -> str | None:
+def force_named_tool(body: dict[str, Any], constraint: Constraint | None) -> Constraint | None:
     """OpenAI's named tool_choice, {"type": "function", "function": {"name": F}},
     forces a call of F. llama-server does not take that form, and a template
     without tool calling (SmolLM2's) can't ask for it, so the router does it
     the same way on every engine: the answer is constrained to F's
     parameters (a grammar from their JSON schema), and the backend turns it
-    into F's tool call. Returns F, or None for any other tool_choice.
+    into F's tool call. Returns that constraint, or the one given for any
+    other tool_choice.
     """
     choice = body.get("tool_choice")
     if not isinstance(choice, dict):
@@ -103,7 +109,7 @@ def force_named_tool(body: dict[str, Any], grammar_problem: Callable[[str], str 
             raise InvalidRequest(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or "
                                  "{\"type\": \"function\", \"function\": {\"name\": ...}}", "invalid_value",
                                  "tool_choice")
-        return None
+        return constraint
     function = choice.get("function")
     name = function.get("name") if isinstance(function, dict) else None
     if choice.get("type") != "function" or not isinstance(name, str) or not name:
@@ -115,23 +121,17 @@ def force_named_tool(body: dict[str, Any], grammar_problem: Callable[[str], str 
     if declared is None:
         raise InvalidRequest(400, f"'tool_choice' names {name!r}, which is not in 'tools'", "invalid_value",
                              "tool_choice")
-    if body.get("grammar") is not None:
+    if constraint is not None:
         raise InvalidRequest(400, "a named 'tool_choice' already constrains the answer; drop 'response_format' "
                              "or 'grammar'", "invalid_value", "tool_choice")
     parameters = declared.get("parameters", {"type": "object"})
-    grammar = _schema_grammar(parameters, "tools.function.parameters")
-    problem = grammar_problem(grammar)
-    if problem is not None:
-        raise InvalidRequest(400, f"the parameters of {name!r} can't constrain the output: {problem}",
-                             "invalid_json_schema", "tools.function.parameters")
-    body["grammar"] = grammar
     # The tools stay in the request (a template that shows tools shows them);
     # "none": the worker must not parse the constrained answer as a call itself.
     body["tool_choice"] = "none"
-    return name
+    return _schema_constraint(parameters, "tools.function.parameters", tool=name)
 
 
-def _grammar_for(response_format: Any) -> str | None:
+def _constraint_for(response_format: Any) -> Constraint | None:
     if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
         raise InvalidRequest(400, "'response_format' must be an object with a 'type'", "invalid_value",
                              "response_format")
@@ -140,21 +140,26 @@ def _grammar_for(response_format: Any) -> str | None:
         return None
     if kind == "json_object":
         schema = response_format.get("schema")
-        return JSON_GBNF if schema is None else _schema_grammar(schema, "response_format.schema")
+        if schema is None:
+            return Constraint("response_format", grammar=JSON_GBNF)
+        return _schema_constraint(schema, "response_format.schema")
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise InvalidRequest(400, "'response_format.json_schema' must be an object with a 'schema' object",
                                  "invalid_value", "response_format.json_schema")
-        return _schema_grammar(spec["schema"], "response_format.json_schema.schema")
+        return _schema_constraint(spec["schema"], "response_format.json_schema.schema")
     raise InvalidRequest(400, f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'",
                          "invalid_value", "response_format.type")
 
 
-def _schema_grammar(schema: Any, param: str) -> str:
-    try:
-        return json_schema_to_gbnf(json.dumps(schema))
-    except Exception as exc:  # the converter asserts and raises on what it can't express
-        detail = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-        raise InvalidRequest(400, f"the JSON schema can't be turned into a grammar: {detail}",
-                             "invalid_json_schema", param) from None
+def _schema_constraint(schema: Any, param: str, tool: str | None = None) -> Constraint:
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequest(400, f"'{param}' must be a JSON schema (an object)", "invalid_json_schema", param)
+    _check_size(grammar_bounds.schema_problem(schema), param, "the JSON schema is too large")
+    return Constraint(param, schema=schema, tool=tool)
+
+
+def _check_size(problem: str | None, param: str, what: str) -> None:
+    if problem is not None:
+        raise InvalidRequest(400, f"{what}: {problem}", "grammar_too_complex", param)

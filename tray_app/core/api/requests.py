@@ -15,7 +15,7 @@ from starlette.requests import Request
 
 from ..dispatch.jobs import JobKind
 from . import bounds
-from .openai_request import InvalidRequest, constrain_output, flatten_content, force_named_tool
+from .openai_request import Constraint, InvalidRequest, constrain_output, flatten_content, force_named_tool
 
 _Invalid = InvalidRequest
 
@@ -90,8 +90,15 @@ PRESSURE_RULE = bounds.Range(False, 0, 16 * 1024 * 1024).problem
 class Checked:
     """What validation learned that the job, not the body, carries."""
 
-    forced_tool: str | None = None  # the function a named tool_choice forces
     top_logprobs: int | None = None  # alternatives per token; None = no logprobs
+    # What the answer must match (response_format, grammar, a named
+    # tool_choice); the router turns it into the body's grammar off the loop.
+    constraint: Constraint | None = None
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The function a named tool_choice forces."""
+        return self.constraint.tool if self.constraint is not None else None
 
 
 # Fields llama-server reads that would override what the router decided for
@@ -111,8 +118,8 @@ ROUTER_OWNED_FIELDS = {
 }
 
 
-def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_context: int,
-             grammar_problem: Callable[[str], str | None], *, logprobs: bool = False) -> Checked:
+def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_context: int, *,
+             logprobs: bool = False) -> Checked:
     """Check a chat or completion body field by field, in place turning
     what clients send into what a worker runs (content parts, structured
     output). Raises InvalidRequest naming the field."""
@@ -172,9 +179,10 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
             problem = rule(body[field])
             if problem:
                 raise _Invalid(400, f"'{field}' {problem}", "invalid_value", field)
-    constrain_output(body, grammar_problem)
-    forced_tool = force_named_tool(body, grammar_problem) if kind is JobKind.CHAT else None
-    return Checked(forced_tool=forced_tool, top_logprobs=top_logprobs)
+    constraint = constrain_output(body)
+    if kind is JobKind.CHAT:
+        constraint = force_named_tool(body, constraint)
+    return Checked(top_logprobs=top_logprobs, constraint=constraint)
 
 
 def _check_logprobs(body: dict[str, Any], kind: JobKind, supported: bool) -> int | None:
