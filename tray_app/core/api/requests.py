@@ -360,6 +360,8 @@ def clean_request_id(raw: str | None) -> str | None:
     if not raw:
         return None
     cleaned = raw.strip()
-    if not cleaned or len(cleaned) > 128 or not all(c.isalnum() or c in "-_.:" for c in cleaned):
+    # ASCII only (str.isalnum() takes any script's letters): the id is
+    # forwarded to peers as a header, which must encode as ASCII.
+    if not cleaned or len(cleaned) > 128 or not all(c.isascii() and (c.isalnum() or c in "-_.:") for c in cleaned):
         return None
     return cleaned
