@@ -92,6 +92,23 @@ def test_a_finished_answer_is_drawn_as_markdown_and_streams_as_plain_text(qtbot,
     assert not document.find("not bold").charFormat().fontWeight() > 400
 
 
+def test_a_finished_answer_is_drawn_as_markdown_once_not_on_every_redraw(qtbot, chat, monkeypatch) -> None:
+    drawn: list[str] = []
+    real = markdown.to_html
+    monkeypatch.setattr(markdown, "to_html", lambda text, palette: drawn.append(text) or real(text, palette))
+    # A text of this test's own: no other test's drawing is in the cache.
+    first = f"{ANSWER}\n\nfirst answer of {id(chat)}"
+    ask(chat, "How do I reverse a list?", first)
+    assert drawn == [first]
+    # The next question and its streamed answer redraw the transcript many
+    # times; the finished answer above is drawn from what was kept.
+    second = f"second answer of {id(chat)}"
+    ask(chat, "And a tuple?", second)
+    chat._render()
+    assert drawn == [first, second]
+    assert "backwards = items[::-1]" in chat.transcript.toPlainText()
+
+
 def test_links_open_only_for_the_web_and_mail(qtbot, chat, monkeypatch) -> None:
     opened: list[str] = []
     monkeypatch.setattr(QDesktopServices, "openUrl", staticmethod(lambda url: opened.append(url.toString()) or True))

@@ -8,6 +8,7 @@ DELETE /v1/requests/{id}.
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import logging
@@ -975,7 +976,7 @@ def render_html(turns: list[Turn], palette: colors.ChatColors | None = None) -> 
                 body += f'<span style="color:{css(c.meta_text)}">{ANSWER_END_MARK}</span>' if turn.text else \
                     f'<span style="color:{css(c.meta_text)}"><i>…</i></span>'
             else:
-                body = markdown.to_html(turn.text, md)
+                body = answer_html(turn.text, md)
             if turn.error:
                 body += (f'<p style="margin-top:{"6px" if body else "0"}; margin-bottom:0; color:{css(c.error_text)}">'
                          f'<b>{html.escape(turn.error)}</b></p>')
@@ -986,6 +987,16 @@ def render_html(turns: list[Turn], palette: colors.ChatColors | None = None) -> 
                 f'<td bgcolor="{css(c.answer_bubble)}" style="padding:8px 10px; color:{css(c.answer_text)}">'
                 f'{body}{meta}</td><td width="12%"></td></tr></table>')
     return "".join(parts)
+
+
+@functools.lru_cache(maxsize=256)
+def answer_html(text: str, palette: markdown.MarkdownColors) -> str:
+    """A finished answer drawn as Markdown, once: the transcript is drawn
+    again for every new turn, route line and theme change, and an answer's
+    text doesn't change once it is finished. Keyed by the text itself, so an
+    edited or reopened answer is drawn afresh; 256 answers of a long session
+    stay drawn."""
+    return markdown.to_html(text, palette)
 
 
 def _text_html(text: str) -> str:

@@ -16,6 +16,7 @@ are its nested tables, in the order code_blocks() lists them.
 
 from __future__ import annotations
 
+import bisect
 import html
 import re
 from dataclasses import dataclass, field
@@ -25,27 +26,51 @@ from .colors import RGB
 
 LINK_SCHEMES = ("http://", "https://", "mailto:")
 
-_FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")
-_HEADING = re.compile(r"^ {0,3}(?P<level>#{1,6})(?:[ \t]+(?P<text>.*?))?(?:[ \t]+#+)?[ \t]*$")
+# Every pattern here runs in time linear in its line or block: no two
+# quantifiers in a row that can take the same characters (a fence's `[ \t]*`
+# before an info string that also takes blanks was quadratic in a line of
+# blanks), and no lazy `[\s\S]+?` that rescans to the end for each opener
+# (emphasis and code spans are paired by the scanners below instead).
+_FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>[^`\n]*)$")
+_HEADING = re.compile(r"^ {0,3}(?P<level>#{1,6})(?:[ \t]+(?P<text>.*))?$")
 _RULE = re.compile(r"^ {0,3}([-*_])(?:[ \t]*\1){2,}[ \t]*$")
 _ITEM = re.compile(r"^(?P<indent>[ \t]*)(?P<marker>[-*+]|\d{1,9}[.)])[ \t]+(?P<text>\S.*)$")
 _QUOTE = re.compile(r"^ {0,3}> ?(?P<text>.*)$")
 
 # What must not be touched by the emphasis rules: code spans, links, URLs,
-# backslash escapes. Each is swapped for a placeholder first.
+# backslash escapes. Each is swapped for a placeholder first. A code span's
+# opening run of backticks is found here and its closing run by
+# _code_span_end (a lazy match to its closer would rescan the rest of the
+# text for every backtick that has none). A link's label holds no `[` and an
+# autolink no `<`, so a failed match ends at the next one.
 _PROTECTED = re.compile(
-    r"(?P<ticks>`+)(?P<code>[\s\S]+?)(?<!`)(?P=ticks)(?!`)"
-    r"|\[(?P<label>[^\]\n]+)\]\((?P<url>[^()\s]+)(?:[ \t]+\"[^\"\n]*\")?\)"
-    r"|<(?P<auto>(?:https?://|mailto:)[^>\s]+)>"
+    r"(?P<ticks>`+)"
+    r"|\[(?P<label>[^\[\]\n]+)\]\((?P<url>[^()\s]+)(?:[ \t]+\"[^\"\n]*\")?\)"
+    r"|<(?P<auto>(?:https?://|mailto:)[^<>\s]+)>"
     r"|(?P<bare>https?://[^\s<>()\[\]]*[^\s<>()\[\].,;:!?'\"*_~])"
     r"|\\(?P<escaped>[!-/:-@\[-`{-~])"
 )
+_TICK_RUN = re.compile(r"`+")
+
+
+@dataclass(frozen=True)
+class _Emphasis:
+    """One emphasis rule: a delimiter `width` characters wide opens where
+    `opener` matches and closes at the first `closer` after at least one
+    character; the text between goes in `tag`."""
+
+    opener: re.Pattern[str]
+    closer: re.Pattern[str]
+    width: int
+    tag: str
+
+
 _EMPHASIS = (
-    (re.compile(r"\*\*(?=\S)([\s\S]+?)(?<=\S)\*\*"), "b"),
-    (re.compile(r"(?<!\w)__(?=\S)([\s\S]+?)(?<=\S)__(?!\w)"), "b"),
-    (re.compile(r"~~(?=\S)([\s\S]+?)(?<=\S)~~"), "s"),
-    (re.compile(r"(?<!\*)\*(?=[^\s*])([\s\S]+?)(?<=[^\s*])\*(?!\*)"), "i"),
-    (re.compile(r"(?<!\w)_(?=[^\s_])([\s\S]+?)(?<=[^\s_])_(?!\w)"), "i"),
+    _Emphasis(re.compile(r"\*\*(?=\S)"), re.compile(r"(?<=\S)\*\*"), 2, "b"),
+    _Emphasis(re.compile(r"(?<!\w)__(?=\S)"), re.compile(r"(?<=\S)__(?!\w)"), 2, "b"),
+    _Emphasis(re.compile(r"~~(?=\S)"), re.compile(r"(?<=\S)~~"), 2, "s"),
+    _Emphasis(re.compile(r"(?<!\*)\*(?=[^\s*])"), re.compile(r"(?<=[^\s*])\*(?!\*)"), 1, "i"),
+    _Emphasis(re.compile(r"(?<!\w)_(?=[^\s_])"), re.compile(r"(?<=[^\s_])_(?!\w)"), 1, "i"),
 )
 # Placeholders use private-use characters; the text's own are dropped first.
 _OPEN, _CLOSE = "\ue000", "\ue001"
@@ -84,6 +109,21 @@ class Block:
     level: int = 0            # a heading's level
     info: str = ""            # a code block's language, as the fence names it
     items: list[tuple[int, bool, int, str]] = field(default_factory=list)  # (indent, ordered, number, text)
+    # Lines gathered while parsing, joined once at the end (adding each line
+    # to the text would copy the text again for every line): a quote's
+    # lines, or (item, line) for the lines under a list's items.
+    lines: list = field(default_factory=list, repr=False, compare=False)
+
+    def join_lines(self) -> None:
+        if self.kind == "quote":
+            self.text = "\n".join(self.lines)
+        elif self.kind == "list" and self.lines:
+            under: dict[int, list[str]] = {}
+            for item, line in self.lines:
+                under.setdefault(item, []).append(line)
+            self.items = [(indent, ordered, number, "\n".join([text, *under.get(index, ())]))
+                          for index, (indent, ordered, number, text) in enumerate(self.items)]
+        self.lines = []
 
 
 def parse(text: str) -> list[Block]:
@@ -119,7 +159,7 @@ def parse(text: str) -> list[Block]:
             continue
         if heading := _HEADING.match(line):
             flush()
-            blocks.append(Block("heading", (heading["text"] or "").strip(), level=len(heading["level"])))
+            blocks.append(Block("heading", _heading_text(heading["text"] or ""), level=len(heading["level"])))
         elif _RULE.match(line):
             flush()
             blocks.append(Block("rule"))
@@ -140,17 +180,29 @@ def parse(text: str) -> list[Block]:
             previous = blocks[-1] if blocks else None
             # Quote lines in a row are one quote; a blank line starts another.
             if previous is not None and previous.kind == "quote" and lines[i - 2].strip():
-                previous.text += "\n" + quote["text"]
+                previous.lines.append(quote["text"])
             else:
-                blocks.append(Block("quote", quote["text"]))
+                blocks.append(Block("quote", lines=[quote["text"]]))
         elif not paragraph and blocks and blocks[-1].kind == "list" and lines[i - 2].strip():
             # A line under a list item, not a new paragraph: the item goes on.
-            indent, ordered, number, item_text = blocks[-1].items[-1]
-            blocks[-1].items[-1] = (indent, ordered, number, item_text + "\n" + line.strip())
+            blocks[-1].lines.append((len(blocks[-1].items) - 1, line.strip()))
         else:
             paragraph.append(line)
     flush()
+    for block in blocks:
+        block.join_lines()
     return blocks
+
+
+def _heading_text(text: str) -> str:
+    """A heading's text without its closing #s ("## Title ##"), which need a
+    blank before them; string operations, as a regex for them backtracked
+    over every blank of a long line."""
+    text = text.strip(" \t")
+    bare = text.rstrip("#")
+    if bare != text and (not bare or bare[-1] in " \t"):
+        text = bare.rstrip(" \t")
+    return text
 
 
 def _closes(line: str, mark: str) -> bool:
@@ -230,28 +282,78 @@ def _list_html(items: list[tuple[int, bool, int, str]], palette: MarkdownColors,
 
 def inline_html(text: str, palette: MarkdownColors, *, links: bool = True) -> str:
     """One block's text: code spans, links and emphasis; newlines as <br>.
-    Without `links`, URLs stay text (a link's label: no link inside a link)."""
+    Without `links`, URLs stay text (a link's label: no link inside a link).
+
+    Linear in the text's length: each scan goes on from where the last one
+    stopped, and a delimiter that finds no partner ends its rule's scan."""
     text = text.replace(_OPEN, "").replace(_CLOSE, "")
     kept: list[str] = []
-
-    def protect(match: re.Match[str]) -> str:
-        kept.append(_protected_html(match, palette, links))
-        return f"{_OPEN}{len(kept) - 1}{_CLOSE}"
-
-    marked = html.escape(_PROTECTED.sub(protect, text))
-    for pattern, tag in _EMPHASIS:
-        marked = pattern.sub(lambda m, tag=tag: f"<{tag}>{m[1]}</{tag}>", marked)
+    marked = html.escape(_protect(text, palette, links, kept))
+    for rule in _EMPHASIS:
+        marked = _emphasize(marked, rule)
     marked = marked.replace("\n", "<br>")
     return _PLACEHOLDER.sub(lambda m: kept[int(m[1])], marked)
 
 
+def _protect(text: str, palette: MarkdownColors, links: bool, kept: list[str]) -> str:
+    """`text` with each code span, link, URL and escape drawn into `kept`
+    and replaced by its placeholder."""
+    tick_runs: dict[int, list[int]] = {}  # a run's width -> where such runs start, in order
+    for run in _TICK_RUN.finditer(text):
+        tick_runs.setdefault(run.end() - run.start(), []).append(run.start())
+    out: list[str] = []
+    position = 0
+    while match := _PROTECTED.search(text, position):
+        start, end = match.span()
+        if match["ticks"]:
+            width = end - start
+            closing = _code_span_end(tick_runs.get(width, ()), end)
+            if closing is None:
+                # No run as wide closes it: the backticks are text (CommonMark's rule).
+                out.append(text[position:end])
+                position = end
+                continue
+            kept.append(_code_span_html(text[end:closing], palette))
+            end = closing + width
+        else:
+            kept.append(_protected_html(match, palette, links))
+        out.append(f"{text[position:start]}{_OPEN}{len(kept) - 1}{_CLOSE}")
+        position = end
+    out.append(text[position:])
+    return "".join(out)
+
+
+def _code_span_end(run_starts: list[int] | tuple[()], after: int) -> int | None:
+    """Where the first run of the same width at or after `after` starts: the
+    span's closer. Runs are whole runs, so none starts right at `after`."""
+    index = bisect.bisect_left(run_starts, after)
+    return run_starts[index] if index < len(run_starts) else None
+
+
+def _emphasize(marked: str, rule: _Emphasis) -> str:
+    """`marked` with each opener of `rule` and the first closer after it in
+    `rule.tag`, scanning left to right as a regex substitution would."""
+    out: list[str] = []
+    position = 0
+    while opener := rule.opener.search(marked, position):
+        start = opener.start()
+        closer = rule.closer.search(marked, start + rule.width + 1)
+        if closer is None:
+            break  # a later opener would need a closer later still
+        out.append(f"{marked[position:start]}<{rule.tag}>{marked[start + rule.width:closer.start()]}</{rule.tag}>")
+        position = closer.end()
+    out.append(marked[position:])
+    return "".join(out)
+
+
+def _code_span_html(code: str, palette: MarkdownColors) -> str:
+    if code.startswith(" ") and code.endswith(" ") and code.strip():
+        code = code[1:-1]
+    return (f'<code style="background-color:{colors.to_hex(palette.code_background)}; '
+            f'color:{colors.to_hex(palette.code_text)}">{html.escape(code).replace(chr(10), " ")}</code>')
+
+
 def _protected_html(match: re.Match[str], palette: MarkdownColors, links: bool) -> str:
-    if match["ticks"]:
-        code = match["code"]
-        if code.startswith(" ") and code.endswith(" ") and code.strip():
-            code = code[1:-1]
-        return (f'<code style="background-color:{colors.to_hex(palette.code_background)}; '
-                f'color:{colors.to_hex(palette.code_text)}">{html.escape(code).replace(chr(10), " ")}</code>')
     if match["escaped"]:
         return html.escape(match["escaped"])
     url = match["url"] or match["auto"] or match["bare"]
