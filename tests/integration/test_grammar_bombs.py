@@ -109,30 +109,34 @@ def pids(service) -> dict[str, int]:
     return {w["role"]: w["pid"] for w in service.status()["workers"] if w["pid"]}
 
 
-@pytest.mark.parametrize("bomb", sorted(SCHEMA_BOMBS))
-def test_every_schema_door_refuses_the_bomb_and_the_service_lives_on(fresh, bomb):
-    before = pids(fresh)
-    with HealthWatch(fresh.url) as watch:
-        for route, body in schema_doors(SCHEMA_BOMBS[bomb]):
-            response = fresh.http.post(route, json=body, timeout=30)
+def refused_while_the_service_lives_on(service, doors: list[tuple[str, dict]]) -> list[str]:
+    """Send each door's body: every one must be a 400 in its route's shape,
+    with /health answering throughout and no worker replaced. Returns the
+    error texts."""
+    before = pids(service)
+    texts = []
+    with HealthWatch(service.url) as watch:
+        for route, body in doors:
+            response = service.http.post(route, json=body, timeout=30)
             assert response.status_code == 400, (route, response.text)
             assert in_its_shape(route, response), (route, response.text)
-            assert "4096" in response.text and "lower minLength" in response.text, (route, response.text)
+            texts.append(response.text)
     assert watch.answers > 0 and watch.failures == []
-    assert pids(fresh) == before
-    assert fresh.process.poll() is None
+    assert pids(service) == before
+    assert service.process.poll() is None
+    return texts
+
+
+@pytest.mark.parametrize("bomb", sorted(SCHEMA_BOMBS))
+def test_every_schema_door_refuses_the_bomb_and_the_service_lives_on(fresh, bomb):
+    for text in refused_while_the_service_lives_on(fresh, schema_doors(SCHEMA_BOMBS[bomb])):
+        assert "4096" in text and "lower minLength" in text, text
 
 
 @pytest.mark.parametrize("bomb", sorted(GRAMMAR_BOMBS))
 def test_every_grammar_door_refuses_the_bomb_and_the_service_lives_on(fresh, bomb):
-    before = pids(fresh)
-    with HealthWatch(fresh.url) as watch:
-        for route, body in grammar_doors(GRAMMAR_BOMBS[bomb]):
-            response = fresh.http.post(route, json=body, timeout=30)
-            assert response.status_code == 400, (route, response.text)
-            assert in_its_shape(route, response) and response.json()["error"]["code"] == "grammar_too_complex"
-    assert watch.answers > 0 and watch.failures == []
-    assert pids(fresh) == before
+    for text in refused_while_the_service_lives_on(fresh, grammar_doors(GRAMMAR_BOMBS[bomb])):
+        assert "grammar_too_complex" in text, text
 
 
 def test_a_real_schema_still_constrains_the_answer(fresh):
