@@ -141,3 +141,31 @@ def test_the_example_config_documents_every_peers_key():
     (entry,) = parse_config_text(table).peers
     assert [f.name for f in dataclasses.fields(PeerEntry) if f.name not in table] == []
     assert dataclasses.replace(entry, name="", url="") == PeerEntry()
+
+
+# ----- the API key of a LAN bind ------------------------------------------------------------
+
+
+def test_a_lan_bind_refuses_a_short_api_key_and_says_how_to_make_one():
+    from tray_app.core.config import SHORTEST_LAN_API_KEY, lan_api_key_problem
+
+    problem = lan_api_key_problem("0.0.0.0", "hunter2")
+    assert problem is not None
+    assert "7 characters" in problem and f"at least {SHORTEST_LAN_API_KEY}" in problem
+    assert "secrets.token_urlsafe" in problem and "TRAY_APP_API_KEY" in problem
+    assert lan_api_key_problem("192.168.1.5", "k" * (SHORTEST_LAN_API_KEY - 1)) is not None
+    assert lan_api_key_problem("192.168.1.5", "k" * SHORTEST_LAN_API_KEY) is None
+    # Loopback needs no key, so a short one is the user's business; no key at all is bind_problem's.
+    assert lan_api_key_problem("127.0.0.1", "short") is None
+    assert lan_api_key_problem("0.0.0.0", "") is None
+
+
+def test_serve_on_a_lan_address_with_a_short_key_refuses_to_start(monkeypatch, capsys):
+    from tray_app.cli import main
+
+    monkeypatch.setenv("TRAY_APP_API_KEY", "short-key")
+    monkeypatch.setenv("XDG_CONFIG_HOME", "/nonexistent-tray-app-test")
+    monkeypatch.setattr("tray_app.cli.serve", lambda *args, **kwargs: pytest.fail("the server was started"))
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
+    error = capsys.readouterr().err
+    assert "9 characters" in error and "secrets.token_urlsafe(24)" in error

@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any, Sequence
 
-from ..core.config import DEFAULT_PORT, Config, ConfigError, apply_overrides, load_config
+from ..core.config import DEFAULT_PORT, Config, ConfigError, apply_overrides, lan_api_key_problem, load_config
 from ..core.memory.gguf_info import ModelFileError
 from ..drill.command import add_drill_parser, run_drill
 from .models import add_models_parser, run_models
@@ -172,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             read_model_info(config.fallback_model_path())
         from ..core.api.security import bind_problem, effective_api_key
 
-        problem = bind_problem(config.server.host, effective_api_key(config.server.api_key))
+        api_key = effective_api_key(config.server.api_key)
+        problem = bind_problem(config.server.host, api_key) or lan_api_key_problem(config.server.host, api_key)
         if problem:
             raise ConfigError(problem)
         from ..core.engine.runtime import choose_runtime, rpc_runtime_problem

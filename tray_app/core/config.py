@@ -469,6 +469,23 @@ def _model_entries(value: Any) -> tuple[ModelEntry, ...]:
     return tuple(entries)
 
 
+# A key that guards a LAN bind is guessed by anyone on the LAN who can try it
+# often enough: 16 characters of a random token are out of reach; a word is not.
+SHORTEST_LAN_API_KEY = 16
+MAKE_API_KEY_COMMAND = "python -c 'import secrets; print(secrets.token_urlsafe(24))'"
+
+
+def lan_api_key_problem(host: str, api_key: str) -> str | None:
+    """Why `api_key` is too weak to guard a bind of `host`, or None. A
+    loopback bind needs no key; a missing key is bind_problem's to say."""
+    if is_loopback(host) or not api_key or len(api_key) >= SHORTEST_LAN_API_KEY:
+        return None
+    return (f"binding {host} exposes the API to other machines, and its API key has only {len(api_key)} "
+            f"characters: anyone on the network could guess it, so it needs at least {SHORTEST_LAN_API_KEY}. "
+            f"Make one with: {MAKE_API_KEY_COMMAND}, and set it in TRAY_APP_API_KEY "
+            "(or [server] api_key in the config)")
+
+
 def peer_url_problem(url: str) -> str | None:
     """Why a peer's URL is not an http(s) base URL, or None."""
     parsed = urllib.parse.urlsplit(url)
