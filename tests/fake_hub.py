@@ -31,6 +31,14 @@ class FakeHub:
     drop_after: int | None = None  # the first download sends this many bytes, then hangs up
     ranges: list[str | None] = field(default_factory=list)  # the Range header of each download request
     requests: list[str] = field(default_factory=list)
+    authorizations: list[str | None] = field(default_factory=list)  # the Authorization header of each request
+    # A careless or hostile hub: a file list without sizes, bodies sent
+    # chunked (no Content-Length), extra entries in the list, and a Link
+    # header that continues the list at this URL.
+    list_sizes: bool = True
+    chunked: bool = False
+    extra_entries: list[dict] = field(default_factory=list)
+    next_page: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     url: str = ""
 
@@ -57,6 +65,7 @@ def make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             path = unquote(self.path)
             with hub.lock:
                 hub.requests.append(path)
+                hub.authorizations.append(self.headers.get("Authorization"))
             tree = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)(?:/(.*))?", path)
             resolve = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
             match = tree or resolve
@@ -79,8 +88,14 @@ def make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 entry = {"type": "file", "path": path, "size": len(hub_file.data), "oid": "0" * 40}
                 if hub_file.sha256 is not None:
                     entry["lfs"] = {"oid": hub_file.sha256, "size": len(hub_file.data), "pointerSize": 134}
+                if not hub.list_sizes:
+                    entry.pop("size")
+                    entry.get("lfs", {}).pop("size", None)
                 entries.append(entry)
-            self._plain(200, json.dumps(entries).encode(), {"Content-Type": "application/json"})
+            headers = {"Content-Type": "application/json"}
+            if hub.next_page:
+                headers["Link"] = f'<{hub.next_page}>; rel="next"'
+            self._plain(200, json.dumps(entries + hub.extra_entries).encode(), headers)
 
         def _resolve(self, repo: str, path: str) -> None:
             hub_file = hub.files.get((repo, path))
@@ -100,14 +115,23 @@ def make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self.send_header("Content-Range", f"bytes {start}-{size - 1}/{size}")
             else:
                 self.send_response(200)
-            self.send_header("Content-Length", str(size - start))
+            if hub.chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.send_header("Content-Length", str(size - start))
             self.send_header("Accept-Ranges", "bytes")
             self.end_headers()
             end = size if drop is None else start + drop
             view = memoryview(data)
             try:
                 for offset in range(start, end, 1 << 20):
-                    self.wfile.write(view[offset:min(offset + (1 << 20), end)])
+                    block = view[offset:min(offset + (1 << 20), end)]
+                    if hub.chunked:
+                        self.wfile.write(f"{len(block):x}\r\n".encode() + bytes(block) + b"\r\n")
+                    else:
+                        self.wfile.write(block)
+                if hub.chunked:
+                    self.wfile.write(b"0\r\n\r\n")
             except (BrokenPipeError, ConnectionResetError):
                 self.close_connection = True  # the client hung up (a cancel)
                 return

@@ -254,3 +254,70 @@ def test_too_little_disk_space_is_refused_before_any_byte(hub, tmp_path, monkeyp
     with pytest.raises(DownloadError, match="not enough space") as caught:
         download_model(hub.url, REPO, FILE, tmp_path)
     assert caught.value.kind is ErrorKind.DISK_FULL and hub.ranges == []
+
+
+# ----- a hostile hub, or a hostile neighbour in the models folder ---------------------
+
+
+def test_a_symlink_planted_as_the_part_is_never_written_through(hub, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / f"smollm2-pulled.Q4_1.gguf{PART_SUFFIX}").symlink_to(victim)
+    with pytest.raises(DownloadError, match="not a plain file of its own") as caught:
+        download_model(hub.url, REPO, FILE, models)
+    assert caught.value.kind is ErrorKind.LOCAL
+    assert victim.read_bytes() == b"precious" and hub.ranges == []
+
+
+def test_a_hard_link_planted_as_the_part_is_never_written_through(hub, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"GGUF" + b"\0" * 100)  # looks like the start of a resumable part
+    models = tmp_path / "models"
+    models.mkdir()
+    os.link(victim, models / f"smollm2-pulled.Q4_1.gguf{PART_SUFFIX}")
+    with pytest.raises(DownloadError, match="not a plain file of its own"):
+        download_model(hub.url, REPO, FILE, models)
+    assert victim.read_bytes() == b"GGUF" + b"\0" * 100 and hub.ranges == []
+
+
+def test_a_download_of_unannounced_size_is_not_started(hub, tmp_path):
+    # No size in the file list, and the body chunked: nothing bounds what the hub may send.
+    hub.list_sizes, hub.chunked = False, True
+    with pytest.raises(DownloadError, match="did not say how large") as caught:
+        download_model(hub.url, REPO, FILE, tmp_path)
+    assert caught.value.kind is ErrorKind.SERVER
+    assert not list(tmp_path.glob("*.gguf")) and all(p.stat().st_size == 0 for p in tmp_path.iterdir())
+
+
+def test_a_size_announced_only_by_the_answer_is_checked_against_free_space(hub, tmp_path, monkeypatch):
+    import shutil
+
+    from tray_app.core import download
+
+    hub.list_sizes = False  # the file list says no size; the answer's Content-Length does
+    real = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(download.shutil, "disk_usage", lambda path: real._replace(free=10 * 1024 * 1024))
+    with pytest.raises(DownloadError, match="not enough space") as caught:
+        download_model(hub.url, REPO, FILE, tmp_path)
+    assert caught.value.kind is ErrorKind.DISK_FULL
+    assert all(p.stat().st_size == 0 for p in tmp_path.iterdir())
+
+
+def test_the_token_never_follows_a_file_list_to_another_host(hub, tmp_path):
+    with serve_hub(FakeHub(files={})) as elsewhere:
+        hub.next_page = f"{elsewhere.url}/api/models/{PRIVATE_REPO}/tree/main?cursor=2"
+        with pytest.raises(DownloadError, match="continues on another host") as caught:
+            download_model(hub.url, PRIVATE_REPO, "m.gguf", tmp_path, token=TOKEN)
+        assert caught.value.kind is ErrorKind.SERVER
+        assert elsewhere.requests == [] and elsewhere.authorizations == []
+    assert hub.authorizations == [f"Bearer {TOKEN}"] and hub.ranges == []
+
+
+def test_the_command_prints_no_escape_sequence_from_the_hub(hub, tmp_path):
+    hub.extra_entries = [{"type": "\x1b]0;owned\x07\x1b[2J", "path": "evil.gguf"}]
+    done = run_pull(tmp_path, f"{REPO}/evil.gguf", "--hub", hub.url, "--simulate-gpu-mib", "8192")
+    assert done.returncode == 1
+    assert "\x1b" not in done.stderr + done.stdout and "\x07" not in done.stderr
+    assert "\\x1b]0;owned\\x07" in done.stderr

@@ -10,9 +10,9 @@ import pytest
 
 from tray_app.cli.pull import EXIT_FAILED, EXIT_USAGE, ProgressPrinter, _exit_code
 from tray_app.core.download import (Action, DownloadError, ErrorKind, ModelRef, RoughFit, decide, error_for_status,
-                                    format_duration, make_ref, parse_content_range, parse_model_ref, plan_offset,
-                                    range_headers, remote_file_from_tree, render_progress, resolve_url, rough_fit,
-                                    space_shortfall, tree_url)
+                                    format_duration, make_ref, next_page_url, parse_content_range, parse_model_ref,
+                                    plan_offset, range_headers, remote_file_from_tree, render_progress, resolve_url,
+                                    rough_fit, space_shortfall, tree_url)
 from tray_app.core.memory.fit import Headroom
 
 MIB = 1024 * 1024
@@ -63,6 +63,21 @@ def test_only_gguf_files_are_models(text):
     assert _exit_code(caught.value) == EXIT_USAGE
 
 
+@pytest.mark.parametrize("text", [
+    "owner/name:C:evil.gguf",          # on Windows: evil.gguf in drive C's current folder
+    "owner/name:sub/C:evil.gguf",
+    "owner/name/NUL.gguf",             # a device on Windows, whatever the extension
+    "owner/name/com1.Q4.gguf",
+    "owner/name/a|b.gguf",
+    "owner/name/x\x1b[2J.gguf",
+])
+def test_a_name_that_is_not_one_plain_file_on_every_os_is_refused(text):
+    assert parse_model_ref("owner/name/console-nul.Q4.gguf").filename == "console-nul.Q4.gguf"  # a near miss
+    with pytest.raises(DownloadError, match="can't be saved in the models folder") as caught:
+        parse_model_ref(text)
+    assert caught.value.kind is ErrorKind.USAGE and "\x1b" not in str(caught.value)
+
+
 def test_hub_urls():
     ref = make_ref("owner/name", "sub dir/model.gguf")
     assert resolve_url("https://hub.example/", ref) == \
@@ -101,6 +116,32 @@ def test_a_missing_entry_is_not_found():
     assert caught.value.kind is ErrorKind.NOT_FOUND
     with pytest.raises(DownloadError, match="directory"):
         remote_file_from_tree([{"type": "directory", "path": "m.gguf"}], make_ref("o/n", "m.gguf"), "main")
+
+
+def test_what_the_hub_says_is_never_obeyed_by_a_terminal():
+    evil = "\x1b]0;owned\x07\x1b[2J\r\u202e"
+    with pytest.raises(DownloadError) as caught:
+        remote_file_from_tree([{"type": evil, "path": "m.gguf"}], make_ref("o/n", "m.gguf"), "main")
+    text = str(caught.value)
+    assert text.isprintable() and "\\x1b]0;owned\\x07\\x1b[2J\\r\\u202e" in text
+
+
+@pytest.mark.parametrize("link, expected", [
+    (None, None),
+    ("https://hub.example/api/models/o/n/tree/main?cursor=2", "https://hub.example/api/models/o/n/tree/main?cursor=2"),
+    ("/api/models/o/n/tree/main?cursor=2", "https://hub.example/api/models/o/n/tree/main?cursor=2"),
+    ("https://HUB.example:443/x", "https://HUB.example:443/x"),
+])
+def test_the_file_list_continues_on_the_hub(link, expected):
+    assert next_page_url("https://hub.example", "https://hub.example/api/models/o/n/tree/main", link) == expected
+
+
+@pytest.mark.parametrize("link", ["https://evil.example/x", "http://hub.example/x", "https://hub.example:8443/x",
+                                  "//evil.example/x"])
+def test_a_file_list_continued_elsewhere_is_refused(link):
+    with pytest.raises(DownloadError, match="token is never sent off") as caught:
+        next_page_url("https://hub.example", "https://hub.example/api/models/o/n/tree/main", link)
+    assert caught.value.kind is ErrorKind.SERVER
 
 
 @pytest.mark.parametrize("status, code, token, kind, words", [

@@ -17,6 +17,18 @@ What a download promises:
 - The hash is computed while the bytes are written (the part already on disk
   is hashed first on resume), so a 10 GB model is not read twice.
 
+What a hostile hub (or whoever answers for it) can't do:
+
+- fill the disk: a download needs an announced size, the free space is
+  checked against it before the first byte, and it stops at that size;
+- steer the token: it goes only to the hub's own scheme, host and port (a
+  file list continued elsewhere is refused; httpx drops it on a redirect);
+- write outside the models folder: the local name is one plain file name on
+  every OS (no drive, no separator), and the .part is never opened through a
+  symbolic link or a second hard link planted there;
+- drive the terminal: every error message has its control characters shown
+  escaped, since it may quote what the hub said.
+
 The pure parts (parsing a model reference, reading the tree entry, deciding
 what a response to a Range request means, the rough fit rule, the progress
 line) are separate functions; ``download_model`` is the I/O around them, and
@@ -30,14 +42,15 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
-from typing import Any
-from urllib.parse import quote
+from typing import Any, BinaryIO
+from urllib.parse import quote, urljoin, urlsplit
 
 import httpx
 
@@ -62,6 +75,12 @@ MAX_TREE_PAGES = 50
 
 _REPO_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# What Windows refuses in a file name, or reads as a drive ("C:evil.gguf" is
+# the file evil.gguf in drive C's current folder: outside the models folder).
+_NOT_IN_A_FILE_NAME = set('<>:"/\\|?*')
+# Windows opens these devices whatever the extension ("NUL.gguf" is NUL).
+_WINDOWS_DEVICES = {"CON", "PRN", "AUX", "NUL", *(f"COM{n}" for n in range(1, 10)),
+                    *(f"LPT{n}" for n in range(1, 10))}
 
 
 class ErrorKind(StrEnum):
@@ -79,11 +98,19 @@ class ErrorKind(StrEnum):
     LOCAL = "local"                  # the models folder cannot be written (permissions, ...)
 
 
+def printable(text: str) -> str:
+    """Text for a terminal or a label: control characters (escape sequences,
+    newlines, bidi overrides) shown as escapes rather than obeyed."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 class DownloadError(Exception):
-    """One line for a person, and a kind for code to branch on."""
+    """One line for a person, and a kind for code to branch on. The message
+    may quote the hub (an entry's type, a transport error naming a redirect
+    target), so it is made printable here, once, for every caller."""
 
     def __init__(self, kind: ErrorKind, message: str) -> None:
-        super().__init__(message)
+        super().__init__(printable(message))
         self.kind = kind
 
 
@@ -109,6 +136,16 @@ class ModelRef:
         return f"{self.repo}/{self.file}"
 
 
+def local_name_problem(name: str) -> str | None:
+    """Why `name` can't be a file in the models folder on every OS, or None.
+    It must name one plain file there: no drive, separator or device name."""
+    if set(name) & _NOT_IN_A_FILE_NAME or not name.isprintable():
+        return "holds a character a file name can't have on Windows (<>:\"/\\|?* or a control character)"
+    if name.split(".")[0].rstrip(" ").upper() in _WINDOWS_DEVICES:
+        return "is a device name on Windows"
+    return None
+
+
 def make_ref(repo: str, file: str) -> ModelRef:
     """Check a repo and file path; DownloadError(USAGE or NOT_GGUF) says what is wrong."""
     owner_name = repo.strip().strip("/").split("/")
@@ -122,6 +159,9 @@ def make_ref(repo: str, file: str) -> ModelRef:
     if not path.lower().endswith(".gguf"):
         raise DownloadError(ErrorKind.NOT_GGUF,
                             f"{path} is not a .gguf file: only GGUF files are models here")
+    problem = local_name_problem(parts[-1])
+    if problem:
+        raise DownloadError(ErrorKind.USAGE, f"{parts[-1]!r} can't be saved in the models folder: it {problem}")
     return ModelRef("/".join(owner_name), path)
 
 
@@ -154,6 +194,26 @@ def tree_url(hub: str, ref: ModelRef, revision: str = DEFAULT_REVISION) -> str:
 
 def auth_headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def origin(url: str) -> tuple[str, str, int | None]:
+    """(scheme, host, port) with the scheme's default port filled in."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(scheme)
+
+
+def next_page_url(hub: str, page_url: str, link: str | None) -> str | None:
+    """Where the file list continues (a Link header's "next", maybe
+    relative), or None at its end. A list continued on another scheme, host
+    or port is refused: the token goes with each page, and only to the hub."""
+    if not link:
+        return None
+    url = urljoin(page_url, link)
+    if origin(url) != origin(hub):
+        raise DownloadError(ErrorKind.SERVER, f"{hub}'s file list continues on another host ({url}); it is not "
+                                              f"followed, so that the token is never sent off {hub}")
+    return url
 
 
 @dataclass(frozen=True)
@@ -379,27 +439,76 @@ def lookup_remote_file(client: httpx.Client, hub: str, ref: ModelRef, *, revisio
             raise DownloadError(ErrorKind.SERVER, f"{hub}'s tree API answered with no file list")
         entries.extend(page)
         # Large folders come in pages, linked as the GitHub API does.
-        url = response.links.get("next", {}).get("url")
+        url = next_page_url(hub, str(response.url), response.links.get("next", {}).get("url"))
     return remote_file_from_tree(entries, ref, revision)
 
 
 def sha256_of(path: Path, cancel: threading.Event | None = None) -> str:
     digest = hashlib.sha256()
-    _hash_into(digest, path, cancel)
+    with path.open("rb") as handle:
+        _hash_into(digest, handle, path, cancel)
     return digest.hexdigest()
 
 
-def _hash_into(digest: Any, path: Path, cancel: threading.Event | None) -> None:
-    with path.open("rb") as handle:
-        while block := handle.read(HASH_BLOCK_BYTES):
-            if cancel is not None and cancel.is_set():
-                raise DownloadCancelled(f"cancelled while checking {path.name}")
-            digest.update(block)
+def _hash_into(digest: Any, handle: BinaryIO, path: Path, cancel: threading.Event | None) -> None:
+    while block := handle.read(HASH_BLOCK_BYTES):
+        if cancel is not None and cancel.is_set():
+            raise DownloadCancelled(f"cancelled while checking {path.name}")
+        digest.update(block)
 
 
 def _network_error(exc: Exception, hub: str, kept: str = "") -> DownloadError:
     detail = str(exc) or type(exc).__name__
     return DownloadError(ErrorKind.NETWORK, f"network error talking to {hub}: {detail}{kept}")
+
+
+# Opening the .part never follows a link (O_NOFOLLOW), and never blocks on
+# a FIFO (O_NONBLOCK, no effect on a plain file); O_BINARY matters on Windows.
+_PART_OPEN_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+
+
+def _open_part(path: Path, flags: int, mode: str) -> BinaryIO:
+    """The .part file, opened only if it is a plain file of its own. Anyone
+    who can write in the models folder could plant a symbolic link (or a
+    hard link) there under the .part's name, and the download would write
+    into, truncate or hash the file it points to."""
+    if path.is_symlink():  # Windows has no O_NOFOLLOW; elsewhere the flag closes the race
+        raise _not_a_plain_part(path)
+    try:
+        fd = os.open(path, flags | _PART_OPEN_FLAGS, 0o644)
+    except OSError as exc:
+        if path.is_symlink():  # ELOOP, or EMLINK on the BSDs
+            raise _not_a_plain_part(path) from exc
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        os.close(fd)
+        raise _not_a_plain_part(path)
+    return os.fdopen(fd, mode)
+
+
+def _part_size(path: Path) -> int:
+    """Bytes in the .part, 0 when there is none; a link or a device there is refused."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return 0
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        raise _not_a_plain_part(path)
+    return info.st_size
+
+
+def _not_a_plain_part(path: Path) -> DownloadError:
+    return DownloadError(ErrorKind.LOCAL, f"{path} is not a plain file of its own (a link, or a device), so "
+                                          "the download will not write through it; remove it and run again")
+
+
+def _check_space(file: Path, total: int, part_size: int, ref: ModelRef) -> None:
+    """Refuse, before the first byte, a file that would not fit in `file`'s folder."""
+    shortfall = space_shortfall(total, part_size, shutil.disk_usage(file.parent).free)
+    if shortfall:
+        raise DownloadError(ErrorKind.DISK_FULL, f"not enough space in {file.parent}: "
+                                                 f"{format_bytes(shortfall)} more is needed for {ref.filename}")
 
 
 def _disk_full(dest: Path, done: int, total: int | None) -> DownloadError:
@@ -423,7 +532,7 @@ class _Part:
     def reset(self) -> None:
         if self.size:
             self.restarts += 1
-        self.path.write_bytes(b"")
+        _open_part(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "wb").close()
         self.size = 0
         self.digest = hashlib.sha256()
 
@@ -493,18 +602,17 @@ def _download(http: httpx.Client, hub: str, ref: ModelRef, remote: RemoteFile, d
               retry_delay_s: float) -> DownloadResult:
     started = time.monotonic()
     part = _Part(dest.with_name(dest.name + PART_SUFFIX))
-    on_disk = part.path.stat().st_size if part.path.exists() else 0
+    on_disk = _part_size(part.path)
     if plan_offset(on_disk, remote.size) != on_disk:
         part.size = on_disk
         part.reset()
     elif on_disk:
-        _hash_into(part.digest, part.path, cancel)
+        with _open_part(part.path, os.O_RDONLY, "rb") as handle:
+            _hash_into(part.digest, handle, part.path, cancel)
         part.size = on_disk
     resumed_from = part.size
-    shortfall = space_shortfall(remote.size, part.size, shutil.disk_usage(dest.parent).free)
-    if shortfall:
-        raise DownloadError(ErrorKind.DISK_FULL, f"not enough space in {dest.parent}: "
-                                                 f"{format_bytes(shortfall)} more is needed for {ref.filename}")
+    if remote.size is not None:  # else the answer's own length is checked before its first byte
+        _check_space(dest, remote.size, part.size, ref)
     url = resolve_url(hub, ref, remote.revision)
     failures = 0
     while True:
@@ -558,16 +666,22 @@ def _fetch_into(http: httpx.Client, url: str, ref: ModelRef, remote: RemoteFile,
         if action is Action.START_OVER and part.size:
             part.reset()  # the server ignored the Range: this body is the whole file
         total = remote.size if remote.size is not None else _response_total(response, part.size)
+        if total is None:
+            raise DownloadError(ErrorKind.SERVER, f"the hub did not say how large {ref} is (no size in its file "
+                                                  "list, no Content-Length): a download of unknown size could fill "
+                                                  "the disk, so it was not started")
+        if remote.size is None:
+            _check_space(part.path, total, part.size, ref)
         if progress is not None:
             progress(part.size, total)
         try:
-            with part.path.open("ab") as handle:
+            with _open_part(part.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, "ab") as handle:
                 # Chunks as the socket gives them (no re-chunking buffer): when the
                 # connection drops, every byte that arrived is already in the part.
                 for chunk in response.iter_raw():
                     if cancel is not None and cancel.is_set():
                         raise DownloadCancelled(part.kept("cancelled"))
-                    if total is not None and part.size + len(chunk) > total:
+                    if part.size + len(chunk) > total:  # stop at the announced size
                         raise DownloadError(ErrorKind.SERVER, f"the hub sent more than the {total} bytes of {ref}")
                     handle.write(chunk)
                     part.digest.update(chunk)
@@ -597,7 +711,7 @@ def _finish(part: _Part, dest: Path, remote: RemoteFile, *, resumed_from: int, e
         part.path.unlink(missing_ok=True)
         raise DownloadError(ErrorKind.HASH_MISMATCH, f"{dest.name} is corrupt: its sha256 is {actual}, the hub "
                                                      f"publishes {remote.sha256}; the partial file was deleted")
-    with part.path.open("rb+") as handle:
+    with _open_part(part.path, os.O_RDWR, "rb+") as handle:
         if handle.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
             part.path.unlink(missing_ok=True)
             raise DownloadError(ErrorKind.NOT_GGUF, f"what the hub sent for {dest.name} is not a GGUF file; "
