@@ -17,6 +17,7 @@ import collections
 import hashlib
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -73,17 +74,40 @@ class HostOwner(Protocol):
     def evictable_cpu_ram_mib(self, host: "ModelHost") -> float: ...
 
 
+@dataclass(frozen=True)
+class ModelFiles:
+    """All a host reads from the disk: both paths' GGUF headers and system
+    fingerprints. Read apart from building the host, so that a rescan reads
+    them in a thread and builds the host on the event loop."""
+
+    model_info: ModelInfo
+    fallback_info: ModelInfo
+    gpu_fingerprint: str
+    cpu_fingerprint: str
+
+
+def read_model_files(model: LibraryModel, runtime: WorkerRuntime, gpu_runtime: WorkerRuntime) -> ModelFiles:
+    """Blocking I/O only (no service state): safe in a worker thread.
+    ModelFileError when a file is not a readable GGUF."""
+    model_info = read_model_info(model.path)
+    cpu_path = model.cpu_path or model.path
+    fallback_info = model_info if cpu_path == model.path else read_model_info(cpu_path)
+    return ModelFiles(model_info, fallback_info, system_fingerprint(gpu_runtime.describe(), model_info.path),
+                      system_fingerprint(runtime.describe(), fallback_info.path))
+
+
 class ModelHost:
     def __init__(self, service: HostOwner, model: LibraryModel, *, runtime: WorkerRuntime,
-                 gpu_runtime: WorkerRuntime, gpu_missing_reason: str | None) -> None:
+                 gpu_runtime: WorkerRuntime, gpu_missing_reason: str | None, files: ModelFiles | None = None) -> None:
         config = service.config
         self.service = service
         self.model = model
         self._clock = service.clock
         self.name = model.name
-        self.model_info: ModelInfo = read_model_info(model.path)
+        files = files or read_model_files(model, runtime, gpu_runtime)
+        self.model_info: ModelInfo = files.model_info
         cpu_path = model.cpu_path or model.path
-        self.fallback_info: ModelInfo = (self.model_info if cpu_path == model.path else read_model_info(cpu_path))
+        self.fallback_info: ModelInfo = files.fallback_info
         self.model_id = self.model_info.path.stem if model.is_default else model.name
         self.fallback_model_id = (self.fallback_info.path.stem if model.is_default or cpu_path != model.path
                                   else model.name)
@@ -117,15 +141,15 @@ class ModelHost:
         self.requests_by_path: collections.Counter[str] = collections.Counter()
 
         hooks = _HostHooks(self)
-        backends = {"cpu": self._backend("cpu", runtime, hooks)}
+        backends = {"cpu": self._backend("cpu", runtime, hooks, files.cpu_fingerprint)}
         if gpu_missing_reason is None:
-            backends["gpu"] = self._backend("gpu", gpu_runtime, hooks)
+            backends["gpu"] = self._backend("gpu", gpu_runtime, hooks, files.gpu_fingerprint)
         self.breaker = CircuitBreaker(config.breaker, self._clock)
         observer = service.observer
         self.dispatcher = Dispatcher(
             Limits(model.gpu_n_ctx, model.cpu_n_ctx, config.gpu.reserve_mib, config.cpu.ram_floor_mib,
                    queue_budget_s=config.server.queue_timeout_s,
-                   cpu_load_prior_s=prior_load_s(self.fallback_info.path.stat().st_size / MIB)),
+                   cpu_load_prior_s=prior_load_s(self.fallback_info.file_size / MIB)),
             backends, self.breaker, observer.latest,
             Costs(gpu_mib=lambda tokens: estimate.request_vram_bytes(self.model_info, self.local_gpu_settings(),
                                                                      tokens) / MIB,
@@ -158,7 +182,7 @@ class ModelHost:
             Residency(policy, self._clock), backend,
             # What the worker holds here: its local share when RPC devices lend memory.
             need_mib=lambda: self.gpu_footprint.gpu.total / MIB, reserve_mib=config.gpu.reserve_mib,
-            model_mib=self.model_info.path.stat().st_size / MIB, drain_s=config.gpu.yield_drain_s,
+            model_mib=self.model_info.file_size / MIB, drain_s=config.gpu.yield_drain_s,
             ours_mib=self.vram_mib, our_pids=lambda: set(service.worker_pids()),
             note=self.note, changed=service.observer.advance,
             read_gpu=service.gpu_reader.read, clock=self._clock,
@@ -166,7 +190,7 @@ class ModelHost:
             ours_elsewhere_mib=lambda reading: service.vram_of_other_models(self, reading),
         )
 
-    def _backend(self, path: str, runtime: WorkerRuntime, hooks: WorkerHooks) -> Backend:
+    def _backend(self, path: str, runtime: WorkerRuntime, hooks: WorkerHooks, fingerprint: str) -> Backend:
         service = self.service
         config = service.config
         model = self.model
@@ -190,7 +214,7 @@ class ModelHost:
             deadlines = Deadlines(lambda job: CPU_FIRST_TOKEN_TIMEOUT_S, CPU_FIRST_TOKEN_TIMEOUT_S,
                                   config.worker.ready_timeout_s)
         return Backend(path, worker, lane, speed, service.http, deadlines, clock=self._clock,
-                       fingerprint=system_fingerprint(runtime.describe(), info.path),
+                       fingerprint=fingerprint,
                        on_change=lambda: service.observer.advance())
 
     def _gpu_first_token_timeout_s(self, job: Job, speed: PathSpeed) -> float:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ from .dispatch.residency import HoldKind
 from .embeddings import SPECIAL_TOKEN_MARGIN, EmbeddingPath, embedding_runtime
 from .engine.runtime import RuntimeChoice, WorkerRuntime, choose_runtime, rpc_runtime_problem
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
-from .host import ModelHost
+from .host import ModelFiles, ModelHost, read_model_files
 from .library import Library, LibraryError, build_library
 from .memory import estimate
 from .memory.gguf_info import ModelFileError
@@ -43,6 +44,8 @@ from .observe import Observer
 from .rpc import RpcHealth
 
 MIB = 1024 * 1024
+
+log = logging.getLogger(__name__)
 
 
 class Service:
@@ -115,6 +118,9 @@ class Service:
         # Loads of library models run one at a time: two at once would each
         # plan their eviction against the same free memory.
         self._load_lock = asyncio.Lock()
+        # Rescans too: each reads the folder in a thread, and two at once
+        # would both add the same new file.
+        self._rescan_lock = asyncio.Lock()
         # None when off; embeddings_off_reason says why (the config, or the engine).
         self.embeddings: EmbeddingPath | None = None
         self.embeddings_off_reason: str | None = None
@@ -194,31 +200,37 @@ class Service:
     def gpu_paused(self) -> bool:
         return self.dispatcher.gpu_paused
 
-    def rescan_models(self) -> dict[str, list[str]]:
+    async def rescan_models(self) -> dict[str, list[str]]:
         """Read the models folder again: a file downloaded since the start
         becomes a model at once. Models already served stay as they are; a
-        file whose name another model already has is skipped and named."""
-        added, skipped = [], []
-        for model in build_library(self.config):
-            if model.name in self.hosts or any(model.path == m.path for m in self.library):
-                continue
-            try:
-                library = Library([*self.library.models, model])
-            except LibraryError as exc:
-                skipped.append(f"{model.path.name}: {exc}")
-                continue
-            try:
+        file whose name another model already has is skipped and named.
+
+        The folder and the new files' headers are read in a thread (a big
+        folder, a slow disk); the library and the hosts are changed only
+        here, on the loop, one rescan at a time. The answer names each
+        skipped file with a sentence; the log has the full detail."""
+        async with self._rescan_lock:
+            found = await asyncio.to_thread(_read_new_models, self.config, self.library, set(self.hosts),
+                                            self.runtime, self._gpu_runtime)
+            added, skipped = [], []
+            for model, files in found:
+                if isinstance(files, str):
+                    skipped.append(f"{model.path.name}: {files}")
+                    continue
+                try:
+                    # Checked again here: two files of this scan may want one name.
+                    library = Library([*self.library.models, model])
+                except LibraryError as exc:
+                    skipped.append(f"{model.path.name}: {_name_taken(model, exc)}")
+                    continue
                 host = ModelHost(self, model, runtime=self.runtime, gpu_runtime=self._gpu_runtime,
-                                 gpu_missing_reason=self._gpu_missing_reason)
-            except (ModelFileError, OSError) as exc:  # not a readable GGUF
-                skipped.append(f"{model.path.name}: {exc}")
-                continue
-            self.library = library
-            self.hosts[model.name] = host
-            added.append(model.name)
-        if added or skipped:
-            self.observer.note("models_rescanned", added=added, skipped=skipped)
-        return {"added": added, "skipped": skipped}
+                                 gpu_missing_reason=self._gpu_missing_reason, files=files)
+                self.library = library
+                self.hosts[model.name] = host
+                added.append(model.name)
+            if added or skipped:
+                self.observer.note("models_rescanned", added=added, skipped=skipped)
+            return {"added": added, "skipped": skipped}
 
     def host_for(self, name: str | None) -> ModelHost | None:
         """The host of the model a request names; None for an unknown name."""
@@ -604,6 +616,39 @@ class Service:
         pid = path.worker.pid
         rss = self.observer.latest().host.rss_mib_by_pid.get(pid) if pid else None
         return path.status(rss_mib=round(rss, 1) if rss is not None else None)
+
+
+_CANT_SERVE = "not a readable GGUF model file; the server's log says why"
+
+
+def _name_taken(model, problem: LibraryError) -> str:
+    """The client's sentence for a name clash; the log gets both files' paths."""
+    log.warning("rescan: %s", problem)
+    return (f"another model already has the name {model.name!r}; rename the file, or give the other model "
+            "another name in its [[models]] entry")
+
+
+def _read_new_models(config: Config, library: Library, served: set[str], runtime: WorkerRuntime,
+                     gpu_runtime: WorkerRuntime) -> list[tuple[Any, ModelFiles | str]]:
+    """A rescan's disk work, in a worker thread: each model in the folder
+    that `library` does not serve yet, with its files read, or a sentence
+    saying why it can't be served (the detail goes to the log). It reads
+    only its arguments, so it races with nothing on the loop."""
+    found: list[tuple[Any, ModelFiles | str]] = []
+    for model in build_library(config):
+        if model.name in served or any(model.path == m.path for m in library):
+            continue
+        try:
+            Library([*library.models, model])
+        except LibraryError as exc:
+            found.append((model, _name_taken(model, exc)))
+            continue
+        try:
+            found.append((model, read_model_files(model, runtime, gpu_runtime)))
+        except (ModelFileError, OSError) as exc:
+            log.warning("rescan: %s is not served: %s", model.path, exc)
+            found.append((model, _CANT_SERVE))
+    return found
 
 
 class _EmbedHooks(WorkerHooks):

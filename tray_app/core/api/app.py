@@ -220,7 +220,7 @@ class Router:
 
     async def admin_rescan(self, request: Request) -> Response:
         """POST /admin/library/rescan: models downloaded into the folder since the start are served now."""
-        return JSONResponse(self.service.rescan_models())
+        return JSONResponse(await self.service.rescan_models())
 
     async def admin_restart(self, request: Request) -> Response:
         self.service.restart_workers()
@@ -589,5 +589,8 @@ async def _method_not_allowed(request: Request, exc: Exception) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    return error_response_for_path(request.url.path, 500, f"internal error: {type(exc).__name__}: {exc}",
-                                   "internal_error")
+    # A sentence only: an exception's text can name files and internals. The
+    # detail is in the server's log, since Starlette re-raises to uvicorn,
+    # which logs the traceback.
+    return error_response_for_path(request.url.path, 500, "internal error: the server failed on this request; "
+                                   "its log has the details", "internal_error")

@@ -424,9 +424,11 @@ def model_details(info) -> dict[str, Any]:
 
 
 def model_entry(name: str, info) -> dict[str, Any]:
-    stat = info.path.stat()
-    return {"name": name, "model": name, "modified_at": rfc3339(stat.st_mtime), "size": stat.st_size,
-            "digest": model_digest(info.path, stat.st_size, stat.st_mtime), "details": model_details(info)}
+    # The file as it was read at load (gguf_info.ModelInfo), not stat'ed
+    # again: a model file deleted while the service runs must not turn the
+    # whole list into an error.
+    return {"name": name, "model": name, "modified_at": rfc3339(info.modified), "size": info.file_size,
+            "digest": model_digest(info.path, info.file_size, info.modified), "details": model_details(info)}
 
 
 def model_info_fields(info, context_length: int) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import re
 import struct
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,9 @@ class ModelInfo:
     output_bytes: int
     chat_template: str | None
     tokenizer_model: str | None
+    # The file's mtime when it was read. With file_size, what the API lists
+    # without touching the disk again: a file deleted since must not fail a listing.
+    modified: float = 0.0
 
     @property
     def weights_bytes(self) -> int:
@@ -291,7 +294,8 @@ def _one_line(text: str, limit: int | None = None) -> str:
 
 def _read_model_info(model_path: Path) -> ModelInfo:
     with open(model_path, "rb") as model_file:
-        file_size = os.fstat(model_file.fileno()).st_size
+        facts = os.fstat(model_file.fileno())
+        file_size = facts.st_size
         magic = model_file.read(len(GGUF_MAGIC))
         if magic != GGUF_MAGIC:
             raise ModelFileError(_describe_bad_magic(model_path, magic))
@@ -303,7 +307,7 @@ def _read_model_info(model_path: Path) -> ModelInfo:
             raise _Truncated(
                 f"tensor {tensor.name!r} ends at byte {data_start + tensor.end_offset:,} but the file has {file_size:,}"
             )
-    return _build_info(model_path, file_size, metadata, tensors)
+    return replace(_build_info(model_path, file_size, metadata, tensors), modified=facts.st_mtime)
 
 
 def _describe_bad_magic(model_path: Path, magic: bytes) -> str:
