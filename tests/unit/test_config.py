@@ -166,6 +166,8 @@ def test_serve_on_a_lan_address_with_a_short_key_refuses_to_start(monkeypatch, c
     monkeypatch.setenv("TRAY_APP_API_KEY", "short-key")
     monkeypatch.setenv("XDG_CONFIG_HOME", "/nonexistent-tray-app-test")
     monkeypatch.setattr("tray_app.cli.serve", lambda *args, **kwargs: pytest.fail("the server was started"))
+    # `serve` hides the GPUs from its own process by changing os.environ: not this process's.
+    monkeypatch.setattr("tray_app.cli.hide_gpus_from_this_process", lambda: None, raising=False)
     assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
     error = capsys.readouterr().err
     assert "9 characters" in error and "secrets.token_urlsafe(24)" in error
