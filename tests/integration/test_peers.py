@@ -23,6 +23,26 @@ PEER_KEY = "peer-secret-key"
 CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
 
 
+def peer_failure_reason(status: dict, request_id: str) -> str:
+    """Why the peer failed this request, by the event log."""
+    return next(e for e in reversed(status["events"]) if e["kind"] == "peer_failure" and e["id"] == request_id)["reason"]
+
+
+def replayed_once_on_the_local_cpu(local: RunningService, response) -> dict:
+    """Assert that the first peer failed the request and the local CPU
+    answered it, once; the status after."""
+    assert response.status_code == 200, response.text
+    assert response.headers["x-served-by"] == "cpu"
+    assert response.headers["x-route-reason"] == "peer_failed_replayed"
+    assert response.json()["choices"][0]["message"]["content"]
+    status = local.status()
+    assert status["accounting"]["duplicate_executions"] == 0
+    # The request ended: it holds no place at the peer, and the service answers.
+    assert status["peers"][0]["in_flight"] == 0
+    assert local.http.get("/health").status_code == 200
+    return status
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("peers")
@@ -57,6 +77,8 @@ def test_status_shows_each_peer_its_health_and_latency(pair):
     good, wrong = local.status()["peers"]
     assert good["healthy"] and good["reachable"] and good["problem"] is None
     assert good["latency_ms"] > 0 and good["role"] == "fallback"
+    # Its key travels over loopback only: no cleartext warning.
+    assert good["key_in_cleartext"] is False and good["warning"] is None
     assert local.status()["service"]["model"] in good["models"]
     assert not wrong["healthy"] and wrong["reachable"]
     assert "refused our API key (HTTP 401)" in wrong["problem"]
@@ -142,12 +164,7 @@ def test_the_peer_killed_mid_request_is_replayed_once_on_the_local_cpu(pair):
         peer.process.send_signal(signal.SIGKILL)
         response = future.result()
         answered_s = time.monotonic() - killed_at
-    assert response.status_code == 200, response.text
-    assert response.headers["x-served-by"] == "cpu"
-    assert response.headers["x-route-reason"] == "peer_failed_replayed"
-    assert response.json()["choices"][0]["message"]["content"]
-    status = local.status()
-    assert status["accounting"]["duplicate_executions"] == 0
+    status = replayed_once_on_the_local_cpu(local, response)
     assert status["peers"][0]["failures"] == 1
     print(f"\npeer killed mid-request: answered by the local CPU {answered_s:.2f} s after the kill "
           f"({response.json()['usage']['completion_tokens']} tokens)")
@@ -172,14 +189,17 @@ def test_the_local_service_is_healthy_after_the_peer_died(pair):
 
 class HostilePeer:
     """A real HTTP server on loopback that lists the model, as a healthy peer
-    does, and then answers chats in the way `mode` says: never, with junk,
-    with an error event, with a line that never ends, or refusing the key."""
+    does (or, with `models_mode` "drip", a byte of the list at a time, never
+    all of it), and then answers chats in the way `mode` says: never, with
+    junk, with an error event, with a line that never ends, refusing the
+    key, busy, with an error whose body stalls, or with tokens that never end."""
 
     def __init__(self, model: str) -> None:
         import http.server
         import threading
 
         self.mode = "hang"
+        self.models_mode = "list"
         self.release = threading.Event()
         outer = self
 
@@ -197,7 +217,26 @@ class HostilePeer:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                self._send(200, json.dumps({"object": "list", "data": [{"id": model}]}).encode())
+                listing = json.dumps({"object": "list", "data": [{"id": model}]}).encode()
+                if outer.models_mode == "drip":
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(listing) + 100_000))
+                    self.end_headers()
+                    self._write_until_closed(b" ", pause_s=0.05)
+                else:
+                    self._send(200, listing)
+
+            def _write_until_closed(self, chunk: bytes, pause_s: float = 0.0) -> None:
+                """Write `chunk` over and over until the client hangs up (or the server closes)."""
+                try:
+                    while not outer.release.is_set():
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+                        if pause_s:
+                            outer.release.wait(pause_s)
+                except OSError:
+                    pass
 
             def do_POST(self) -> None:  # noqa: N802 - http.server's name
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -212,6 +251,25 @@ class HostilePeer:
                     self._send(200, b"data: " + b"x" * (5 * 1024 * 1024), "text/event-stream")
                 elif mode == "refuse_key":
                     self._send(401, b'{"error": {"message": "bad key"}}')
+                elif mode == "busy":
+                    self._send(503, b'{"error": {"message": "my GPU is busy"}}')
+                elif mode == "stalled_error":
+                    # An error status, and then a body that never comes.
+                    self.send_response(500)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", "1000")
+                    self.end_headers()
+                    self.wfile.write(b'{"error": {"mess')
+                    self.wfile.flush()
+                    outer.release.wait(60)
+                elif mode == "endless_tokens":
+                    # Valid token events, forever: never cut at max_tokens.
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    token = {"choices": [{"index": 0, "delta": {"content": "la"}}]}
+                    self._write_until_closed(f"data: {json.dumps(token)}\n\n".encode() * 8)
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -259,14 +317,8 @@ def test_a_peer_that_answers_badly_costs_the_request_nothing_but_time(with_hosti
     hostile.mode = mode
     request_id = f"hostile-{mode.replace('_', '-')}"
     response = local.http.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": request_id})
-    assert response.status_code == 200, response.text
-    assert response.headers["x-served-by"] == "cpu"
-    assert response.headers["x-route-reason"] == "peer_failed_replayed"
-    assert response.json()["choices"][0]["message"]["content"]
-    status = local.status()
-    event = next(e for e in reversed(status["events"]) if e["kind"] == "peer_failure" and e["id"] == request_id)
-    assert failure in event["reason"]
-    assert status["accounting"]["duplicate_executions"] == 0
+    status = replayed_once_on_the_local_cpu(local, response)
+    assert failure in peer_failure_reason(status, request_id)
 
 
 def test_a_peer_that_refuses_the_key_mid_flight_is_taken_out_and_nothing_reruns(with_hostile_peer):
@@ -277,5 +329,100 @@ def test_a_peer_that_refuses_the_key_mid_flight_is_taken_out_and_nothing_reruns(
     # It ran nothing there: decided again here, not a replay.
     assert response.headers["x-served-by"] == "cpu" and response.headers["x-route-reason"] == "forced_cpu"
     peer = local.status()["peers"][0]
-    assert not peer["healthy"] and peer["breaker"]["state"] == "open"
-    assert "refused our API key (HTTP 401)" in peer["problem"]
+    # Its breaker opened at once and says why. (By now it may be half-open,
+    # past the 3 s cooldown, and a health check may have found its model list
+    # again: the local CPU's answer takes its time on a busy machine.)
+    assert not peer["healthy"] and peer["breaker"]["state"] != "closed"
+    assert "refused our API key (HTTP 401)" in peer["breaker"]["last_failure_reason"]
+    assert "refused our API key (HTTP 401)" in peer["last_failure"]
+
+
+# ----- a hostile peer beside a well-behaved one: every read is bounded -------------------------------
+
+
+@pytest.fixture(scope="module")
+def hostile_and_bystander(tmp_path_factory):
+    """A service with two peers: "careless" (a HostilePeer, tried first) and
+    "bystander", a plain one that lists the model and declines every chat
+    (busy), so a request it is offered ends on the local CPU too."""
+    tmp = tmp_path_factory.mktemp("hostile-pair")
+    config = BASE_CONFIG.replace("failure_threshold = 2", "failure_threshold = 100")
+    from tray_app.core.config import bundled_model_path
+
+    hostile, bystander = HostilePeer(bundled_model_path().stem), HostilePeer(bundled_model_path().stem)
+    bystander.mode = "busy"
+    local = RunningService(tmp / "a", config + f"""
+[[peers]]
+name = "careless"
+url = "{hostile.url}"
+first_token_timeout_s = 2
+[[peers]]
+name = "bystander"
+url = "{bystander.url}"
+""")
+    try:
+        local.wait_ready()
+        local.wait_for(lambda s: all(p["healthy"] for p in s["peers"]), timeout=20, what="the peers healthy")
+        assert local.http.post("/admin/gpu", json={"paused": True}).status_code == 200
+        yield local, hostile
+    finally:
+        local.stop()
+        hostile.close()
+        bystander.close()
+
+
+
+
+def test_a_peer_that_stalls_its_error_answer_costs_the_request_only_its_deadline(hostile_and_bystander):
+    local, hostile = hostile_and_bystander
+    hostile.mode = "stalled_error"
+    response = local.http.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "stalled-error"})
+    status = replayed_once_on_the_local_cpu(local, response)
+    assert peer_failure_reason(status, "stalled-error") == "it answered HTTP 500 but sent no more of its body for 2 s"
+
+
+def test_a_peer_whose_tokens_never_end_is_cut_at_max_tokens(hostile_and_bystander):
+    local, hostile = hostile_and_bystander
+    hostile.mode = "endless_tokens"
+    cut = f"it sent more than {CHAT['max_tokens'] + 16} events for max_tokens {CHAT['max_tokens']}: its answer was cut"
+    # Nothing reached a JSON client: the one re-run, on the local CPU.
+    response = local.http.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "endless-json"})
+    status = replayed_once_on_the_local_cpu(local, response)
+    assert peer_failure_reason(status, "endless-json") == cut
+    # A streaming client had the tokens up to the cut, and then a clear error.
+    with local.http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True},
+                           headers={"X-Request-Id": "endless-stream"}) as streamed:
+        assert streamed.headers["x-served-by"] == "peer"
+        events = [json.loads(line[5:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+    tokens = [e for e in events if e.get("choices") and e["choices"][0]["delta"].get("content")]
+    assert len(tokens) == CHAT["max_tokens"] + 16
+    error = events[-1]["error"]
+    assert error["code"] == "peer_failed" and cut in error["message"] and "nothing was re-run" in error["message"]
+    status = local.status()
+    assert status["peers"][0]["in_flight"] == 0 and status["accounting"]["duplicate_executions"] == 0
+
+
+def test_a_peer_whose_model_list_drips_is_marked_down_and_the_others_stay_watched(hostile_and_bystander):
+    local, hostile = hostile_and_bystander
+    hostile.mode = "hang"
+    hostile.models_mode = "drip"
+    try:
+        status = local.wait_for(lambda s: s["peers"][0]["problem"] is not None, timeout=30,
+                                what="the dripping peer's check to end")
+        careless, _ = status["peers"]
+        assert careless["problem"] == "its /v1/models did not answer in full within 3 s"
+        assert careless["reachable"] is False and not careless["healthy"]
+        # The other peer's checks go on meanwhile: one newer than the dripping peer's.
+        local.wait_for(lambda s: s["peers"][1]["checked_at"] > careless["checked_at"] and s["peers"][1]["healthy"],
+                       timeout=30, what="the bystander checked again")
+        assert local.http.get("/health").status_code == 200
+        # A request goes past the unhealthy peer (the bystander declines it) to the local CPU, once.
+        response = local.http.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "after-drip"})
+        assert response.status_code == 200 and response.headers["x-served-by"] == "cpu"
+        assert response.json()["choices"][0]["message"]["content"]
+        status = local.status()
+        assert status["peers"][0]["served"] == 0 and status["accounting"]["duplicate_executions"] == 0
+        assert not any(e["kind"] == "peer_failure" and e.get("peer") == "careless" and e["id"] == "after-drip"
+                       for e in status["events"])
+    finally:
+        hostile.models_mode = "list"

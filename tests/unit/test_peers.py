@@ -17,7 +17,10 @@ from tray_app.core.dispatch.admission import (
 )
 from tray_app.core.dispatch.breaker import BreakerPolicy, BreakerState
 from tray_app.core.dispatch.jobs import JobFailed
-from tray_app.core.dispatch.peer import HOP_HEADER, Peer, PeerFailure, Peers
+from tray_app.core.dispatch import peer as peer_module
+from tray_app.core.dispatch.peer import (
+    ANSWER_EVENT_MARGIN, ERROR_BODY_MAX_BYTES, HOP_HEADER, MODELS_MAX_BYTES, Peer, PeerFailure, Peers,
+)
 from tests.unit.test_dispatcher import Sink, make_job, make_rig, run_job
 
 SHAPE = RequestShape(prompt_tokens=10, max_tokens=10)
@@ -423,7 +426,12 @@ async def test_an_odd_models_answer_is_the_peers_problem_and_the_checks_go_on():
 
     broken.check = explode
     healthy = make_peer(FakePeerServer())
-    await Peers([broken, healthy]).check_all()
+    peers = Peers([broken, healthy], interval_s=0.01)
+    peers.start()
+    try:
+        await eventually(lambda: healthy.health.checked_at is not None, "the healthy peer checked")
+    finally:
+        await peers.stop()
     assert healthy.unavailable(("smol",)) is None
 
 
@@ -509,3 +517,236 @@ async def test_a_client_cancel_mid_peer_stream_is_a_499_and_frees_the_peer_slot(
     with pytest.raises(JobFailed) as caught:
         await task
     assert caught.value.status == 499 and peer.in_flight == 0 and peer.failures == 0
+
+
+# ----- a hostile peer: every read has a deadline and a byte cap ------------------------------------
+
+# How long a test waits for what must happen at once; only a hang (the old
+# code's) ever reaches it.
+HANG_S = 10.0
+
+
+async def eventually(predicate, what: str) -> None:
+    for _ in range(int(HANG_S / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within {HANG_S} s: {what}")
+
+
+class Body:
+    """A body a peer sends chunk by chunk, counting what was pulled from
+    it; after `limit` bytes it stalls (until `release`) or, with
+    `then_end`, ends there."""
+
+    def __init__(self, chunks, limit: int = 64 * 1024 * 1024, then_end: bool = False) -> None:
+        self.chunks = chunks
+        self.limit = limit
+        self.then_end = then_end
+        self.sent = 0
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def __aiter__(self):
+        for chunk in self.chunks:
+            if self.sent >= self.limit:
+                break
+            self.sent += len(chunk)
+            self.started.set()
+            yield chunk
+            await asyncio.sleep(0)
+        if not self.then_end:
+            await self.release.wait()
+
+
+def forever(chunk: bytes):
+    while True:
+        yield chunk
+
+
+async def run_on_peer(peer: Peer, job=None, sink=None):
+    """peer.run, failing the test (instead of hanging it) if it never ends."""
+    return await asyncio.wait_for(peer.run(job or make_job(), sink or Sink(), ("smol",), "m", "fp"), HANG_S)
+
+
+async def test_a_stalled_error_body_ends_at_the_first_token_deadline_and_blames_the_peer():
+    server = FakePeerServer()
+    body = Body([b'{"error": {"mess'], limit=1)
+    server.chat = httpx.Response(500, headers={"Content-Length": "1000"}, content=body)
+    peer = make_peer(server, first_token_timeout_s=0.2)
+    await peer.check()
+    with pytest.raises(PeerFailure, match="answered HTTP 500 but sent no more of its body for 0.2 s") as caught:
+        await run_on_peer(peer)
+    assert (caught.value.counts, caught.value.ran) == (True, True)
+    assert peer.in_flight == 0
+
+
+async def test_a_client_cancel_frees_a_request_whose_error_body_stalls():
+    server = FakePeerServer()
+    body = Body([b'{"error": {"mess'], limit=1)
+    server.chat = httpx.Response(503, headers={"Content-Length": "1000"}, content=body)
+    peer = make_peer(server)  # the default 60 s deadline: only the cancel can end it
+    await peer.check()
+    job = make_job()
+    task = asyncio.create_task(peer.run(job, Sink(), ("smol",), "m", "fp"))
+    await asyncio.wait_for(body.started.wait(), HANG_S)
+    job.cancel("the client disconnected")
+    with pytest.raises(JobFailed) as caught:
+        await asyncio.wait_for(task, HANG_S)
+    assert caught.value.status == 499 and peer.in_flight == 0
+
+
+async def test_an_endless_error_body_is_read_no_further_than_its_cap():
+    server = FakePeerServer()
+    chunk = b"x" * 65536
+    body = Body(forever(chunk), limit=32 * 1024 * 1024, then_end=True)
+    server.chat = httpx.Response(500, content=body)
+    peer = make_peer(server)
+    await peer.check()
+    with pytest.raises(PeerFailure, match="it answered HTTP 500: x") as caught:
+        await run_on_peer(peer)
+    assert caught.value.counts and body.sent <= ERROR_BODY_MAX_BYTES + len(chunk)
+
+
+async def test_an_endless_token_stream_is_cut_past_max_tokens_and_replayed_on_the_cpu():
+    server = FakePeerServer()
+    body = Body(forever(sse(TOKEN, done=False)), limit=8 * 1024 * 1024, then_end=True)
+    server.chat = httpx.Response(200, content=body)
+    rig, peer = await peer_rig(server)
+    rig.memory.free_mib = 100.0
+    job = make_job(max_tokens=10)
+    sink = await asyncio.wait_for(run_job(rig, job), HANG_S)
+    # Nothing had reached the client: the one re-run, on the CPU.
+    assert job.path == "cpu" and job.reason is Reason.PEER_FAILED_REPLAYED and rig.cpu.calls == [job.id]
+    assert sink.resets == 1 and peer.failures == 1 and peer.breaker.snapshot()["recent_failures"] == 1
+    failure = next(data for kind, data in rig.events.notes if kind == "peer_failure")
+    limit = 10 + ANSWER_EVENT_MARGIN
+    assert failure["reason"] == f"it sent more than {limit} events for max_tokens 10: its answer was cut"
+    # Read no further than the cut.
+    assert body.sent <= (limit + 1) * len(sse(TOKEN, done=False)) + 65536
+
+
+async def test_an_endless_token_stream_to_a_streaming_client_is_a_502_after_max_tokens():
+    server = FakePeerServer()
+    server.chat = httpx.Response(200, content=Body(forever(sse(TOKEN, done=False)), limit=8 * 1024 * 1024,
+                                                   then_end=True))
+    rig, _ = await peer_rig(server)
+    rig.memory.free_mib = 100.0
+    job = make_job(max_tokens=10)
+    sink = Sink(job, streaming=True)
+    with pytest.raises(JobFailed) as caught:
+        await asyncio.wait_for(run_job(rig, job, sink), HANG_S)
+    assert caught.value.status == 502 and caught.value.code == "peer_failed"
+    assert "events for max_tokens 10" in caught.value.message and "nothing was re-run" in caught.value.message
+    assert len(sink.events) == 10 + ANSWER_EVENT_MARGIN and rig.cpu.calls == []
+
+
+async def test_a_flood_of_events_without_tokens_is_cut_at_max_tokens_too():
+    server = FakePeerServer()
+    empty = sse({"choices": [{"index": 0, "delta": {}}]}, done=False)
+    body = Body(forever(empty), limit=16 * 1024 * 1024, then_end=True)
+    server.chat = httpx.Response(200, content=body)
+    peer = make_peer(server)
+    await peer.check()
+    sink = Sink()
+    limit = 10 + ANSWER_EVENT_MARGIN
+    with pytest.raises(PeerFailure, match=f"more than {limit} events for max_tokens 10: its answer was cut") as caught:
+        await run_on_peer(peer, make_job(max_tokens=10), sink)
+    assert caught.value.counts and len(sink.events) == limit
+
+
+async def test_a_few_huge_events_are_cut_by_their_bytes():
+    server = FakePeerServer()
+    huge = sse({**TOKEN, "padding": "x" * 1024 * 1024}, done=False)
+    body = Body(forever(huge), limit=64 * 1024 * 1024, then_end=True)
+    server.chat = httpx.Response(200, content=body)
+    peer = make_peer(server)
+    await peer.check()
+    sink = Sink()
+    with pytest.raises(PeerFailure, match="bytes for max_tokens 10: its answer was cut") as caught:
+        await run_on_peer(peer, make_job(max_tokens=10), sink)
+    assert caught.value.counts and len(sink.events) < 10 and body.sent < 8 * 1024 * 1024
+
+
+async def test_a_dripping_models_answer_ends_at_the_health_deadline(monkeypatch):
+    monkeypatch.setattr(peer_module, "HEALTH_TIMEOUT_S", 0.2)
+    peer = make_peer(FakePeerServer())
+    drip = Body(forever(b" "))
+    peer._http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200, content=drip)))
+    await asyncio.wait_for(peer.check(), HANG_S)
+    assert peer.status()["reachable"] is False
+    assert peer.unavailable(("smol",)) == "its /v1/models did not answer in full within 0.2 s"
+
+
+async def test_a_peer_whose_models_answer_never_ends_does_not_hold_the_others_checks():
+    stuck = make_peer(FakePeerServer())
+    stuck._http = httpx.AsyncClient(transport=httpx.MockTransport(
+        lambda r: httpx.Response(200, content=Body(forever(b" ")))))
+    server = FakePeerServer()
+    healthy = make_peer(server)
+    peers = Peers([stuck, healthy], interval_s=0.01)
+    peers.start()
+    try:
+        await eventually(lambda: len(server.requests) >= 3, "three checks of the healthy peer")
+    finally:
+        await peers.stop()
+    assert healthy.unavailable(("smol",)) is None
+
+
+async def test_a_models_answer_over_its_cap_is_the_peers_problem():
+    peer = make_peer(FakePeerServer())
+    chunk = b"[" * 65536
+    body = Body(forever(chunk), limit=4 * MODELS_MAX_BYTES, then_end=True)
+    peer._http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200, content=body)))
+    await peer.check()
+    assert peer.unavailable(("smol",)) == f"its /v1/models is larger than {MODELS_MAX_BYTES} bytes"
+    assert body.sent <= MODELS_MAX_BYTES + len(chunk)
+
+
+async def test_a_models_answer_nested_too_deep_for_the_parser_is_the_peers_problem():
+    peer = make_peer(FakePeerServer())
+    nested = b"[" * 100_000 + b"]" * 100_000
+    peer._http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200, content=nested)))
+    await peer.check()
+    assert peer.unavailable(("smol",)) == "its /v1/models is not an OpenAI model list"
+
+
+@pytest.mark.parametrize("url, api_key, cleartext", [
+    ("http://desk.lan:8642", "k", True),
+    ("http://192.168.1.20:8642/v1", "k", True),
+    ("https://desk.lan:8642", "k", False),
+    ("http://desk.lan:8642", "", False),
+    ("http://127.0.0.1:9000", "k", False),
+    ("http://[::1]:9000", "k", False),
+])
+def test_status_warns_when_the_peers_key_travels_in_cleartext(url, api_key, cleartext):
+    entry = PeerEntry(name="desk", url=url, api_key=api_key)
+    peer = Peer(entry, peer_base_url(entry.url), httpx.AsyncClient(), BreakerPolicy())
+    row = peer.status()
+    assert row["key_in_cleartext"] is cleartext
+    assert (row["warning"] is not None) is cleartext
+    if cleartext:
+        assert row["warning"].startswith("its api_key is sent over plain http")
+
+
+async def test_a_request_id_or_key_that_cant_be_a_header_stays_local_and_blames_no_peer():
+    rig, peer = await peer_rig(FakePeerServer())
+    rig.memory.free_mib = 100.0
+    accented, keyed = make_job("réquest"), make_job("plain")
+    keyed.idempotency_key = "clé"
+    await run_job(rig, accented)
+    await run_job(rig, keyed)
+    assert (accented.path, keyed.path) == ("cpu", "cpu") and rig.cpu.calls == [accented.id, keyed.id]
+    assert peer.failures == 0 and peer.breaker.snapshot()["recent_failures"] == 0
+
+
+async def test_a_request_the_peer_path_cant_encode_is_not_the_peers_failure():
+    server = FakePeerServer()
+    peer = make_peer(server)
+    await peer.check()
+    job = make_job()
+    job.idempotency_key = "clé"
+    with pytest.raises(PeerFailure, match="could not be sent") as caught:
+        await run_on_peer(peer, job)
+    assert (caught.value.counts, caught.value.ran) == (False, False)
+    assert server.requests[-1].url.path == "/v1/models" and peer.in_flight == 0

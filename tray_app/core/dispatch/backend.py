@@ -412,7 +412,11 @@ def worker_body(job: Job) -> dict[str, Any]:
 
 async def upstream_error_message(response: httpx.Response) -> str:
     """An upstream's error answer as one client-safe line."""
-    raw = await response.aread()
+    return upstream_error_text(await response.aread())
+
+
+def upstream_error_text(raw: bytes) -> str:
+    """An upstream's error body as one client-safe line."""
     try:
         payload = json.loads(raw)
     except ValueError:

@@ -18,32 +18,52 @@ Idempotency-Key go with it, so the peer's logs name the same request and
 a retry there finds the first result. A "fallback" peer is asked with
 X-Fallback: never (a tray-app peer then answers from its GPU or says no at
 once): its CPU is no better than this one's.
+
+Whatever answers for a peer's name on the LAN may be hostile, so every read
+from it has a deadline and a byte cap: an error answer's body, its model
+list, and its streamed answer, which is cut (the peer's failure) once it
+runs past the request's max_tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, NoReturn, Protocol
+from typing import Any, AsyncIterator, Callable, NoReturn, Protocol
+from urllib.parse import urlsplit
 
 import httpx
 
-from ..http_basics import bearer_header
+from ..http_basics import bearer_header, is_loopback
 from .admission import PeerRole, PeerView
 from .backend import (
-    _CANCELED, Sink, _wait_on_worker, canceled_error, client_safe, relay_answer, upstream_error_message, worker_body,
+    _CANCELED, MAX_SSE_LINE_BYTES, Sink, _wait_on_worker, canceled_error, client_safe, relay_answer,
+    upstream_error_text, worker_body,
 )
 from .breaker import BreakerPolicy, BreakerState, CircuitBreaker
 from .jobs import Attempt, Job, JobFailed, PathSpeed
 
 log = logging.getLogger(__name__)
 
-# How often each peer is asked for its models (its health), and how long it may take.
+# How often each peer is asked for its models (its health), and how long it
+# may take, its whole answer included: one that drips must not hold the check.
 HEALTH_INTERVAL_S = 5.0
 HEALTH_TIMEOUT_S = 3.0
+# The most of a peer's /v1/models read (a list of hundreds of models is a few
+# dozen KiB), and of an error answer's body (only its message is used).
+MODELS_MAX_BYTES = 1024 * 1024
+ERROR_BODY_MAX_BYTES = 16 * 1024
+# A peer's streamed answer is cut, as the peer's failure, past the request's
+# max_tokens: a server sends at most one event per token, and a couple
+# without one (the role, the finish); the margin is for servers that differ...
+ANSWER_EVENT_MARGIN = 16
+# ...and past this many bytes per event it may send, beyond one longest SSE
+# line (an event with 20 top_logprobs is about 4 KiB).
+ANSWER_BYTES_PER_EVENT = 16 * 1024
 # The header that marks a request as forwarded by a peer (one hop only).
 HOP_HEADER = "X-Peer-Hop"
 # Peer answers that mean "not now" (busy, or its GPU can't take it): the
@@ -164,20 +184,25 @@ class Peer:
         listed = self.health.listed
         reachable = True
         try:
-            response = await self._http.get(f"{self.base_url}/v1/models", headers=self._auth_headers(),
-                                            timeout=HEALTH_TIMEOUT_S)
+            # httpx's read timeout is per chunk: a body that drips a byte at a
+            # time would never trip it. This deadline is for the whole answer.
+            status, body = await asyncio.wait_for(self._read_models(), HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            reachable, problem = False, f"its /v1/models did not answer in full within {HEALTH_TIMEOUT_S:g} s"
         except (httpx.TransportError, httpx.TimeoutException) as exc:
             reachable, problem = False, f"unreachable: {type(exc).__name__}: {client_safe(str(exc)) or 'no detail'}"
         except Exception as exc:  # noqa: BLE001 - any odd answer is the peer's problem, shown in /status
             log.warning("peer %s: health check failed: %r", self.name, exc)
             reachable, problem = False, f"its /v1/models could not be read ({type(exc).__name__})"
         else:
-            if response.status_code in AUTH_STATUSES:
-                problem = f"it refused our API key (HTTP {response.status_code}): check api_key in [[peers]]"
-            elif response.status_code >= 400:
-                problem = f"its /v1/models answered HTTP {response.status_code}"
+            if status in AUTH_STATUSES:
+                problem = f"it refused our API key (HTTP {status}): check api_key in [[peers]]"
+            elif status >= 400:
+                problem = f"its /v1/models answered HTTP {status}"
+            elif body is None:
+                problem = f"its /v1/models is larger than {MODELS_MAX_BYTES} bytes"
             else:
-                listed, problem = _model_ids(response)
+                listed, problem = _model_ids(body)
         rtt_ms = (time.perf_counter() - started) * 1000
         health = self.health
         if (problem is None) != (health.problem is None):
@@ -188,6 +213,16 @@ class Peer:
             health.latency_ms = round(rtt_ms, 1)
             health.smoothed_ms = round(rtt_ms if health.smoothed_ms is None
                                        else 0.3 * rtt_ms + 0.7 * health.smoothed_ms, 1)
+
+    async def _read_models(self) -> tuple[int, bytes | None]:
+        """The status of the peer's /v1/models and its body (None when it is
+        over MODELS_MAX_BYTES); an error answer's body is not read at all."""
+        async with self._http.stream("GET", f"{self.base_url}/v1/models", headers=self._auth_headers(),
+                                     timeout=HEALTH_TIMEOUT_S) as response:
+            if response.status_code >= 400:
+                return response.status_code, b""
+            body, complete = await read_at_most(response, MODELS_MAX_BYTES)
+            return response.status_code, body if complete else None
 
     # ----- a request -------------------------------------------------------------------------
 
@@ -237,9 +272,19 @@ class Peer:
             try:
                 attempt.reached_worker = True
                 if response.status_code >= 400:
-                    await self._refused(response)
-                done_seen = await relay_answer(response, job, attempt, sink, from_peer, fail=peer_error, model=model,
-                                               fingerprint=fingerprint, clock=self._clock)
+                    # Its body too under the request's deadline and cancel: a
+                    # peer that stalls or never ends its error answer must not
+                    # hold the request (or its in-flight count) forever.
+                    try:
+                        error_body, _ = await from_peer(read_at_most(response, ERROR_BODY_MAX_BYTES))
+                    except asyncio.TimeoutError:
+                        attempt.outcome = "failed: hang"
+                        raise PeerFailure(f"it answered HTTP {response.status_code} but sent no more of its "
+                                          f"body for {limit_s():g} s") from None
+                    self._refused(response.status_code, error_body)
+                done_seen = await relay_answer(_CappedAnswer(response, job.max_tokens), job, attempt,
+                                               _CappedSink(sink, job.max_tokens), from_peer, fail=peer_error,
+                                               model=model, fingerprint=fingerprint, clock=self._clock)
             finally:
                 await response.aclose()
         except PeerFailure as failure:
@@ -248,6 +293,12 @@ class Peer:
         except asyncio.TimeoutError:
             attempt.outcome = "failed: hang"
             raise PeerFailure(f"no output for {limit_s():g} s") from None
+        except (UnicodeEncodeError, httpx.LocalProtocolError) as exc:
+            # A request this server could not encode (a header httpx can't
+            # send): our failure, not the peer's. It never left; run it here.
+            attempt.outcome = f"failed: {type(exc).__name__}"
+            raise PeerFailure(f"it was not asked: this request could not be sent ({type(exc).__name__})",
+                              counts=False, ran=False) from None
         except (httpx.TransportError, httpx.StreamError) as exc:
             attempt.outcome = f"failed: {type(exc).__name__}"
             # Refused or timed out at connect: the request never got there.
@@ -288,9 +339,8 @@ class Peer:
             self.breaker.record_success()
         self.breaker.release_probe()
 
-    async def _refused(self, response: httpx.Response) -> None:
-        message = await upstream_error_message(response)
-        status = response.status_code
+    def _refused(self, status: int, body: bytes) -> NoReturn:
+        message = upstream_error_text(body)
         if status in AUTH_STATUSES:
             reason = f"it refused our API key (HTTP {status}): check api_key in [[peers]]"
             self.breaker.trip(reason)
@@ -307,6 +357,13 @@ class Peer:
 
     def _auth_headers(self) -> dict[str, str]:
         return bearer_header(self.settings.api_key)
+
+    @property
+    def key_in_cleartext(self) -> bool:
+        """Whether our api_key for it crosses a network unencrypted: plain
+        http to a host other than this machine's loopback."""
+        url = urlsplit(self.base_url)
+        return bool(self.settings.api_key) and url.scheme == "http" and not is_loopback(url.hostname or "")
 
     # ----- what it says about itself ---------------------------------------------------------
 
@@ -331,14 +388,75 @@ class Peer:
             "failures": self.failures,
             "last_failure": self.last_failure,
             "tokens_per_s": round(self.speed.tokens_per_s, 1) if self.speed.samples else None,
+            "key_in_cleartext": self.key_in_cleartext,
+            "warning": CLEARTEXT_KEY_WARNING if self.key_in_cleartext else None,
         }
 
 
-def _model_ids(response: httpx.Response) -> tuple[tuple[str, ...], str | None]:
+CLEARTEXT_KEY_WARNING = ("its api_key is sent over plain http: anyone on the network between here and "
+                         "there can read it and use it; reach the peer over https (a TLS proxy in front of it) "
+                         "or only over a network that is yours")
+
+
+async def read_at_most(response: httpx.Response, max_bytes: int) -> tuple[bytes, bool]:
+    """The first `max_bytes` of a body, and whether that was all of it. It
+    stops reading there: a body that never ends costs no more."""
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) > max_bytes:
+            return bytes(body[:max_bytes]), False
+    return bytes(body), True
+
+
+class _CappedAnswer:
+    """A peer's streamed answer as relay_answer reads it (through
+    aiter_bytes), cut as the peer's failure past the bytes the request's
+    max_tokens allows: a stream that never ends must not fill the sinks or
+    the idempotency recording."""
+
+    def __init__(self, response: httpx.Response, max_tokens: int) -> None:
+        self._response = response
+        self._max_tokens = max_tokens
+        self.max_bytes = MAX_SSE_LINE_BYTES + (max_tokens + ANSWER_EVENT_MARGIN) * ANSWER_BYTES_PER_EVENT
+        self.read = 0
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        async for chunk in self._response.aiter_bytes():
+            self.read += len(chunk)
+            if self.read > self.max_bytes:
+                raise PeerFailure(f"it sent more than {self.max_bytes} bytes for max_tokens {self._max_tokens}: "
+                                  "its answer was cut")
+            yield chunk
+
+
+class _CappedSink:
+    """The request's sink, which refuses (as the peer's failure) the event
+    that runs past max_tokens and its margin, with a token or without: a
+    peer that never stops is cut there."""
+
+    def __init__(self, sink: Sink, max_tokens: int) -> None:
+        self._sink = sink
+        self._max_tokens = max_tokens
+        self._max_events = max_tokens + ANSWER_EVENT_MARGIN
+        self._events = 0
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self._events += 1
+        if self._events > self._max_events:
+            raise PeerFailure(f"it sent more than {self._max_events} events for max_tokens {self._max_tokens}: "
+                              "its answer was cut")
+        self._sink.emit(event)
+
+    def reset(self) -> None:
+        self._sink.reset()
+
+
+def _model_ids(body: bytes) -> tuple[tuple[str, ...], str | None]:
     """The model ids of an OpenAI /v1/models answer, or why it isn't one."""
     try:
-        data = response.json().get("data")
-    except (ValueError, AttributeError):
+        data = json.loads(body).get("data")
+    except (ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
         data = None
     if not isinstance(data, list):
         return (), "its /v1/models is not an OpenAI model list"
@@ -352,7 +470,7 @@ class Peers:
         self.peers = peers
         self._by_name = {peer.name: peer for peer in peers}
         self._interval_s = interval_s
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     def get(self, name: str | None) -> Peer | None:
         return self._by_name.get(name) if name else None
@@ -362,24 +480,25 @@ class Peers:
         return [peer for peer in self.peers if peer.unavailable(names) is None]
 
     def start(self) -> None:
-        if self.peers and self._task is None:
-            self._task = asyncio.create_task(self._check_forever(), name="peer-health")
+        # One loop per peer: a slow peer's check never delays another's.
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._check_forever(peer), name=f"peer-health-{peer.name}")
+                           for peer in self.peers]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
+        self._tasks = []
 
-    async def check_all(self) -> None:
-        # check() never raises; return_exceptions is the second guard, so
-        # one peer can't end the loop that watches all of them.
-        await asyncio.gather(*(peer.check() for peer in self.peers), return_exceptions=True)
-
-    async def _check_forever(self) -> None:
+    async def _check_forever(self, peer: Peer) -> None:
         while True:
-            await self.check_all()
+            try:
+                await peer.check()
+            except Exception:  # noqa: BLE001 - check() never raises; this guard keeps the peer watched if it did
+                log.exception("peer %s: health check raised", peer.name)
             await asyncio.sleep(self._interval_s)
 
     def status(self) -> list[dict[str, Any]]:
@@ -392,5 +511,14 @@ def job_may_use_peers(job: Job) -> bool:
     and not one constrained by a grammar: structured output and a named
     tool_choice become llama.cpp's `grammar` here, which another kind of
     server would ignore (an unconstrained answer) or refuse. The dispatcher also
-    keeps a request that may not leave the GPU (X-Fallback: never) here."""
+    keeps a request that may not leave the GPU (X-Fallback: never) here.
+    Nor one whose id or idempotency key can't travel as a header (the door
+    refuses those; if one got past it, it is no failure of the peer's)."""
+    if not all(_sendable_header(value) for value in (job.id, job.idempotency_key or "")):
+        return False
     return not (job.no_peer or job.force_cpu or job.forced_tool is not None or "grammar" in job.body)
+
+
+def _sendable_header(value: str) -> bool:
+    """Whether httpx can send this as a header value: printable ASCII."""
+    return value.isascii() and value.isprintable()
