@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.harness import BASE_CONFIG, running
+from tray_app.core.api.embeddings import MAX_VALUES_PER_REQUEST
 
 pytestmark = pytest.mark.integration
 
@@ -150,3 +151,26 @@ def test_the_worker_unloads_when_idle_and_loads_again(service, client):
     again = client.embeddings.create(model="default", input="back again", encoding_format="float")
     assert len(again.data[0].embedding) == embeddings(service)["dimensions"]
     assert embeddings(service)["state"] == "ready"
+
+
+@pytest.mark.parametrize("route, field", [("/v1/embeddings", "input"), ("/api/embed", "input")])
+def test_a_request_for_too_many_numbers_is_refused_with_the_cap(service, route, field):
+    # 8 KB of one-letter inputs used to ask for 24 MB of JSON (170 MB with an 8B model).
+    dimensions = embeddings(service)["dimensions"]
+    too_many = MAX_VALUES_PER_REQUEST // dimensions + 1
+    response = service.http.post(route, json={"model": "default", field: ["a"] * too_many})
+    assert response.status_code == 400, response.text[:300]
+    message = response.json()["error"]
+    message = message if isinstance(message, str) else message["message"]
+    assert str(MAX_VALUES_PER_REQUEST) in message and f"at most {too_many - 1} inputs" in message
+
+
+def test_ollamas_older_route_embeds_one_prompt_and_refuses_a_list(service):
+    # It used to embed the whole list and answer only the first vector.
+    single = service.http.post("/api/embeddings", json={"model": "default", "prompt": "The sea"})
+    assert single.status_code == 200 and len(single.json()["embedding"]) == embeddings(service)["dimensions"]
+    listed = service.http.post("/api/embeddings", json={"model": "default", "prompt": ["The sea", "The land"]})
+    assert listed.status_code == 400 and "/api/embed" in listed.json()["error"]
+    before = embeddings(service)["inputs_served"]
+    assert service.http.post("/api/embeddings", json={"model": "default", "prompt": ["x"]}).status_code == 400
+    assert embeddings(service)["inputs_served"] == before

@@ -8,12 +8,15 @@ import asyncio
 import base64
 import json
 import struct
+import threading
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from tray_app.core.api.embeddings import (
-    MAX_INPUTS, EmbeddingOptions, check_body, encode_base64, input_texts, response_body, too_long,
+    MAX_INPUTS, MAX_VALUES_PER_REQUEST, EmbeddingOptions, check_body, check_inputs, encode_base64, input_texts,
+    json_off_the_loop, response_body, too_long, too_many_values,
 )
 from tray_app.core.api.openai_request import InvalidRequest
 from tray_app.core.api.requests import ModelNames
@@ -183,6 +186,15 @@ def answer(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, json={"data": data, "usage": {"prompt_tokens": 3 * len(texts)}})
 
 
+def path_held_until(release: asyncio.Event) -> EmbeddingPath:
+    """A path with one slot and one queue place, whose worker answers once `release` is set."""
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await release.wait()
+        return answer(request)
+
+    return path_with(slow, slots=1, queue=1)
+
+
 async def test_embed_returns_vectors_in_input_order():
     path = path_with(answer)
     result = await path.embed(["a", "b", "c"], request_id="r1")
@@ -212,12 +224,7 @@ async def test_a_stopped_worker_is_not_loaded_under_the_ram_floor():
 
 async def test_a_full_lane_is_a_503_with_retry_after_and_a_cancel_frees_the_place():
     release = asyncio.Event()
-
-    async def slow(request: httpx.Request) -> httpx.Response:
-        await release.wait()
-        return answer(request)
-
-    path = path_with(slow, slots=1, queue=1)
+    path = path_held_until(release)
     running = asyncio.create_task(path.embed(["a"], request_id="same"))
     await asyncio.sleep(0.01)
     waiting = asyncio.create_task(path.embed(["b"], request_id="same"))  # a reused id is fine
@@ -281,3 +288,91 @@ def test_the_config_section_checks_its_keys():
     for bad in ({"pooling": "max"}, {"max_concurrency": 0}, {"n_ctx": 1}, {"idle_unload_s": -1.0}):
         with pytest.raises(ConfigError, match=r"\[embeddings\]"):
             apply_overrides(Config(), {"embeddings": bad})
+
+
+# ----- what one request may cost (issue 27, part 4) ------------------------------------------
+
+def test_inputs_times_dimensions_is_capped_and_the_error_says_the_cap():
+    # 2048 one-letter inputs at the bundled model's 576 dimensions: 24 MB of JSON.
+    bad = too_many_values(2048, 576, "input")
+    assert (bad.status, bad.code, bad.param) == (400, "too_many_values", "input")
+    assert str(MAX_VALUES_PER_REQUEST) in bad.message and "at most 1820 inputs" in bad.message
+    assert too_many_values(1820, 576, "input") is None
+    assert too_many_values(257, 4096, "input") is not None and too_many_values(256, 4096, "input") is None
+    assert "at most 1 inputs" in too_many_values(2, MAX_VALUES_PER_REQUEST, "input").message
+
+
+class CountingCounter:
+    def __init__(self) -> None:
+        self.counted: list[str] = []
+
+    def count_text(self, text: str) -> int:
+        self.counted.append(text)
+        return 1
+
+
+def counting_service() -> SimpleNamespace:
+    return SimpleNamespace(counter=CountingCounter(), config=SimpleNamespace(embeddings=SimpleNamespace(n_ctx=512)))
+
+
+async def test_a_full_lane_refuses_before_anything_is_tokenized():
+    release = asyncio.Event()
+    path = path_held_until(release)
+    running = asyncio.create_task(path.embed(["a"], request_id="r1"))
+    waiting = asyncio.create_task(path.embed(["b"], request_id="r2"))
+    await asyncio.sleep(0.01)
+    service = counting_service()
+    with pytest.raises(JobFailed) as caught:
+        await check_inputs(service, path, ["word " * 100] * 50)
+    assert caught.value.code == "embeddings_busy" and service.counter.counted == []
+    release.set()
+    await asyncio.gather(running, waiting)
+    texts, counted = await check_inputs(service, path, ["one", "two"])
+    assert texts == ["one", "two"] and counted == 2
+
+
+async def test_too_many_values_is_refused_before_anything_is_tokenized():
+    service = counting_service()
+    path = path_with(answer)
+    path.dimensions = 4096  # an 8B model's
+    with pytest.raises(InvalidRequest) as caught:
+        await check_inputs(service, path, ["x"] * (MAX_VALUES_PER_REQUEST // 4096 + 1))
+    assert caught.value.code == "too_many_values" and service.counter.counted == []
+
+
+async def test_the_workers_answer_is_parsed_off_the_event_loop(monkeypatch):
+    import tray_app.core.embeddings as embeddings_module
+
+    parse = embeddings_module.parse_worker_answer
+    threads = []
+
+    def recording_parse(raw, inputs):
+        threads.append(threading.current_thread())
+        return parse(raw, inputs)
+
+    monkeypatch.setattr(embeddings_module, "parse_worker_answer", recording_parse)
+    result = await path_with(answer).embed(["a", "b"], request_id="r1")
+    assert result.vectors == [[0.0, 1.0], [1.0, 1.0]]
+    assert threads and threads[0] is not threading.main_thread()
+
+
+async def test_the_answer_is_built_and_encoded_off_the_event_loop():
+    threads = []
+
+    def build():
+        threads.append(threading.current_thread())
+        return {"embedding": [0.5, -1.0], "text": "é"}
+
+    response = await json_off_the_loop(build, {"X-Served-By": "embed"})
+    assert threads and threads[0] is not threading.main_thread()
+    assert json.loads(response.body) == {"embedding": [0.5, -1.0], "text": "é"}
+    assert response.headers["content-type"] == "application/json" and response.headers["x-served-by"] == "embed"
+
+
+def test_a_worker_answer_in_another_shape_is_a_502():
+    from tray_app.core.embeddings import parse_worker_answer
+
+    for raw in (b"not json", b"[]", b'{"data": [{"index": 0}]}', b'{"data": [{"index": 0, "embedding": [1]}]}'):
+        with pytest.raises(JobFailed) as caught:
+            parse_worker_answer(raw, 2 if b"[1]" in raw else 1)
+        assert caught.value.status == 502

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -127,7 +128,7 @@ class EmbeddingPath:
         Raises JobFailed when the lane is full, the RAM is short, the worker
         can't load or fails, or the deadline passes. Cancelling the task
         gives its place or slot back at once."""
-        self._admit()
+        self.admit()
         key = f"{request_id}#{next(self._seq)}"
         place = self.lane.join(key)
         self._changed()
@@ -145,9 +146,11 @@ class EmbeddingPath:
         self.last_used = time.time()
         return result
 
-    def _admit(self) -> None:
+    def admit(self) -> None:
         """Refuse at once what can't be served soon: a full queue, or a load
-        that would leave the host under the RAM floor."""
+        that would leave the host under the RAM floor. Cheap: the routes ask
+        before they tokenize, so a refused request costs no CPU; `embed`
+        asks again, as the lane may have filled meanwhile."""
         state = self.lane.state(self.n_ctx)
         if not state.has_free_slot and not state.has_queue_room:
             raise JobFailed(503, "embeddings_busy", f"the embedding queue is full ({state.queued}/"
@@ -195,16 +198,9 @@ class EmbeddingPath:
                                 param="input")
             self.failures += 1
             raise JobFailed(502, "worker_error", f"the embedding worker failed on this request: {message}")
-        try:
-            body = response.json()
-            rows = sorted(body["data"], key=lambda row: row["index"])
-            vectors = [[float(x) for x in row["embedding"]] for row in rows]
-            tokens = int((body.get("usage") or {}).get("prompt_tokens", 0))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise JobFailed(502, "worker_error", f"the embedding worker answered in an unknown shape: {exc!r}") from None
-        if len(vectors) != len(texts) or any(len(v) != len(vectors[0]) for v in vectors):
-            raise JobFailed(502, "worker_error", f"the embedding worker answered {len(vectors)} vectors for "
-                            f"{len(texts)} inputs, or vectors of different sizes")
+        # Tens of megabytes of JSON for a big batch: parsed on a thread, so
+        # the event loop (every other request, /health) never waits on it.
+        vectors, tokens = await asyncio.to_thread(parse_worker_answer, response.content, len(texts))
         return EmbeddingResult(vectors, tokens, self.model)
 
     # ----- lifecycle ----------------------------------------------------------------------
@@ -260,6 +256,22 @@ async def _deadline(deadline_s: float | None, request_id: str):
     except TimeoutError:
         raise JobFailed(503, "request_timeout", f"request {request_id} was not answered within its "
                         f"{deadline_s:g} s deadline", retry_after_s=BUSY_RETRY_AFTER_S) from None
+
+
+def parse_worker_answer(raw: bytes, inputs: int) -> tuple[list[list[float]], int]:
+    """The vectors (in input order) and prompt tokens of the worker's answer.
+    Raises JobFailed when its shape is not OpenAI's."""
+    try:
+        body = json.loads(raw)
+        rows = sorted(body["data"], key=lambda row: row["index"])
+        vectors = [[float(x) for x in row["embedding"]] for row in rows]
+        tokens = int((body.get("usage") or {}).get("prompt_tokens", 0))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise JobFailed(502, "worker_error", f"the embedding worker answered in an unknown shape: {exc!r}") from None
+    if len(vectors) != inputs or any(len(v) != len(vectors[0]) for v in vectors):
+        raise JobFailed(502, "worker_error", f"the embedding worker answered {len(vectors)} vectors for "
+                        f"{inputs} inputs, or vectors of different sizes")
+    return vectors, tokens
 
 
 def _worker_message(response: httpx.Response) -> str:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ..dispatch.jobs import JobFailed, new_request_id
 from ..embeddings import EmbeddingPath, EmbeddingResult
@@ -30,6 +31,11 @@ if TYPE_CHECKING:
 
 # OpenAI's limit on inputs per request.
 MAX_INPUTS = 2048
+# Numbers one request may ask for (inputs x the model's dimensions). A few
+# kilobytes of short inputs would otherwise ask for an answer of hundreds of
+# megabytes (2048 x 4096 floats is about 170 MB of JSON): this keeps it near
+# 20 MB of JSON (5.6 MB as base64): 1820 inputs at 576 dimensions, 256 at 4096.
+MAX_VALUES_PER_REQUEST = 1 << 20
 ENCODING_FORMATS = ("float", "base64")
 
 
@@ -89,6 +95,17 @@ def check_body(body: dict[str, Any], models: ModelNames, dimensions: int) -> Emb
     return EmbeddingOptions(encoding_format=encoding)
 
 
+def too_many_values(inputs: int, dimensions: int, param: str) -> InvalidRequest | None:
+    """The error for a request whose answer would hold more than
+    MAX_VALUES_PER_REQUEST numbers, or None."""
+    if inputs * dimensions <= MAX_VALUES_PER_REQUEST:
+        return None
+    most = max(1, MAX_VALUES_PER_REQUEST // dimensions)
+    return InvalidRequest(400, f"'{param}' has {inputs} inputs; with this model's {dimensions} dimensions the answer "
+                          f"would hold {inputs * dimensions} numbers, over the {MAX_VALUES_PER_REQUEST} one request "
+                          f"may have: send at most {most} inputs per request", "too_many_values", param)
+
+
 def too_long(counts: list[int], limit: int, param: str, single: bool) -> InvalidRequest | None:
     """The error for the first input over `limit` tokens, or None."""
     for index, count in enumerate(counts):
@@ -99,11 +116,17 @@ def too_long(counts: list[int], limit: int, param: str, single: bool) -> Invalid
     return None
 
 
-async def check_inputs(service: "Service", value: Any, param: str = "input") -> tuple[list[str], int]:
+async def check_inputs(service: "Service", path: EmbeddingPath, value: Any,
+                       param: str = "input") -> tuple[list[str], int]:
     """The texts of `value` and their token count, checked against
     [embeddings] n_ctx with the model's own tokenizer. Raises InvalidRequest
-    naming `param` (or param[i])."""
+    naming `param` (or param[i]), or JobFailed when the lane can't take the
+    request: asked before tokenizing, so a refused request costs no CPU."""
     texts = input_texts(value, param)
+    problem = too_many_values(len(texts), path.dimensions, param)
+    if problem is not None:
+        raise problem
+    path.admit()
     counter = service.counter
     assert counter is not None, "the service counts tokens once started"
     # Tokenizing up to 2048 inputs takes a while: off the loop.
@@ -126,6 +149,18 @@ def encode_base64(vector: list[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
+async def json_off_the_loop(build: Callable[[], Any], headers: dict[str, str]) -> Response:
+    """A JSON response whose body is built and encoded on a thread: an
+    answer of many vectors is megabytes of JSON, and encoding it on the
+    event loop would hold up every other request (and /health) meanwhile.
+    Encoded as starlette's JSONResponse does."""
+    def encode() -> bytes:
+        return json.dumps(build(), ensure_ascii=False, allow_nan=False, indent=None,
+                          separators=(",", ":")).encode("utf-8")
+
+    return Response(await asyncio.to_thread(encode), media_type="application/json", headers=headers)
+
+
 def response_body(result: EmbeddingResult, options: EmbeddingOptions) -> dict[str, Any]:
     encode = encode_base64 if options.encoding_format == "base64" else (lambda vector: vector)
     return {
@@ -145,7 +180,7 @@ async def openai_embeddings(service: "Service", models: ModelNames, request: Req
         body = await read_json_object(request)
         options = check_body(body, models, path.dimensions)
         deadline_s = routing_headers(request).deadline_s
-        texts, counted = await check_inputs(service, body.get("input"))
+        texts, counted = await check_inputs(service, path, body.get("input"))
     except InvalidRequest as bad:
         if bad.status in (408, 413):
             # The body was not read to its end: the connection can't carry another request.
@@ -161,7 +196,7 @@ async def openai_embeddings(service: "Service", models: ModelNames, request: Req
         return OPENAI.failed(failure, headers)
     if result is None:
         return Response(status_code=499, headers=headers)
-    return JSONResponse(response_body(result, options), headers=headers)
+    return await json_off_the_loop(lambda: response_body(result, options), headers)
 
 
 async def embed_for(request: Request, path: EmbeddingPath, texts: list[str], counted: int, *, request_id: str,

@@ -17,7 +17,7 @@ from .ollama import (
     model_entry, model_info_fields, rfc3339,
 )
 from .openai_request import InvalidRequest
-from .embeddings import check_inputs, embed_for, embedding_path
+from .embeddings import check_inputs, embed_for, embedding_path, json_off_the_loop
 from .requests import ModelNames, check_model, clean_request_id, read_json_object, routing_headers
 
 MIB = 1024 * 1024
@@ -50,15 +50,15 @@ class OllamaRoutes:
 
     async def embed(self, request: Request) -> Response:
         """/api/embed: {"model", "input": text or [texts]} -> {"embeddings": [...]}."""
-        return await self._embed(request, "input", lambda result, started: JSONResponse({
+        return await self._embed(request, "input", lambda result, started: {
             "model": result.model + DEFAULT_TAG, "embeddings": result.vectors,
             "total_duration": int((time.monotonic() - started) * 1e9), "load_duration": 0,
-            "prompt_eval_count": result.prompt_tokens}))
+            "prompt_eval_count": result.prompt_tokens})
 
     async def embeddings(self, request: Request) -> Response:
-        """/api/embeddings, Ollama's older route: {"model", "prompt"} -> {"embedding": [...]}."""
-        return await self._embed(request, "prompt", lambda result, started: JSONResponse(
-            {"embedding": result.vectors[0] if result.vectors else []}))
+        """/api/embeddings, Ollama's older route: {"model", "prompt"} -> {"embedding": [...]}.
+        One text, as Ollama's: a list is refused, not embedded whole for one vector."""
+        return await self._embed(request, "prompt", lambda result, started: {"embedding": result.vectors[0]})
 
     async def _embed(self, request: Request, field: str, shape) -> Response:
         started = time.monotonic()
@@ -73,10 +73,15 @@ class OllamaRoutes:
             if dimensions is not None and dimensions != path.dimensions:
                 raise InvalidRequest(400, f"'dimensions' {dimensions!r} is not supported: this model's embeddings "
                                      f"have {path.dimensions}", "unsupported_parameter", "dimensions")
-            if field == "prompt" and body.get("prompt") == "":
-                # Ollama's old route answers an empty prompt with an empty vector.
-                return JSONResponse({"embedding": []}, headers=headers)
-            texts, counted = await check_inputs(self.service, body.get(field), field)
+            if field == "prompt":
+                prompt = body.get("prompt")
+                if prompt == "":
+                    # Ollama's old route answers an empty prompt with an empty vector.
+                    return JSONResponse({"embedding": []}, headers=headers)
+                if prompt is not None and not isinstance(prompt, str):
+                    raise InvalidRequest(400, "'prompt' must be a string: this older route embeds one text "
+                                         "(POST /api/embed takes a list as 'input')", "invalid_type", "prompt")
+            texts, counted = await check_inputs(self.service, path, body.get(field), field)
             result = await embed_for(request, path, texts, counted, request_id=request_id,
                                      deadline_s=routing_headers(request).deadline_s)
         except InvalidRequest as bad:
@@ -87,9 +92,7 @@ class OllamaRoutes:
             return Response(status_code=499)
         if result is None:
             return Response(status_code=499, headers=headers)
-        response = shape(result, started)
-        response.headers.update(headers)
-        return response
+        return await json_off_the_loop(lambda: shape(result, started), headers)
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": OLLAMA_API_VERSION})
