@@ -12,9 +12,32 @@ import json
 import httpx
 import pytest
 
+from tests.harness import BASE_CONFIG, running
 from tests.hostile_bodies import HOSTILE_BODIES
 
 pytestmark = pytest.mark.integration
+
+# Some junk leaves a generation without a limit: "options" null, {} or
+# unknown keys only, "options.num_predict" null or -1. Ollama's answer then
+# runs until the context is full (null counts as absent, as in Ollama), and
+# so does ours. A small context bounds that answer whatever is sampled: the
+# prompts here are at most 33 tokens, so the longest answer is under CONTEXT
+# tokens. Each request must be answered within ANSWER_DEADLINE_S, which asks
+# for 0.5 tokens/s; SmolLM2 made 3.6 tokens/s on a 2-core machine at load
+# average 8. (The 1024-token context this replaces could ask for 1000
+# tokens within the client's 60 s: 17 tokens/s.)
+CONTEXT = 128
+ANSWER_DEADLINE_S = 240.0
+assert "n_ctx = 1024" in BASE_CONFIG and "n_ctx = 2048" in BASE_CONFIG
+SMALL_CONTEXT = BASE_CONFIG.replace("n_ctx = 1024", f"n_ctx = {CONTEXT}").replace("n_ctx = 2048", f"n_ctx = {CONTEXT}")
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    with running(tmp_path_factory.mktemp("hostile"), SMALL_CONTEXT) as service:
+        service.http.timeout = httpx.Timeout(ANSWER_DEADLINE_S)
+        yield service
+
 
 BAD_VALUES = [None, "", "x" * 5000, 10**30, -(10**30), 1e308, -1, True, [], {}, [[[[]]]], {"a": {"b": {"c": 1}}},
               "\ud800"]

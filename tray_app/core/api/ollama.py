@@ -8,7 +8,7 @@ on these responses too. Streams are NDJSON, one object per line, and a
 stream is the default, as in Ollama. Errors are Ollama's {"error": "..."}.
 
 What maps where (Ollama's options -> the OpenAI body the workers run):
-num_predict -> max_tokens (-1, -2: until the context is full); num_ctx ->
+num_predict -> max_tokens (-1, -2, absent or null: until the context is full); num_ctx ->
 prompt and answer stay within it (it never grows the server's context);
 temperature, top_p, top_k, min_p, typical_p, seed, stop, repeat_penalty,
 presence_penalty, frequency_penalty -> the same names; format "json" or a
@@ -114,6 +114,9 @@ def _options(body: dict[str, Any], out: dict[str, Any], largest_context: int) ->
     if stop is not None and stop != []:
         out["stop"] = stop  # checked with OpenAI's rules once translated
     predict = options.get("num_predict")
+    # null is absent, as in Ollama (Options.FromMap skips null values), so a
+    # client that writes every unset option as null is served as Ollama
+    # serves it: until the context is full, which the context bounds.
     if predict is not None:
         if isinstance(predict, bool) or not isinstance(predict, int) or predict == 0 or predict < -2:
             raise _Invalid(400, "'options.num_predict' must be a positive whole number, or -1 / -2 for "
