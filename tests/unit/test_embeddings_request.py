@@ -180,9 +180,11 @@ def path_with(handler, *, worker=None, slots=1, queue=1, available_mib=8000.0) -
 
 def answer(request: httpx.Request) -> httpx.Response:
     texts = json.loads(request.content)["input"]
-    assert json.loads(request.content)["encoding_format"] == "float"
+    # Base64 from the worker whatever the client asked: a few strings to
+    # parse instead of megabytes of numbers.
+    assert json.loads(request.content)["encoding_format"] == "base64"
     # Out of order on purpose: the path sorts by index.
-    data = [{"index": i, "embedding": [float(i), 1.0]} for i in reversed(range(len(texts)))]
+    data = [{"index": i, "embedding": encode_base64([float(i), 1.0])} for i in reversed(range(len(texts)))]
     return httpx.Response(200, json={"data": data, "usage": {"prompt_tokens": 3 * len(texts)}})
 
 
@@ -369,10 +371,50 @@ async def test_the_answer_is_built_and_encoded_off_the_event_loop():
     assert response.headers["content-type"] == "application/json" and response.headers["x-served-by"] == "embed"
 
 
-def test_a_worker_answer_in_another_shape_is_a_502():
+def test_a_workers_answer_in_floats_is_taken_too_and_one_in_another_shape_is_a_502():
     from tray_app.core.embeddings import parse_worker_answer
 
-    for raw in (b"not json", b"[]", b'{"data": [{"index": 0}]}', b'{"data": [{"index": 0, "embedding": [1]}]}'):
+    floats = b'{"data": [{"index": 1, "embedding": [0.5, 2]}, {"index": 0, "embedding": [1, 0]}]}'
+    assert parse_worker_answer(floats, 2) == ([[1.0, 0.0], [0.5, 2.0]], 0)
+    for raw, inputs in ((b"not json", 1), (b"[]", 1), (b'{"data": [{"index": 0}]}', 1),
+                        (b'{"data": [{"index": 0, "embedding": [1]}]}', 2),
+                        (b'{"data": [{"index": 0, "embedding": "not base64!"}]}', 1),
+                        (b'{"data": [{"index": 0, "embedding": "AAAA"}]}', 1)):  # 3 bytes: no whole float32
         with pytest.raises(JobFailed) as caught:
-            parse_worker_answer(raw, 2 if b"[1]" in raw else 1)
-        assert caught.value.status == 502
+            parse_worker_answer(raw, inputs)
+        assert caught.value.status == 502, raw
+
+
+@pytest.mark.parametrize("value", [
+    {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [0.5, -1e-07, 3.0]}],
+     "model": "smol", "usage": {"prompt_tokens": 7, "total_tokens": 7}},
+    {"model": "smol:latest", "embeddings": [[1.0, 2.0], [3.5, 4.25]], "total_duration": 12, "note": "é \" \u2028"},
+    {"embedding": []}, {"embeddings": [[], [1.0]]}, {"mixed": [1, [2], {"a": None}, True, "s"]},
+])
+def test_json_in_pieces_is_what_starlette_writes(value):
+    from starlette.responses import JSONResponse
+
+    from tray_app.core.api.embeddings import json_in_pieces
+
+    assert json_in_pieces(value) == JSONResponse(value).body
+
+
+def test_json_in_pieces_never_encodes_more_than_one_vector_at_once(monkeypatch):
+    # One json.dumps call over the whole answer holds the GIL, and the event
+    # loop with it, until it ends (about a second for 2048 x 576 floats).
+    import tray_app.core.api.embeddings as module
+    from tray_app.core.api.embeddings import json_in_pieces
+
+    longest = []
+    dumps = json.dumps
+
+    def measured(value, **kwargs):
+        longest.append(len(value) if isinstance(value, list) else 0)
+        return dumps(value, **kwargs)
+
+    monkeypatch.setattr(module.json, "dumps", measured)
+    vectors = [[float(i)] * 64 for i in range(100)]
+    body = json_in_pieces(response_body(EmbeddingResult(vectors, 1, "smol"), EmbeddingOptions("float")))
+    monkeypatch.undo()
+    assert max(longest) == 64
+    assert [row["embedding"] for row in json.loads(body)["data"]] == vectors

@@ -14,9 +14,11 @@ and shape their own answers around it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import itertools
 import json
+import struct
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -181,8 +183,11 @@ class EmbeddingPath:
         process = worker.exits
         url = f"{worker.base_url}/v1/embeddings"
         try:
-            # Always floats from the worker: base64 is the client's choice, encoded by the route.
-            response = await self._http.post(url, json={"input": texts, "encoding_format": "float"},
+            # Base64 from the worker, whatever the client asked: its JSON is
+            # then a few strings, parsed in milliseconds, where floats would
+            # be tens of megabytes parsed in one call that holds the GIL
+            # (and the event loop with it) to its end.
+            response = await self._http.post(url, json={"input": texts, "encoding_format": "base64"},
                                              headers=worker.auth_headers,
                                              timeout=httpx.Timeout(WORKER_REPLY_TIMEOUT_S, connect=5.0))
         except httpx.HTTPError as exc:
@@ -198,8 +203,8 @@ class EmbeddingPath:
                                 param="input")
             self.failures += 1
             raise JobFailed(502, "worker_error", f"the embedding worker failed on this request: {message}")
-        # Tens of megabytes of JSON for a big batch: parsed on a thread, so
-        # the event loop (every other request, /health) never waits on it.
+        # Decoded on a thread a vector at a time, so the event loop (every
+        # other request, /health) runs between the pieces of a big batch.
         vectors, tokens = await asyncio.to_thread(parse_worker_answer, response.content, len(texts))
         return EmbeddingResult(vectors, tokens, self.model)
 
@@ -264,14 +269,25 @@ def parse_worker_answer(raw: bytes, inputs: int) -> tuple[list[list[float]], int
     try:
         body = json.loads(raw)
         rows = sorted(body["data"], key=lambda row: row["index"])
-        vectors = [[float(x) for x in row["embedding"]] for row in rows]
+        vectors = [_vector(row["embedding"]) for row in rows]
         tokens = int((body.get("usage") or {}).get("prompt_tokens", 0))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
         raise JobFailed(502, "worker_error", f"the embedding worker answered in an unknown shape: {exc!r}") from None
     if len(vectors) != inputs or any(len(v) != len(vectors[0]) for v in vectors):
         raise JobFailed(502, "worker_error", f"the embedding worker answered {len(vectors)} vectors for "
                         f"{inputs} inputs, or vectors of different sizes")
     return vectors, tokens
+
+
+def _vector(value: Any) -> list[float]:
+    """One vector as the worker sent it: base64 of little-endian float32
+    (what we ask for), or a list of numbers (a server that ignored that)."""
+    if isinstance(value, str):
+        packed = base64.b64decode(value, validate=True)
+        if len(packed) % 4:
+            raise ValueError(f"a base64 vector of {len(packed)} bytes, not a whole number of float32s")
+        return list(struct.unpack(f"<{len(packed) // 4}f", packed))
+    return [float(x) for x in value]
 
 
 def _worker_message(response: httpx.Response) -> str:
