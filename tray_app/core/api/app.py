@@ -37,6 +37,7 @@ from .ollama import DEFAULT_TAG
 from .ollama_routes import OllamaRoutes
 from .openapi import build_openapi
 from .protocol import OPENAI, Protocol, Translated
+from .responses import ResponsesRoutes
 from .requests import (
     MAX_MESSAGES, PRESSURE_RULE, Checked, ModelNames, clean_request_id, client_name, read_json_object,
     check_model, unknown_model_message,
@@ -530,6 +531,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
                 await service.stop()
 
     ollama = OllamaRoutes(service, router.complete, lambda: router.model_names, router.largest_context)
+    responses = ResponsesRoutes(router.complete, router.largest_context)
     routes = [
         HttpRoute("/", ollama.root, methods=["GET", "HEAD"]),
         HttpRoute("/health", router.health, methods=["GET"]),
@@ -550,6 +552,11 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         # Anthropic's Messages API (see anthropic.py).
         HttpRoute("/v1/messages", router.messages, methods=["POST"]),
         HttpRoute("/v1/messages/count_tokens", router.count_message_tokens, methods=["POST"]),
+        # OpenAI's Responses API (see responses.py), with and without /v1.
+        *(route for prefix in ("/v1", "") for route in (
+            HttpRoute(f"{prefix}/responses", responses.create, methods=["POST"]),
+            HttpRoute(f"{prefix}/responses/{{response_id}}", responses.retrieve, methods=["GET"]),
+            HttpRoute(f"{prefix}/responses/{{response_id}}", responses.delete, methods=["DELETE"]))),
         HttpRoute("/admin/gpu", router.admin_gpu, methods=["POST"]),
         HttpRoute("/admin/restart", router.admin_restart, methods=["POST"]),
         HttpRoute("/admin/models/{name:path}", router.admin_model, methods=["POST"]),

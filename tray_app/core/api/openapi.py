@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .bounds import COMPLETION_LOGPROBS, TOP_LOGPROBS, request_properties
+from .bounds import COMPLETION_LOGPROBS, SAMPLING, TOKENS, TOP_LOGPROBS, request_properties
 
 ERROR = {"$ref": "#/components/schemas/Error"}
 ERROR_RESPONSE = {"description": "an error in the OpenAI envelope",
@@ -85,6 +85,53 @@ def build_openapi(max_tokens: int, max_messages: int) -> dict[str, Any]:
                 "responses": {"200": {"description": "a completion, or an SSE stream", "content": json_or_sse},
                               **completion_errors},
             }},
+            "/v1/responses": {"post": {
+                "operationId": "createResponse",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["input"],
+                    "properties": {
+                        "model": {"type": "string"},
+                        "input": {"anyOf": [
+                            {"type": "string"},
+                            {"type": "array", "minItems": 1, "maxItems": max_messages, "items": {
+                                "type": "object", "required": ["role", "content"],
+                                "properties": {
+                                    "type": {"type": "string", "enum": ["message"]},
+                                    "role": {"type": "string", "enum": ["user", "assistant", "system", "developer"]},
+                                    "content": {"type": "string"},
+                                }}},
+                        ]},
+                        "instructions": {"type": "string"},
+                        "max_output_tokens": TOKENS._replace(high=max_tokens).schema(),
+                        "temperature": SAMPLING["temperature"].schema(),
+                        "top_p": SAMPLING["top_p"].schema(),
+                        "stream": {"type": "boolean"},
+                        "store": {"type": "boolean"},
+                        "previous_response_id": {"type": "string"},
+                        "truncation": {"type": "string", "enum": ["auto", "disabled"]},
+                        "tool_choice": {"type": "string", "enum": ["none", "auto", "required"]},
+                    }}}}},
+                # The JSON answer is a Response object; the stream is its named events.
+                "responses": {"200": {"description": "a Response object, or an SSE stream of its events",
+                                      "content": json_or_sse,
+                                      # So the fuzzer's stateful phase reads and deletes real stored ones.
+                                      "links": {name: {"operationId": operation,
+                                                       "parameters": {"response_id": "$response.body#/id"}}
+                                                for name, operation in (("GetResponse", "getResponse"),
+                                                                        ("DeleteResponse", "deleteResponse"))}},
+                              **completion_errors},
+            }},
+            "/v1/responses/{response_id}": {
+                "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "get": {"operationId": "getResponse", "responses": {
+                    "200": {"description": "a stored Response object", "content": {"application/json": {"schema": {
+                        "type": "object", "required": ["id", "object", "status", "output"]}}}},
+                    **_errors(401, 403, 404)}},
+                "delete": {"operationId": "deleteResponse", "responses": {
+                    "200": {"description": "deleted", "content": {"application/json": {"schema": {
+                        "type": "object", "required": ["id", "deleted"]}}}},
+                    **_errors(401, 403, 404)}},
+            },
             "/v1/requests/{request_id}": {"delete": {
                 "operationId": "cancelRequest",
                 "parameters": [{"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"}}],
