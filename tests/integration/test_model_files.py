@@ -70,3 +70,6 @@ def test_a_model_file_deleted_while_serving_leaves_the_model_list_working(tmp_pa
         # The list describes each model as it was loaded; the others are all still there.
         assert after.json()["models"] == before.json()["models"]
         assert service.http.get("/v1/models").status_code == 200
+        shown = service.http.post("/api/show", json={"model": "doomed"})
+        assert shown.status_code == 200, shown.text
+        assert shown.json()["modified_at"] == listed["doomed:latest"]["modified_at"]

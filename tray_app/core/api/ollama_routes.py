@@ -157,5 +157,5 @@ class OllamaRoutes:
             "parameters": f"num_ctx {service.config.gpu.n_ctx}",
             "template": info.chat_template or "", "details": model_details(info),
             "model_info": model_info_fields(info, service.config.gpu.n_ctx),
-            "capabilities": capabilities, "modified_at": rfc3339(info.path.stat().st_mtime),
+            "capabilities": capabilities, "modified_at": rfc3339(info.modified),
         })
