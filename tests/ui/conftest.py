@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Any
 
@@ -24,6 +25,34 @@ def pytest_collection_modifyitems(config, items) -> None:
             # Any other Qt warning during a UI test fails it.
             item.add_marker(pytest.mark.qt_log_level_fail("WARNING"))
             item.add_marker(pytest.mark.qt_log_ignore(OFFSCREEN_NOISE))
+
+
+@pytest.fixture(autouse=True)
+def windows_outlive_their_test(monkeypatch):
+    """A test's windows stay referenced until it is torn down.
+
+    pytest-qt keeps only weak references to the widgets given to
+    qtbot.addWidget, and processes events once the test function returns. A
+    window then held only by reference cycles (a chart's lambda holds its
+    panel) is freed by Python's cyclic GC whenever that runs; when it ran in
+    the middle of the window's own pending paint event, Qt painted on a
+    deleted widget and the process died (a segfault in HeadroomBar.paintEvent,
+    depending on how many objects other imports had made). Here they live
+    until pytest-qt has closed them, and are collected then, with nothing
+    being painted."""
+    from pytestqt.qtbot import QtBot
+
+    kept: list = []
+    add_widget = QtBot.addWidget
+
+    def keeping(self, widget, **kwargs):
+        kept.append(widget)
+        return add_widget(self, widget, **kwargs)
+
+    monkeypatch.setattr(QtBot, "addWidget", keeping)
+    yield
+    kept.clear()
+    gc.collect()
 
 
 @pytest.fixture
