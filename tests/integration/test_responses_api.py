@@ -174,7 +174,11 @@ def test_the_route_without_v1_and_errors_in_the_openai_envelope(fresh):
     assert plain.status_code == 200 and plain.json()["object"] == "response"
     for body, status, param in (({"input": "Hi", "model": "no-such-model"}, 404, "model"),
                                 ({"input": "Hi", "temperature": 9}, 400, "temperature"),
-                                ({"max_output_tokens": 1}, 400, "input")):
+                                ({"max_output_tokens": 1}, 400, "input"),
+                                # Checked by the grammar checker, after the translation: still named as sent.
+                                ({"input": "Hi", "text": {"format": {"type": "json_schema",
+                                                                     "schema": {"type": "nonsense"}}}},
+                                 400, "text.format.schema")):
         response = fresh.http.post("/v1/responses", json=body)
         assert response.status_code == status and response.json()["error"]["param"] == param, response.text
 

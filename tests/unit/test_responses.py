@@ -331,3 +331,12 @@ def test_a_failure_mid_stream_is_a_failed_response():
     assert events[-1]["response"]["status"] == "failed"
     assert events[-1]["response"]["error"] == {"code": "worker_failed", "message": "the worker died"}
     assert len(store) == 0
+
+
+def test_errors_from_the_chat_checks_name_the_responses_fields():
+    protocol, _ = protocol_for({"input": "x"})
+    refused = protocol.error(400, "'response_format.json_schema.schema' can't constrain the answer",
+                             "invalid_json_schema", "response_format.json_schema.schema")
+    error = json.loads(refused.body)["error"]
+    assert error["param"] == "text.format.schema" and error["message"].startswith("'text.format.schema'")
+    assert json.loads(protocol.error(400, "bad", "x", "temperature").body)["error"]["param"] == "temperature"

@@ -410,6 +410,12 @@ def status_of(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
     return "completed", None
 
 
+# Chat fields that checks after the translation name, as this API calls them.
+_RESPONSES_NAMES = {"response_format.json_schema.schema": "text.format.schema", "response_format": "text.format",
+                    "tools.function.parameters": "tools.parameters", "max_tokens": "max_output_tokens",
+                    "messages": "input"}
+
+
 class ResponsesProtocol(Protocol):
     """One request's edge: it knows the request's id, its caller and what
     it asked, since a Response object echoes them and is stored under them."""
@@ -442,6 +448,13 @@ class ResponsesProtocol(Protocol):
         chat, self._turn = translate_request(body, self._largest_context, prefix)
         self._request = body
         return Translated(JobKind.CHAT, chat)
+
+    def error(self, status: int, message: str, code: str, param: str | None = None,
+              headers: dict[str, str] | None = None) -> Response:
+        ours = _RESPONSES_NAMES.get(param or "")
+        if ours is not None:
+            message, param = message.replace(f"'{param}'", f"'{ours}'"), ours
+        return super().error(status, message, code, param, headers)
 
     def item_id(self, kind: str, index: int) -> str:
         return f"{kind}_{self._hex}_{index}"
