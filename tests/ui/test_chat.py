@@ -147,7 +147,7 @@ def test_degraded_banner_in_chat_cancels_its_own_queued_request(qtbot, chat, liv
     assert "you are 1st in the queue" in banner.values["limits"].text()
     assert re.fullmatch(r"Your request · 1st in the CPU queue · (about .+ left|due now|overdue by .+)",
                         banner._rows[request_id][1].text())
-    assert banner.values["latency"].text().startswith("a new request would wait about ")
+    assert banner.values["latency"].text().startswith("a new request would be answered in about ")
     assert "Waiting in the CPU queue" in chat.state_label.text()
     with qtbot.waitSignal(chat.answer_finished, timeout=30_000) as finished:
         qtbot.mouseClick(banner.cancel_button(request_id), Qt.MouseButton.LeftButton)

@@ -116,7 +116,7 @@ def test_the_answer_line_says_time_left_then_overdue_on_each_poll(qtbot, chat) -
         chat.client.status_changed.emit(with_cpu_requests({"id": own, "age_s": 42.0, "estimated_latency_s": 30.0}))
         assert chat.turns[-1].meta == "served by CPU · GPU paused (force CPU) · Small · overdue by 12 s"
         assert chat.banner.banner.requests[0].text == "Your request · running on the CPU · overdue by 12 s"
-        assert chat.banner.values["latency"].text() == "a new request would wait about 26 s"
+        assert chat.banner.values["latency"].text() == "a new request would be answered in about 26 s, queue included"
 
 
 def test_clicking_a_notification_opens_the_panel(qtbot, fed_controller) -> None:

@@ -175,7 +175,7 @@ def test_degraded_banner_and_cancel_a_real_queued_request(qtbot, controller, liv
     assert banner.values["reason"].text() == "The GPU path is paused (force CPU)"
     assert banner.values["model"].text() == live.status()["degraded"]["fallback_model"]
     assert banner.values["limits"].text().startswith("context up to 2,048 tokens · 1 waiting (limit 2)")
-    assert banner.values["latency"].text().startswith("a new request would wait about ")
+    assert banner.values["latency"].text().startswith("a new request would be answered in about ")
     row_text = banner._rows["ui-queued-1"][1].text()
     assert re.match(r"app ui-queued-1 · 1st in the CPU queue · (about .+ left|due now|overdue by .+) · ", row_text)
     assert banner._rows["ui-long-1"][1].text().startswith("app ui-long-1 · running on the CPU")

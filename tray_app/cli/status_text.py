@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..ui.viewmodel import cpu_only  # Qt-free: the tray and this text agree on what the state is
+
 
 def _mib(value: Any) -> str:
     return "unknown" if value is None else f"{value:,.0f} MiB"
@@ -12,7 +14,11 @@ def _mib(value: Any) -> str:
 def render_status(status: dict[str, Any]) -> str:
     lines: list[str] = []
     service = status.get("service", {})
-    lines.append(f"model:     {service.get('model')}   healthy: {service.get('healthy')} ({service.get('health_reason')})")
+    # No GPU path at all (no device, a CPU-only build): the CPU serving is
+    # this machine's normal state, not degraded mode, as in the tray.
+    no_gpu = cpu_only(status) if service.get("healthy") else None
+    health = "serving on the CPU" if no_gpu else service.get("health_reason")
+    lines.append(f"model:     {service.get('model')}   healthy: {service.get('healthy')} ({health})")
     engine = status.get("engine") or {}
     if engine:
         slots = engine.get("slots") or {}
@@ -20,20 +26,23 @@ def render_status(status: dict[str, Any]) -> str:
         if engine.get("fallback_reason"):
             lines.append(f"           not {engine.get('configured')}: {engine['fallback_reason']}")
     gpu = status.get("gpu", {})
-    if gpu.get("available"):
+    if no_gpu:
+        lines.append(f"GPU:       none: {no_gpu.reason}")
+        lines.append(f"           {no_gpu.step}")
+    elif gpu.get("available"):
         kind = "simulated " if gpu.get("simulated") else ""
         lines.append(f"GPU:       {kind}{_mib(gpu.get('free_mib'))} free of {_mib(gpu.get('total_mib'))}, "
                      f"reserve {_mib(gpu.get('reserve_mib'))}")
     else:
         lines.append(f"GPU:       unavailable: {gpu.get('reason')}")
-    if gpu.get("path_out_reason"):
+    if gpu.get("path_out_reason") and not no_gpu:
         lines.append(f"GPU path:  out: {gpu['path_out_reason']}")
     ram = status.get("ram", {})
     lines.append(f"RAM:       {_mib(ram.get('available_mib'))} available of {_mib(ram.get('total_mib'))}")
     breaker = status.get("breaker", {})
     lines.append(f"breaker:   {breaker.get('state')}")
     degraded = status.get("degraded", {})
-    if degraded.get("active"):
+    if degraded.get("active") and not no_gpu:
         lines.append(f"DEGRADED:  CPU serving {degraded.get('fallback_model')}: {degraded.get('reason')}; "
                      f"about {degraded.get('estimated_latency_s')} s per answer")
         if degraded.get("peers"):

@@ -28,6 +28,7 @@ from . import viewmodel as vm
 from .client import ServiceClient
 from .host import ServiceHost, base_url_for
 from .icons import state_icon
+from .widgets import as_written
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +316,8 @@ class TrayController(QObject):
         try:
             future.result()
         except ModelFileError as exc:
-            QMessageBox.warning(None, "tray-app: not a usable model", str(exc))
+            # The message may quote the file's own metadata.
+            QMessageBox.warning(None, "tray-app: not a usable model", as_written(str(exc)))
             return
         # Asked only now, once the file is known to be usable: the restart is
         # what stops requests, and only a hosted service is restarted here.
@@ -324,7 +326,7 @@ class TrayController(QObject):
         try:
             new_config, where = save_changes(self.config, {"model": {"path": path}})
         except (ConfigError, OSError) as exc:
-            QMessageBox.warning(None, "tray-app: model not saved", str(exc))
+            QMessageBox.warning(None, "tray-app: model not saved", as_written(str(exc)))
             return
         self._apply_config(new_config, {"model": {"path": path}})
 
@@ -451,7 +453,7 @@ class TrayController(QObject):
         for view in views:
             submenu = self.models_menu.addMenu(view.label)
             submenu.setToolTipsVisible(True)
-            submenu.menuAction().setToolTip(view.tooltip)
+            submenu.menuAction().setToolTip(as_written(view.tooltip))
             load = submenu.addAction("&Load on the GPU")
             load.setEnabled(view.can_load)
             load.setToolTip("Load it now (other idle models are unloaded if it needs their memory)")
@@ -511,7 +513,7 @@ class TrayController(QObject):
         if tooltip != self.tooltip:
             self.tooltip = tooltip
             if self.tray is not None:
-                self.tray.setToolTip(tooltip)
+                self.tray.setToolTip(as_written(tooltip))
 
     def notify(self, kind: str, title: str, message: str) -> None:
         log.info("notice: %s: %s", title, message.replace("\n", " "))

@@ -35,7 +35,7 @@ from . import viewmodel as vm
 from .client import ServiceClient
 from .conversations import Conversation, ConversationStore
 from .icons import state_icon
-from .widgets import DegradedBanner, set_text
+from .widgets import DegradedBanner, plain_label, as_written, set_text
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
 STOP_GRACE_MS = 3000
@@ -340,13 +340,13 @@ class ChatWindow(QWidget):
         # window; the list that drops down shows the names whole.
         self.model_picker.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.model_picker.setMinimumContentsLength(24)
-        self.model_picker.currentTextChanged.connect(self.model_picker.setToolTip)
+        self.model_picker.currentTextChanged.connect(lambda name: self.model_picker.setToolTip(as_written(name)))
         self.model_label = QLabel("&Model:")
         self.model_label.setBuddy(self.model_picker)
         for widget in (self.model_label, self.model_picker):
             widget.setVisible(False)
             row.addWidget(widget)
-        self.state_label = QLabel()
+        self.state_label = plain_label()  # says what the service answered
         theme.set_muted_text(self.state_label)
         row.addWidget(self.state_label, 1)
         self.regenerate_button = QPushButton("&Regenerate")
@@ -819,6 +819,7 @@ class ChatWindow(QWidget):
             if chosen in names:
                 self.model_picker.setCurrentText(chosen)
             self.model_picker.blockSignals(False)
+            self.model_picker.setToolTip(as_written(self.model_picker.currentText()))
         for widget in (self.model_label, self.model_picker):
             widget.setVisible(len(names) > 1)
 

@@ -30,6 +30,7 @@ from ..core.memory.fit import headroom_from_status
 from . import colors, theme
 from .background import BackgroundCall
 from .client import ServiceClient
+from .widgets import plain_label
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
 Downloader = Callable[..., DownloadResult]
@@ -74,14 +75,14 @@ class DownloadDialog(QDialog):
         label.setBuddy(self.ref_edit)
         form.addRow(label, self.ref_edit)
         root.addLayout(form)
-        self.fit_label = QLabel(f"From {self.hub}, into {models_folder}")
+        self.fit_label = plain_label(f"From {self.hub}, into {models_folder}")  # and what the hub says
         self.fit_label.setWordWrap(True)
         theme.set_muted_text(self.fit_label)
         root.addWidget(self.fit_label)
         self.bar = QProgressBar()
         self.bar.setVisible(False)
         root.addWidget(self.bar)
-        self.progress_label = QLabel()
+        self.progress_label = plain_label()
         self.progress_label.setWordWrap(True)
         root.addWidget(self.progress_label)
 

@@ -22,6 +22,7 @@ from . import theme
 from . import viewmodel as vm
 from .icons import state_icon
 from .logtail import MAX_LINES, TAIL_BYTES, LogSource, LogTail, count_text, filter_lines, log_sources, worker_logs_in
+from .widgets import plain_label
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
 POLL_MS = 500
@@ -58,7 +59,7 @@ class LogViewer(QWidget):
         self.filter_edit.setMinimumWidth(240)
         self.source_box.setMaximumWidth(420)
         self.filter_edit.textChanged.connect(self._render_all)
-        self.count_label = QLabel()
+        self.count_label = plain_label()
         theme.set_muted_text(self.count_label)
         for text, buddy, stretch in (("&Source:", self.source_box, 0), ("F&ilter:", self.filter_edit, 1)):
             label = QLabel(text)
@@ -80,7 +81,7 @@ class LogViewer(QWidget):
         root.addWidget(self.view, 1)
 
         bottom = QHBoxLayout()
-        self.path_label = QLabel()
+        self.path_label = plain_label()  # a file's path
         theme.set_muted_text(self.path_label)
         self.path_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         bottom.addWidget(self.path_label, 1)

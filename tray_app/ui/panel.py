@@ -16,7 +16,9 @@ from . import theme
 from . import viewmodel as vm
 from .client import ServiceClient
 from .icons import state_icon
-from .widgets import BarBlock, DegradedBanner, ElidedLabel, HistoryChart, StateHeader, box_style_sheet, set_text
+from .widgets import (
+    BarBlock, DegradedBanner, ElidedLabel, HistoryChart, StateHeader, box_style_sheet, plain_label, as_written, set_text,
+)
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
 WORKER_COLUMNS = ("Worker", "State", "PID", "RSS", "Est. VRAM", "Est. RAM", "Context", "Restarts")
@@ -60,7 +62,7 @@ class HeadroomPanel(QWidget):
         root.setContentsMargins(14, 12, 14, 12)
         root.setSpacing(10)
 
-        self.no_tray_note = QLabel()
+        self.no_tray_note = plain_label()
         self.no_tray_note.setObjectName("noTrayNote")
         self.no_tray_note.setWordWrap(True)
         self.no_tray_note.hide()
@@ -120,7 +122,7 @@ class HeadroomPanel(QWidget):
         for action in actions:
             self.add_action_button(action)
         root.addLayout(self.buttons)
-        self.footer = QLabel()
+        self.footer = plain_label()  # the model's name
         theme.set_muted_text(self.footer)
         self.footer.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         root.addWidget(self.footer)
@@ -263,6 +265,8 @@ class HeadroomPanel(QWidget):
         self._render_workers(vm.worker_rows(status))
         self._render_models(vm.model_views(status))
         samples = list(self.history.samples)
+        # No GPU, no VRAM to chart: the chart would only say "no data".
+        self.vram_chart.setVisible(bool(bars))
         self.vram_chart.set_samples(samples)
         self.ram_chart.set_samples(samples)
         model = (status.get("service") or {}).get("model") or ""
@@ -275,7 +279,7 @@ class HeadroomPanel(QWidget):
             cells = []
             for column in range(len(MODEL_COLUMNS)):
                 # The name shortens in the middle to the room it has (the panel keeps its width).
-                label = ElidedLabel() if column == 0 else QLabel()
+                label = ElidedLabel() if column == 0 else plain_label()
                 self.models_grid.addWidget(label, row, column)
                 cells.append(label)
             self.model_cells.append(cells)
@@ -289,7 +293,7 @@ class HeadroomPanel(QWidget):
             for label, value in zip(cells[1:], (view.where, view.memory, str(view.busy) if view.busy else "-")):
                 set_text(label, value)
             for label in cells:
-                label.setToolTip(view.tooltip)
+                label.setToolTip(as_written(view.tooltip))
             # Loaded reads as healthy, loading and unloaded as information (nothing is wrong).
             self._color_state(cells[1], MODEL_PLACE_STATE.get(view.where, "stopping"))
 
@@ -308,11 +312,11 @@ class HeadroomPanel(QWidget):
                     continue
                 cells = []
                 for column in range(len(WORKER_COLUMNS)):
-                    label = QLabel()
+                    label = plain_label()
                     label.setAlignment(self._align(column))
                     self.workers_grid.addWidget(label, 1 + 2 * index, column)
                     cells.append(label)
-                exit_label = QLabel()
+                exit_label = plain_label()  # the worker's own last words
                 exit_label.setWordWrap(True)
                 theme.set_muted_text(exit_label)
                 self.workers_grid.addWidget(exit_label, 2 + 2 * index, 1, 1, len(WORKER_COLUMNS) - 1)

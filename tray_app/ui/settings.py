@@ -27,6 +27,7 @@ from . import theme
 from . import viewmodel as vm
 from .background import BackgroundCall
 from .icons import state_icon
+from .widgets import plain_label
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
 GGUF_FILTER = "GGUF models (*.gguf);;All files (*)"
@@ -80,7 +81,7 @@ class SettingsDialog(QDialog):
                 edit = self._path_line(field, values[field.name])
             edit.setObjectName(field.name)
             edit.setToolTip(field.help)
-            error = QLabel()
+            error = plain_label()  # may quote what was typed
             error.setObjectName(f"{field.name}_error")
             error.setWordWrap(True)
             theme.set_text_color(error, error_color)
@@ -112,7 +113,7 @@ class SettingsDialog(QDialog):
             self.edits[field.name] = edit
             self.errors[field.name] = error
         root.addLayout(form)
-        self.form_error = QLabel()
+        self.form_error = plain_label()
         theme.set_text_color(self.form_error, error_color)
         self.form_error.setWordWrap(True)
         self.form_error.hide()
@@ -121,7 +122,7 @@ class SettingsDialog(QDialog):
         note = f"Saved to {where}. Changes restart the service and its workers."
         if not can_apply:
             note = f"Saved to {where}. Restart the service to apply the changes."
-        self.note = QLabel(note)
+        self.note = plain_label(note)
         self.note.setWordWrap(True)
         theme.set_muted_text(self.note)
         root.addWidget(self.note)

@@ -15,11 +15,15 @@ from typing import Any, Iterable, Mapping
 
 # ----- tray state ---------------------------------------------------------------------
 
-GPU, DEGRADED, STARTING, DOWN = "gpu", "degraded", "starting", "down"
-ICON_KINDS = (GPU, DEGRADED, STARTING, DOWN)
+# CPU: a machine with no GPU path at all (no usable device, a CPU-only
+# build, or the GPU turned off in the config). The CPU serving is its normal
+# state, not degraded mode, which is for a GPU path that exists and can't serve.
+GPU, CPU, DEGRADED, STARTING, DOWN = "gpu", "cpu", "degraded", "starting", "down"
+ICON_KINDS = (GPU, CPU, DEGRADED, STARTING, DOWN)
 
 STATE_TITLES = {
     GPU: "Serving on the GPU",
+    CPU: "Serving on the CPU",
     DEGRADED: "Degraded: the CPU is serving",
     STARTING: "Starting",
     DOWN: "Down",
@@ -48,6 +52,8 @@ def icon_kind(status: Mapping[str, Any] | None, *, host_starting: bool = False) 
         if not workers or any(w.get("state") in _BUSY_STATES for w in workers.values()):
             return STARTING
         return DOWN
+    if cpu_only(status) is not None:
+        return CPU
     degraded = (status.get("degraded") or {}).get("active")
     gpu_out = (status.get("gpu") or {}).get("path_out_reason")
     if not degraded and (gpu_out is None or residency_state(status) == "unloaded_idle"):
@@ -60,6 +66,61 @@ def icon_kind(status: Mapping[str, Any] | None, *, host_starting: bool = False) 
         # moment earlier. That is not degraded mode, just not started yet.
         return STARTING
     return DEGRADED
+
+
+@dataclass(frozen=True)
+class CpuOnly:
+    """Why this service has no GPU path, and the one step that would give it one."""
+
+    reason: str
+    step: str
+
+
+# The GPU path's absence, as /status words it: the service's own notes that
+# the CPU serves, which the state already says, are dropped; so is a long
+# reinstall command, as `step` says what to do.
+_SAID_BY_THE_STATE = ("running cpu-only", "serving cpu-only", "reinstall with")
+
+
+def cpu_only(status: Mapping[str, Any] | None) -> CpuOnly | None:
+    """The machine has no GPU path at all, or None when it has one (serving
+    or not). /status says so by the default model's workers: there is no GPU
+    worker to degrade from; gpu.path_out_reason says why."""
+    workers = _workers(status or {})
+    if not workers or GPU in workers:
+        return None
+    gpu = (status or {}).get("gpu") or {}
+    raw = str(gpu.get("path_out_reason") or gpu.get("reason") or "no GPU path")
+    parts = [part.strip() for part in raw.split(";")]
+    reason = "; ".join(p for p in parts if p and not p.lower().startswith(_SAID_BY_THE_STATE)) or "no GPU path"
+    return CpuOnly(humanize_reason(reason), _gpu_step(gpu, raw))
+
+
+# The install script's choice of llama.cpp backend for a GPU it can't see
+# through NVML: Vulkan runs on every vendor's cards.
+INSTALL_COMMAND = "bash packaging/install.sh --backend {backend}"
+
+
+def _gpu_step(gpu: Mapping[str, Any], reason: str) -> str:
+    """The one thing that would give this machine a GPU path."""
+    if "[gpu] enabled = false" in reason:
+        return "To use the GPU: set [gpu] enabled = true in the config, then restart tray-app"
+    if gpu.get("offload_supported") is True:
+        # The build can offload, and no device answered: the driver is missing or broken.
+        return "To use a GPU: install its driver, then restart tray-app"
+    names = " ".join(str(d.get("name") or "") for d in gpu.get("devices") or () if isinstance(d, Mapping))
+    if gpu.get("available") and "nvidia" in names.lower():
+        return "To use it: rebuild for CUDA with " + INSTALL_COMMAND.format(backend="cuda")
+    if gpu.get("available"):
+        return "To use it: rebuild for it with " + INSTALL_COMMAND.format(backend="vulkan")
+    return "If this machine has a GPU, rebuild for it with " + INSTALL_COMMAND.format(backend="vulkan")
+
+
+def cpu_only_text(status: Mapping[str, Any] | None) -> str | None:
+    """'No usable GPU: ….' and, on a line of its own, 'If this machine has a
+    GPU, rebuild …'; None where there is a GPU path."""
+    found = cpu_only(status)
+    return f"{found.reason}.\n{found.step}" if found is not None else None
 
 
 IDLE_TITLE = "Idle: the GPU model is unloaded"
@@ -186,6 +247,8 @@ def state_detail(status: Mapping[str, Any] | None, error: str | None = None) -> 
             text += " since " + time.strftime("%H:%M:%S", time.localtime(since))
         return text + "; details below."
     detail = humanize_reason((status.get("service") or {}).get("health_reason") or "")
+    if kind == CPU:
+        detail = cpu_only_text(status) or detail
     notice = engine_notice(status)
     return f"{detail}. {notice}" if notice and detail else (notice or detail)
 
@@ -292,7 +355,12 @@ def vram_bars(status: Mapping[str, Any]) -> list[Bar]:
     gpu = status.get("gpu") or {}
     simulated = bool(gpu.get("simulated"))
     if not gpu.get("available"):
-        return [Bar("GPU", None, (), f"no GPU reading: {gpu.get('reason') or 'unknown'}", note="unavailable")]
+        if cpu_only(status) is not None:
+            return []  # no GPU to show; the state above says why
+        # The bar says it in two words; the reason (a driver's error text, often
+        # long) wraps on the line under it instead of being cut off inside.
+        return [Bar("VRAM", None, (), "no GPU reading", note="unavailable",
+                    warning=f"no GPU reading: {gpu.get('reason') or 'unknown'}")]
     reserve = _num(gpu.get("reserve_mib")) or 0.0
     worker = _workers(status).get("gpu")
     worker_mib = _num((worker or {}).get("estimated_vram_mib")) if worker and worker.get("pid") else 0.0
@@ -501,7 +569,7 @@ def tooltip_text(status: Mapping[str, Any] | None, *, error: str | None = None,
                          f"({fmt_mib(free, total)} free of {fmt_mib(total)}, {fmt_mib(reserve)} reserved)")
         else:
             lines.append(f"VRAM{sim}: unknown")
-    else:
+    elif kind != CPU:  # there, the reason is the state's own line
         lines.append(f"VRAM: no GPU ({gpu.get('reason') or 'unknown'})")
     ram = status.get("ram") or {}
     available, total = _num(ram.get("available_mib")), _num(ram.get("total_mib"))
@@ -516,6 +584,8 @@ def tooltip_text(status: Mapping[str, Any] | None, *, error: str | None = None,
         reason = (status.get("degraded") or {}).get("reason")
         if reason:
             lines.append(f"Why: {reason_in_words(reason)}")
+    elif kind == CPU:
+        lines[1:1] = (cpu_only_text(status) or "").split("\n")
     elif kind == DOWN:
         lines.append((status.get("service") or {}).get("health_reason") or "")
     lines.append(engine_notice(status) or "")
@@ -630,10 +700,31 @@ def humanize_reason(reason: str | None) -> str:
     return words[:1].upper() + words[1:]
 
 
+def cpu_idle(status: Mapping[str, Any]) -> bool:
+    """The CPU path has a free slot and nobody waiting: a new request starts at once."""
+    if any(r.get("path") == "cpu" for r in cpu_requests(status)):
+        return False
+    queue = (status.get("queues") or {}).get("cpu") or {}
+    running, slots, depth = (_num(queue.get(key)) for key in ("running", "concurrency", "depth"))
+    return running is not None and slots is not None and running < slots and not depth
+
+
 def new_request_wait_text(status: Mapping[str, Any]) -> str:
+    """What a new request on the CPU can expect. The service's estimate is
+    the whole answer of a typical request (queue included); said as a wait it
+    read as a 26-second queue on an idle machine."""
     degraded = status.get("degraded") or {}
     latency_s = _num(degraded.get("estimated_latency_s"))
-    text = f"a new request would wait about {fmt_seconds(latency_s)}" if latency_s is not None else "unknown"
+    measured = _num(((status.get("speeds") or {}).get("cpu") or {}).get("samples"))
+    if cpu_idle(status):
+        text = "a new request starts at once"
+        if latency_s is not None and measured:
+            # Before the first answer the CPU's speed is a guess: say nothing of it.
+            text += f"; a typical answer takes about {fmt_seconds(latency_s)}"
+    elif latency_s is not None:
+        text = f"a new request would be answered in about {fmt_seconds(latency_s)}, queue included"
+    else:
+        text = ""
     # A peer serving now answers in its own time, measured on its answers.
     for name, peer_s in (degraded.get("peer_latency_s") or {}).items():
         peer_s = _num(peer_s)
@@ -650,7 +741,8 @@ def degraded_banner(status: Mapping[str, Any] | None, *, own_request_id: str | N
     request; the banner also shows when that request was sent to the CPU
     outside degraded mode. Otherwise (the panel) it lists every CPU request.
     """
-    if status is None:
+    if status is None or cpu_only(status) is not None:
+        # Without a GPU path the CPU is not a fallback: nothing to warn about.
         return None
     degraded = status.get("degraded") or {}
     requests = {r.get("id"): r for r in status.get("requests") or ()}
@@ -687,7 +779,7 @@ def degraded_banner(status: Mapping[str, Any] | None, *, own_request_id: str | N
     rows = tuple(BannerRequest(str(r.get("id")), request_line(r, own=r is own)) for r in listed[:MAX_BANNER_ROWS])
     return Banner(
         title=_degraded_title(status, peers),
-        reason=humanize_reason(reason), model=model, limits=limits, latency=new_request_wait_text(status),
+        reason=humanize_reason(reason), model=model, limits=limits, latency=new_request_wait_text(status) or "unknown",
         requests=rows, warning=warning, more=max(0, len(listed) - MAX_BANNER_ROWS),
     )
 
@@ -931,10 +1023,8 @@ class DegradedNotifier:
             self._last_start_notice = now
             info = (status or {}).get("degraded") or {}
             reason = humanize_reason(info.get("reason") or "the GPU path is out")
-            message = f"{reason}.\nThe CPU serves {info.get('fallback_model')}"
-            latency = _num(info.get("estimated_latency_s"))
-            if latency is not None:
-                message += f"; a new request would wait about {fmt_seconds(latency)}"
+            wait = new_request_wait_text(status or {})
+            message = f"{reason}.\nThe CPU serves {info.get('fallback_model')}" + (f"; {wait}" if wait else "")
             return Notice("Degraded mode: the CPU is serving", message + ".", "degraded_start")
         if kind == GPU and self.notified_start:
             self.notified_start = False

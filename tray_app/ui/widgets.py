@@ -19,7 +19,7 @@ from .icons import state_icon
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
 # The status hue (colors.STATUS_HUES) each service state is shown in.
-STATE_STATUS = {vm.GPU: "ok", vm.DEGRADED: "warn", vm.STARTING: "info", vm.DOWN: "error"}
+STATE_STATUS = {vm.GPU: "ok", vm.CPU: "info", vm.DEGRADED: "warn", vm.STARTING: "info", vm.DOWN: "error"}
 
 
 def box_style_sheet(selector: str, box: colors.Box, extra: str = "") -> str:
@@ -40,6 +40,25 @@ def set_tab_order(first: QWidget, following: list[QWidget]) -> None:
         previous = widget
 
 
+def plain_label(text: str = "") -> QLabel:
+    """A label that shows its text as written. A QLabel guesses, and draws
+    text that looks like HTML as HTML: a model's, a peer's or a client's
+    name such as "<b>x</b><img src=...>" would be bold, or fetch an image.
+    Every label showing text from the service, a peer or a file is one of these."""
+    label = QLabel(text)
+    label.setTextFormat(Qt.TextFormat.PlainText)
+    return label
+
+
+def as_written(text: str) -> str:
+    """`text` for a place that guesses its format and can't be told (a
+    tooltip, a message box): text that could pass for HTML (it has a "<")
+    becomes HTML that shows it as written; any other text stays as it is."""
+    if "<" not in text:
+        return text
+    return "<qt>" + html.escape(text, quote=False).replace("\n", "<br>") + "</qt>"
+
+
 def set_text(label: QLabel, text: str) -> None:
     """setText only when it changes: no relayout every poll."""
     if label.text() != text:
@@ -53,6 +72,7 @@ class ElidedLabel(QLabel):
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
+        self.setTextFormat(Qt.TextFormat.PlainText)  # a model's name, as written (see plain_label)
         self.full_text = ""
         # Ignored: the layout decides the width, the text does not.
         self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
@@ -60,7 +80,7 @@ class ElidedLabel(QLabel):
     def set_full_text(self, text: str) -> None:
         if text != self.full_text:
             self.full_text = text
-            self.setToolTip(text)
+            self.setToolTip(as_written(text))
             self._elide()
 
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt name
@@ -125,7 +145,9 @@ class HeadroomBar(QWidget):
             painter.restore()
         elif bar is not None:
             painter.setPen(theme.qcolor(colors.muted(theme.current_palette(), shades.track)))
-            painter.drawText(rect, Qt.AlignmentFlag.AlignCenter, bar.caption)
+            # Cut at its end, never at both sides of a centred line too wide for the bar.
+            caption = painter.fontMetrics().elidedText(bar.caption, Qt.TextElideMode.ElideRight, int(rect.width()) - 12)
+            painter.drawText(rect, Qt.AlignmentFlag.AlignCenter, caption)
         painter.setPen(QPen(theme.qcolor(shades.outline), 1))
         painter.drawPath(outline)
         painter.end()
@@ -151,16 +173,16 @@ class BarBlock(QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(3)
         top = QHBoxLayout()
-        self.title = QLabel()
+        self.title = plain_label()  # a device's name, as its driver gives it
         font = self.title.font()
         font.setBold(True)
         self.title.setFont(font)
-        self.badge = QLabel()
+        self.badge = plain_label()
         self.badge.hide()
         top.addWidget(self.title)
         top.addWidget(self.badge)
         top.addStretch(1)
-        self.caption = QLabel()
+        self.caption = plain_label()
         self.caption.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         top.addWidget(self.caption)
         layout.addLayout(top)
@@ -169,13 +191,11 @@ class BarBlock(QWidget):
         self.legend = QLabel()
         self.legend.setTextFormat(Qt.TextFormat.RichText)
         layout.addWidget(self.legend)
-        self.warning = QLabel()
+        self.warning = plain_label()  # a driver's error text, among others
         self.warning.setWordWrap(True)
         self.warning.hide()
         layout.addWidget(self.warning)
-        # Plain text: process names come from other programs.
-        self.apps = QLabel()
-        self.apps.setTextFormat(Qt.TextFormat.PlainText)
+        self.apps = plain_label()  # process names come from other programs
         self.apps.setWordWrap(True)
         self.apps.hide()
         layout.addWidget(self.apps)
@@ -348,7 +368,7 @@ class DegradedBanner(QFrame):
         icon = QLabel()
         icon.setPixmap(state_icon(vm.DEGRADED).pixmap(20, 20))
         top.addWidget(icon)
-        self.title = QLabel()
+        self.title = plain_label()  # names the peers that serve
         font = self.title.font()
         font.setBold(True)
         font.setPointSizeF(font.pointSizeF() * 1.1)
@@ -365,14 +385,14 @@ class DegradedBanner(QFrame):
             name = QLabel(label)
             name.setProperty("role", "key")
             name.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
-            value = ElidedLabel() if key == "model" else QLabel()
+            value = ElidedLabel() if key == "model" else plain_label()
             value.setWordWrap(key != "model")
             value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
             grid.addWidget(name, row, 0)
             grid.addWidget(value, row, 1)
             self.values[key] = value
         layout.addLayout(grid)
-        self.warning = QLabel()
+        self.warning = plain_label()
         self.warning.setProperty("role", "warn")
         self.warning.setWordWrap(True)
         self.warning.hide()
@@ -458,12 +478,12 @@ class DegradedBanner(QFrame):
         row = QWidget()
         box = QHBoxLayout(row)
         box.setContentsMargins(0, 0, 0, 0)
-        label = QLabel()
+        label = plain_label()  # the request's client names itself (X-Client-Name)
         label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         # No Alt+letter: several rows would share it (and Alt+C opens the chat);
         # Tab reaches each row's button right after its text instead.
         button = QPushButton("Cancel")
-        button.setToolTip(f"Cancel request {request_id} (DELETE /v1/requests/{request_id})")
+        button.setToolTip(as_written(f"Cancel request {request_id} (DELETE /v1/requests/{request_id})"))
         button.setObjectName(f"cancel-{request_id}")
 
         def clicked() -> None:
@@ -504,12 +524,12 @@ class StateHeader(QWidget):
         layout.addWidget(self.icon, 0, Qt.AlignmentFlag.AlignTop)
         text = QVBoxLayout()
         text.setSpacing(1)
-        self.title = QLabel()
+        self.title = plain_label()
         font = self.title.font()
         font.setBold(True)
         font.setPointSizeF(font.pointSizeF() * 1.35)
         self.title.setFont(font)
-        self.detail = QLabel()
+        self.detail = plain_label()  # the service's reason
         self.detail.setWordWrap(True)
         self.detail.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         text.addWidget(self.title)
