@@ -190,6 +190,9 @@ def test_the_route_without_v1_and_errors_in_the_openai_envelope(fresh):
                                  400, "text.format.schema")):
         response = fresh.http.post("/v1/responses", json=body)
         assert response.status_code == status and response.json()["error"]["param"] == param, response.text
+    # A route under /v1/responses that isn't served names the Responses routes.
+    missing = fresh.http.get("/v1/responses/resp_x/input_items")
+    assert missing.status_code == 404 and "POST /v1/responses" in missing.json()["error"]["message"]
 
 
 def test_gpu_death_before_the_first_event_replays_once_on_the_cpu(fresh, service):

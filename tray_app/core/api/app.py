@@ -585,6 +585,8 @@ async def _not_found(request: Request, exc: Exception) -> Response:
                   "/api/ps, /api/show, /api/version")
     elif path.startswith("/v1/messages"):
         routes = "Anthropic's routes here: POST /v1/messages, POST /v1/messages/count_tokens"
+    elif path.startswith(("/v1/responses", "/responses")):
+        routes = "the Responses routes here: POST /v1/responses, GET and DELETE /v1/responses/{id}"
     else:
         routes = "see GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /status"
     return error_response_for_path(path, 404, f"no route {request.method} {path}; {routes}", "not_found")
