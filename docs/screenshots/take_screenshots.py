@@ -92,11 +92,16 @@ def run_app(out: Path, work: Path, env: dict[str, str], which: str, theme: str, 
 
         model.symlink_to(bundled_model_path())
     # A second library model (the same file, a smaller profile) for the Models menu, panel and chat picker.
-    config.write_text(CONFIG + f'[model]\npath = "{model}"\n[[models]]\nname = "coder"\npath = "{model}"\n'
-                      'n_ctx = 1024\nmax_concurrency = 1\n')
+    cpu_only = which == "cpu-only"
+    if cpu_only:
+        # A new user's machine: no simulated GPU, the bundled model alone, no GPU path.
+        config.write_text(CONFIG.replace("simulate_mib = 2048\n", ""))
+    else:
+        config.write_text(CONFIG + f'[model]\npath = "{model}"\n[[models]]\nname = "coder"\npath = "{model}"\n'
+                          'n_ctx = 1024\nmax_concurrency = 1\n')
     tray_app = ROOT / ".venv" / "bin" / "tray-app"
     command = [str(tray_app) if tray_app.exists() else sys.executable, *([] if tray_app.exists() else ["-m", "tray_app"]), "tray",
-               "--config", str(config), "--port", str(free_port()), "--simulate-gpu-mib", "2048"]
+               "--config", str(config), "--port", str(free_port()), *([] if cpu_only else ["--simulate-gpu-mib", "2048"])]
     run = f"{which}-{theme}"
     log = open(work / f"app-{run}.log", "wb")
     app_env = {**env, "TRAY_APP_SCREENSHOT_DIR": str(out), "TRAY_APP_SCREENSHOT_SET": which,
@@ -124,10 +129,15 @@ def main() -> int:
     parser.add_argument("--size", default="1280x800")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--themes", default="light,dark", help="comma-separated: light, dark")
+    parser.add_argument("--sets", default="tray,cpu-only,no-tray",
+                        help="comma-separated tours: tray (simulated GPU), cpu-only (no GPU path), no-tray")
     args = parser.parse_args()
     themes = [t.strip() for t in args.themes.split(",") if t.strip()]
     if not themes or set(themes) - {"light", "dark"}:
         parser.error("--themes takes light, dark or both")
+    sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    if not sets or set(sets) - {"tray", "cpu-only", "no-tray"}:
+        parser.error("--sets takes tray, cpu-only, no-tray")
     for tool in ("Xvfb", "trayer", "xdpyinfo"):
         if shutil.which(tool) is None:
             print(f"missing {tool}: apt-get install xvfb trayer x11-utils", file=sys.stderr)
@@ -163,12 +173,15 @@ def main() -> int:
                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.5)
         saved: list[str] = []
-        for theme in themes:
-            saved += run_app(out, work, env, "tray", theme, args.timeout)["saved"]
+        for which in ("tray", "cpu-only"):
+            if which in sets:
+                for theme in themes:
+                    saved += run_app(out, work, env, which, theme, args.timeout)["saved"]
         stop(trayer)
         trayer = None
-        for theme in themes:
-            saved += run_app(out, work, env, "no-tray", theme, args.timeout)["saved"]
+        if "no-tray" in sets:
+            for theme in themes:
+                saved += run_app(out, work, env, "no-tray", theme, args.timeout)["saved"]
     finally:
         stop(trayer)
         stop(xvfb)

@@ -17,6 +17,7 @@ from tray_app.core.config import Config
 from tray_app.ui import viewmodel as vm
 from tray_app.ui.app import TrayController
 from tray_app.ui.client import ServiceClient
+from tray_app.ui.icons import state_icon
 
 from .test_chat_and_tray_fed import dead_url, fed_controller, feed  # noqa: F401 - fixtures, shared
 from .test_viewmodel import READY
@@ -112,9 +113,11 @@ def test_the_icon_menu_panel_and_notices_agree(qtbot, fed_controller) -> None:  
     for _ in range(3):
         feed(fed_controller, NO_GPU)
     assert fed_controller.kind == vm.CPU and fed_controller.notices == []
+    assert fed_controller.tray.icon().cacheKey() == state_icon(vm.CPU).cacheKey() != state_icon(vm.DEGRADED).cacheKey()
     assert fed_controller.state_action.text() == "Serving on the CPU"
     assert fed_controller.tray.toolTip().startswith("tray-app: serving on the CPU\nNo usable GPU: ")
     assert fed_controller.headroom_action.text().startswith("VRAM: no GPU · RAM ")
+    assert not fed_controller.force_cpu_action.isEnabled()  # no GPU path to pause
     panel = fed_controller.panel()
     fed_controller.show_panel()
     assert panel.header.title.text() == "Serving on the CPU" and REBUILD in panel.header.detail.text()
@@ -122,6 +125,7 @@ def test_the_icon_menu_panel_and_notices_agree(qtbot, fed_controller) -> None:  
     # A GPU path that breaks is still announced.
     feed(fed_controller, gpu_worker_failed())
     assert fed_controller.kind == vm.DEGRADED and [n[0] for n in fed_controller.notices] == ["degraded_start"]
+    assert fed_controller.force_cpu_action.isEnabled()
 
 
 def test_tray_app_status_says_the_same() -> None:

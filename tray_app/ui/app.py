@@ -421,6 +421,8 @@ class TrayController(QObject):
         headroom = vm.menu_headroom_text(status, self.config.cpu.ram_floor_mib)
         if self.headroom_action.text() != headroom:
             self.headroom_action.setText(headroom)
+        # Without a GPU path there is nothing to pause (the menu and the panel's button).
+        self.force_cpu_action.setEnabled(vm.cpu_only(status) is None)
         paused = bool((status.get("service") or {}).get("gpu_paused"))
         if self.force_cpu_action.isChecked() != paused:
             self.force_cpu_action.blockSignals(True)

@@ -11,7 +11,9 @@ actions and the service's HTTP API, and grabs:
 - the panel in normal and in degraded mode;
 - the chat window mid-answer, on the GPU and in degraded mode.
 
-TRAY_APP_SCREENSHOT_SET=no-tray grabs only the panel of the no-tray fallback.
+TRAY_APP_SCREENSHOT_SET=no-tray grabs only the panel of the no-tray fallback;
+TRAY_APP_SCREENSHOT_SET=cpu-only the tray icon, menu and panel of a machine
+without a GPU path (the app run without the simulated GPU, on the CPU build).
 TRAY_APP_SCREENSHOT_THEME=dark runs the app in a dark Fusion palette (set in
 app.run_tray) and names the files *-dark.png; the tray icon crops are left
 out there, since the tray host, not the app's palette, draws around the icon.
@@ -63,7 +65,8 @@ class ScreenshotTour(QObject):
         self.streams: list[Any] = []
 
     def start(self) -> None:
-        self._steps = self.tour_no_tray() if self.which == "no-tray" else self.tour()
+        tours = {"no-tray": self.tour_no_tray, "cpu-only": self.tour_cpu_only}
+        self._steps = tours.get(self.which, self.tour)()
         self._timer.start()
         self._advance()
 
@@ -390,6 +393,22 @@ class ScreenshotTour(QObject):
         self.fit(panel)
         yield ("sleep", 0.3)
         self.grab_window(panel, "panel-no-tray.png")
+
+    def tour_cpu_only(self) -> Step:
+        """What a new user on a machine without a GPU path sees first: calm,
+        serving on the CPU, with the reason and the step that enables the GPU."""
+        yield ("until", lambda: self.controller.kind == vm.CPU and any(
+            w.get("role") == "cpu" and w.get("state") == "ready" for w in self.status().get("workers") or ()),
+            240, "serving on the CPU")
+        yield ("sleep", 4)
+        self.save_tray_icon("tray-icon-cpu.png", "Serving on the CPU (no GPU path)")
+        yield from self.menu_shot("tray-menu-cpu.png")
+        yield ("sleep", 0.3)
+        panel = self.controller.panel()
+        self.controller.show_panel()
+        self.fit(panel)
+        yield ("sleep", 0.5)
+        self.grab_window(panel, "panel-cpu-only.png")
 
     @staticmethod
     def hide_balloons() -> None:
