@@ -53,6 +53,21 @@ ggml_vulkan: vk::Device::allocateMemory: ErrorOutOfDeviceMemory
 double free or corruption (out)
 """)
 
+# Captured here, 2026-12-01: the vendored llama.cpp's llama-server built with
+# -DGGML_VULKAN=ON, on lavapipe (GGML_VK_VISIBLE_DEVICES=0), -ngl 99, with
+# GGML_VK_FORCE_MAX_BUFFER_SIZE=1048576 (lavapipe itself never refuses); exit
+# code 1. The KV cache is the allocation that fails.
+VULKAN_OOM_AT_CONTEXT_CREATION = lines("""
+0.00.204.277 W srv  llama_server: security: no API key is set and CORS allows all origins (see https://github.com/ggml-org/llama.cpp/pull/25655)
+ggml_vulkan: Device memory allocation of size 188743680 failed.
+ggml_vulkan: Requested buffer size exceeds device buffer size limit: ErrorOutOfDeviceMemory
+0.00.484.877 E alloc_tensor_range: failed to allocate Vulkan0 buffer of size 188743680
+0.00.486.457 E llama_init_from_model: failed to initialize the context: failed to allocate buffer for kv cache
+0.00.486.472 E cmn  common_init_: failed to create context with model '/models/SmolLM2-135M-Instruct.Q4_1.gguf'
+0.00.486.504 E srv    load_model: failed to create_context with model '/models/SmolLM2-135M-Instruct.Q4_1.gguf'
+0.00.491.306 E srv  llama_server: exiting due to model loading error
+""")
+
 # Captured here: `python -m llama_cpp.server --model /tmp/not_a_model.gguf` on a
 # text file, llama-cpp-python 0.3.36; exit code 1.
 LLAMA_CPP_PYTHON_NOT_GGUF = lines("""
@@ -162,6 +177,13 @@ def test_vulkan_oom() -> None:
     report = classify_exit(-SIGABRT, VULKAN_OOM, stop_requested=False)
     assert report.kind is ExitKind.OUT_OF_MEMORY
     assert report.evidence == "ggml_vulkan: vk::Device::allocateMemory: ErrorOutOfDeviceMemory"
+
+
+def test_vulkan_oom_at_context_creation_as_llama_server_prints_it() -> None:
+    report = classify_exit(1, VULKAN_OOM_AT_CONTEXT_CREATION, stop_requested=False)
+    assert report.kind is ExitKind.OUT_OF_MEMORY
+    assert report.evidence == ("ggml_vulkan: Requested buffer size exceeds device buffer size limit: "
+                               "ErrorOutOfDeviceMemory")
 
 
 def test_pinned_memory_warning_is_not_an_oom() -> None:
