@@ -167,12 +167,7 @@ class EmbeddingPath:
 
     async def _ensure_ready(self) -> None:
         worker = self.worker
-        if worker.state is WorkerState.STOPPING:
-            # An idle unload is under way: load again once it is done, not into it.
-            # (Its own timeout is not the request's deadline: ensure_ready says what failed.)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await worker.wait_for_state(WorkerState.STOPPED, WorkerState.STARTING, WorkerState.READY,
-                                            timeout=self._ready_timeout_s)
+        # An idle unload under way is waited out by ensure_ready, which then loads again.
         if not await worker.ensure_ready(self._ready_timeout_s):
             raise JobFailed(503, "no_worker", "the embedding worker is not available: "
                             f"{worker.gave_up or worker.unhealthy_reason or 'it did not become ready'}",

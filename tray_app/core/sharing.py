@@ -242,9 +242,6 @@ class GpuSharing:
 
     async def _take_again(self, why: str) -> None:
         started = self._clock()
-        if self._worker.state is WorkerState.STOPPING:
-            # A give-back's stop is still under way: start after it, not into it.
-            await self._worker.wait_for_state(WorkerState.STOPPED, WorkerState.STARTING, WorkerState.READY)
         self._changed()
         if self._make_room is not None:
             self.no_room = await self._make_room()

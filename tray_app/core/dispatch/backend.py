@@ -284,10 +284,6 @@ class Backend:
 
     async def _wait_ready(self, job: Job) -> None:
         worker = self.worker
-        if worker.state is WorkerState.STOPPING:
-            # An idle unload is under way: load again once it is done.
-            await worker.wait_for_state(WorkerState.STOPPED, WorkerState.STARTING, WorkerState.READY,
-                                        timeout=self._deadlines.ready_s)
         if self._failed_process is not None and self._failed_process == worker.exits:
             # The failed process is still on its way out: its replacement is the one to wait for.
             await worker.exit_after(self._failed_process, self._deadlines.ready_s)

@@ -311,10 +311,20 @@ class Worker:
         return self.last_exit
 
     async def ensure_ready(self, timeout: float | None = None) -> bool:
-        """Start if needed and wait for READY; False if it gave up or timed out."""
-        self.start()
+        """Start if needed and wait for READY; False if it gave up or timed out.
+
+        A stop under way (an idle unload, an eviction) is waited out first,
+        then the worker starts again: starting into it would be a no-op that
+        ends with the stop. Here, not in callers, because a caller that reads
+        the state and then starts races the owner (llama-swap's EnsureReady)."""
+        async def _ready() -> None:
+            if self._state is WorkerState.STOPPING:
+                await self.wait_for_state(WorkerState.STOPPED, WorkerState.STARTING, WorkerState.READY)
+            self.start()
+            await self._until_ready_or_given_up()
+
         try:
-            await asyncio.wait_for(self._until_ready_or_given_up(), timeout)
+            await asyncio.wait_for(_ready(), timeout)
         except asyncio.TimeoutError:
             return False
         return self._state is WorkerState.READY
