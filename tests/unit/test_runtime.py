@@ -43,9 +43,29 @@ def test_llama_server_gets_one_kv_cache_per_slot_and_no_secret_in_argv(tmp_path)
 
 
 def test_a_cpu_worker_cannot_see_the_gpu_on_either_engine(tmp_path):
+    from tray_app.core.engine.gpu_env import HIDDEN_GPU_VALUES
+
     cpu = LaunchRequest(**{**LAUNCH.__dict__, "n_gpu_layers": 0})
     for runtime in (LlamaServerRuntime(tmp_path / "llama-server"), LlamaCppPythonRuntime()):
-        assert runtime.environment(cpu)["CUDA_VISIBLE_DEVICES"] == ""
+        env = runtime.environment(cpu)
+        # Every backend's devices, Vulkan's included: a Vulkan build at -ngl 0
+        # still offloads big batches to the device.
+        assert {name: env.get(name) for name in HIDDEN_GPU_VALUES} == HIDDEN_GPU_VALUES
+
+
+def test_the_gpu_worker_sees_the_gpus_the_user_gave_and_the_cpu_worker_none(tmp_path):
+    from tray_app.core.engine.gpu_env import HIDDEN_GPU_VALUES, hidden_environment
+    from tray_app.core.engine.worker import worker_environment
+
+    user = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "1", "GGML_VK_VISIBLE_DEVICES": "0",
+            "VK_ICD_FILENAMES": "/usr/share/vulkan/icd.d/radeon_icd.x86_64.json"}
+    router = hidden_environment(user)  # what the router runs with
+    runtime = LlamaServerRuntime(tmp_path / "llama-server")
+    gpu = worker_environment(router, runtime.environment(LAUNCH))
+    assert {name: gpu.get(name) for name in HIDDEN_GPU_VALUES} == {
+        name: user.get(name) for name in HIDDEN_GPU_VALUES}
+    cpu = worker_environment(router, runtime.environment(LaunchRequest(**{**LAUNCH.__dict__, "n_gpu_layers": 0})))
+    assert {name: cpu.get(name) for name in HIDDEN_GPU_VALUES} == HIDDEN_GPU_VALUES
 
 
 def test_llama_server_finds_its_libraries_beside_it_and_in_the_wheel(tmp_path):
@@ -123,3 +143,29 @@ def test_workers_spin_briefly_unless_the_user_set_openmp_waiting_themselves():
     for own in ({"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "300000"}):
         env = worker_environment({**parent, **own}, {})
         assert env.items() >= own.items() and ("GOMP_SPINCOUNT" not in env or "GOMP_SPINCOUNT" in own)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exec and PR_SET_PDEATHSIG are Linux-only")
+@pytest.mark.parametrize("n_gpu_layers", [99, 0])
+def test_the_wrapper_names_a_gpu_workers_devices_in_its_log(tmp_path, n_gpu_layers):
+    from tray_app.core.engine.worker_main import parse_device_line
+
+    # A stand-in llama-server that lists what llama.cpp lists on lavapipe, without the key.
+    fake = tmp_path / "llama-server"
+    fake.write_text(f"#!{sys.executable}\nimport os, sys\n"
+                    "if sys.argv[1:] == ['--list-devices']:\n"
+                    f"    assert {WORKER_KEY_VARIABLE!r} not in os.environ and 'LLAMA_API_KEY' not in os.environ\n"
+                    "    print('ggml_vulkan: some log line\\nAvailable devices:\\n"
+                    "  Vulkan0: llvmpipe (LLVM 15.0.6, 256 bits) (2048 MiB, 2048 MiB free)')\n")
+    fake.chmod(0o700)
+    runtime = LlamaServerRuntime(fake)
+    launch = LaunchRequest(**{**LAUNCH.__dict__, "n_gpu_layers": n_gpu_layers})
+    env = {**os.environ, **runtime.environment(launch), **parent_pid_environment()}
+    done = subprocess.run(runtime.argv(launch), env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    devices = [d for line in done.stdout.splitlines() if (d := parse_device_line(line))]
+    if n_gpu_layers:
+        assert devices == [{"name": "Vulkan0", "description": "llvmpipe (LLVM 15.0.6, 256 bits)",
+                            "total_mib": 2048, "free_mib": 2048}]
+    else:
+        assert devices == []  # a CPU worker is not made to open a device

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import httpx
 
+from .gpu_env import HIDDEN_GPU_VALUES
+
 
 @dataclass(frozen=True)
 class LaunchRequest:
@@ -80,9 +82,10 @@ def wrapper_environment(launch: LaunchRequest) -> dict[str, str]:
     if launch.api_key:
         env[WORKER_KEY_VARIABLE] = launch.api_key
     if launch.n_gpu_layers == 0:
-        # A CUDA build at -ngl 0 still makes a CUDA context and a GPU compute
-        # buffer; the CPU fallback must not be able to run out of VRAM.
-        env["CUDA_VISIBLE_DEVICES"] = ""
+        # A GPU build at -ngl 0 still makes a device context and a GPU compute
+        # buffer, and offloads big batches' matrix products to the device;
+        # the CPU fallback must not be able to run out of VRAM.
+        env.update(HIDDEN_GPU_VALUES)
     return env
 
 

@@ -26,7 +26,9 @@ import psutil
 
 from ..files import PrivateRotatingFileHandler, make_private_dir
 from .exits import ExitKind, ExitReport, classify_exit
+from .gpu_env import user_environment
 from .runtime import LaunchRequest, WorkerRuntime
+from .worker_main import parse_device_line
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ _INHERITED_NAMES = frozenset({
     "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR",
     "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "SYSTEMROOT",
 })
-_INHERITED_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "HIP_", "ROCR_", "GGML_", "OMP_", "OPENBLAS_", "MKL_",
+_INHERITED_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "HIP_", "ROCR_", "GGML_", "VK_", "OMP_", "OPENBLAS_", "MKL_",
                        "GOMP_", "KMP_")
 
 
@@ -87,8 +89,11 @@ OPENMP_SPIN_DEFAULT = {"GOMP_SPINCOUNT": "5000"}
 
 
 def worker_environment(parent: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
-    """The environment a worker starts with: an allowlist of ours, plus the runtime's own."""
-    kept = {name: value for name, value in parent.items()
+    """The environment a worker starts with: an allowlist of the user's, plus the runtime's own.
+
+    The user's, not ours: the router hides the GPUs from itself (gpu_env),
+    and the GPU worker is the one process that must see them."""
+    kept = {name: value for name, value in user_environment(parent).items()
             if name in _INHERITED_NAMES or name.startswith(_INHERITED_PREFIXES)}
     spin = {} if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & kept.keys() else OPENMP_SPIN_DEFAULT
     return {**spin, **kept, **extra}
@@ -182,6 +187,10 @@ class Worker:
         self.last_ready_duration_s: float | None = None
         self.unhealthy_reason: str | None = None
         self.gave_up: str | None = None
+        # The devices the running process's llama.cpp sees, as it names them
+        # (the wrapper lists them for a llama-server that offloads); empty
+        # for a CPU worker and for llama-cpp-python's server.
+        self.devices: list[dict] = []
         # The worker's port is on loopback, where any local process or web
         # page could reach it: it answers only requests that carry this
         # secret, which only the router knows, so nothing skips admission.
@@ -272,6 +281,7 @@ class Worker:
             "model_path": str(self.spec.model_path),
             "n_ctx": self.spec.n_ctx,
             "n_gpu_layers": self.spec.n_gpu_layers,
+            "devices": list(self.devices) if self.pid else [],
             "runtime": self.runtime.name,
             "restarts": self.restarts,
             "unhealthy_reason": self.unhealthy_reason,
@@ -440,6 +450,7 @@ class Worker:
         )
         argv = self.runtime.argv(launch)
         self._log_tail.clear()
+        self.devices = []
         self._file_log.info("---- starting %s worker: %s", self.role, " ".join(argv))
         spawned_at = self._clock()
         # No shell: the model path is one argv element whatever it contains.
@@ -582,6 +593,8 @@ class Worker:
             if not line:
                 return
             text = line.decode("utf-8", "replace").rstrip("\n")
+            if (device := parse_device_line(text)) is not None:
+                self.devices.append(device)
             self._log_tail.append(text)
             self._log_lines += 1
             self._file_log.info("%s", text)

@@ -19,12 +19,20 @@ import argparse
 import ctypes
 import os
 import runpy
+import re
 import signal
+import subprocess
 import sys
 
 from tray_app.core.engine.runtime import PARENT_PID_ENV, WORKER_KEY_VARIABLE
 
 _PR_SET_PDEATHSIG = 1
+# How the wrapper writes, into the worker's log, each device the GPU worker's
+# llama-server sees (its own `--list-devices` line after the prefix).
+DEVICE_LINE_PREFIX = "[device] "
+# "Vulkan0: llvmpipe (LLVM 15.0.6, 256 bits) (2048 MiB, 2048 MiB free)" (llama.cpp's common/arg.cpp)
+_DEVICE_LINE = re.compile(r"(?P<name>[^\s:]+): (?P<description>.*) \((?P<total>\d+) MiB, (?P<free>\d+) MiB free\)")
+_DEVICE_LIST_TIMEOUT_S = 30
 # llama-server's own name for --api-key (common/arg.cpp).
 LLAMA_SERVER_KEY_VARIABLE = "LLAMA_API_KEY"
 
@@ -62,6 +70,37 @@ def _simulated_allocation(need_mib: float, free_mib: float) -> None:
     sys.exit(1)
 
 
+def parse_device_line(line: str) -> dict | None:
+    """One device from the wrapper's DEVICE_LINE_PREFIX lines, or None for another line."""
+    if not line.startswith(DEVICE_LINE_PREFIX):
+        return None
+    match = _DEVICE_LINE.fullmatch(line[len(DEVICE_LINE_PREFIX):].strip())
+    if match is None:
+        return None
+    return {"name": match["name"], "description": match["description"],
+            "total_mib": int(match["total"]), "free_mib": int(match["free"])}
+
+
+def _offloads(server_args: list[str]) -> bool:
+    return "--n-gpu-layers" in server_args and server_args[server_args.index("--n-gpu-layers") + 1] != "0"
+
+
+def _log_devices(binary: str) -> None:
+    """Write the devices this llama-server sees, as llama.cpp names them, into
+    the worker's log before it loads: /status names the GPU worker's device
+    from them. Its own log at warning level never names it. The listing
+    process exits before the load starts, context and all."""
+    try:
+        listed = subprocess.run([binary, "--list-devices"], capture_output=True, text=True, errors="replace",
+                                stdin=subprocess.DEVNULL, timeout=_DEVICE_LIST_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"tray-app: could not list llama.cpp's devices: {exc}", flush=True)
+        return
+    for line in listed.stdout.splitlines():
+        if _DEVICE_LINE.fullmatch(line.strip()):
+            print(DEVICE_LINE_PREFIX + line.strip(), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
@@ -81,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
 
     key = os.environ.pop(WORKER_KEY_VARIABLE, None)
     if options.binary:
+        if _offloads(server_args):
+            _log_devices(options.binary)
         # llama-server reads its key from this variable; after exec the
         # environment is readable only by our own user, like our memory.
         env = dict(os.environ)
