@@ -111,7 +111,13 @@ if can_apt_install; then
   fi
 fi
 
+# A GPU build that turns out impossible: an automatic choice still ends with a
+# working CPU install; one asked for by name stops here.
 fall_back_to_cpu() {  # WHY
+  if [ "$REQUESTED" != auto ]; then
+    echo "install.sh: --backend $REQUESTED: $1" >&2
+    exit 1
+  fi
   BACKEND=cpu BACKEND_FLAGS=""
   BACKEND_REASON="$1"
   echo "backend: cpu: $1" >&2
@@ -155,9 +161,8 @@ build_wheelhouse() {
 
 if ! build_wheelhouse; then
   # A GPU toolchain can fail in ways detection can't see (an nvcc too old for
-  # the compiler, a driver without headers): an automatic choice then still
-  # ends with a working CPU install. An explicit one stops here.
-  [ "$BACKEND" != cpu ] && [ "$REQUESTED" = auto ] && [ -n "$BACKEND_FLAGS" ] || exit 1
+  # the compiler, a driver without headers).
+  [ -n "$BACKEND_FLAGS" ] || exit 1
   fall_back_to_cpu "the $BACKEND build failed (log above); building for the CPU instead"
   build_wheelhouse || exit 1
 fi
