@@ -76,8 +76,9 @@ if [ ! -x "$binary" ]; then
     echo "built the Vulkan llama-server in $(cat "$cache/build-seconds") s"
   else
     tail -n 20 "$cache/build.log" >&2
-    echo "the build stopped: $(grep -m1 -E 'error|Error' "$cache/build.log" || tail -n 1 "$cache/build.log"); log $cache/build.log" \
-      > "$cache/failed"
+    # The compiler's own complaint says more than CMake's summary of it.
+    first_error=$(grep -m1 -E 'error:' "$cache/build.log" || grep -m1 'CMake Error' "$cache/build.log" || tail -n 1 "$cache/build.log")
+    echo "the build stopped: ${first_error#"${first_error%%[![:space:]]*}"}; log $cache/build.log" > "$cache/failed"
   fi
   rm -rf "$work"
   [ -x "$binary" ] || skip_with "the Vulkan build failed: $(cat "$cache/failed")"

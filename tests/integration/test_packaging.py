@@ -1,4 +1,5 @@
-"""packaging/: the desktop entries, the systemd user unit and the PyInstaller recipe.
+"""packaging/: the desktop entries, the systemd user unit, the PyInstaller recipe
+and what `install.sh --test` leaves for the Vulkan tests.
 
 desktop-file-validate (Debian: desktop-file-utils) and systemd-analyze
 (Debian: systemd) are run when installed and skipped with the reason when
@@ -136,9 +137,11 @@ def test_the_unit_runs_serve_and_takes_its_workers_down_with_it():
 
 
 def test_build_and_run_scripts_parse():
-    subprocess.run(["bash", "-n", str(PACKAGING / "build-app.sh")], check=True, timeout=30)
+    for script in ("build-app.sh", "install.sh", "backend.sh", "build-vulkan-server.sh"):
+        subprocess.run(["bash", "-n", str(PACKAGING / script)], check=True, timeout=30)
     subprocess.run(["sh", "-n", str(PACKAGING / "pyinstaller" / "run.sh")], check=True, timeout=30)
     assert os.access(PACKAGING / "build-app.sh", os.X_OK)
+    assert os.access(PACKAGING / "build-vulkan-server.sh", os.X_OK)
     assert os.access(PACKAGING / "pyinstaller" / "run.sh", os.X_OK)
 
 
@@ -190,3 +193,21 @@ def test_build_the_app_folder():
     result = subprocess.run([str(app / "run.sh"), "serve", "--help"], capture_output=True, text=True,
                             timeout=120, check=False)
     assert result.returncode == 0 and "--simulate-gpu-mib" in result.stdout
+
+
+# --- the Vulkan llama-server that install.sh --test builds ------------------------------------
+
+
+def test_install_test_leaves_a_vulkan_llama_server_or_says_why_not():
+    """install.sh --test records exactly one of: the path of a llama-server
+    built with llama.cpp's Vulkan backend, or why there is none."""
+    venv = Path(sys.prefix)
+    record, skip = venv / ".vulkan-llama-server", venv / ".vulkan-llama-server.skip"
+    assert record.exists() != skip.exists(), f"run bash packaging/install.sh --test: neither {record} nor {skip}"
+    if skip.exists():
+        pytest.skip(f"no Vulkan llama-server: {skip.read_text().strip()}")
+    server = Path(record.read_text().strip())
+    # llama.cpp hides CPU-type Vulkan devices (Mesa's lavapipe) unless one is asked for by index.
+    listed = subprocess.run([str(server), "--list-devices"], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "GGML_VK_VISIBLE_DEVICES": "0"}, check=False)
+    assert listed.returncode == 0 and "  Vulkan0: " in listed.stdout, listed.stdout + listed.stderr
