@@ -171,3 +171,10 @@ def test_serve_on_a_lan_address_with_a_short_key_refuses_to_start(monkeypatch, c
     assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
     error = capsys.readouterr().err
     assert "9 characters" in error and "secrets.token_urlsafe(24)" in error
+
+
+def test_unknown_model_names_are_refused_unless_the_default_model_is_to_answer_them():
+    assert Config().model.unknown_name == "refuse"
+    assert parse_config_text('[model]\nunknown_name = "default"\n').model.unknown_name == "default"
+    with pytest.raises(ConfigError, match="unknown_name"):
+        parse_config_text('[model]\nunknown_name = "gpt-3.5-turbo"\n')

@@ -85,6 +85,13 @@ class ModelConfig:
     # The models folder: every .gguf in it is in the library, loaded on its
     # first request. Empty = "models" in the app's data folder.
     folder: str = ""
+    # A `model` name the library doesn't know: "refuse" (a 404 naming the
+    # models here) or "default" (the default model answers, as llama-server
+    # answers any name, for apps with a name like gpt-3.5-turbo built in).
+    unknown_name: str = "refuse"
+
+
+UNKNOWN_NAME_POLICIES = ("refuse", "default")
 
 
 CPU_FALLBACK_SAME, CPU_FALLBACK_NONE = "same", "none"
@@ -331,6 +338,7 @@ _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
 # (section, key) -> the only strings it takes.
 _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("engine", "runtime"): ENGINE_RUNTIMES,
+    ("model", "unknown_name"): UNKNOWN_NAME_POLICIES,
     ("cpu", "keep"): CPU_KEEP_MODES,
     ("routing", "fallback"): FALLBACK_POLICIES,
     ("embeddings", "pooling"): EMBEDDING_POOLING,

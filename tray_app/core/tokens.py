@@ -8,6 +8,7 @@ does, so the count matches what the worker will evaluate.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import threading
 from pathlib import Path
@@ -24,7 +25,8 @@ class PromptCounter:
         metadata = self._llm.metadata
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
         self.eos_token = self._token_text(self._llm.token_eos())
-        self.bos_token = self._token_text(self._llm.token_bos())
+        self.bos_id = self._llm.token_bos()
+        self.bos_token = self._token_text(self.bos_id)
         self.n_vocab = self._llm.n_vocab()
         self._formatter = (
             llama_chat_format.Jinja2ChatFormatter(
@@ -52,6 +54,42 @@ class PromptCounter:
         rendered = self._formatter(messages=list(messages), tools=tools)
         with self._lock:
             return len(self._llm.tokenize(rendered.prompt.encode("utf-8"), add_bos=not rendered.added_special, special=True))
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        """The text's tokens as llama-server's /tokenize gives them."""
+        with self._lock:
+            return self._llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)
+
+    def pieces(self, tokens: Sequence[int]) -> list[bytes]:
+        """Each token's bytes, special tokens written out, as llama-server's
+        common_token_to_piece gives them. Every id must be below n_vocab:
+        llama.cpp reads its token table unchecked, in this process."""
+        bad = next((t for t in tokens if not 0 <= t < self.n_vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is not in this vocabulary (0 to {self.n_vocab - 1})")
+        with self._lock:
+            vocab = self._llm._model.vocab
+            buffer = ctypes.create_string_buffer(64)
+            out = []
+            for token in tokens:
+                size = llama_cpp.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, True)
+                if size < 0:  # the piece is longer than the buffer: it says how long
+                    buffer = ctypes.create_string_buffer(-size)
+                    size = llama_cpp.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, True)
+                out.append(buffer.raw[:size])
+            return out
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """The tokens' text, as llama-server's /detokenize writes it (bytes
+        that are no UTF-8 become U+FFFD)."""
+        return b"".join(self.pieces(tokens)).decode("utf-8", "replace")
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: Any = None) -> str:
+        """The prompt the model's chat template makes of these messages,
+        ready for the answer (the generation prompt added)."""
+        if self._formatter is None:
+            raise LookupError("the model file has no chat template")
+        return self._formatter(messages=list(messages), tools=tools).prompt
 
     def vocabulary_fingerprint(self) -> str:
         """A digest of every token's text: equal fingerprints mean equal vocabularies."""

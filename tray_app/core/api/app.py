@@ -34,6 +34,7 @@ from .idempotency import IdempotencyStore
 from .openai_request import InvalidRequest
 from .anthropic import AnthropicMessages
 from .ollama import DEFAULT_TAG
+from .llamacpp import LlamaCppRoutes
 from .ollama_routes import OllamaRoutes
 from .openapi import build_openapi
 from .protocol import OPENAI, Protocol, Translated
@@ -67,7 +68,8 @@ class Router:
             accepted = served | {service.model_info.path.name, "default"} | {
                 name for model in service.library for name in (*model.names(), model.path.name)}
             # Ollama's clients name models with a tag (GET /api/tags lists ":latest").
-            names = ModelNames(service.model_id, served, accepted | {name + DEFAULT_TAG for name in accepted})
+            names = ModelNames(service.model_id, served, accepted | {name + DEFAULT_TAG for name in accepted},
+                               unknown_is_default=service.config.model.unknown_name == "default")
             self._names_for = (service.library, names)
         return self._names_for[1]
 
@@ -270,6 +272,7 @@ class Router:
         base_headers = {"X-Request-Id": request_id}
         try:
             body = await read_json_object(request)
+            await protocol.prepare(body)
             translated = protocol.translate(body, kind)
             kind, body = translated.kind, translated.body
             if translated.load_only:
@@ -420,6 +423,9 @@ class Router:
         headers = {
             "X-Request-Id": job.id,
             "X-Served-By": job.path or "none",
+            # The library model that answered: the one named, or the default
+            # model for a name it doesn't know ([model] unknown_name).
+            "X-Model": host.model_id,
             "X-Route-Reason": job.reason.value if job.reason else "none",
         }
         estimated = job.estimated_latency_s
@@ -532,6 +538,8 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
 
     ollama = OllamaRoutes(service, router.complete, lambda: router.model_names, router.largest_context)
     responses = ResponsesRoutes(router.complete, router.largest_context)
+    llamacpp = LlamaCppRoutes(service, router.complete, lambda: router.model_names, router._host,
+                              router.largest_context)
     routes = [
         HttpRoute("/", ollama.root, methods=["GET", "HEAD"]),
         HttpRoute("/health", router.health, methods=["GET"]),
@@ -557,6 +565,12 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
             HttpRoute(f"{prefix}/responses", responses.create, methods=["POST"]),
             HttpRoute(f"{prefix}/responses/{{response_id}}", responses.retrieve, methods=["GET"]),
             HttpRoute(f"{prefix}/responses/{{response_id}}", responses.delete, methods=["DELETE"]))),
+        # llama.cpp's own server routes (see llamacpp.py), for apps built on llama-server.
+        HttpRoute("/completion", llamacpp.completion, methods=["POST"]),
+        HttpRoute("/tokenize", llamacpp.tokenize, methods=["POST"]),
+        HttpRoute("/detokenize", llamacpp.detokenize, methods=["POST"]),
+        HttpRoute("/apply-template", llamacpp.apply_template, methods=["POST"]),
+        HttpRoute("/props", llamacpp.props, methods=["GET"]),
         HttpRoute("/admin/gpu", router.admin_gpu, methods=["POST"]),
         HttpRoute("/admin/restart", router.admin_restart, methods=["POST"]),
         HttpRoute("/admin/models/{name:path}", router.admin_model, methods=["POST"]),

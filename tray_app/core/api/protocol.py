@@ -55,6 +55,10 @@ class Protocol:
     name = "openai"
     stream_media_type = "text/event-stream"
 
+    async def prepare(self, body: dict[str, Any]) -> None:
+        """Work on the body that needs the model or a thread, before the
+        (pure) translation: llama.cpp's token prompts become text here."""
+
     def translate(self, body: dict[str, Any], kind: JobKind) -> Translated:
         """The protocol's body as an OpenAI chat or completion body."""
         return Translated(kind, body)

@@ -25,6 +25,8 @@ class ModelNames:
     main: str
     served: frozenset[str]    # what /v1/models lists
     accepted: frozenset[str]  # what the `model` field may say (also the file name, "default")
+    # [model] unknown_name = "default": any other name is the default model's.
+    unknown_is_default: bool = False
 
 
 MAX_MESSAGES = 1024
@@ -46,7 +48,7 @@ def check_model(model: Any, models: ModelNames) -> None:
         return
     if not isinstance(model, str):
         raise _Invalid(400, "'model' must be a string", "invalid_type", "model")
-    if model not in models.accepted:
+    if model not in models.accepted and not models.unknown_is_default:
         raise _Invalid(404, unknown_model_message(model, models), "model_not_found", "model")
 
 
