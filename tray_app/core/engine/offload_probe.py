@@ -1,10 +1,14 @@
-"""Whether llama.cpp can offload to a GPU, asked of a short-lived child.
+"""Whether the GPU worker's llama.cpp can offload to a GPU, asked outside the router.
 
 The router hides the GPUs from its own llama.cpp (gpu_env), so asking there
-would always say "no GPU"; and asking a GPU backend for its devices creates
-the context the router must not hold. The child runs the same check with
-the user's GPU variables, holds the context for as long as it takes, and
-exits.
+would always say "no GPU"; asking a GPU backend for its devices creates the
+context the router must not hold; and the GPU worker may be another build
+than the router's libllama (a Vulkan or CUDA llama-server beside a CPU-only
+llama-cpp-python). So:
+- llama-server: its own device list (`--list-devices`), from the probe the
+  GPU memory reader shares (memory/llama_devices), with the user's GPUs;
+- llama-cpp-python's server: the same check as before, in a child that sees
+  the user's GPUs:
 
     python -m tray_app.core.engine.offload_probe   # prints {"supported": ..., "message": ...}
 """
@@ -16,9 +20,13 @@ import os
 import subprocess
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
+from ..memory.gpu_readers import llama_server_probe
+from ..memory.llama_devices import DeviceReport
 from ..memory.telemetry import OffloadSupport, detect_gpu_offload_support
 from .gpu_env import USER_GPU_ENV, user_environment
+from .runtime import LlamaServerRuntime, WorkerRuntime
 
 PROBE_TIMEOUT_S = 60.0
 
@@ -34,8 +42,32 @@ def read_probe_answer(stdout: str, returncode: int, stderr: str) -> OffloadSuppo
         return OffloadSupport(supported=None, message=f"the GPU offload check failed (exit {returncode}: {clue})")
 
 
-def workers_gpu_offload_support(environ: Mapping[str, str] | None = None,
-                                timeout_s: float = PROBE_TIMEOUT_S) -> OffloadSupport:
+def offload_support_of_devices(report: DeviceReport, binary: str) -> OffloadSupport:
+    """What a llama-server's device list says about offloading."""
+    name = Path(binary).name
+    if report.error is not None:
+        return OffloadSupport(supported=None, message=f"{name} could not list its devices: {report.error}")
+    if not report.devices:
+        return OffloadSupport(supported=False, message=f"{name} ({binary}) sees no GPU device: it was built for "
+                                                       "the CPU only, or the GPU's driver is missing")
+    seen = ", ".join(f"{d.name} ({d.description})" for d in report.devices)
+    return OffloadSupport(supported=True, message=f"llama.cpp was built with GPU offload; {name} sees {seen}")
+
+
+def workers_gpu_offload_support(runtime: WorkerRuntime | None = None, llama_server_path: str = "",
+                                environ: Mapping[str, str] | None = None) -> OffloadSupport:
+    """Whether the GPU worker can offload: llama-server's own device list,
+    or for llama-cpp-python detect_gpu_offload_support() as its worker would
+    answer it."""
+    if runtime is None or isinstance(runtime, LlamaServerRuntime):
+        probe = llama_server_probe(llama_server_path, environ)
+        if probe is not None:
+            return offload_support_of_devices(probe.report(), probe.argv[0])
+    return llama_cpp_python_offload_support(environ)
+
+
+def llama_cpp_python_offload_support(environ: Mapping[str, str] | None = None,
+                                     timeout_s: float = PROBE_TIMEOUT_S) -> OffloadSupport:
     """detect_gpu_offload_support() as the workers would answer it: in a
     child that sees the user's GPUs when this process hid them from itself
     (the router), else here, where the answer is the same."""
