@@ -105,7 +105,8 @@ if can_apt_install; then
               $( [ "$WITH_TEST" = 1 ] && echo desktop-file-utils systemd )
   # The GPU's build tools, and for the tests the Vulkan ones plus lavapipe
   # (mesa-vulkan-drivers): a failure here costs the GPU build, not the install.
-  extra="$BACKEND_APT $( [ "$WITH_TEST" = 1 ] && echo "$VULKAN_APT_PACKAGES" )"
+  extra="$BACKEND_APT"
+  [ "$WITH_TEST" = 0 ] || extra+=" $VULKAN_APT_PACKAGES"
   if [ -n "${extra// }" ] && ! apt_install $(tr ' ' '\n' <<<"$extra" | sort -u); then
     echo "install.sh: installing $extra failed" >&2
   fi

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Tools the fake machine provides or lacks on purpose; everything else on the
 # real PATH (coreutils, sed, grep) is linked in as it is.
 FAKED = {"nvidia-smi", "nvcc", "glslc", "glslangValidator", "pkg-config", "pkgconf", "x86_64-linux-gnu-pkg-config",
-         "id", "apt-get", "dpkg-deb", "dnf", "pacman", "vulkaninfo", "python3", "python"}
+         "id", "apt-get", "dpkg", "dpkg-deb", "dnf", "pacman", "vulkaninfo", "python3", "python"}
 NEW_HEADERS = ("#define VK_HEADER_VERSION 309\n"
                "#define VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION(0, 1, 4, VK_HEADER_VERSION)\n"
                "typedef struct VkLayerSettingEXT { int x; } VkLayerSettingEXT;\n")
@@ -102,12 +102,15 @@ class Machine:
     def root_user(self) -> None:
         self.tool("id", "echo 0")
 
-    def plan(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            ["bash", str(self.repo / "packaging" / "install.sh"), "--plan", *args],
+    def install(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", str(self.repo / "packaging" / "install.sh"), *args],
             capture_output=True, text=True, timeout=60, check=False,
             env={"PATH": f"{self.bin}:{self.real_tools}", "HOME": str(self.root / "home"),
                  "TRAY_APP_SYSFS_ROOT": str(self.sysfs), "CUDA_HOME": str(self.root / "no-cuda"), **env})
+
+    def plan(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        result = self.install("--plan", *args, **env)
         assert not self.calls.exists(), f"--plan started installing: {self.calls.read_text()}"
         assert not (self.repo / ".venv").exists()
         return result
@@ -261,6 +264,15 @@ def test_a_backend_that_cannot_be_built_is_refused(machine):
     assert result.returncode == 2 and "--backend vulkan: missing: glslc" in result.stderr
     result = machine.plan("--backend", "metal")
     assert result.returncode == 2 and "unknown backend 'metal'" in result.stderr
+
+
+def test_the_install_as_root_goes_on_past_the_system_packages(machine):
+    # The README's plain install, as root on Debian with nothing to add: it
+    # must reach the venv (the fake python3 stops it there), not end silently.
+    machine.root_user()
+    machine.tool("dpkg", "exit 0")  # every package is installed already
+    result = machine.install()
+    assert machine.calls.read_text() == "python3 -m venv .venv\n", result.stdout + result.stderr
 
 
 # --- the wheelhouse key and the device line ----------------------------------------------
