@@ -192,9 +192,10 @@ from tray_app.core.memory.telemetry import detect_gpu_offload_support
 # Not llama_supports_gpu_offload() alone: it is also true for the RPC backend.
 print('llama-cpp-python', llama_cpp.__version__, '| GPU offload:', detect_gpu_offload_support().supported,
       '| llama-server:', bundled_llama_server() or 'missing')"
+server="" libraries=""
 { read -r server; read -r libraries; } < <(.venv/bin/python -c "
 from tray_app.core.engine.runtime import bundled_llama_server, library_dirs
 server = bundled_llama_server()
 print(server or '')
-print(':'.join(str(d) for d in library_dirs(server)) if server else '')")
+print(':'.join(str(d) for d in library_dirs(server)) if server else '')") || true
 echo "backend built: $BACKEND; llama.cpp sees: $(LD_LIBRARY_PATH="$libraries" llama_server_devices "$server")"
