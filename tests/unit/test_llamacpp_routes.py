@@ -128,3 +128,11 @@ def test_the_answer_and_the_errors_are_in_llama_cpps_shape():
     response = protocol.error(400, "'max_tokens' is too big", "invalid_value", "max_tokens")
     assert json.loads(response.body)["error"] == {"code": 400, "message": "'n_predict' is too big",
                                                   "type": "invalid_request_error", "param": "n_predict"}
+
+
+def test_errors_before_the_route_runs_are_in_llama_cpps_envelope_too():
+    from tray_app.core.api.errors import error_body_for_path
+
+    assert error_body_for_path("/completion", 405, "GET is not allowed on /completion", "method_not_allowed") == {
+        "error": {"code": 405, "message": "GET is not allowed on /completion", "type": "invalid_request_error"}}
+    assert error_body_for_path("/completions", 404, "x", "not_found")["error"]["code"] == "not_found"

@@ -41,6 +41,23 @@ def anthropic_error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+# llama-server's error types by HTTP status (format_error_response in its server).
+_LLAMACPP_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error"}
+# llama-server's own routes here (api/llamacpp.py), whose errors are in its envelope.
+LLAMACPP_PATHS = frozenset({"/completion", "/tokenize", "/detokenize", "/apply-template", "/props"})
+
+
+def llamacpp_error_body(status: int, message: str, param: str | None = None) -> dict:
+    """llama-server's envelope, {"error": {"code": the HTTP status, "message",
+    "type"}}; `param` added when a field is to blame."""
+    kind = _LLAMACPP_ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "server_error")
+    error: dict = {"code": status, "message": message, "type": kind}
+    if param is not None:
+        error["param"] = param
+    return {"error": error}
+
+
 def error_body_for_path(path: str, status: int, message: str, code: str) -> dict:
     """An error in the shape of the protocol whose route `path` is, for the
     layers that answer before a route runs (the access guard, a 404): each
@@ -49,6 +66,8 @@ def error_body_for_path(path: str, status: int, message: str, code: str) -> dict
         return {"error": message}  # Ollama's
     if path.startswith("/v1/messages"):
         return anthropic_error_body(status, message)
+    if path in LLAMACPP_PATHS:
+        return llamacpp_error_body(status, message)
     return error_body(status, message, code)
 
 

@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response
 
 from ... import __version__
 from ..dispatch.jobs import Job, JobFailed, JobKind
+from .errors import llamacpp_error_body
 from .openai_request import InvalidRequest
 from .protocol import Protocol, StreamEncoder, Translated
 from .requests import ModelNames, check_model, read_json_object, validate
@@ -52,10 +53,6 @@ _Invalid = InvalidRequest
 MAX_TOKENIZE_BYTES = 256 * 1024
 MAX_TOKEN_IDS = 128 * 1024
 
-# llama.cpp's error types by HTTP status (format_error_response in its server).
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error"}
-
 # llama-server's fields that the router decides, at the value that leaves
 # the decision to it: sent by clients that write every field, they change
 # nothing and are dropped. Any other value stays refused (ROUTER_OWNED_FIELDS).
@@ -67,13 +64,7 @@ _NATIVE_NAMES = {"response_format.json_schema.schema": "json_schema", "response_
                  "max_tokens": "n_predict"}
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """llama-server's error envelope; `param` added when a field is to blame."""
-    kind = _ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "server_error")
-    error: dict[str, Any] = {"code": status, "message": message, "type": kind}
-    if param is not None:
-        error["param"] = param
-    return {"error": error}
+error_body = llamacpp_error_body
 
 
 def error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> Response:

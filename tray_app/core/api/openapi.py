@@ -17,8 +17,47 @@ ERROR_RESPONSE = {"description": "an error in the OpenAI envelope",
                   "content": {"application/json": {"schema": ERROR}}}
 
 
-def _errors(*codes: int) -> dict[str, Any]:
-    return {str(code): ERROR_RESPONSE for code in codes}
+LLAMACPP_ERROR_RESPONSE = {"description": "an error in llama-server's envelope",
+                           "content": {"application/json": {"schema": {"$ref": "#/components/schemas/LlamaCppError"}}}}
+
+
+def _errors(*codes: int, response: dict[str, Any] = ERROR_RESPONSE) -> dict[str, Any]:
+    return {str(code): response for code in codes}
+
+
+def _object(*required: str) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": {"type": "object", "required": list(required)}}}}
+
+
+def _llamacpp_paths(sampling: dict[str, Any], messages: dict[str, Any], json_or_sse: dict[str, Any],
+                    max_tokens: int) -> dict[str, Any]:
+    """llama-server's own routes (api/llamacpp.py), in its field names and error envelope."""
+    errors = _errors(400, 401, 403, 404, 408, 409, 413, 415, 422, 431, response=LLAMACPP_ERROR_RESPONSE)
+    token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+
+    def post(operation: str, required: str, properties: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        return {"post": {"operationId": operation, "requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"type": "object", "required": [required], "properties": properties}}}},
+            "responses": {"200": answer, **errors}}}
+
+    return {
+        "/completion": post("llamaCppCompletion", "prompt", {
+            "prompt": {"anyOf": [{"type": "string", "minLength": 1}, {**token_ids, "minItems": 1}]},
+            "n_predict": {"type": "integer", "minimum": -1, "maximum": max_tokens},
+            "cache_prompt": {"type": "boolean"}, **sampling},
+            {"description": "an answer in llama-server's shape, or its SSE stream", "content": json_or_sse}),
+        "/tokenize": post("llamaCppTokenize", "content", {
+            "content": {"type": "string"}, "add_special": {"type": "boolean"}, "parse_special": {"type": "boolean"},
+            "with_pieces": {"type": "boolean"}}, {"description": "the tokens", **_object("tokens")}),
+        "/detokenize": post("llamaCppDetokenize", "tokens", {"tokens": token_ids},
+                            {"description": "the text", **_object("content")}),
+        "/apply-template": post("llamaCppApplyTemplate", "messages", {"messages": messages},
+                                {"description": "the prompt", **_object("prompt")}),
+        "/props": {"get": {"operationId": "llamaCppProps", "responses": {
+            "200": {"description": "what this server is",
+                    **_object("default_generation_settings", "total_slots", "chat_template", "modalities")},
+            **_errors(401, 403, 404, response=LLAMACPP_ERROR_RESPONSE)}}},
+    }
 
 
 def build_openapi(max_tokens: int, max_messages: int) -> dict[str, Any]:
@@ -34,6 +73,18 @@ def build_openapi(max_tokens: int, max_messages: int) -> dict[str, Any]:
         # Each event is a completion chunk object, then the literal [DONE].
         "text/event-stream": {},
     }
+    messages = {"type": "array", "minItems": 1, "maxItems": max_messages, "items": {
+        "type": "object", "required": ["role", "content"],
+        "properties": {
+            "role": {"type": "string", "enum": ["system", "user", "assistant"]},
+            "content": {"anyOf": [
+                {"type": "string"},
+                {"type": "array", "maxItems": 8, "items": {
+                    "type": "object", "required": ["type", "text"],
+                    "properties": {"type": {"type": "string", "enum": ["text"]},
+                                   "text": {"type": "string"}}}},
+            ]},
+        }}}
     return {
         "openapi": "3.0.3",
         "info": {"title": "tray-app router", "version": "1",
@@ -56,18 +107,7 @@ def build_openapi(max_tokens: int, max_messages: int) -> dict[str, Any]:
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {
                     "type": "object", "required": ["messages"],
                     "properties": {
-                        "messages": {"type": "array", "minItems": 1, "maxItems": max_messages, "items": {
-                            "type": "object", "required": ["role", "content"],
-                            "properties": {
-                                "role": {"type": "string", "enum": ["system", "user", "assistant"]},
-                                "content": {"anyOf": [
-                                    {"type": "string"},
-                                    {"type": "array", "maxItems": 8, "items": {
-                                        "type": "object", "required": ["type", "text"],
-                                        "properties": {"type": {"type": "string", "enum": ["text"]},
-                                                       "text": {"type": "string"}}}},
-                                ]},
-                            }}},
+                        "messages": messages,
                         **sampling,
                         "logprobs": {"type": "boolean"},
                         "top_logprobs": TOP_LOGPROBS.schema(),
@@ -138,6 +178,7 @@ def build_openapi(max_tokens: int, max_messages: int) -> dict[str, Any]:
                 "responses": {"200": {"description": "canceled", "content": {"application/json": {"schema": {
                     "type": "object", "required": ["id", "canceled"]}}}}, **_errors(401, 403, 404)},
             }},
+            **_llamacpp_paths(sampling, messages, json_or_sse, max_tokens),
         },
         "components": {"schemas": {"Error": {
             "type": "object", "required": ["error"],
@@ -148,6 +189,16 @@ def build_openapi(max_tokens: int, max_messages: int) -> dict[str, Any]:
                     "type": {"type": "string"},
                     "param": {"type": "string", "nullable": True},
                     "code": {"type": "string"},
+                }}},
+        }, "LlamaCppError": {
+            "type": "object", "required": ["error"],
+            "properties": {"error": {
+                "type": "object", "required": ["code", "message", "type"],
+                "properties": {
+                    "code": {"type": "integer"},
+                    "message": {"type": "string", "minLength": 1},
+                    "type": {"type": "string"},
+                    "param": {"type": "string"},
                 }}},
         }}},
     }
