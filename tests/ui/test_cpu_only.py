@@ -83,6 +83,11 @@ def test_the_view_model_calls_no_gpu_path_serving_on_the_cpu_with_the_reason_and
     assert not any("degraded" in line.lower() for line in tooltip)
     notifier = vm.DegradedNotifier(settle_s=5, quiet_s=60)
     assert all(notifier.update(NO_GPU, now=t) is None for t in range(0, 600, 5))
+    # A peer that takes this machine's requests is named, calmly.
+    lent = copy.deepcopy(NO_GPU)
+    lent["degraded"]["peers"] = ["desk"]
+    lent["requests"] = [{"id": "a", "state": "running", "path": "peer", "peer": "desk", "reason": "peer"}]
+    assert vm.icon_kind(lent) == vm.CPU and vm.state_title(lent) == "No GPU here: peer desk is serving"
     # Still degraded where a GPU path exists and fails.
     assert vm.icon_kind(gpu_worker_failed()) == vm.DEGRADED and vm.degraded_banner(gpu_worker_failed()) is not None
 

@@ -134,6 +134,9 @@ def state_title(status: Mapping[str, Any] | None, *, host_starting: bool = False
     kind = icon_kind(status, host_starting=host_starting)
     if kind == DEGRADED and peers:
         return "Degraded: " + _who_serves(status, peers)
+    if kind == CPU and peers:
+        # A machine without a GPU path that lends work to another's: say who answers.
+        return "No GPU here: " + _who_serves(status, peers)
     if kind == GPU and residency_state(status) == "unloaded_idle":
         # Unloaded to make room for another library model (its name is the hold's "app").
         made_room_for = _residency(status).get("app")
