@@ -86,6 +86,16 @@ def test_the_tray_shows_names_as_written(qtbot, fed_controller) -> None:  # noqa
     assert_shown_as_written(fed_controller.panel(), at_least=10)
 
 
+def test_a_menu_shows_an_ampersand_in_a_name_as_written(qtbot, fed_controller) -> None:  # noqa: F811
+    status = hostile_status()
+    status["degraded"]["peers"] = ["Q&A box"]
+    status["models"][1]["name"] = "R&D-model"
+    feed(fed_controller, status)
+    # '&&' is how a menu shows one '&' (a single one marks the Alt+letter and is hidden).
+    assert "peer Q&&A box" in fed_controller.state_action.text()
+    assert any(action.text().startswith("R&&D-model") for action in fed_controller.models_menu.actions())
+
+
 def test_text_without_a_tag_is_left_alone() -> None:
     from tray_app.ui.widgets import as_written
 

@@ -415,7 +415,7 @@ class TrayController(QObject):
         self.history.add(status)
         kind = vm.icon_kind(status)
         self._apply_state(kind, vm.tooltip_text(status, floor_mib=self.config.cpu.ram_floor_mib))
-        title = vm.state_title(status)  # a busy GPU's overflow is not called degraded
+        title = as_menu_text(vm.state_title(status))  # a busy GPU's overflow is not called degraded
         if self.state_action.text() != title:
             self.state_action.setText(title)
         headroom = vm.menu_headroom_text(status, self.config.cpu.ram_floor_mib)
@@ -430,6 +430,7 @@ class TrayController(QObject):
             self.force_cpu_action.blockSignals(False)
         residency = vm.residency_text(status)
         self.residency_action.setVisible(residency is not None)
+        residency = as_menu_text(residency) if residency is not None else None  # names another app
         if residency is not None and self.residency_action.text() != residency:
             self.residency_action.setText(residency)
         label = vm.give_back_label(status)
@@ -453,7 +454,7 @@ class TrayController(QObject):
         self._models_shown = shown
         self.models_menu.clear()
         for view in views:
-            submenu = self.models_menu.addMenu(view.label)
+            submenu = self.models_menu.addMenu(as_menu_text(view.label))
             submenu.setToolTipsVisible(True)
             submenu.menuAction().setToolTip(as_written(view.tooltip))
             load = submenu.addAction("&Load on the GPU")
@@ -537,6 +538,12 @@ class TrayController(QObject):
                 self.show_panel()
         elif reason == QSystemTrayIcon.ActivationReason.MiddleClick:
             self.show_chat()
+
+
+def as_menu_text(text: str) -> str:
+    """`text` (a model's, a peer's or an app's name in it) as a menu shows it:
+    a menu takes '&' for the Alt+letter mark, so "Q&A" would read "QA"."""
+    return text.replace("&", "&&")
 
 
 def _quit_application() -> None:
