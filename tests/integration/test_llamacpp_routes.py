@@ -61,6 +61,22 @@ def test_a_stream_is_llama_cpps_data_lines_ending_with_stop_true(fresh):
     assert last["content"] == "" and last["stop_type"] == "limit" and last["tokens_predicted"] == 4
 
 
+def test_a_request_shaped_like_sillytaverns_is_served(fresh):
+    """The fields SillyTavern's llama.cpp text completion writes, each at
+    its default: many stop strings, a list-form logit_bias, seed -1, an
+    empty grammar, llama.cpp-only samplers."""
+    names = ["Alice", "Bob", "Carol", "Dave", "Eve", "Mallory", "Trent"]
+    body = {"prompt": "Alice: Hi Bob!\nBob:", "n_predict": 3, "max_tokens": 3, "temperature": 0, "top_k": 40,
+            "top_p": 0.95, "min_p": 0.05, "typical_p": 1, "repeat_penalty": 1.1, "repeat_last_n": 64,
+            "presence_penalty": 0, "frequency_penalty": 0, "seed": -1, "grammar": "", "cache_prompt": True,
+            "stop": [f"\n{name}:" for name in names] + ["<|im_end|>", "<|im_start|>user", "<|im_start|>assistant"],
+            "logit_bias": [[2, False]], "ignore_eos": False, "mirostat": 0, "dry_multiplier": 0,
+            "samplers": ["top_k", "top_p", "min_p", "temperature"], "n_probs": 0, "id_slot": -1}
+    response = fresh.http.post("/completion", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["stop"] is True and response.json()["tokens_predicted"] <= 3
+
+
 def test_a_token_prompt_is_the_same_request_as_its_text(fresh):
     text = "The capital of France is"
     tokens = fresh.http.post("/tokenize", json={"content": text}).json()["tokens"]

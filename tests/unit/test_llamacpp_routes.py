@@ -60,6 +60,15 @@ def test_sampling_fields_pass_and_neutral_router_fields_are_dropped():
     assert refused({"n_predict": 3}).param == "prompt"
 
 
+def test_llama_cpps_logit_bias_list_and_random_seed_are_translated():
+    body = translate_completion({"prompt": "x", "logit_bias": [[15, 2.5], [16, False]], "seed": -1}, CONTEXT)
+    assert body["logit_bias"] == {"15": 2.5, "16": -100} and "seed" not in body
+    assert "logit_bias" not in translate_completion({"prompt": "x", "logit_bias": []}, CONTEXT)
+    assert translate_completion({"prompt": "x", "logit_bias": {"15": 1}}, CONTEXT)["logit_bias"] == {"15": 1}
+    for bad in ([["hello", 1]], [[1]], [5], [[-1, 1]], [[True, 1]]):
+        assert refused({"prompt": "x", "logit_bias": bad}).param == "logit_bias"
+
+
 def test_a_prompt_of_token_ids_is_one_list_of_whole_numbers():
     assert prompt_token_ids("text") is None and prompt_token_ids(["text"]) is None
     assert prompt_token_ids([1, 2, 3]) == [1, 2, 3] and prompt_token_ids([[4, 5]]) == [4, 5]

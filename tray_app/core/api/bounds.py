@@ -78,8 +78,10 @@ REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
 
 # Stop sequences: a string, or a list of up to MAX_STOP strings. Longer than
 # any real stop sequence; the worker searches the answer for every stop string
-# after every token, so a huge one only costs CPU.
-MAX_STOP = 4
+# after every token, so a huge one only costs CPU. More than OpenAI's 4:
+# llama-server takes any number, and front ends built on it (SillyTavern)
+# send one per character name and chat-template marker, often over 10.
+MAX_STOP = 32
 MAX_STOP_CHARS = 1000
 
 # logit_bias: token id -> bias.

@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response
 
 from ... import __version__
 from ..dispatch.jobs import Job, JobFailed, JobKind
+from . import bounds
 from .errors import llamacpp_error_body
 from .openai_request import InvalidRequest
 from .protocol import Protocol, StreamEncoder, Translated
@@ -57,7 +58,9 @@ MAX_TOKEN_IDS = 128 * 1024
 # the decision to it: sent by clients that write every field, they change
 # nothing and are dropped. Any other value stays refused (ROUTER_OWNED_FIELDS).
 _NEUTRAL_VALUES = {"id_slot": -1, "n_probs": 0, "n_cmpl": 1, "return_tokens": False, "return_progress": False,
-                   "timings_per_token": False, "post_sampling_probs": False}
+                   "timings_per_token": False, "post_sampling_probs": False,
+                   # llama.cpp's "a random seed", its default: the router's seed field is 0 to 2^32-1.
+                   "seed": -1}
 
 # Names the checks after the translation use, as this route calls them.
 _NATIVE_NAMES = {"response_format.json_schema.schema": "json_schema", "response_format": "json_schema",
@@ -146,6 +149,10 @@ def translate_completion(body: dict[str, Any], largest_context: int) -> dict[str
         raise _Invalid(400, "'cache_prompt' must be true or false", "invalid_type", "cache_prompt")
     out["max_tokens"] = _limit(body, largest_context)
     out["stream"] = body.get("stream", False)
+    if "logit_bias" in out:
+        bias = _logit_bias(out.pop("logit_bias"))
+        if bias:
+            out["logit_bias"] = bias
     # An empty grammar is no grammar, to llama-server; clients that write
     # every field send one.
     if out.get("grammar") == "":
@@ -161,6 +168,23 @@ def translate_completion(body: dict[str, Any], largest_context: int) -> dict[str
         # grammar in the grammar checker's child process (Router._constrain).
         out["response_format"] = {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
     return out
+
+
+def _logit_bias(value: Any) -> Any:
+    """llama.cpp's list form, [[token id, bias or false], ...], as OpenAI's
+    {"id": bias} (false bans the token: the lowest bias); the object form
+    as it is, for the router's check. Token strings in place of ids would
+    need the tokenizer and are refused."""
+    if not isinstance(value, list):
+        return value
+    bias: dict[str, Any] = {}
+    for index, pair in enumerate(value):
+        if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int)
+                and not isinstance(pair[0], bool) and pair[0] >= 0):
+            raise _Invalid(400, f"'logit_bias[{index}]' must be a [token id, bias] pair (token ids, not strings, "
+                           "here)", "invalid_value", "logit_bias")
+        bias[str(pair[0])] = bounds.LOGIT_BIAS.low if pair[1] is False else pair[1]
+    return bias
 
 
 # ----- answer: OpenAI completion -> llama.cpp's shape -------------------------------------------
