@@ -119,6 +119,31 @@ def test_the_answer_line_says_time_left_then_overdue_on_each_poll(qtbot, chat) -
         assert chat.banner.values["latency"].text() == "a new request would be answered in about 26 s, queue included"
 
 
+def test_each_poll_rewrites_the_answer_line_in_place_not_the_transcript(qtbot, chat, monkeypatch) -> None:
+    from tray_app.ui import chat as chat_module
+
+    monkeypatch.setattr(chat_module.ChatStream, "start", lambda self: None)  # the test plays the service
+    chat.send("hello?")
+    own = chat.request_id
+    chat._on_routed({"served_by": "cpu", "reason": "forced_cpu", "fallback_model": "Small", "request_id": own})
+    chat._on_delta("Once upon a time")
+    qtbot.waitUntil(lambda: "Once upon a time" in chat.transcript.toPlainText())
+    drawn: list[int] = []
+    real = chat_module.render_html
+    monkeypatch.setattr(chat_module, "render_html", lambda *args: drawn.append(1) or real(*args))
+    for age in (8.0, 9.0, 10.0):
+        chat.client.status_changed.emit(with_cpu_requests({"id": own, "age_s": age, "estimated_latency_s": 30.0}))
+        qtbot.wait(80)  # past the 50 ms a scheduled redraw waits
+        left = f"served by CPU · GPU paused (force CPU) · Small · about {30 - age:.0f} s left"
+        text = chat.transcript.toPlainText()
+        assert left in text and text.count("served by CPU") == 1
+    # A whole transcript (long answers in it too) is not laid out again every second.
+    assert drawn == []
+    chat._on_delta(", a keeper")  # the answer still streams after its line changed
+    qtbot.waitUntil(lambda: "Once upon a time, a keeper" in chat.transcript.toPlainText())
+    assert "served by CPU · GPU paused (force CPU) · Small · about 20 s left" in chat.transcript.toPlainText()
+
+
 def test_clicking_a_notification_opens_the_panel(qtbot, fed_controller) -> None:
     assert fed_controller._panel is None or not fed_controller._panel.isVisible()
     fed_controller.tray.messageClicked.emit()

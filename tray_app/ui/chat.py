@@ -835,8 +835,10 @@ class ChatWindow(QWidget):
             meta = self._route_line(answer, progress=vm.time_left_text(own))
             if meta != answer.meta:
                 answer.meta = meta
-                self._needs_full_render = True
-                self._schedule_render()
+                # Each poll: the line is rewritten in place, not the whole transcript redrawn.
+                if self._needs_full_render or not self._replace_answer_meta(meta):
+                    self._needs_full_render = True
+                    self._schedule_render()
         if not self.stream.status_code:
             if own is not None and own.get("state") == "queued":
                 lane = str(own.get("path") or "").upper()
@@ -907,6 +909,23 @@ class ChatWindow(QWidget):
         else:
             bar.setValue(keep)
 
+    def _replace_answer_meta(self, meta: str) -> bool:
+        """Put `meta` in place of the streaming answer's route line; False if
+        the document has no such line (drawn before the answer was routed)."""
+        answer = self._answer
+        if not (answer.pending and self.turns and self.turns[-1] is answer):
+            return False
+        document = self.transcript.document()
+        mark = document.find(ANSWER_META_MARK, document.characterCount(), QTextDocument.FindFlag.FindBackward)
+        if mark.isNull():
+            return False
+        cursor = QTextCursor(document)
+        cursor.setPosition(mark.selectionEnd())
+        cursor.movePosition(QTextCursor.MoveOperation.EndOfBlock, QTextCursor.MoveMode.KeepAnchor)
+        # The new text takes the format of the mark before it: the route line's.
+        cursor.insertText(meta)
+        return True
+
     def _find_answer_end(self) -> QTextCursor | None:
         """A cursor just before the streaming answer's end mark; None when
         the answer has no text to follow yet."""
@@ -951,6 +970,9 @@ class ChatWindow(QWidget):
 
 # Ends a streaming answer's text; new text goes in just before it.
 ANSWER_END_MARK = "\u25ae"
+# Starts a streaming answer's route line (a word joiner: not seen), so that
+# each poll's "about 12 s left" replaces the line alone.
+ANSWER_META_MARK = "\u2060"
 
 
 def render_html(turns: list[Turn], palette: colors.ChatColors | None = None) -> str:
@@ -981,8 +1003,9 @@ def render_html(turns: list[Turn], palette: colors.ChatColors | None = None) -> 
             if turn.error:
                 body += (f'<p style="margin-top:{"6px" if body else "0"}; margin-bottom:0; color:{css(c.error_text)}">'
                          f'<b>{html.escape(turn.error)}</b></p>')
+            mark = ANSWER_META_MARK if turn.pending else ""
             meta = (f'<div style="color:{css(c.meta_text)}; font-size:small; margin-top:4px">'
-                    f'{html.escape(turn.meta)}</div>' if turn.meta else "")
+                    f'{mark}{html.escape(turn.meta)}</div>' if turn.meta else "")
             parts.append(
                 '<table width="100%" cellspacing="0" cellpadding="0" style="margin-top:10px"><tr>'
                 f'<td bgcolor="{css(c.answer_bubble)}" style="padding:8px 10px; color:{css(c.answer_text)}">'
