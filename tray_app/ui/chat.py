@@ -915,12 +915,9 @@ class ChatWindow(QWidget):
         answer = self._answer
         if not (answer.pending and self.turns and self.turns[-1] is answer):
             return False
-        document = self.transcript.document()
-        mark = document.find(ANSWER_META_MARK, document.characterCount(), QTextDocument.FindFlag.FindBackward)
-        if mark.isNull():
+        cursor = self._cursor_at_last(ANSWER_META_MARK, after=True)
+        if cursor is None:
             return False
-        cursor = QTextCursor(document)
-        cursor.setPosition(mark.selectionEnd())
         cursor.movePosition(QTextCursor.MoveOperation.EndOfBlock, QTextCursor.MoveMode.KeepAnchor)
         # The new text takes the format of the mark before it: the route line's.
         cursor.insertText(meta)
@@ -932,13 +929,17 @@ class ChatWindow(QWidget):
         answer = self._answer
         if not (answer.pending and answer.text):
             return None
+        # Typing here takes the format of the character before: the answer's text, not the mark's.
+        return self._cursor_at_last(ANSWER_END_MARK, after=False)
+
+    def _cursor_at_last(self, mark: str, *, after: bool) -> QTextCursor | None:
+        """A cursor just before (or after) the document's last `mark`; None without one."""
         document = self.transcript.document()
-        mark = document.find(ANSWER_END_MARK, document.characterCount(), QTextDocument.FindFlag.FindBackward)
-        if mark.isNull():
+        found = document.find(mark, document.characterCount(), QTextDocument.FindFlag.FindBackward)
+        if found.isNull():
             return None
         cursor = QTextCursor(document)
-        # Typing here takes the format of the character before: the answer's text, not the mark's.
-        cursor.setPosition(mark.selectionStart())
+        cursor.setPosition(found.selectionEnd() if after else found.selectionStart())
         return cursor
 
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt name
