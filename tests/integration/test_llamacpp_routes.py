@@ -50,6 +50,18 @@ def test_a_completion_answers_in_llama_cpps_shape(fresh):
     assert answer["timings"]["predicted_n"] == 3 and answer["timings"]["prompt_n"] == answer["tokens_evaluated"]
 
 
+def test_n_predict_minus_one_fills_the_gpus_context_rather_than_going_to_the_larger_cpu_one(fresh):
+    """Until the context is full means the smallest context the prompt fits
+    in, as for a chat without a limit: the GPU's 1024 here, not the CPU's
+    2048, which would send every such request to the CPU. The grammar ends
+    the answer after one word."""
+    for until_full in ({"n_predict": -1}, {}):
+        response = fresh.http.post("/completion", json={"prompt": "One, two, three,", "temperature": 0,
+                                                        "grammar": 'root ::= " four"', **until_full})
+        assert response.status_code == 200, response.text
+        assert response.headers["x-served-by"] == "gpu" and response.json()["content"] == " four"
+
+
 def test_a_stream_is_llama_cpps_data_lines_ending_with_stop_true(fresh):
     headers, lines = native_stream(fresh.http, {"prompt": "Monday, Tuesday, Wednesday,", "n_predict": 4,
                                                 "temperature": 0})

@@ -25,8 +25,13 @@ def refused(body: dict) -> InvalidRequest:
 def test_n_predict_is_the_limit_and_minus_one_is_until_the_context_is_full():
     assert translate_completion({"prompt": "x", "n_predict": 5}, CONTEXT)["max_tokens"] == 5
     assert "n_predict" not in translate_completion({"prompt": "x", "n_predict": 5}, CONTEXT)
-    for until_full in ({"n_predict": -1}, {"n_predict": -2}, {}, {"n_predict": 10**9}):
-        assert translate_completion({"prompt": "x", **until_full}, CONTEXT)["max_tokens"] == CONTEXT
+    protocol = LlamaCppCompletion(CONTEXT, None)
+    for until_full in ({"n_predict": -1}, {"n_predict": -2}, {}, {"max_tokens": -1}):
+        translated = protocol.translate({"prompt": "x", **until_full}, JobKind.COMPLETION)
+        # No limit in the body: the router's, which lets the answer fill the context.
+        assert "max_tokens" not in translated.body and translated.fills_context
+    assert not protocol.translate({"prompt": "x", "n_predict": 5}, JobKind.COMPLETION).fills_context
+    assert translate_completion({"prompt": "x", "n_predict": 10**9}, CONTEXT)["max_tokens"] == CONTEXT
     # max_tokens is llama-server's alias; n_predict wins when both are sent.
     assert translate_completion({"prompt": "x", "max_tokens": 7}, CONTEXT)["max_tokens"] == 7
     assert translate_completion({"prompt": "x", "max_tokens": 7, "n_predict": 3}, CONTEXT)["max_tokens"] == 3
@@ -51,7 +56,7 @@ def test_sampling_fields_pass_and_neutral_router_fields_are_dropped():
                 "presence_penalty": 0.2, "frequency_penalty": 0.3, "stop": ["\n"], "mirostat": 2}
     body = translate_completion({"prompt": "x", "stream": True, "cache_prompt": False, "id_slot": -1,
                                  "n_probs": 0, "return_tokens": False, **sampling}, CONTEXT)
-    assert body == {"prompt": "x", "stream": True, "max_tokens": CONTEXT, **sampling}
+    assert body == {"prompt": "x", "stream": True, **sampling}
     # A value that takes the decision stays in the body, for the router's check to refuse by name.
     assert translate_completion({"prompt": "x", "id_slot": 2}, CONTEXT)["id_slot"] == 2
     assert translate_completion({"prompt": "x", "n_probs": 5}, CONTEXT)["n_probs"] == 5

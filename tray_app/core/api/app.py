@@ -360,7 +360,8 @@ class Router:
             if isinstance(exc, _Invalid):
                 return protocol.error(exc.status, exc.message, exc.code, param=exc.param, headers=base_headers)
             raise
-        job.max_tokens = dispatcher.token_limit(job.prompt_tokens, requested_limit(body), job.kind is JobKind.CHAT)
+        job.max_tokens = dispatcher.token_limit(job.prompt_tokens, requested_limit(body),
+                                                job.kind is JobKind.CHAT or translated.fills_context)
         if translated.context_cap is not None:
             room = translated.context_cap - job.prompt_tokens
             if room < 1:

@@ -119,23 +119,24 @@ def round_trip_problem(tokens: list[int], retokenized: list[int], bos: int) -> s
             "would not read the same tokens; send the prompt as a string")
 
 
-def _limit(body: dict[str, Any], largest_context: int) -> int:
-    """n_predict (or its alias max_tokens) as the router's limit: -1 and -2
-    (llama.cpp's "until the context is full") and absent, the default, are
-    the largest context, which the room after the prompt then bounds."""
+def _limit(body: dict[str, Any], largest_context: int) -> int | None:
+    """n_predict (or its alias max_tokens) as the router's limit; None for
+    -1 and -2 (llama.cpp's "until the context is full") and for absent, its
+    default: the router then lets the answer fill the context (Translated.fills_context)."""
     field = "n_predict" if body.get("n_predict") is not None else "max_tokens"
     value = body.get(field)
     if value is None:
-        return largest_context
+        return None
     if isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < -2:
         raise _Invalid(400, f"'{field}' must be a positive whole number, or -1 for \"until the context is full\"",
                        "invalid_value", field)
-    return largest_context if value < 0 else min(value, largest_context)
+    return None if value < 0 else min(value, largest_context)
 
 
 def translate_completion(body: dict[str, Any], largest_context: int) -> dict[str, Any]:
     """A /completion body (its prompt already text) as an OpenAI completion body."""
-    out = {key: value for key, value in body.items() if key not in ("n_predict", "json_schema", "cache_prompt")}
+    out = {key: value for key, value in body.items()
+           if key not in ("n_predict", "max_tokens", "json_schema", "cache_prompt")}
     for field, neutral in _NEUTRAL_VALUES.items():
         if field in out and out[field] == neutral and type(out[field]) is type(neutral):
             del out[field]
@@ -147,7 +148,9 @@ def translate_completion(body: dict[str, Any], largest_context: int) -> dict[str
     cache_prompt = body.get("cache_prompt")
     if cache_prompt is not None and not isinstance(cache_prompt, bool):
         raise _Invalid(400, "'cache_prompt' must be true or false", "invalid_type", "cache_prompt")
-    out["max_tokens"] = _limit(body, largest_context)
+    limit = _limit(body, largest_context)
+    if limit is not None:
+        out["max_tokens"] = limit
     out["stream"] = body.get("stream", False)
     if "logit_bias" in out:
         bias = _logit_bias(out.pop("logit_bias"))
@@ -243,7 +246,8 @@ class LlamaCppCompletion(Protocol):
             body["prompt"] = body["prompt"][0]  # one string in a list
 
     def translate(self, body: dict[str, Any], kind: JobKind) -> Translated:
-        return Translated(JobKind.COMPLETION, translate_completion(body, self._largest_context))
+        completion = translate_completion(body, self._largest_context)
+        return Translated(JobKind.COMPLETION, completion, fills_context="max_tokens" not in completion)
 
     def answer(self, response: dict[str, Any], job: Job) -> dict[str, Any]:
         choice = response["choices"][0]

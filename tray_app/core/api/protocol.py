@@ -35,6 +35,10 @@ class Translated:
     keep_alive_s: float | None = None
     # Nothing to generate: Ollama's empty prompt, which only loads the model.
     load_only: bool = False
+    # Without a limit the answer may fill the context, as a chat's may (the
+    # smallest context the prompt fits in, so a replay runs with the same
+    # limit), not a legacy completion's 16 tokens: llama.cpp's n_predict -1.
+    fills_context: bool = False
 
 
 class StreamEncoder:
