@@ -89,6 +89,15 @@ def test_a_request_shaped_like_sillytaverns_is_served(fresh):
     assert response.json()["stop"] is True and response.json()["tokens_predicted"] <= 3
 
 
+def test_an_idempotency_key_retry_gets_the_first_answer(fresh):
+    body = {"prompt": "Once upon a time", "n_predict": 4, "temperature": 1.5, "seed": 7}
+    headers = {"Idempotency-Key": "llamacpp-retry-1"}
+    first = fresh.http.post("/completion", json=body, headers=headers)
+    again = fresh.http.post("/completion", json=body, headers=headers)
+    assert first.status_code == again.status_code == 200
+    assert again.headers["x-idempotent-replay"] == "true" and again.json() == first.json()
+
+
 def test_a_token_prompt_is_the_same_request_as_its_text(fresh):
     text = "The capital of France is"
     tokens = fresh.http.post("/tokenize", json={"content": text}).json()["tokens"]
