@@ -58,6 +58,11 @@ def schema_doors(schema: dict) -> list[tuple[str, dict]]:
                                        "output_config": {"format": {"type": "json_schema", "schema": schema}}}),
         ("/v1/messages/count_tokens", {"model": "default", "messages": HELLO, "tools": [anthropic_tool],
                                        "tool_choice": {"type": "tool", "name": "f"}}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 1,
+                           "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 1, "tools": [{"type": "function", "name": "f",
+                                                                            "parameters": schema}],
+                           "tool_choice": {"type": "function", "name": "f"}}),
     ]
 
 
@@ -182,7 +187,7 @@ _GRAMMARS = st.one_of(
 
 @settings(max_examples=60, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(schema=_SCHEMAS, door=st.integers(0, 9), grammar=_GRAMMARS, use_grammar=st.booleans())
+@given(schema=_SCHEMAS, door=st.integers(0, 11), grammar=_GRAMMARS, use_grammar=st.booleans())
 def test_fuzzed_schemas_and_grammars_are_never_a_server_error(service, schema, door, grammar, use_grammar):
     if use_grammar:
         route, body = grammar_doors(grammar)[door % 2]
