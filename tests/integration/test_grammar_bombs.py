@@ -63,6 +63,7 @@ def schema_doors(schema: dict) -> list[tuple[str, dict]]:
         ("/v1/responses", {"input": "hi", "max_output_tokens": 1, "tools": [{"type": "function", "name": "f",
                                                                             "parameters": schema}],
                            "tool_choice": {"type": "function", "name": "f"}}),
+        ("/completion", {"prompt": "hi", "n_predict": 1, "json_schema": schema}),
     ]
 
 
@@ -70,6 +71,7 @@ def grammar_doors(grammar: str) -> list[tuple[str, dict]]:
     return [
         ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 1, "grammar": grammar}),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "grammar": grammar}),
+        ("/completion", {"prompt": "hi", "n_predict": 1, "grammar": grammar}),
     ]
 
 
@@ -141,7 +143,7 @@ def test_every_schema_door_refuses_the_bomb_and_the_service_lives_on(fresh, bomb
 @pytest.mark.parametrize("bomb", sorted(GRAMMAR_BOMBS))
 def test_every_grammar_door_refuses_the_bomb_and_the_service_lives_on(fresh, bomb):
     for text in refused_while_the_service_lives_on(fresh, grammar_doors(GRAMMAR_BOMBS[bomb])):
-        assert "grammar_too_complex" in text, text
+        assert "grammar_too_complex" in text or "too large for llama.cpp" in text, text
 
 
 def test_a_real_schema_still_constrains_the_answer(fresh):
@@ -187,10 +189,10 @@ _GRAMMARS = st.one_of(
 
 @settings(max_examples=60, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(schema=_SCHEMAS, door=st.integers(0, 11), grammar=_GRAMMARS, use_grammar=st.booleans())
+@given(schema=_SCHEMAS, door=st.integers(0, 12), grammar=_GRAMMARS, use_grammar=st.booleans())
 def test_fuzzed_schemas_and_grammars_are_never_a_server_error(service, schema, door, grammar, use_grammar):
     if use_grammar:
-        route, body = grammar_doors(grammar)[door % 2]
+        route, body = grammar_doors(grammar)[door % 3]
     else:
         route, body = schema_doors(schema)[door]
     response = service.http.post(route, json=copy.deepcopy(body), timeout=60)
