@@ -198,4 +198,8 @@ from tray_app.core.engine.runtime import bundled_llama_server, library_dirs
 server = bundled_llama_server()
 print(server or '')
 print(':'.join(str(d) for d in library_dirs(server)) if server else '')") || true
-echo "backend built: $BACKEND; llama.cpp sees: $(LD_LIBRARY_PATH="$libraries" llama_server_devices "$server")"
+devices=$(LD_LIBRARY_PATH="$libraries" llama_server_devices "$server")
+# llama.cpp lists no CPU-type Vulkan device (Mesa's llvmpipe), so "none" on a
+# Vulkan build means the card has no Vulkan driver.
+[ "$BACKEND/$devices" != vulkan/none ] || devices+=" (no Vulkan driver for the GPU; Debian: mesa-vulkan-drivers, NVIDIA: its driver)"
+echo "backend built: $BACKEND; llama.cpp sees: $devices"
