@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tray_app.core.dispatch.residency import (
+from tray_app.core.residency.policy import (
     FLAP_WINDOW_S, MAX_SETTLE_FACTOR, RELOAD_MARGIN_MIB, YIELD_CONFIRM_S, Action, DeviceView, HoldKind, Residency,
     SharingPolicy,
 )
@@ -28,9 +28,10 @@ def view(others: float | None, app: str | None = "steam") -> DeviceView:
                       top_app_mib=others)
 
 
-def make(**policy) -> tuple[Residency, Clock]:
+def make(*, loads_on_demand: bool = False, **policy) -> tuple[Residency, Clock]:
     clock = Clock()
-    return Residency(SharingPolicy(**{"reload_settle_s": 30.0, "idle_unload_s": 300.0, **policy}), clock), clock
+    return Residency(SharingPolicy(**{"reload_settle_s": 30.0, "idle_unload_s": 300.0, **policy}), clock,
+                     loads_on_demand=loads_on_demand), clock
 
 
 def observe(residency: Residency, clock: Clock, others: float | None, *, after: float = 1.0,
@@ -218,3 +219,89 @@ def test_a_game_that_returns_soon_after_every_reload_is_waited_out_longer_each_t
     # What /status announced is what happened, and it never shrinks mid-episode.
     assert all(wait == pytest.approx(settle, abs=1.0) for wait, settle in zip(waits, announced))
     assert announced == sorted(announced) and announced[-1] == 30.0 * MAX_SETTLE_FACTOR
+
+
+# ----- the transitions that other parts used to make by assigning its fields -------------------
+
+
+def test_a_model_that_loads_on_demand_starts_unloaded_and_its_first_request_loads_it():
+    residency, clock = make(loads_on_demand=True)
+    assert residency.hold is not None and residency.hold.kind is HoldKind.IDLE
+    assert residency.hold.since == clock.now
+    assert residency.request_arrived() is Action.LOAD
+    assert residency.hold is None
+
+
+def test_evicted_for_another_model_names_it_and_the_next_request_loads_again():
+    residency, clock = make()
+    assert residency.evicted(for_model="gemma") is Action.UNLOAD
+    assert residency.hold.kind is HoldKind.IDLE and residency.hold.app == "gemma"
+    assert residency.hold.describe() == "GPU unloaded for gemma"
+    # Free memory alone does not bring it back: it waits for a request.
+    assert observe(residency, clock, 0, loaded=False, idle_for_s=1000.0) is Action.NONE
+    assert residency.request_arrived() is Action.LOAD
+    assert residency.hold is None
+
+
+def test_unloaded_by_the_user_reads_as_idle():
+    residency, _ = make()
+    residency.evicted()
+    assert residency.hold.describe() == "GPU unloaded (idle)"
+
+
+def test_a_refused_load_leaves_it_unloaded_and_the_next_request_tries_again():
+    residency, clock = make(loads_on_demand=True)
+    assert residency.request_arrived() is Action.LOAD
+    clock.now += 5
+    assert residency.load_refused() is Action.NONE
+    assert residency.hold.kind is HoldKind.IDLE and residency.hold.since == clock.now
+    assert residency.request_arrived() is Action.LOAD
+
+
+def test_keep_alive_replaces_the_idle_time_until_a_request_says_otherwise():
+    residency, clock = make(idle_unload_s=300.0)
+    residency.set_keep_alive(10.0)
+    assert residency.keep_alive_s == 10.0 and residency.idle_limit_s() == 10.0
+    assert observe(residency, clock, 0, idle_for_s=10.0) is Action.UNLOAD
+    residency.request_arrived()
+    residency.set_keep_alive(-1)  # never
+    assert residency.idle_limit_s() is None
+    assert observe(residency, clock, 0, idle_for_s=10**9) is Action.NONE
+    residency.set_keep_alive(None)  # the policy's again
+    assert residency.idle_limit_s() == 300.0
+
+
+def test_switching_yielding_off_brings_a_yielded_worker_back_at_once():
+    residency, clock = yielded()
+    assert residency.set_yield_to_other_apps(False) is Action.LOAD
+    assert residency.hold is None and residency.policy.yield_to_other_apps is False
+    # And it does not yield again, however crowded.
+    for _ in range(5):
+        assert observe(residency, clock, TOTAL) is Action.NONE
+
+
+def test_switching_yielding_off_leaves_a_model_that_loads_on_demand_unloaded_until_its_next_request():
+    residency, clock = make(loads_on_demand=True)
+    residency.request_arrived()
+    observe(residency, clock, THRESHOLD + 1)
+    assert observe(residency, clock, THRESHOLD + 1) is Action.YIELD
+    assert residency.set_yield_to_other_apps(False) is Action.NONE
+    assert residency.hold.kind is HoldKind.IDLE
+    assert residency.request_arrived() is Action.LOAD
+
+
+def test_switching_yielding_on_or_off_changes_nothing_else_when_not_yielded():
+    residency, _ = make()
+    assert residency.set_yield_to_other_apps(False) is Action.NONE
+    assert residency.set_yield_to_other_apps(True) is Action.NONE
+    assert residency.hold is None and residency.policy.yield_to_other_apps is True
+    residency.give_back()
+    assert residency.set_yield_to_other_apps(False) is Action.NONE
+    assert residency.hold.kind is HoldKind.USER  # only the user takes it back
+
+
+@pytest.mark.parametrize("field", ["hold", "policy", "keep_alive_s"])
+def test_its_state_is_read_only_outside(field):
+    residency, _ = make()
+    with pytest.raises(AttributeError):
+        setattr(residency, field, None)

@@ -139,7 +139,7 @@ class GpuConfig:
     simulate_dir: str = ""
     # Give the VRAM back when other apps (a game) need it: unload the GPU
     # worker once it can no longer keep reserve_mib free, reload when the
-    # memory has stayed free for reload_settle_s (see dispatch.residency).
+    # memory has stayed free for reload_settle_s (see residency.policy).
     yield_to_other_apps: bool = True
     reload_settle_s: float = 30.0
     # llama.cpp RPC servers ("host:port", started with `tray-app rpc-worker`

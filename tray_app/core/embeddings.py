@@ -4,7 +4,8 @@ llama-server started with --embeddings serves embeddings and nothing else,
 so the chat workers can't answer them; a third worker on the same model
 file does. It has its own lane (slots and a bounded queue), so an embedding
 never waits behind a long generation, and it loads on the first request and
-unloads when idle (sharing.OnDemandWorker), so it costs no RAM until used.
+unloads when idle (residency.on_demand.OnDemandWorker), so it costs no RAM
+until used.
 
 `EmbeddingPath.embed` is protocol-neutral: texts in, vectors out. The
 OpenAI route (api.embeddings) and the Ollama ones check their own bodies
@@ -29,7 +30,7 @@ from .dispatch.jobs import JobFailed
 from .dispatch.lanes import Lane
 from .engine.runtime import LaunchRequest, LlamaServerRuntime, WorkerRuntime
 from .engine.worker import Worker, WorkerState
-from .sharing import OnDemandWorker
+from .residency.on_demand import OnDemandWorker
 
 # Tokens a slot holds beyond [embeddings] n_ctx: requests are checked with
 # our own count, and the server may add a special token or two (BOS, EOS,

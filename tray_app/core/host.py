@@ -5,8 +5,8 @@ Each model has its own admission, breaker and degraded state, so a model
 whose GPU worker crashed does not send another model's requests to the CPU.
 The default model's GPU worker (and CPU worker, unless [cpu] keep =
 "on_demand") load at start; every other model's load on its first request
-and unload when idle or when another model needs the memory (see
-dispatch.eviction). The Service owns the hosts and the parts they share:
+and unload when idle or when another model needs the memory (see the
+residency package). The Service owns the hosts and the parts they share:
 the memory observer, the HTTP client, the device reader and the metrics.
 """
 
@@ -27,7 +27,6 @@ from .dispatch.breaker import CircuitBreaker
 from .dispatch.dispatcher import EXPECTED_ANSWER_TOKENS, Costs, Dispatcher, Limits
 from .dispatch.jobs import Attempt, Job, PathSpeed
 from .dispatch.lanes import Lane
-from .dispatch.residency import Hold, HoldKind, Residency, SharingPolicy
 from .engine.exits import ExitKind
 from .engine.runtime import WorkerRuntime
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
@@ -35,7 +34,10 @@ from .library import LibraryModel
 from .memory import estimate
 from .memory.gguf_info import ModelInfo, read_model_info
 from .memory.telemetry import wait_for_vram_recovery
-from .sharing import GpuSharing, OnDemandWorker, prior_load_s
+from .residency.coordinator import ResidencyCoordinator
+from .residency.gpu import GpuSharing, prior_load_s
+from .residency.on_demand import OnDemandWorker
+from .residency.policy import Residency, SharingPolicy
 from .tokens import PromptCounter
 
 MIB = 1024 * 1024
@@ -62,16 +64,9 @@ class HostOwner(Protocol):
     gpu_reader: Any
     rpc_health: Any  # rpc.RpcHealth: the remote devices' memory, for the local GPU's share
     peers: Any
+    residency: ResidencyCoordinator  # room in VRAM and RAM, made across models
 
     def worker_pids(self) -> list[int]: ...
-
-    async def make_vram_room(self, host: "ModelHost") -> str | None: ...
-
-    async def make_ram_room(self, host: "ModelHost") -> None: ...
-
-    def vram_of_other_models(self, host: "ModelHost", reading: Any) -> float: ...
-
-    def evictable_cpu_ram_mib(self, host: "ModelHost") -> float: ...
 
 
 @dataclass(frozen=True)
@@ -137,7 +132,6 @@ class ModelHost:
         self.gpu_recovery_s: float | None = None
         self._gpu_failed_at: float | None = None
         self.last_used = self._clock()
-        self.evictions = 0
         self.requests_by_path: collections.Counter[str] = collections.Counter()
 
         hooks = _HostHooks(self)
@@ -155,7 +149,7 @@ class ModelHost:
                                                                      tokens) / MIB,
                   cpu_mib=lambda tokens: estimate.kv_bytes_per_token(self.fallback_info) * tokens / MIB,
                   cpu_load_mib=self.cpu_load_ram_mib,
-                  cpu_evictable_mib=lambda: service.evictable_cpu_ram_mib(self)),
+                  cpu_evictable_mib=lambda: service.residency.evictable_cpu_ram_mib(self)),
             _DispatchEvents(self), gpu_missing_reason=gpu_missing_reason, clock=self._clock,
             # A model without a CPU fallback answers 503 when its GPU can't serve.
             no_fallback=config.routing.fallback == "never" or model.cpu_path is None,
@@ -166,9 +160,6 @@ class ModelHost:
         if self.dispatcher.gpu is not None:
             self.sharing = self._gpu_sharing(self.dispatcher.gpu)
             self.dispatcher.residency = self.sharing
-            if not model.is_default:
-                # Loaded by its first request, not at start.
-                self.sharing.residency.hold = Hold(HoldKind.IDLE, self._clock())
         cpu_on_demand = config.cpu.keep == "on_demand" or not model.is_default
         self.on_demand_cpu = (OnDemandWorker(self.dispatcher.cpu, config.cpu.idle_unload_s, self.note,
                                              self._clock) if cpu_on_demand else None)
@@ -179,15 +170,16 @@ class ModelHost:
                                reload_settle_s=config.gpu.reload_settle_s, idle_unload_s=self.model.idle_unload_s)
         service = self.service
         return GpuSharing(
-            Residency(policy, self._clock), backend,
+            # Every model but the default one is loaded by its first request, not at start.
+            Residency(policy, self._clock, loads_on_demand=not self.model.is_default), backend,
             # What the worker holds here: its local share when RPC devices lend memory.
             need_mib=lambda: self.gpu_footprint.gpu.total / MIB, reserve_mib=config.gpu.reserve_mib,
             model_mib=self.model_info.file_size / MIB, drain_s=config.gpu.yield_drain_s,
             ours_mib=self.vram_mib, our_pids=lambda: set(service.worker_pids()),
             note=self.note, changed=service.observer.advance,
             read_gpu=service.gpu_reader.read, clock=self._clock,
-            make_room=lambda: service.make_vram_room(self),
-            ours_elsewhere_mib=lambda reading: service.vram_of_other_models(self, reading),
+            make_room=lambda: service.residency.make_vram_room(self),
+            ours_elsewhere_mib=lambda reading: service.residency.vram_of_other_models(self, reading),
         )
 
     def _backend(self, path: str, runtime: WorkerRuntime, hooks: WorkerHooks, fingerprint: str) -> Backend:
@@ -467,7 +459,7 @@ class ModelHost:
             "last_used": round(time.time() - (self._clock() - self.last_used), 3),
             "loads": sharing.loads if sharing is not None else 0,
             "last_load_s": sharing.last_load_s if sharing is not None else None,
-            "evictions": self.evictions,
+            "evictions": sharing.evictions if sharing is not None else 0,
             "requests": dict(self.requests_by_path),
             "in_flight": self.in_flight(),
             "breaker": self.breaker.snapshot()["state"],
@@ -479,7 +471,7 @@ class ModelHost:
 
     async def before_spawn(self, worker: Worker) -> LaunchExtras:
         if worker.role == "cpu" and self.on_demand_cpu is not None:
-            await self.service.make_ram_room(self)
+            await self.service.residency.make_ram_room(self)
         if worker.role != "gpu":
             return LaunchExtras()
         service = self.service

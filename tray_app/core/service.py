@@ -8,15 +8,14 @@ It runs on one asyncio loop. Each piece has one job:
 - `host.ModelHost`: one library model's workers, dispatcher, breaker and GPU residency;
 - `observe.Observer`: memory readings, the event log and degraded mode;
 - `embeddings.EmbeddingPath`: the embedding worker, its own lane, loaded on demand.
-This module builds them, carries out the commands (pause, restart, cancel),
-makes room in VRAM when a model loads (dispatch.eviction), and assembles
-the /status snapshot. Reading the snapshot changes nothing.
+This module builds them, carries out the commands (pause, restart, cancel)
+and assembles the /status snapshot; making room across models before a load
+is `residency.coordinator`'s. Reading the snapshot changes nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -27,10 +26,8 @@ import httpx
 
 from .api.metrics import ServiceMetrics
 from .config import Config, ConfigError, log_dir as default_log_dir, peer_base_url, simulated_device_dir
-from .dispatch.eviction import Resident, eviction_shortfall_text, plan_eviction
 from .dispatch.lanes import Lane
 from .dispatch.peer import Peer, Peers
-from .dispatch.residency import HoldKind
 from .embeddings import SPECIAL_TOKEN_MARGIN, EmbeddingPath, embedding_runtime
 from .engine.runtime import RuntimeChoice, WorkerRuntime, choose_runtime, rpc_runtime_problem
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
@@ -41,6 +38,7 @@ from .memory.gguf_info import ModelFileError
 from .memory.gpu_readers import detect_gpu_reader
 from .memory.telemetry import GpuReader, MemorySnapshot, SimulatedGpu, detect_gpu_offload_support
 from .observe import Observer
+from .residency.coordinator import ResidencyCoordinator
 from .rpc import RpcHealth
 
 MIB = 1024 * 1024
@@ -101,6 +99,10 @@ class Service:
         self.peers = Peers([Peer(entry, peer_base_url(entry.url), self.http, config.breaker, clock)
                             for entry in config.peers])
         self.hosts: dict[str, ModelHost] = {}
+        self.residency = ResidencyCoordinator(
+            self.hosts, read_gpu=self.gpu_reader.read, sample=self.observer.sample, latest=self.observer.latest,
+            note=self.observer.note, evicted=lambda model_id: self.metrics.model_evictions.labels(model_id).inc(),
+            reserve_mib=config.gpu.reserve_mib, ram_floor_mib=config.cpu.ram_floor_mib)
         # Files in the library that can't be served (not a readable GGUF), with why.
         self.library_problems: list[str] = []
         for model in self.library:
@@ -115,9 +117,6 @@ class Service:
         if self.library_problems:
             self.library = Library([m for m in self.library if m.name in self.hosts])
         self.default_host = self.hosts[self.library.default.name]
-        # Loads of library models run one at a time: two at once would each
-        # plan their eviction against the same free memory.
-        self._load_lock = asyncio.Lock()
         # Rescans too: each reads the folder in a thread, and two at once
         # would both add the same new file.
         self._rescan_lock = asyncio.Lock()
@@ -267,20 +266,7 @@ class Service:
         )
 
     def _on_sample(self, snapshot: MemorySnapshot) -> None:
-        # Least recently used first, and one release at a time: when a game
-        # crowds several loaded models, the one used longest ago gives its
-        # memory back first, and the others look again once it is back
-        # (often that was enough). Without this every model saw the same
-        # crowded reading and all of them unloaded at once.
-        hosts = sorted(self.hosts.values(), key=lambda h: h.sharing.last_activity if h.sharing else 0.0)
-        releasing = any(h.sharing is not None and h.sharing.releasing for h in hosts)
-        for host in hosts:
-            sharing = host.sharing
-            if sharing is not None and not (releasing and host.gpu_loaded() and not sharing.releasing):
-                sharing.on_sample(snapshot)
-                releasing = releasing or sharing.releasing
-            if host.on_demand_cpu is not None:
-                host.on_demand_cpu.on_sample()
+        self.residency.on_sample(snapshot)
         if self.embeddings is not None:
             self.embeddings.on_sample()
 
@@ -364,68 +350,6 @@ class Service:
         for host in self.hosts.values():
             host.close_counter()
 
-    # ----- making room ---------------------------------------------------------------
-
-    async def make_vram_room(self, host: ModelHost) -> str | None:
-        """Before `host`'s GPU worker loads: unload other models until it
-        fits with the reserve free (dispatch.eviction). None when it fits
-        now; the reason when no set of idle models would make it fit."""
-        async with self._load_lock:
-            reading = await asyncio.to_thread(self.gpu_reader.read)
-            if reading.free_mib is None:
-                return None  # nothing to plan with; the load's own checks decide
-            need = host.gpu_footprint.gpu.total / MIB
-            reserve = self.config.gpu.reserve_mib
-            residents = {h.name: Resident(h.name, h.vram_mib(reading), h.sharing.last_activity, h.in_flight())
-                         for h in self.hosts.values()
-                         if h is not host and h.gpu_loaded() and h.sharing is not None}
-            plan = plan_eviction(need, reading.free_mib, reserve, list(residents.values()))
-            if plan is None:
-                return eviction_shortfall_text(host.model_id, need, reading.free_mib, reserve,
-                                               list(residents.values()))
-            for name in plan.victims:
-                victim = self.hosts[name]
-                assert victim.sharing is not None
-                await victim.sharing.evict(f"making room for {host.model_id}", for_model=host.model_id)
-                victim.evictions += 1
-                self.metrics.model_evictions.labels(victim.model_id).inc()
-                self.observer.note("model_evicted", model=victim.model_id, for_model=host.model_id,
-                                   freed_mib=round(residents[name].mib, 1))
-            return None
-
-    def _idle_cpu_residents(self, host: ModelHost, snapshot) -> dict[str, Resident]:
-        # Least recently used: when each last gave a CPU slot back (the lanes share one clock).
-        return {h.name: Resident(h.name, h.cpu_ram_mib(snapshot), h.dispatcher.cpu.lane.last_released_at or 0.0)
-                for h in self.hosts.values() if h is not host and h.cpu_idle()}
-
-    def vram_of_other_models(self, host: ModelHost, reading) -> float:
-        """What the other models' GPU workers hold on the device now."""
-        return sum(h.vram_mib(reading) for h in self.hosts.values() if h is not host)
-
-    def evictable_cpu_ram_mib(self, host: ModelHost) -> float:
-        """The RAM other models' idle on-demand CPU workers hold (admission
-        counts it as room a CPU load can make)."""
-        if host.cpu_load_ram_mib() == 0:
-            return 0.0
-        return sum(r.mib for r in self._idle_cpu_residents(host, self.observer.latest()).values())
-
-    async def make_ram_room(self, host: ModelHost) -> None:
-        """Before `host`'s CPU worker loads on demand: unload other models'
-        idle CPU workers until its load leaves the RAM floor free, by the
-        same policy as VRAM. When nothing can, the load goes ahead: admission
-        already refused what would cross the floor (RAM_FLOOR)."""
-        async with self._load_lock:
-            snapshot = await asyncio.to_thread(self.observer.sample)
-            residents = self._idle_cpu_residents(host, snapshot)
-            need = host.cpu_footprint.host.total / MIB
-            plan = plan_eviction(need, snapshot.host.available_mib, self.config.cpu.ram_floor_mib,
-                                 list(residents.values()))
-            for name in plan.victims if plan is not None else ():
-                victim = self.hosts[name]
-                await victim.cpu_worker.stop()
-                self.observer.note("model_evicted", model=victim.model_id, for_model=host.model_id, path="cpu",
-                                   freed_mib=round(residents[name].mib, 1))
-
     # ----- commands -------------------------------------------------------------
 
     def set_gpu_paused(self, paused: bool) -> None:
@@ -445,7 +369,7 @@ class Service:
                 continue
             if given and (host is self.default_host or host.gpu_loaded()):
                 sharing.give_back()
-            elif not given and sharing.residency.hold is not None and sharing.residency.hold.kind is HoldKind.USER:
+            elif not given and sharing.given_back_by_user():
                 sharing.take_again()
 
     def preload(self, host: ModelHost | None = None) -> None:
@@ -485,23 +409,14 @@ class Service:
         idle, None = the configured idle time."""
         host = host or self.default_host
         if host.sharing is not None:
-            host.sharing.residency.keep_alive_s = seconds
+            host.sharing.keep_alive(seconds)
 
     def set_yield_to_other_apps(self, enabled: bool) -> None:
         if self.sharing is None:
             raise ValueError(self.dispatcher.gpu_missing_reason or "there is no GPU path")
         for host in self.hosts.values():
-            sharing = host.sharing
-            if sharing is None:
-                continue
-            residency = sharing.residency
-            residency.policy = dataclasses.replace(residency.policy, yield_to_other_apps=enabled)
-            if not enabled and residency.hold is not None and residency.hold.kind is HoldKind.YIELDED:
-                if host is self.default_host:
-                    sharing.take_again()
-                else:
-                    # A library model goes back to unloaded: its next request loads it.
-                    residency.hold = dataclasses.replace(residency.hold, kind=HoldKind.IDLE)
+            if host.sharing is not None:
+                host.sharing.set_yield_to_other_apps(enabled)
         self.observer.note("yield_to_other_apps", enabled=enabled)
 
     def restart_workers(self) -> None:

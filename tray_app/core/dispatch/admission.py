@@ -166,7 +166,7 @@ class CpuView:
     backlog_s: float
     # A CPU worker that loads on demand and is not loaded: the RAM its load
     # takes, and what unloading other models' idle CPU workers would give
-    # back to make room (dispatch.eviction; done just before the load).
+    # back to make room (residency.eviction; done just before the load).
     load_ram_mib: float = 0.0
     evictable_ram_mib: float = 0.0
 

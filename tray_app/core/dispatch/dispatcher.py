@@ -56,7 +56,7 @@ class DispatchEvents(Protocol):
 
 
 class GpuResidency(Protocol):
-    """Whether the GPU worker holds its memory (see gpu_sharing.GpuSharing)."""
+    """Whether the GPU worker holds its memory (see residency.gpu.GpuSharing)."""
 
     def gpu_out(self) -> GpuOut | None:
         """Given away, unloaded or loading: why the GPU can't serve now, or None."""

@@ -1,13 +1,11 @@
-"""Sharing the machine: the GPU worker gives its VRAM back and takes it again;
-an on-demand worker (CPU, embeddings) loads when needed and unloads when idle.
+"""The GPU worker gives its VRAM back and takes it again: residency's effects.
 
-`dispatch.residency.Residency` decides; `GpuSharing` feeds it each memory
-reading and carries its decisions out on the one worker it owns the
+`policy.Residency` decides; `GpuSharing` is the one writer of it. It feeds
+it each memory reading and every command (the user's, an eviction, a
+refused load), and carries its decisions out on the one worker it owns the
 residency of: drain, unload, wait for the memory to really come back,
 reload. It tells the dispatcher why the GPU can't serve (`gpu_out`) and
-hears from it when a request arrives (`request_arrived`). `OnDemandWorker`
-loads and unloads the workers that are not resident: an on-demand CPU
-worker and the embedding worker.
+hears from it when a request arrives (`request_arrived`).
 """
 
 from __future__ import annotations
@@ -15,14 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable
 
-from .dispatch.admission import GpuOut, Reason
-from .dispatch.backend import Backend
-from .dispatch.lanes import Lane
-from .dispatch.residency import Action, DeviceView, Hold, HoldKind, Residency
-from .engine.worker import Worker, WorkerState
-from .memory.telemetry import GpuReading, MemorySnapshot
+from ..dispatch.admission import GpuOut, Reason
+from ..dispatch.backend import Backend
+from ..engine.worker import WorkerState
+from ..memory.telemetry import GpuReading, MemorySnapshot
+from .policy import Action, DeviceView, Hold, HoldKind, Residency
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +46,8 @@ class GpuSharing:
         # this worker is loaded too (then all of it is in the way); an
         # unloaded model makes room by eviction, not by waiting for them.
         self._ours_elsewhere_mib = ours_elsewhere_mib
-        # Asked before each load: frees VRAM by unloading other models (see
-        # dispatch.eviction); a reason when no unloading can make room.
+        # Asked before each load: frees VRAM by unloading other models
+        # (coordinator.make_vram_room); a reason when no unloading can make room.
         self._make_room = make_room
         # Why the last load could not start; cleared by the next attempt.
         self.no_room: str | None = None
@@ -74,6 +71,8 @@ class GpuSharing:
         self.last_load_s: float | None = None
         self.yields = 0
         self.loads = 0
+        # Unloads for another model's load.
+        self.evictions = 0
 
     @property
     def _worker(self):
@@ -168,6 +167,18 @@ class GpuSharing:
         if self.residency.take_again() is Action.LOAD:
             self._load("the user asked for the GPU again")
 
+    def keep_alive(self, seconds: float | None) -> None:
+        """A request's keep_alive (see Residency.set_keep_alive)."""
+        self.residency.set_keep_alive(seconds)
+
+    def set_yield_to_other_apps(self, enabled: bool) -> None:
+        if self.residency.set_yield_to_other_apps(enabled) is Action.LOAD:
+            self._load("the user asked for the GPU again")
+
+    def given_back_by_user(self) -> bool:
+        hold = self.residency.hold
+        return hold is not None and hold.kind is HoldKind.USER
+
     # ----- effects -------------------------------------------------------------------------
 
     def _start(self, change: Callable[[], Awaitable[None]], *, is_load: bool) -> None:
@@ -220,7 +231,9 @@ class GpuSharing:
         """Unload now for another model's load (or the user's Unload), and
         wait until the device shows the memory free. It loads again on its
         next request."""
-        self.residency.hold = Hold(HoldKind.IDLE, self._clock(), app=for_model)
+        self.residency.evicted(for_model)
+        if for_model is not None:
+            self.evictions += 1
         self._worker.request_stop()
         self._start(lambda: self._evicted(why), is_load=False)
         task = self._task
@@ -246,8 +259,7 @@ class GpuSharing:
         if self._make_room is not None:
             self.no_room = await self._make_room()
             if self.no_room is not None:
-                # Unloaded again; the next request tries again (others may have finished).
-                self.residency.hold = Hold(HoldKind.IDLE, self._clock())
+                self.residency.load_refused()
                 self._backend.lane.redirect_waiting(self.no_room)
                 self._note("gpu_load_refused", why=why, reason=self.no_room)
                 self._changed_now()
@@ -362,64 +374,6 @@ class GpuSharing:
                 or lane.running_ids or lane.waiting_ids):
             return None
         return max(0.0, limit - (self._clock() - self._last_activity))
-
-
-class Kept(Protocol):
-    """What OnDemandWorker keeps: a worker and the lane in front of it (a
-    dispatch Backend, or the embedding path)."""
-
-    worker: Worker
-    lane: Lane
-    loads_on_demand: bool
-
-
-class OnDemandWorker:
-    """A worker loaded by the first request that needs it and unloaded after
-    idle_unload_s without one: the CPU worker under [cpu] keep = "on_demand"
-    (Backend.loads_on_demand), and the embedding worker always. Saves its
-    RAM; the first request after an unload waits for a load. Idle means an
-    empty lane: a request takes its place in the lane before it loads the
-    worker, so nothing is unloaded under a request on its way in."""
-
-    def __init__(self, kept: Kept, idle_unload_s: float, note: Callable[..., None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._kept = kept
-        self._idle_unload_s = idle_unload_s
-        self._note = note
-        self._clock = clock
-        self._last_activity = clock()
-        self._task: asyncio.Task | None = None
-        kept.loads_on_demand = True
-
-    def on_sample(self) -> None:
-        lane = self._kept.lane
-        worker = self._kept.worker
-        now = self._clock()
-        if lane.running_ids or lane.waiting_ids or worker.state not in (WorkerState.READY, WorkerState.STOPPED):
-            self._last_activity = now
-            return
-        busy = self._task is not None and not self._task.done()
-        # A request that came and went between two samples counts too: the
-        # idle spell starts when the last one left, not at the last busy sample.
-        if lane.last_released_at is not None:
-            self._last_activity = max(self._last_activity, lane.last_released_at)
-        if (worker.state is WorkerState.READY and not busy and self._idle_unload_s > 0
-                and now - self._last_activity >= self._idle_unload_s):
-            # Stopping at once: a request arriving now waits for a fresh load
-            # (it waits out the STOPPING state) instead of reaching a process on its way out.
-            worker.request_stop()
-            self._task = asyncio.create_task(self._unload(), name=f"{worker.role}-unload")
-
-    async def _unload(self) -> None:
-        worker = self._kept.worker
-        await worker.stop()
-        # "cpu_unloaded_idle", "embed_unloaded_idle": the event log's names.
-        self._note(f"{worker.role}_unloaded_idle", idle_unload_s=self._idle_unload_s)
-
-    async def close(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            await asyncio.wait({self._task})
 
 
 def prior_load_s(model_mib: float) -> float:

@@ -11,9 +11,14 @@ of its memory in three cases, each a `Hold`:
 - IDLE: no request for `idle_unload_s`. The next request loads it again.
 - USER: "Give the GPU back now", until "Use the GPU again".
 
+A model that loads on demand (every library model but the default one)
+starts IDLE, and goes back to IDLE when another model's load evicts it or
+its own load finds no room.
+
 `Residency` decides; it never touches a process, a clock of its own or a log.
-The service feeds it readings and carries out the `Action` it returns
-(gpu_sharing.GpuSharing).
+Every change of its state is one of its methods, and only `residency.gpu.
+GpuSharing` calls them: it feeds it readings and commands and carries out
+the `Action` each returns.
 """
 
 from __future__ import annotations
@@ -105,10 +110,12 @@ class Action(str, enum.Enum):
 
 
 class Residency:
-    def __init__(self, policy: SharingPolicy, clock: Callable[[], float]) -> None:
-        self.policy = policy
+    def __init__(self, policy: SharingPolicy, clock: Callable[[], float], *, loads_on_demand: bool = False) -> None:
+        self._policy = policy
         self._clock = clock
-        self.hold: Hold | None = None
+        # A model that loads on demand is loaded by its first request, not at start.
+        self._loads_on_demand = loads_on_demand
+        self._hold: Hold | None = Hold(HoldKind.IDLE, clock()) if loads_on_demand else None
         self._crowded_since: float | None = None
         self._roomy_since: float | None = None
         # Yields in the current flapping episode after the first, and when the
@@ -121,13 +128,26 @@ class Residency:
         # The last request's own keep-alive (Ollama's keep_alive), which
         # replaces policy.idle_unload_s until a request says otherwise:
         # None = the policy's, negative = never unload, 0 = once idle.
-        self.keep_alive_s: float | None = None
+        self._keep_alive_s: float | None = None
+
+    @property
+    def hold(self) -> Hold | None:
+        """Why the worker does not hold its memory now; None while it may."""
+        return self._hold
+
+    @property
+    def policy(self) -> SharingPolicy:
+        return self._policy
+
+    @property
+    def keep_alive_s(self) -> float | None:
+        return self._keep_alive_s
 
     def idle_limit_s(self) -> float | None:
         """How long without a request before the worker unloads; None = never."""
-        if self.keep_alive_s is None:
-            return self.policy.idle_unload_s if self.policy.idle_unload_s > 0 else None
-        return None if self.keep_alive_s < 0 else self.keep_alive_s
+        if self._keep_alive_s is None:
+            return self._policy.idle_unload_s if self._policy.idle_unload_s > 0 else None
+        return None if self._keep_alive_s < 0 else self._keep_alive_s
 
     # ----- reads ------------------------------------------------------------------
 
@@ -135,9 +155,9 @@ class Residency:
         """The settle time of the current yield; without one, the settle
         time a yield now would get: doubled for each yield that came soon
         after the reload before it (a flapping game), capped."""
-        if self.hold is not None and self.hold.kind is HoldKind.YIELDED:
-            return self.hold.settle_s
-        return self.policy.reload_settle_s * min(MAX_SETTLE_FACTOR, 2 ** self._flaps_if_yielding_now())
+        if self._hold is not None and self._hold.kind is HoldKind.YIELDED:
+            return self._hold.settle_s
+        return self._policy.reload_settle_s * min(MAX_SETTLE_FACTOR, 2 ** self._flaps_if_yielding_now())
 
     def _flaps_if_yielding_now(self) -> int:
         flapping = self._reloaded_at is not None and self._clock() - self._reloaded_at <= FLAP_WINDOW_S
@@ -151,7 +171,7 @@ class Residency:
     def reload_in_s(self) -> float | None:
         """For a yielded GPU: seconds until it reloads if the memory stays
         free; None while the memory is not free (nobody can say when)."""
-        if self.hold is None or self.hold.kind is not HoldKind.YIELDED or self._roomy_since is None:
+        if self._hold is None or self._hold.kind is not HoldKind.YIELDED or self._roomy_since is None:
             return None
         return max(0.0, self._roomy_since + self.settle_s() - self._clock())
 
@@ -168,55 +188,86 @@ class Residency:
         self._crowded_since = (self._crowded_since or now) if crowded else None
         self._roomy_since = (self._roomy_since or now) if roomy else None
 
-        if self.hold is None or self.hold.kind is HoldKind.IDLE:
-            if (crowded and self.policy.yield_to_other_apps
+        if self._hold is None or self._hold.kind is HoldKind.IDLE:
+            if (crowded and self._policy.yield_to_other_apps
                     and now - self._crowded_since >= YIELD_CONFIRM_S):
-                self._idle_under_yield = self.hold is not None
+                self._idle_under_yield = self._hold is not None
                 settle = self.settle_s()
                 self._flaps = self._flaps_if_yielding_now()
-                self.hold = Hold(HoldKind.YIELDED, now, view.top_app, view.top_app_mib, settle)
+                self._hold = Hold(HoldKind.YIELDED, now, view.top_app, view.top_app_mib, settle)
                 self._roomy_since = None
                 # Also when the worker is restarting: it must not come back up.
                 return Action.NONE if self._idle_under_yield else Action.YIELD
-        if self.hold is None:
+        if self._hold is None:
             limit = self.idle_limit_s()
             if loaded and idle_for_s is not None and limit is not None and idle_for_s >= limit:
-                self.hold = Hold(HoldKind.IDLE, now)
+                self._hold = Hold(HoldKind.IDLE, now)
                 return Action.UNLOAD
             return Action.NONE
-        if self.hold.kind is HoldKind.YIELDED:
+        if self._hold.kind is HoldKind.YIELDED:
             if crowded and view.top_app is not None:
                 # Name whoever holds the memory now (another app may have taken over).
-                self.hold = dataclasses.replace(self.hold, app=view.top_app, app_mib=view.top_app_mib)
-            if self._roomy_since is not None and now - self._roomy_since >= self.hold.settle_s:
+                self._hold = dataclasses.replace(self._hold, app=view.top_app, app_mib=view.top_app_mib)
+            if self._roomy_since is not None and now - self._roomy_since >= self._hold.settle_s:
                 self._reloaded_at = now
                 if self._idle_under_yield:
-                    self.hold = Hold(HoldKind.IDLE, now)
+                    self._hold = Hold(HoldKind.IDLE, now)
                     return Action.NONE
-                self.hold = None
+                self._hold = None
                 return Action.LOAD
         return Action.NONE
 
     def request_arrived(self) -> Action:
         """A request wants the GPU: an idle-unloaded worker loads again."""
-        if self.hold is not None and self.hold.kind is HoldKind.IDLE:
-            self.hold = None
+        if self._hold is not None and self._hold.kind is HoldKind.IDLE:
+            self._hold = None
             return Action.LOAD
         return Action.NONE
 
     def give_back(self) -> Action:
         """The user's "Give the GPU back now"."""
-        if self.hold is not None and self.hold.kind is HoldKind.USER:
+        if self._hold is not None and self._hold.kind is HoldKind.USER:
             return Action.NONE
-        was_loaded = self.hold is None
-        self.hold = Hold(HoldKind.USER, self._clock())
+        was_loaded = self._hold is None
+        self._hold = Hold(HoldKind.USER, self._clock())
         return Action.YIELD if was_loaded else Action.NONE
 
     def take_again(self) -> Action:
         """The user's "Use the GPU again": load now. A game still holding the
         memory makes the next reading yield again, as it should."""
-        if self.hold is None:
+        if self._hold is None:
             return Action.NONE
-        self.hold = None
+        self._hold = None
         self._crowded_since = None
         return Action.LOAD
+
+    def evicted(self, for_model: str | None = None) -> Action:
+        """Unloaded for another model's load (`for_model`, named in the
+        hold), or by the user's Unload: as if idle, so the next request
+        loads it again."""
+        self._hold = Hold(HoldKind.IDLE, self._clock(), app=for_model)
+        return Action.UNLOAD
+
+    def load_refused(self) -> Action:
+        """A load found no room, not even by evicting idle models: unloaded
+        again; the next request tries again (others may have finished)."""
+        self._hold = Hold(HoldKind.IDLE, self._clock())
+        return Action.NONE
+
+    def set_keep_alive(self, seconds: float | None) -> None:
+        """A request's own keep-alive (Ollama's): how long the worker stays
+        loaded after it; negative = until told otherwise, 0 = unload once
+        idle, None = the policy's idle time."""
+        self._keep_alive_s = seconds
+
+    def set_yield_to_other_apps(self, enabled: bool) -> Action:
+        """The tray's switch. Switched off while yielded, the worker comes
+        back: at once (LOAD) for the model that is loaded from the start, as
+        unloaded (its next request loads it) for one that loads on demand."""
+        self._policy = dataclasses.replace(self._policy, yield_to_other_apps=enabled)
+        if enabled or self._hold is None or self._hold.kind is not HoldKind.YIELDED:
+            return Action.NONE
+        if self._loads_on_demand:
+            self._hold = dataclasses.replace(self._hold, kind=HoldKind.IDLE)
+            return Action.NONE
+        return self.take_again()
