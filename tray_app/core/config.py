@@ -59,6 +59,13 @@ class ServerConfig:
     # another: it serves the same routes. 0 = off, since a real Ollama may
     # already hold 11434.
     ollama_port: int = 0
+    # Where OpenAI chat answers carry a thinking model's reasoning:
+    # "reasoning_content" (llama-server's and DeepSeek's name), "reasoning"
+    # (Ollama's and vLLM's, for clients that read only that) or "both".
+    reasoning_field: str = "reasoning_content"
+
+
+REASONING_FIELDS = ("reasoning_content", "reasoning", "both")
 
 
 ENGINE_RUNTIMES = ("llama-server", "llama-cpp-python")
@@ -337,6 +344,7 @@ _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
 }
 # (section, key) -> the only strings it takes.
 _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("server", "reasoning_field"): REASONING_FIELDS,
     ("engine", "runtime"): ENGINE_RUNTIMES,
     ("model", "unknown_name"): UNKNOWN_NAME_POLICIES,
     ("cpu", "keep"): CPU_KEEP_MODES,

@@ -12,10 +12,12 @@ Supported: text, system (a string or text blocks), multi-turn, tools
 (tool_use / tool_result, tool_choice auto, any, tool, none), stop_sequences,
 structured output (output_config.format), temperature, top_p and top_k
 (which newer SDKs send only through extra_body), streaming, usage,
-/v1/messages/count_tokens.
+/v1/messages/count_tokens, extended thinking (`thinking` enabled with
+budget_tokens, adaptive, disabled: see reasoning.py) answered in thinking
+blocks (with empty signatures).
 Not supported: images and documents (the models here have no vision),
-server tools, extended thinking budgets (accepted and ignored), and
-stop_sequence in the answer (a matched stop ends as "end_turn").
+server tools, and stop_sequence in the answer (a matched stop ends as
+"end_turn").
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from ..dispatch.jobs import Job, JobFailed, JobKind
+from . import reasoning
 from .errors import anthropic_error_body
 from .openai_request import InvalidRequest
 from .protocol import Protocol, StreamEncoder, Translated
@@ -180,6 +183,7 @@ def translate_messages(body: dict[str, Any], largest_context: int) -> dict[str, 
     if body.get("tool_choice") is not None:
         _tool_choice(body["tool_choice"], out)
     _output_format(body.get("output_config"), out)
+    reasoning.from_anthropic_thinking(body.get("thinking"), out)
     return out
 
 

@@ -37,7 +37,7 @@ from .ollama import DEFAULT_TAG
 from .llamacpp import LlamaCppRoutes
 from .ollama_routes import OllamaRoutes
 from .openapi import build_openapi
-from .protocol import OPENAI, Protocol, Translated
+from .protocol import Protocol, Translated
 from .responses import ResponsesRoutes
 from .requests import (
     MAX_MESSAGES, PRESSURE_RULE, Checked, ModelNames, clean_request_id, client_name, read_json_object,
@@ -56,6 +56,8 @@ class Router:
         self.largest_context = max(max(m.gpu_n_ctx, m.cpu_n_ctx) for m in service.library)
         self.idempotency = IdempotencyStore()
         self.anthropic = AnthropicMessages(self.largest_context)
+        self.openai = Protocol()
+        self.openai.reasoning_field = service.config.server.reasoning_field
         self._grammars: GrammarChecker | None = None
 
     @property
@@ -264,10 +266,11 @@ class Router:
         # Its own worker and lane (core.embeddings): not through the dispatcher.
         return await openai_embeddings(self.service, self.model_names, request)
 
-    async def complete(self, request: Request, kind: JobKind, protocol: Protocol = OPENAI) -> Response:
-        """A chat or completion in any protocol: read, translate to an OpenAI
-        body, check, then admit and run it (or replay an Idempotency-Key's
-        result)."""
+    async def complete(self, request: Request, kind: JobKind, protocol: Protocol | None = None) -> Response:
+        """A chat or completion in any protocol (OpenAI's without one): read,
+        translate to an OpenAI body, check, then admit and run it (or replay
+        an Idempotency-Key's result)."""
+        protocol = protocol or self.openai
         request_id = clean_request_id(request.headers.get("x-request-id")) or new_request_id()
         base_headers = {"X-Request-Id": request_id}
         try:

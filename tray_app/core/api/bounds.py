@@ -75,6 +75,10 @@ COMPLETION_LOGPROBS = Range(True, 0, 5)
 
 # llama-server's names for where a model's thinking goes (common/chat.cpp).
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
+# OpenAI's reasoning_effort levels (see reasoning.py for what each runs as),
+# and llama-server's thinking budget in tokens (-1: none).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+REASONING_BUDGET = Range(True, -1, 2**31 - 1)
 
 # Stop sequences: a string, or a list of up to MAX_STOP strings. Longer than
 # any real stop sequence; the worker searches the answer for every stop string
@@ -107,6 +111,8 @@ def request_properties(max_tokens: int) -> dict[str, Any]:
         "stop": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
                  "maxItems": MAX_STOP},
         "reasoning_format": {"type": "string", "enum": list(REASONING_FORMATS)},
+        "reasoning_effort": {"type": "string", "enum": list(REASONING_EFFORTS)},
+        "reasoning_budget_tokens": REASONING_BUDGET.schema(),
     }
 
 

@@ -13,7 +13,9 @@ prompt and answer stay within it (it never grows the server's context);
 temperature, top_p, top_k, min_p, typical_p, seed, stop, repeat_penalty,
 presence_penalty, frequency_penalty -> the same names; format "json" or a
 schema -> response_format; keep_alive -> how long the GPU model stays
-loaded after the request. Options that configure a model load in Ollama
+loaded after the request; think (true, false, "low", "medium", "high") ->
+reasoning_effort (see reasoning.py), the thinking in `thinking`. Options
+that configure a model load in Ollama
 (num_gpu, num_thread, use_mmap...) are the server's settings here and are
 ignored, as Ollama ignores options it doesn't know.
 """
@@ -31,7 +33,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from ..dispatch.jobs import Job, JobFailed, JobKind
-from . import bounds
+from . import bounds, reasoning
 from .openai_request import InvalidRequest
 from .protocol import Protocol, StreamEncoder, Translated, answer_timings_ns
 
@@ -156,6 +158,7 @@ def _common(body: dict[str, Any], out: dict[str, Any], largest_context: int) -> 
         raise _Invalid(400, "'images': the models here have no vision; send text only", "unsupported_parameter",
                        "images")
     context_cap = _options(body, out, largest_context)
+    reasoning.from_ollama_think(body.get("think"), out)
     keep_alive = parse_keep_alive(body["keep_alive"]) if body.get("keep_alive") is not None else None
     return Translated(JobKind.CHAT, out, context_cap=context_cap, keep_alive_s=keep_alive)
 

@@ -18,6 +18,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from ..dispatch.jobs import Job, JobFailed, JobKind
+from . import reasoning
 from .errors import error_response, failure_body
 from .sinks import sse, usage_chunk, wants_usage
 
@@ -58,6 +59,8 @@ class StreamEncoder:
 class Protocol:
     name = "openai"
     stream_media_type = "text/event-stream"
+    # OpenAI chat's field for a thinking model's reasoning ([server] reasoning_field).
+    reasoning_field = "reasoning_content"
 
     async def prepare(self, body: dict[str, Any]) -> None:
         """Work on the body that needs the model or a thread, before the
@@ -69,10 +72,12 @@ class Protocol:
 
     def answer(self, response: dict[str, Any], job: Job) -> dict[str, Any]:
         """The aggregated OpenAI response in the protocol's shape."""
+        for choice in response.get("choices") or ():
+            reasoning.in_field(choice.get("message") or {}, self.reasoning_field)
         return response
 
     def encoder(self, job: Job) -> StreamEncoder:
-        return _OpenAIStream()
+        return _OpenAIStream(self.reasoning_field)
 
     def load_answer(self, translated: Translated) -> Response:
         raise NotImplementedError("only Ollama's routes have load-only requests")
@@ -94,10 +99,13 @@ class Protocol:
 
 
 class _OpenAIStream(StreamEncoder):
-    def __init__(self) -> None:
+    def __init__(self, reasoning_field: str) -> None:
         self._usage = False
+        self._reasoning_field = reasoning_field
 
     def event(self, chunk: dict[str, Any]) -> bytes:
+        for choice in chunk.get("choices") or ():
+            reasoning.in_field(choice.get("delta") or {}, self._reasoning_field)
         return sse(chunk)
 
     def done(self, job: Job, last_chunk: dict[str, Any]) -> bytes:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from starlette.requests import Request
 
 from ..dispatch.jobs import JobKind
-from . import bounds
+from . import bounds, reasoning
 from .openai_request import Constraint, InvalidRequest, constrain_output, flatten_content, force_named_tool
 
 _Invalid = InvalidRequest
@@ -181,9 +181,11 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
             problem = rule(body[field])
             if problem:
                 raise _Invalid(400, f"'{field}' {problem}", "invalid_value", field)
+    reasoning.check_fields(body)
     constraint = constrain_output(body)
     if kind is JobKind.CHAT:
         constraint = force_named_tool(body, constraint)
+        reasoning.apply_to_chat(body, min(requested_limit(body) or largest_context, largest_context))
     return Checked(top_logprobs=top_logprobs, constraint=constraint)
 
 

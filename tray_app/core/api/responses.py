@@ -15,8 +15,9 @@ items are skipped), `instructions`, `max_output_tokens`, temperature and
 top_p, function tools and `tool_choice` (auto, none, required, or a named
 function), `text.format` (json_object, json_schema), `stream`, `store`,
 `previous_response_id`, `metadata`, `parallel_tool_calls`, `user`,
-`truncation`; `reasoning`, `include` and `text.verbosity` are accepted and
-have no effect. GET and DELETE /v1/responses/{id}.
+`truncation`, `reasoning.effort` (see reasoning.py); `reasoning.summary`,
+`include` and `text.verbosity` are accepted and have no effect. GET and
+DELETE /v1/responses/{id}.
 Not supported (a 400 that names it): tools this server can't run
 (web_search, file_search, computer_use, code_interpreter, mcp, ...),
 images and files, `background`, `conversation`, stored `prompt`s, and
@@ -352,6 +353,10 @@ def translate_request(body: dict[str, Any], largest_context: int,
     response_format = _response_format(body.get("text"))
     if response_format is not None:
         out["response_format"] = response_format
+    if (body.get("reasoning") or {}).get("effort") is not None:
+        # Chat's knob, mapped onto the workers' thinking controls with every
+        # other dialect's (reasoning.py); `summary` has no meaning here.
+        out["reasoning_effort"] = body["reasoning"]["effort"]
     return out, turn
 
 
@@ -413,7 +418,7 @@ def status_of(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
 # Chat fields that checks after the translation name, as this API calls them.
 _RESPONSES_NAMES = {"response_format.json_schema.schema": "text.format.schema", "response_format": "text.format",
                     "tools.function.parameters": "tools.parameters", "max_tokens": "max_output_tokens",
-                    "messages": "input"}
+                    "messages": "input", "reasoning_effort": "reasoning.effort"}
 
 
 class ResponsesProtocol(Protocol):
@@ -470,7 +475,8 @@ class ResponsesProtocol(Protocol):
             "model": job.body.get("model") or self.answering_model, "output": output,
             "parallel_tool_calls": request.get("parallel_tool_calls", True),
             "previous_response_id": request.get("previous_response_id"),
-            "reasoning": {"effort": None, "summary": None}, "store": request.get("store", True) is not False,
+            "reasoning": {"effort": (request.get("reasoning") or {}).get("effort"), "summary": None},
+            "store": request.get("store", True) is not False,
             "temperature": request.get("temperature"), "text": request.get("text") or {"format": {"type": "text"}},
             "tool_choice": request.get("tool_choice", "auto"), "tools": request.get("tools") or [],
             "top_p": request.get("top_p"), "truncation": request.get("truncation") or "disabled",

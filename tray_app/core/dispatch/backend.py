@@ -377,6 +377,7 @@ def shape_event(event: dict[str, Any], job: Job, named_tool_calls: set[tuple[int
     event.pop("timings", None)
     event.pop("usage", None)
     _trim_logprobs(event, job.top_logprobs)
+    _reasoning_as_reasoning_content(event)
     if job.forced_tool is not None:
         _as_forced_tool_call(event, job)
     carries = _carries_token(event)
@@ -483,6 +484,17 @@ def _trim_logprobs(event: dict[str, Any], wanted: int | None) -> None:
         for token in (logprobs.get("content") or ()) if isinstance(logprobs, dict) else ():
             if isinstance(token, dict) and isinstance(token.get("top_logprobs"), list):
                 del token["top_logprobs"][wanted:]
+
+
+def _reasoning_as_reasoning_content(event: dict[str, Any]) -> None:
+    """An upstream that streams the reasoning as `reasoning` (a peer with
+    [server] reasoning_field = "reasoning", or vLLM) under llama-server's
+    name, `reasoning_content`, which every sink reads."""
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and isinstance(delta.get("reasoning"), str):
+            text = delta.pop("reasoning")
+            delta.setdefault("reasoning_content", text)
 
 
 def _as_forced_tool_call(event: dict[str, Any], job: Job) -> None:
