@@ -29,7 +29,8 @@ import httpx
 from .dispatch.jobs import JobFailed
 from .dispatch.lanes import Lane
 from .engine.runtime import LaunchRequest, LlamaServerRuntime, WorkerRuntime
-from .engine.worker import Worker, WorkerState
+from .engine.handle import WorkerHandle
+from .engine.worker import WorkerState
 from .residency.on_demand import OnDemandWorker
 
 # Tokens a slot holds beyond [embeddings] n_ctx: requests are checked with
@@ -95,7 +96,7 @@ def embedding_runtime(runtime: WorkerRuntime, pooling: str, ubatch: int) -> Work
 class EmbeddingPath:
     """The embedding worker, its lane and the keeper that loads and unloads it."""
 
-    def __init__(self, worker: Worker, lane: Lane, http: httpx.AsyncClient, *, model: str, pooling: str,
+    def __init__(self, worker: WorkerHandle, lane: Lane, http: httpx.AsyncClient, *, model: str, pooling: str,
                  n_ctx: int, dimensions: int, idle_unload_s: float, ready_timeout_s: float,
                  ram_floor_mib: float, load_ram_mib: float, available_ram_mib: Callable[[], float],
                  note: Callable[..., None], changed: Callable[[], None],

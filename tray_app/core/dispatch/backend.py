@@ -29,7 +29,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn, Protocol
 import httpx
 
 from ..engine.exits import ExitReport, is_input_crash, mentions_out_of_memory
-from ..engine.worker import Worker, WorkerState
+from ..engine.handle import WorkerHandle
+from ..engine.worker import WorkerState
 from .jobs import Attempt, Job, JobFailed, JobState, PathSpeed, WorkerFailure, WorkerRequestError
 from .lanes import Lane, Redirected
 
@@ -62,7 +63,7 @@ class Deadlines:
 
 
 class Backend:
-    def __init__(self, path: str, worker: Worker, lane: Lane, speed: PathSpeed, http: httpx.AsyncClient,
+    def __init__(self, path: str, worker: WorkerHandle, lane: Lane, speed: PathSpeed, http: httpx.AsyncClient,
                  deadlines: Deadlines, *, fingerprint: str, clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[], None] = lambda: None) -> None:
         self.path = path

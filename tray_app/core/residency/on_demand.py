@@ -10,14 +10,15 @@ import time
 from typing import Callable, Protocol
 
 from ..dispatch.lanes import Lane
-from ..engine.worker import Worker, WorkerState
+from ..engine.handle import WorkerHandle
+from ..engine.worker import WorkerState
 
 
 class Kept(Protocol):
     """What OnDemandWorker keeps: a worker and the lane in front of it (a
     dispatch Backend, or the embedding path)."""
 
-    worker: Worker
+    worker: WorkerHandle
     lane: Lane
     loads_on_demand: bool
 
