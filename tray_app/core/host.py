@@ -65,6 +65,7 @@ class HostOwner(Protocol):
     rpc_health: Any  # rpc.RpcHealth: the remote devices' memory, for the local GPU's share
     peers: Any
     residency: ResidencyCoordinator  # room in VRAM and RAM, made across models
+    worker_factory: Any  # engine.handle.WorkerFactory: Worker, or a test's stand-in
 
     def worker_pids(self) -> list[int]: ...
 
@@ -192,7 +193,7 @@ class ModelHost:
                           model.gpu_layers if path == "gpu" else 0, config.worker.n_batch,
                           config.cpu.n_threads, parallel=slots,
                           rpc_servers=self.rpc_servers if path == "gpu" else ())
-        worker = Worker(spec, runtime, service.log_dir, config.worker, hooks, self._clock,
+        worker = service.worker_factory(spec, runtime, service.log_dir, config.worker, hooks, self._clock,
                         log_name=None if model.is_default else f"{path}-{model.name}")
         settings = config.gpu if path == "gpu" else config.cpu
         lane = Lane(path, slots, settings.queue_limit, self._clock)

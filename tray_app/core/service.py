@@ -29,6 +29,7 @@ from .config import Config, ConfigError, log_dir as default_log_dir, peer_base_u
 from .dispatch.lanes import Lane
 from .dispatch.peer import Peer, Peers
 from .embeddings import SPECIAL_TOKEN_MARGIN, EmbeddingPath, embedding_runtime
+from .engine.handle import WorkerFactory
 from .engine.runtime import RuntimeChoice, WorkerRuntime, choose_runtime, rpc_runtime_problem
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
 from .host import ModelFiles, ModelHost, read_model_files
@@ -57,11 +58,16 @@ class Service:
         log_dir: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
         library: Library | None = None,
+        worker_factory: WorkerFactory = Worker,
+        http_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
         self.log_dir = log_dir or default_log_dir()
         self.library = library or build_library(config)
+        # The seam tests run the service in-process through (tests/fakes/):
+        # workers without a process, and an upstream behind the HTTP client.
+        self.worker_factory = worker_factory
 
         self.simulated: SimulatedGpu | None = None
         if config.gpu.simulate_mib > 0:
@@ -87,7 +93,7 @@ class Service:
         # loopback, and a peer's Bearer key must not pass through a proxy.
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=5.0),
                                       limits=httpx.Limits(max_connections=64, max_keepalive_connections=0),
-                                      trust_env=False)
+                                      trust_env=False, transport=http_transport)
         gpu_missing_reason = self._gpu_disabled_reason()
         # Kept for the hosts of models added later (rescan_models).
         self._gpu_runtime, self._gpu_missing_reason = gpu_runtime, gpu_missing_reason
@@ -252,7 +258,8 @@ class Service:
         info = self.model_info
         spec = WorkerSpec("embed", info.path, info.path.stem, slot_ctx, 0, slot_ctx, settings.n_threads,
                           parallel=slots)
-        worker = Worker(spec, chosen, self.log_dir, config.worker, _EmbedHooks(self.observer), self.clock)
+        worker = self.worker_factory(spec, chosen, self.log_dir, config.worker, _EmbedHooks(self.observer),
+                                     self.clock)
         footprint = estimate.estimate_worker(info, estimate.WorkerSettings(
             n_ctx=slot_ctx * slots, n_gpu_layers=0, n_batch=slot_ctx, n_ubatch=slot_ctx, n_parallel=slots,
             logits_all=False))

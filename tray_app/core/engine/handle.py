@@ -12,13 +12,15 @@ state; they send commands to its owner and wait (see engine/worker.py).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from .exits import ExitReport
 from .runtime import WorkerRuntime
 from .worker import WorkerSpec, WorkerState
 
 
+# Checkable at run time, so a test can hold the real Worker and the fake to it.
+@runtime_checkable
 class WorkerHandle(Protocol):
     spec: WorkerSpec
     runtime: WorkerRuntime
@@ -84,3 +86,8 @@ class WorkerHandle(Protocol):
     def report_failure(self, reason: str, process: int | None = None) -> None: ...
 
     async def close(self) -> None: ...
+
+
+# How the service builds a worker: Worker's constructor, or a test's stand-in.
+# Called as Worker(spec, runtime, log_dir, policy, hooks, clock, log_name=...).
+WorkerFactory = Callable[..., WorkerHandle]
