@@ -2,18 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.fakes.clock import FakeClock
 from tray_app.core.dispatch.breaker import BreakerPolicy, BreakerState, CircuitBreaker
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0  # not zero, so "opened at 0" bugs cannot hide
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 POLICY = BreakerPolicy(failure_threshold=3, window_s=60.0, cooldown_s=30.0)

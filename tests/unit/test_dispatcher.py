@@ -15,6 +15,8 @@ from typing import Any, Awaitable, Callable
 
 import pytest
 
+from tests.fakes.clock import FakeClock
+from tests.fakes.worker import FakeWorker
 from tray_app.core.api.idempotency import MAX_KEY_LENGTH, IdempotencyStore
 from tray_app.core.dispatch.admission import Reason, Route
 from tray_app.core.dispatch.backend import INPUT_CRASH_WAIT_S, Backend, Deadlines, canceled_error
@@ -41,46 +43,6 @@ CHUNK = {"choices": [{"index": 0, "delta": {"content": "hi"}}]}
 
 
 # ----- fakes ---------------------------------------------------------------------------
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class FakeWorker:
-    """What Backend and Dispatcher read of a worker, and nothing more."""
-
-    def __init__(self, role: str) -> None:
-        self.role = role
-        self.state = WorkerState.READY
-        self.exits = 0
-        self.gave_up: str | None = None
-        self.unhealthy_reason: str | None = None
-        self.last_exit: ExitReport | None = None
-        self.failures: list[str] = []
-        self.exit_report: ExitReport | None = None  # what exit_after answers
-        self.exit_after_calls: list[tuple[int, float]] = []
-        self.exit_gate: asyncio.Event | None = None  # set: exit_after waits for it
-
-    def report_failure(self, reason: str, process: int | None = None) -> None:
-        assert process in (None, self.exits), "a report about a process that exited since"
-        self.failures.append(reason)
-
-    async def exit_after(self, exits_seen: int, timeout: float) -> ExitReport | None:
-        self.exit_after_calls.append((exits_seen, timeout))
-        if self.exit_gate is not None:
-            await self.exit_gate.wait()
-        return self.exit_report
-
-    def liveness_problem(self) -> str | None:
-        return None
-
-    def load_eta_s(self, prior_s: float) -> float:
-        return 0.0 if self.state is WorkerState.READY else prior_s
 
 
 Script = Callable[[Job, Any, Attempt], Awaitable[None]]
@@ -195,7 +157,8 @@ class Rig:
 
 def make_backend(path: str, slots: int, queue: int, speed: PathSpeed, clock: FakeClock) -> FakeBackend:
     deadlines = Deadlines(first_token_s=lambda job: 30.0, between_tokens_s=10.0, ready_s=5.0)
-    return FakeBackend(path, FakeWorker(path), Lane(path, slots, queue, clock), speed, None, deadlines,
+    worker = FakeWorker(path, reject_stale_reports=True)
+    return FakeBackend(path, worker, Lane(path, slots, queue, clock), speed, None, deadlines,
                        fingerprint="fp_test", clock=clock)
 
 

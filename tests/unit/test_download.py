@@ -8,6 +8,7 @@ import io
 
 import pytest
 
+from tests.fakes.clock import FakeClock
 from tray_app.cli.pull import EXIT_FAILED, EXIT_USAGE, ProgressPrinter, _exit_code
 from tray_app.core.download import (Action, DownloadError, ErrorKind, ModelRef, RoughFit, decide, error_for_status,
                                     format_duration, make_ref, next_page_url, parse_content_range, parse_model_ref,
@@ -254,16 +255,8 @@ def test_durations():
     assert format_duration(3725) == "1:02:05"
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_terminal_gets_a_redrawn_bar():
-    stream, clock = io.StringIO(), FakeClock()
+    stream, clock = io.StringIO(), FakeClock(0.0)
     printer = ProgressPrinter(stream, tty=True, clock=clock)
     printer(0, 100 * MIB)
     clock.now = 0.05
@@ -279,7 +272,7 @@ def test_a_terminal_gets_a_redrawn_bar():
 
 
 def test_a_log_gets_plain_lines_now_and_then():
-    stream, clock = io.StringIO(), FakeClock()
+    stream, clock = io.StringIO(), FakeClock(0.0)
     printer = ProgressPrinter(stream, tty=False, clock=clock)
     for second in range(12):
         clock.now = float(second)

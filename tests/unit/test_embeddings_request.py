@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from tests.fakes.worker import FakeWorker
 from tray_app.core.api.embeddings import (
     MAX_INPUTS, MAX_VALUES_PER_REQUEST, EmbeddingOptions, check_body, check_inputs, encode_base64, input_texts,
     json_off_the_loop, response_body, too_long, too_many_values,
@@ -141,39 +142,10 @@ def test_llama_cpp_python_gets_no_embedding_worker_and_says_why():
 
 # ----- the path's admission, with a stand-in worker ------------------------------------------
 
-class FakeWorker:
-    role = "embed"
-    pid = None
-    restarts = 0
-    last_ready_duration_s = None
-    log_path = "embed-worker.log"
-
-    def __init__(self, state: WorkerState = WorkerState.READY) -> None:
-        self.state = state
-        self.exits = 0
-        self.gave_up = None
-        self.unhealthy_reason = None
-        self.base_url = "http://embed.test"
-        self.auth_headers = {"Authorization": "Bearer s"}
-        self.started = 0
-        self.failures: list[str] = []
-
-    async def ensure_ready(self, timeout=None) -> bool:
-        self.started += 1
-        self.state = WorkerState.READY
-        return True
-
-    async def wait_for_state(self, *states, timeout=None):
-        return self.state
-
-    def report_failure(self, reason, process=None) -> None:
-        self.failures.append(reason)
-
-
 def path_with(handler, *, worker=None, slots=1, queue=1, available_mib=8000.0) -> EmbeddingPath:
     http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    return EmbeddingPath(worker or FakeWorker(), Lane("embed", slots, queue), http, model="smol", pooling="mean",
-                         n_ctx=512, dimensions=2, idle_unload_s=0, ready_timeout_s=5, ram_floor_mib=1024,
+    return EmbeddingPath(worker or FakeWorker("embed"), Lane("embed", slots, queue), http, model="smol",
+                         pooling="mean", n_ctx=512, dimensions=2, idle_unload_s=0, ready_timeout_s=5, ram_floor_mib=1024,
                          load_ram_mib=500, available_ram_mib=lambda: available_mib, note=lambda *a, **k: None,
                          changed=lambda: None)
 
@@ -206,19 +178,19 @@ async def test_embed_returns_vectors_in_input_order():
 
 
 async def test_a_stopped_worker_is_loaded_by_the_first_request():
-    worker = FakeWorker(WorkerState.STOPPED)
+    worker = FakeWorker("embed", state=WorkerState.STOPPED)
     path = path_with(answer, worker=worker)
     await path.embed(["a"], request_id="r1")
-    assert worker.started == 1 and path.status()["state"] == "ready"
+    assert worker.loads_started == 1 and path.status()["state"] == "ready"
 
 
 async def test_a_stopped_worker_is_not_loaded_under_the_ram_floor():
-    worker = FakeWorker(WorkerState.STOPPED)
+    worker = FakeWorker("embed", state=WorkerState.STOPPED)
     path = path_with(answer, worker=worker, available_mib=1200.0)
     with pytest.raises(JobFailed) as caught:
         await path.embed(["a"], request_id="r1")
     assert (caught.value.status, caught.value.code) == (503, "ram_floor")
-    assert caught.value.retry_after_s and worker.started == 0
+    assert caught.value.retry_after_s and worker.loads_started == 0
     # A loaded worker costs no more RAM to use.
     loaded = path_with(answer, available_mib=1200.0)
     await loaded.embed(["a"], request_id="r2")
@@ -247,7 +219,7 @@ async def test_a_worker_that_breaks_is_reported_and_the_client_gets_a_503():
     def broken(request: httpx.Request) -> httpx.Response:
         raise httpx.RemoteProtocolError("server disconnected")
 
-    worker = FakeWorker()
+    worker = FakeWorker("embed")
     path = path_with(broken, worker=worker)
     with pytest.raises(JobFailed) as caught:
         await path.embed(["a"], request_id="r1")

@@ -7,16 +7,9 @@ import asyncio
 
 import pytest
 
+from tests.fakes.clock import FakeClock
 from tray_app.core.api.idempotency import IdempotencyStore, recorded_size
 from tray_app.core.dispatch.jobs import JobFailed
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def json_answer(body_bytes: int) -> tuple:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.fakes.clock import FakeClock
 from tray_app.core.residency.policy import (
     FLAP_WINDOW_S, MAX_SETTLE_FACTOR, RELOAD_MARGIN_MIB, YIELD_CONFIRM_S, Action, DeviceView, HoldKind, Residency,
     SharingPolicy,
@@ -15,26 +16,18 @@ TOTAL, NEED, RESERVE = 24576.0, 6000.0, 1024.0
 THRESHOLD = TOTAL - NEED - RESERVE
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def view(others: float | None, app: str | None = "steam") -> DeviceView:
     return DeviceView(TOTAL if others is not None else None, others, NEED, RESERVE, top_app=app,
                       top_app_mib=others)
 
 
-def make(*, loads_on_demand: bool = False, **policy) -> tuple[Residency, Clock]:
-    clock = Clock()
+def make(*, loads_on_demand: bool = False, **policy) -> tuple[Residency, FakeClock]:
+    clock = FakeClock()
     return Residency(SharingPolicy(**{"reload_settle_s": 30.0, "idle_unload_s": 300.0, **policy}), clock,
                      loads_on_demand=loads_on_demand), clock
 
 
-def observe(residency: Residency, clock: Clock, others: float | None, *, after: float = 1.0,
+def observe(residency: Residency, clock: FakeClock, others: float | None, *, after: float = 1.0,
             loaded: bool = True, idle_for_s: float | None = None) -> Action:
     clock.now += after
     return residency.observe(view(others), loaded=loaded, idle_for_s=idle_for_s)
@@ -79,7 +72,7 @@ def test_no_yield_when_the_policy_is_off():
     assert residency.hold is None
 
 
-def yielded() -> tuple[Residency, Clock]:
+def yielded() -> tuple[Residency, FakeClock]:
     residency, clock = make()
     observe(residency, clock, THRESHOLD + 1)
     assert observe(residency, clock, THRESHOLD + 1) is Action.YIELD
@@ -184,7 +177,7 @@ def test_taking_it_again_while_a_game_holds_the_memory_yields_again_on_the_next_
 
 
 def test_on_a_small_card_the_margin_shrinks_so_an_empty_device_takes_it_back():
-    clock = Clock()
+    clock = FakeClock()
     residency = Residency(SharingPolicy(reload_settle_s=3.0), clock)
     small = dict(total_mib=2048.0, need_mib=1200.0, reserve_mib=512.0)  # 336 MiB of room above the reserve
 

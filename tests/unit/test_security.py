@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.fakes.clock import FakeClock
 from tray_app.core.config import ConfigError, parse_config_text
 from tray_app.core.api.connections import (
     CONNECTION_SCOPE_KEY, FREE_KEY_FAILURES, ClientConnection, ConnectionLedger,
@@ -55,20 +56,12 @@ KEY = "the-right-key-0123456789"
 LAN = "192.168.1.50"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def _ok(scope, receive, send) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": []})
     await send({"type": "http.response.body", "body": b"{}"})
 
 
-def keyed_guard(clock: Clock) -> tuple[AccessGuard, ConnectionLedger]:
+def keyed_guard(clock: FakeClock) -> tuple[AccessGuard, ConnectionLedger]:
     ledger = ConnectionLedger(256, key_required=True)
     keyed = AccessPolicy.build(api_key=KEY, bound_host="0.0.0.0", allowed_hosts=(), cors_origins=())
     return AccessGuard(_ok, keyed, ledger, clock=clock), ledger
@@ -92,7 +85,7 @@ async def ask(guard: AccessGuard, connection: ClientConnection, key: str | None,
 
 
 async def test_the_right_key_marks_the_connection_authenticated():
-    guard, ledger = keyed_guard(Clock())
+    guard, ledger = keyed_guard(FakeClock())
     connection, _ = ledger.open(LAN)
     assert ledger.held_by(LAN) == (1, 1)
     status, _ = await ask(guard, connection, KEY)
@@ -100,14 +93,14 @@ async def test_the_right_key_marks_the_connection_authenticated():
 
 
 async def test_a_refusal_at_the_door_closes_the_connection():
-    guard, ledger = keyed_guard(Clock())
+    guard, ledger = keyed_guard(FakeClock())
     connection, _ = ledger.open(LAN)
     status, headers = await ask(guard, connection, None)
     assert status == 401 and headers["connection"] == "close" and not connection.authenticated
 
 
 async def test_an_address_sending_wrong_keys_must_wait_and_learns_nothing_meanwhile():
-    clock = Clock()
+    clock = FakeClock()
     guard, ledger = keyed_guard(clock)
     trusted, _ = ledger.open(LAN)
     assert (await ask(guard, trusted, KEY))[0] == 200
@@ -129,7 +122,7 @@ async def test_an_address_sending_wrong_keys_must_wait_and_learns_nothing_meanwh
 
 
 async def test_a_missing_key_is_refused_but_is_not_a_guess():
-    clock = Clock()
+    clock = FakeClock()
     guard, ledger = keyed_guard(clock)
     for _ in range(3 * FREE_KEY_FAILURES):
         connection, _ = ledger.open(LAN)
@@ -139,7 +132,7 @@ async def test_a_missing_key_is_refused_but_is_not_a_guess():
 
 
 async def test_this_machine_is_never_made_to_wait():
-    guard, ledger = keyed_guard(Clock())
+    guard, ledger = keyed_guard(FakeClock())
     for _ in range(3 * FREE_KEY_FAILURES):
         connection, _ = ledger.open("127.0.0.1")
         assert (await ask(guard, connection, "guess"))[0] == 401

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.fakes.clock import FakeClock
+
 pynvml = pytest.importorskip("pynvml")
 
 from tray_app.core.memory import telemetry  # noqa: E402
@@ -44,14 +46,6 @@ GIB = 1024 * MIB
 # --------------------------------------------------------------------------
 # Fake NVML
 # --------------------------------------------------------------------------
-
-
-class FakeClock:
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeDevice:
