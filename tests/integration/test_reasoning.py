@@ -135,6 +135,8 @@ def test_ollama_think_levels_and_off(fresh, service, model):
     streamed = list(client.chat(model=model, messages=HI, think="low", options=options, stream=True))
     assert "".join(part.message.thinking or "" for part in streamed) == brief.thinking
     assert "".join(part.message.content for part in streamed) == brief.content
+    generated = client.generate(model=model, prompt="hi", think="low", options=options)
+    assert generated.thinking.strip() and generated.response.strip()
 
 
 def test_anthropic_thinking_budget_gives_a_thinking_block_then_text(fresh, service, model):
