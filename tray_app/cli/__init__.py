@@ -9,6 +9,7 @@ import sys
 from typing import Any, Sequence
 
 from ..core.config import DEFAULT_PORT, Config, ConfigError, apply_overrides, lan_api_key_problem, load_config
+from ..core.engine.gpu_env import hide_gpus_from_this_process
 from ..core.memory.gguf_info import ModelFileError
 from ..drill.command import add_drill_parser, run_drill
 from .models import add_models_parser, run_models
@@ -146,6 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.command or "tray"
     if args.command is None:
         args = parser.parse_args(["tray"])
+    if command in ("tray", "serve"):
+        # The router: its tokenizer's llama.cpp must not open a GPU. First,
+        # before anything loads llama.cpp; the GPU worker gets the user's values.
+        hide_gpus_from_this_process()
     if command == "status":
         from ..core.api.security import effective_api_key
 

@@ -30,6 +30,7 @@ from .dispatch.lanes import Lane
 from .dispatch.peer import Peer, Peers
 from .embeddings import SPECIAL_TOKEN_MARGIN, EmbeddingPath, embedding_runtime
 from .engine.handle import WorkerFactory
+from .engine.offload_probe import workers_gpu_offload_support
 from .engine.runtime import RuntimeChoice, WorkerRuntime, choose_runtime, rpc_runtime_problem
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
 from .host import ModelFiles, ModelHost, read_model_files
@@ -37,7 +38,7 @@ from .library import Library, LibraryError, build_library
 from .memory import estimate
 from .memory.gguf_info import ModelFileError
 from .memory.gpu_readers import detect_gpu_reader
-from .memory.telemetry import GpuReader, MemorySnapshot, SimulatedGpu, detect_gpu_offload_support
+from .memory.telemetry import GpuReader, MemorySnapshot, SimulatedGpu
 from .observe import Observer
 from .residency.coordinator import ResidencyCoordinator
 from .rpc import RpcHealth
@@ -75,7 +76,6 @@ class Service:
             self.gpu_reader: GpuReader = self.simulated
         else:
             self.gpu_reader = gpu_reader or detect_gpu_reader(config.engine.llama_server)
-        self.offload_support = detect_gpu_offload_support()
         if runtime is None:
             choice = choose_runtime(config.engine.runtime, config.engine.llama_server)
             runtime, self.engine_fallback_reason = choice.runtime, choice.fallback_reason
@@ -83,6 +83,9 @@ class Service:
             self.engine_fallback_reason = None
         self.runtime = runtime
         gpu_runtime = gpu_runtime or runtime
+        # The GPU worker's answer, not this process's own llama.cpp's: the
+        # router hides the GPUs from it, and the worker may be another build.
+        self.offload_support = workers_gpu_offload_support(gpu_runtime, config.engine.llama_server)
         problem = rpc_runtime_problem(config.gpu.rpc_servers, RuntimeChoice(gpu_runtime, self.engine_fallback_reason))
         if problem:
             raise ConfigError(problem)
