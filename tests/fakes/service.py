@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 import httpx
 import pytest
+from starlette.applications import Starlette
 
 from tests.harness import BASE_CONFIG
 from tray_app.core.api.app import create_app
@@ -32,6 +33,7 @@ READY_TIMEOUT_S = 30.0
 @dataclass
 class InProcess:
     service: Service
+    app: Starlette
     client: httpx.AsyncClient  # calls the app, in-process
     workers: FakeWorkers
     upstream: FakeUpstream
@@ -58,4 +60,4 @@ async def in_process_service(tmp: Path, config_text: str = BASE_CONFIG, *,
         assert await service.wait_ready(READY_TIMEOUT_S)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router",
                                      timeout=READY_TIMEOUT_S) as client:
-            yield InProcess(service, client, workers, upstream)
+            yield InProcess(service, app, client, workers, upstream)
