@@ -84,6 +84,28 @@ def test_allowlisted_origin_gets_cors_and_others_get_no_wildcard(hardened):
     assert "access-control-allow-origin" not in plain.headers
 
 
+@pytest.mark.parametrize("origin", ["http://127.0.0.1:8080", "http://localhost:5173", "http://[::1]:3000"])
+def test_a_page_on_this_machine_passes_its_preflight_without_configuration(hardened, origin):
+    # Only localhost:3000 is configured above; a local web UI on any other port
+    # of this machine's own names is allowed by default, as Ollama does.
+    preflight = hardened.http.options("/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type, x-degraded-note"})
+    assert preflight.status_code == 204
+    assert preflight.headers["access-control-allow-origin"] == origin
+    assert "x-degraded-note" in preflight.headers["access-control-allow-headers"].lower()
+    answer = hardened.http.post("/v1/chat/completions", json=HI, headers={"Origin": origin})
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == origin
+
+
+@pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://localhost.evil.example:3000"])
+def test_null_and_foreign_origins_fail_their_preflight(hardened, origin):
+    preflight = hardened.http.options("/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 403 and error_code(preflight) == "origin_not_allowed"
+    assert "access-control-allow-origin" not in preflight.headers
+
+
 @pytest.mark.parametrize("body, code", [
     ({"messages": [{"role": "user", "content": "x"}] * 1025}, "too_many_messages"),
     ({**HI, "max_tokens": 100000}, "max_tokens_too_large"),

@@ -44,6 +44,29 @@ def test_a_star_in_allowed_hosts_is_not_a_wildcard():
     assert not policy(allowed_hosts=["*"]).host_allowed("evil.example:8642")
 
 
+@pytest.mark.parametrize("origin", [
+    "http://localhost:3000", "http://127.0.0.1:8080", "https://localhost", "http://[::1]:5173",
+    "http://LOCALHOST:3000/",
+])
+def test_pages_on_this_machine_are_allowed_origins_by_default(origin):
+    assert policy().origin_allowed(origin)
+
+
+@pytest.mark.parametrize("origin", [
+    "null", "http://evil.example", "http://localhost.evil.example:3000", "http://127.0.0.1.evil.example",
+    "http://localhost:3000.evil.example", "http://user@localhost:3000", "http://localhost:3000/path",
+    "file://localhost", "ws://localhost:3000", "http://127.0.0.2:3000", "http://0.0.0.0:3000",
+])
+def test_null_and_foreign_origins_stay_refused(origin):
+    assert not policy().origin_allowed(origin)
+
+
+def test_configured_origins_are_allowed_besides_the_local_ones():
+    configured = AccessPolicy.build(api_key="", bound_host="127.0.0.1", allowed_hosts=(),
+                                    cors_origins=["app://obsidian.md"])
+    assert configured.origin_allowed("app://obsidian.md") and configured.origin_allowed("http://localhost:3000")
+
+
 @pytest.mark.parametrize("hosts", ['["*"]', '["myhost.lan", "*.lan"]'])
 def test_config_refuses_wildcards_in_allowed_hosts(hosts):
     with pytest.raises(ConfigError, match=r"\[server\] allowed_hosts takes host names, not wildcards"):

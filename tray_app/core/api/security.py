@@ -5,6 +5,9 @@ browser attacks matter: DNS rebinding (a page on evil.example re-resolves its
 name to 127.0.0.1: caught by the Host check), cross-origin reads (CORS: no
 wildcard, an allowlist), and cross-origin *writes*, where a plain form POST
 needs no preflight (caught by refusing any Origin not on the allowlist).
+Pages served from this machine itself (http://localhost:3000, a local web UI)
+are on the allowlist by default, as Ollama does: a page can't forge its Origin,
+so only a server already running here can claim one of those.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -32,6 +36,10 @@ PUBLIC_PATHS = frozenset({"/health"})
 MAX_HEADER_BYTES = 16 * 1024
 # What `curl -d` says a body is, and what some scripts send.
 _CURL_DEFAULT_TYPES = frozenset({"application/x-www-form-urlencoded", "text/plain"})
+# Any port, http or https, on this machine's own names; nothing else (no path, no
+# user info, no "localhost.evil.example"). `null` (a sandboxed page or a file://
+# one) is not among them: any page can send it.
+_LOCAL_ORIGIN = re.compile(r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]{1,5})?")
 EXPOSED_HEADERS = ("X-Request-Id", "X-Served-By", "X-Route-Reason", "X-Fallback-Model", "X-Peer",
                    "X-Estimated-Latency", "X-Queue-Wait", "Retry-After")
 
@@ -83,7 +91,8 @@ class AccessPolicy:
         return not is_loopback(self.bound_host) and self.bound_host not in ("0.0.0.0", "::") and name == self.bound_host
 
     def origin_allowed(self, origin: str) -> bool:
-        return origin.rstrip("/") in self.cors_origins
+        origin = origin.rstrip("/")
+        return origin in self.cors_origins or _LOCAL_ORIGIN.fullmatch(origin.lower()) is not None
 
     def key_matches(self, authorization: str | None, x_api_key: str | None = None) -> bool:
         """The key as OpenAI's clients send it (Authorization: Bearer) or as
@@ -165,7 +174,8 @@ class AccessGuard:
         if origin is not None and not self.policy.origin_allowed(origin):
             return _envelope(scope["path"], 403, "origin_not_allowed",
                              f"requests from the web origin {origin!r} are not allowed; add it to "
-                             "[server] cors_origins to let that page use the API")
+                             "[server] cors_origins to let that page use the API (pages on localhost "
+                             "and 127.0.0.1 are allowed by default)")
         if scope["method"] == "OPTIONS":
             return None
         if scope["path"] not in PUBLIC_PATHS:
@@ -225,7 +235,7 @@ class AccessGuard:
                 (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
                 (b"access-control-allow-headers",
                  b"Authorization, Content-Type, X-Request-Id, Idempotency-Key, X-Request-Timeout, X-Force-Path, "
-                 b"X-Prefer-Path, X-Fallback, X-Client-Name, x-api-key, anthropic-version, anthropic-beta"),
+                 b"X-Prefer-Path, X-Fallback, X-Client-Name, X-Degraded-Note, x-api-key, anthropic-version, anthropic-beta"),
                 (b"access-control-max-age", b"600"),
             ]
         return headers
