@@ -4,7 +4,7 @@
 #   bash packaging/build-vulkan-server.sh [VENV]   # install.sh --test runs it
 #
 # Built from the llama.cpp that the llama-cpp-python sdist vendors (the same
-# source as the app's own build), llama-server only, statically linked, with
+# source as the app's own build), llama-server and its shared libraries, with
 # -DGGML_VULKAN=ON, into its own cache folder keyed by version, flags and
 # Vulkan headers: cold about 6 minutes on 2 cores, then a copy.
 #
@@ -40,9 +40,11 @@ include_dir=$(resolve_vulkan_include_dir 2>"$headers_error") \
   || skip_with "no usable Vulkan headers: $(tr '\n' ' ' <"$headers_error")"
 rm -f "$headers_error"
 
-# Release: a bare CMake build is unoptimised. Static: one file to copy, no
-# RUNPATH into a build tree.
-flags="-DCMAKE_BUILD_TYPE=Release $LLAMA_CMAKE_ARGS $SERVER_FLAGS -DGGML_VULKAN=ON -DBUILD_SHARED_LIBS=OFF -DVulkan_INCLUDE_DIR=$include_dir"
+# Release: a bare CMake build is unoptimised. Shared, with an $ORIGIN RUNPATH:
+# the folder (llama-server and its libllama/libggml*) can be copied as a
+# whole, and the router test loads that Vulkan libllama in the router itself,
+# to show that the router opens no GPU even with a GPU-capable llama.cpp.
+flags="-DCMAKE_BUILD_TYPE=Release $LLAMA_CMAKE_ARGS $SERVER_FLAGS -DGGML_VULKAN=ON -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON -DVulkan_INCLUDE_DIR=$include_dir"
 key=$(printf '%s\n' "$LLAMA_VERSION" "$flags" "$(vulkan_header_version "$include_dir")" "$(glslc --version 2>&1 | head -n1)" \
   | sha256sum | cut -c1-12)
 cache="$TRAY_APP_CACHE/vulkan-llama-server/$key"
@@ -71,7 +73,9 @@ if [ ! -x "$binary" ]; then
   if tar -xzf "$sdist" -C "$work" --strip-components=2 "llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp" \
      && cmake -S "$work/llama.cpp" -B "$work/build" "${generator[@]}" $flags >"$cache/build.log" 2>&1 \
      && cmake --build "$work/build" --target llama-server -j "$(nproc)" >>"$cache/build.log" 2>&1 \
-     && cp "$work/build/bin/llama-server" "$binary.partial" && mv "$binary.partial" "$binary"; then
+     && mkdir -p "$cache/partial" && cp -P "$work/build/bin/"lib*.so* "$cache/partial/" \
+     && cp "$work/build/bin/llama-server" "$cache/partial/llama-server" \
+     && cp -P "$cache/partial/"* "$cache/" && rm -rf "$cache/partial" && [ -x "$binary" ]; then
     echo "$(( $(date +%s) - started ))" > "$cache/build-seconds"
     echo "built the Vulkan llama-server in $(cat "$cache/build-seconds") s"
   else
@@ -84,8 +88,11 @@ if [ ! -x "$binary" ]; then
   [ -x "$binary" ] || skip_with "the Vulkan build failed: $(cat "$cache/failed")"
 fi
 
-# A copy in the venv, so the tests don't depend on the cache staying.
+# A copy in the venv, so the tests don't depend on the cache staying: the
+# libraries first, the binary last, so a binary there has its libraries.
 mkdir -p "$venv/vulkan/bin"
+rm -f "$venv/vulkan/bin/llama-server"
+cp -P "$cache/"lib*.so* "$venv/vulkan/bin/"
 cp "$binary" "$venv/vulkan/bin/llama-server.partial" && mv "$venv/vulkan/bin/llama-server.partial" "$venv/vulkan/bin/llama-server"
 # llama.cpp hides CPU-type Vulkan devices (lavapipe is one) unless asked by index.
 devices=$(GGML_VK_VISIBLE_DEVICES=0 llama_server_devices "$venv/vulkan/bin/llama-server")
