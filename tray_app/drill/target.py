@@ -34,7 +34,8 @@ def detect_device(force_simulated: bool) -> tuple[bool, str, str]:
     simulated_name = f"simulated GPU ({plans.SIMULATED_GPU_MIB} MiB)"
     if force_simulated:
         return True, simulated_name, "--simulated-gpu was given"
-    from ..core.memory.telemetry import NvmlGpuReader, detect_gpu_offload_support
+    from ..core.engine.offload_probe import workers_gpu_offload_support
+    from ..core.memory.telemetry import NvmlGpuReader
 
     reader = NvmlGpuReader()
     try:
@@ -43,7 +44,9 @@ def detect_device(force_simulated: bool) -> tuple[bool, str, str]:
         reader.close()
     if not reading.available:
         return True, simulated_name, f"NVML found no GPU: {reading.reason}"
-    support = detect_gpu_offload_support()
+    # Asked of the worker's own llama-server, in a child: a check in this
+    # process would hold a GPU context here while the drill measures VRAM.
+    support = workers_gpu_offload_support()
     if support.supported is False:
         return True, simulated_name, f"a GPU is present, but {support.message}"
     device = reading.devices[0]
