@@ -40,6 +40,7 @@ def test_models_cli_reads_the_gpu_through_llama_cpps_device_list(tmp_path: Path)
     assert headroom["vram_free_mib"] == 15360
 
 
+@pytest.mark.integration
 def test_the_service_says_what_each_reader_was_missing(tmp_path: Path) -> None:
     """No simulated device: the real service picks its reader at start. On this machine every
     reader comes up empty, and /status says why for each, llama.cpp's own list included."""

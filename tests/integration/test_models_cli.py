@@ -133,6 +133,7 @@ def test_a_bad_config_exits_2_with_one_line(home):
     assert result.stderr.strip().splitlines() == ["tray-app: error: [gpu] n_ctx must be a whole number, got 'big'"]
 
 
+@pytest.mark.integration
 def test_live_headroom_comes_from_a_running_service(home, fresh):
     fresh.http.post("/admin/gpu", json={"simulated_pressure_mib": 300})
     status = fresh.status()
@@ -146,6 +147,7 @@ def test_live_headroom_comes_from_a_running_service(home, fresh):
     assert data["headroom"]["vram_reserve_mib"] == status["gpu"]["reserve_mib"]
 
 
+@pytest.mark.integration
 def test_an_explicit_simulated_gpu_overrides_a_running_service(home, fresh):
     data = json.loads(run_models(home, "--json", "--simulate-gpu-mib", "2048", url=fresh.url).stdout)
     assert data["headroom"]["source"] == "simulated" and data["headroom"]["vram_free_mib"] == 2048

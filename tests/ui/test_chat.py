@@ -32,6 +32,7 @@ def chat(qtbot, live, tmp_path):
     client.stop()
 
 
+@pytest.mark.integration
 def test_streams_a_real_answer_and_says_which_path_served_it(qtbot, chat, live) -> None:
     deltas: list[str] = []
     with qtbot.waitSignal(chat.answer_finished, timeout=WAIT_MS) as finished:
@@ -49,6 +50,7 @@ def test_streams_a_real_answer_and_says_which_path_served_it(qtbot, chat, live) 
     assert chat.send_button.isEnabled() and not chat.stop_button.isEnabled()
 
 
+@pytest.mark.integration
 def test_the_stream_counts_the_servers_tokens(qtbot, live) -> None:
     client = ServiceClient(live.url)
     stream = ChatStream(client, [{"role": "user", "content": "Count from one to ten in words."}], max_tokens=12,
@@ -62,6 +64,7 @@ def test_the_stream_counts_the_servers_tokens(qtbot, live) -> None:
     assert stream.speed_text().endswith(" tok/s")
 
 
+@pytest.mark.integration
 def test_a_system_prompt_and_regenerate_against_the_real_service(qtbot, chat, tmp_path) -> None:
     chat.system_edit.setPlainText("You answer in one short sentence.")
     with qtbot.waitSignal(chat.answer_finished, timeout=WAIT_MS) as first:
@@ -80,6 +83,7 @@ def test_a_system_prompt_and_regenerate_against_the_real_service(qtbot, chat, tm
     assert len(saved) == 1 and "You answer in one short sentence." in saved[0].read_text()
 
 
+@pytest.mark.integration
 def test_keeps_the_conversation_and_sends_it_each_turn(qtbot, chat) -> None:
     with qtbot.waitSignal(chat.answer_finished, timeout=WAIT_MS):
         chat.send("My name is Ada. Reply with one word.")
@@ -97,6 +101,7 @@ def test_keeps_the_conversation_and_sends_it_each_turn(qtbot, chat) -> None:
     assert chat.turns == [] and chat.history == []
 
 
+@pytest.mark.integration
 def test_stop_cancels_the_generation_through_the_service(qtbot, chat, live) -> None:
     chat.max_tokens = 300
     chat.send(LONG_PROMPT)
@@ -115,6 +120,7 @@ def test_stop_cancels_the_generation_through_the_service(qtbot, chat, live) -> N
     assert chat.history[-1]["role"] == "assistant"
 
 
+@pytest.mark.integration
 def test_esc_stops_a_real_generation_like_the_stop_button(qtbot, chat, live) -> None:
     chat.max_tokens = 300
     chat.activateWindow()
@@ -131,6 +137,7 @@ def test_esc_stops_a_real_generation_like_the_stop_button(qtbot, chat, live) -> 
     assert not any(r["id"] == request_id for r in live.status()["requests"])
 
 
+@pytest.mark.integration
 def test_degraded_banner_in_chat_cancels_its_own_queued_request(qtbot, chat, live, background) -> None:
     live.http.post("/admin/gpu", json={"paused": True})
     background("chat-blocker")
@@ -157,6 +164,7 @@ def test_degraded_banner_in_chat_cancels_its_own_queued_request(qtbot, chat, liv
     assert chat.history == []  # nothing came back, so the question isn't repeated next turn
 
 
+@pytest.mark.integration
 def test_a_cpu_answer_says_so_with_the_reason_in_words(qtbot, chat, live) -> None:
     live.http.post("/admin/gpu", json={"paused": True})
     wait_status(qtbot, live, lambda s: s["degraded"]["active"], what="degraded mode")
@@ -168,6 +176,7 @@ def test_a_cpu_answer_says_so_with_the_reason_in_words(qtbot, chat, live) -> Non
     assert meta.startswith(f"served by CPU · GPU paused (force CPU) · {model} · took "), meta
 
 
+@pytest.mark.integration
 def test_errors_from_the_service_are_shown_not_raised(qtbot, live) -> None:
     client = ServiceClient(live.url)
     stream = ChatStream(client, [{"role": "bogus", "content": "x"}])

@@ -143,6 +143,7 @@ def test_tray_app_status_says_the_same() -> None:
     assert "DEGRADED:  CPU serving SmolLM2" in failed and "GPU path:  out: the GPU worker is failed" in failed
 
 
+@pytest.mark.integration
 def test_a_real_service_without_a_gpu_is_calm_and_its_headers_stay_truthful(qtbot, tmp_path) -> None:
     from tests.harness import BASE_CONFIG, running
     from tray_app.core.memory.telemetry import detect_gpu_offload_support

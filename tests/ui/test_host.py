@@ -32,6 +32,7 @@ def _pids(status: dict) -> list[int]:
     return [w["pid"] for w in status["workers"] if w.get("pid")]
 
 
+@pytest.mark.integration
 def test_settings_restart_the_service_and_quit_stops_the_workers(qtbot, isolated) -> None:
     config = apply_overrides(load_config(isolated), {"server": {"port": free_loopback_port()}})
     host = ServiceHost(config, "WARNING")
@@ -83,6 +84,7 @@ def test_settings_restart_the_service_and_quit_stops_the_workers(qtbot, isolated
         host.stop_and_wait(60)
 
 
+@pytest.mark.integration
 def test_a_busy_port_is_reported_and_the_icon_says_down(qtbot, isolated) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

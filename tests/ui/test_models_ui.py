@@ -48,6 +48,7 @@ def action(menu: QMenu, text: str):
     return next(a for a in menu.actions() if a.text().replace("&", "") == text)
 
 
+@pytest.mark.integration
 def test_the_models_menu_loads_and_unloads_a_model(qtbot, controller, live) -> None:
     qtbot.waitUntil(lambda: controller.models_menu_action.isVisible(), timeout=WAIT_MS)
     tiny = model_submenu(controller, "tiny")
@@ -63,6 +64,7 @@ def test_the_models_menu_loads_and_unloads_a_model(qtbot, controller, live) -> N
     wait_status(qtbot, live, lambda s: tiny_gpu(s) == "unloaded_idle", what="tiny unloaded from the menu")
 
 
+@pytest.mark.integration
 def test_the_panel_lists_the_models(qtbot, controller, live) -> None:
     controller.show_panel()
     panel = controller.panel()
@@ -72,6 +74,7 @@ def test_the_panel_lists_the_models(qtbot, controller, live) -> None:
     assert [cells[1].text() for cells in panel.model_cells][0] == "on the GPU"
 
 
+@pytest.mark.integration
 def test_the_chat_picks_the_model_that_answers(qtbot, live) -> None:
     client = ServiceClient(live.url)
     client.start()
@@ -114,6 +117,7 @@ def test_model_views_in_words() -> None:
     assert len(long.label.split(":")[0]) == vm.MENU_NAME_CHARS and long.name in long.tooltip
 
 
+@pytest.mark.integration
 def test_the_download_dialog_checks_fit_downloads_and_the_model_is_served(qtbot, live) -> None:
     import hashlib
 

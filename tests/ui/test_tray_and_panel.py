@@ -7,6 +7,7 @@ import re
 import socket
 import time
 
+import pytest
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QToolButton
 
@@ -25,6 +26,7 @@ def wait_kind(qtbot, controller: TrayController, kind: str, timeout: int = WAIT_
     qtbot.waitUntil(lambda: controller.kind == kind, timeout=timeout)
 
 
+@pytest.mark.integration
 def test_icon_tooltip_and_notifications_follow_pause_and_resume(qtbot, controller, live) -> None:
     wait_kind(qtbot, controller, vm.GPU)
     assert "VRAM (simulated):" in controller.tooltip and "MiB headroom" in controller.tooltip
@@ -49,6 +51,7 @@ def test_icon_tooltip_and_notifications_follow_pause_and_resume(qtbot, controlle
     assert [n[0] for n in controller.notices] == ["degraded_start", "degraded_end"]
 
 
+@pytest.mark.integration
 def test_pause_from_outside_is_reflected_in_the_menu(qtbot, controller, live) -> None:
     wait_kind(qtbot, controller, vm.GPU)
     live.http.post("/admin/gpu", json={"paused": True})
@@ -58,6 +61,7 @@ def test_pause_from_outside_is_reflected_in_the_menu(qtbot, controller, live) ->
     qtbot.waitUntil(lambda: not controller.force_cpu_action.isChecked(), timeout=WAIT_MS)
 
 
+@pytest.mark.integration
 def test_tray_icon_shows_the_state(qtbot, live) -> None:
     client = ServiceClient(live.url)
     controller = TrayController(client, Config(), tray_available=True)
@@ -83,6 +87,7 @@ def test_tray_icon_shows_the_state(qtbot, live) -> None:
         controller.tray.hide()
 
 
+@pytest.mark.integration
 def test_panel_shows_live_headroom_and_the_simulated_label(qtbot, controller, live) -> None:
     wait_kind(qtbot, controller, vm.GPU)
     panel = controller.panel()
@@ -111,6 +116,7 @@ def test_panel_shows_live_headroom_and_the_simulated_label(qtbot, controller, li
     assert not panel.grab().isNull()
 
 
+@pytest.mark.integration
 def test_status_is_polled_about_once_a_second_without_blocking(qtbot, controller) -> None:
     wait_kind(qtbot, controller, vm.GPU)
     received: list[float] = []
@@ -155,6 +161,7 @@ def test_a_silent_service_does_not_block_the_ui_and_shows_down(qtbot) -> None:
         listener.close()
 
 
+@pytest.mark.integration
 def test_degraded_banner_and_cancel_a_real_queued_request(qtbot, controller, live, background) -> None:
     wait_kind(qtbot, controller, vm.GPU)
     panel = controller.panel()
@@ -198,6 +205,7 @@ def test_degraded_banner_and_cancel_a_real_queued_request(qtbot, controller, liv
     qtbot.waitUntil(lambda: not banner.isVisible(), timeout=WAIT_MS)
 
 
+@pytest.mark.integration
 def test_cancel_of_an_unknown_request_gives_the_button_back(qtbot, controller, live) -> None:
     wait_kind(qtbot, controller, vm.GPU)
     panel = controller.panel()
@@ -210,6 +218,7 @@ def test_cancel_of_an_unknown_request_gives_the_button_back(qtbot, controller, l
     assert panel.footer.text().startswith("Cancel failed: no queued or running request has id 'gone-already'")
 
 
+@pytest.mark.integration
 def test_no_system_tray_opens_the_panel_as_a_window_and_says_why(qtbot, live) -> None:
     client = ServiceClient(live.url)
     controller = TrayController(client, Config(), tray_available=False)
@@ -238,6 +247,7 @@ def test_no_system_tray_opens_the_panel_as_a_window_and_says_why(qtbot, live) ->
         client.stop()
 
 
+@pytest.mark.integration
 def test_restart_workers_from_the_menu_restarts_them(qtbot, controller, live) -> None:
     wait_kind(qtbot, controller, vm.GPU)
     before = {w["role"]: w["pid"] for w in live.status()["workers"]}
@@ -255,6 +265,7 @@ def test_restart_workers_from_the_menu_restarts_them(qtbot, controller, live) ->
     assert vm.STARTING in kinds  # the icon showed the restart
 
 
+@pytest.mark.integration
 def test_copy_api_url_and_open_logs(qtbot, controller, live, monkeypatch) -> None:
     from PySide6.QtGui import QDesktopServices, QGuiApplication
 
@@ -270,6 +281,7 @@ def test_copy_api_url_and_open_logs(qtbot, controller, live, monkeypatch) -> Non
     assert opened == [str(__import__("pathlib").Path(worker_log).parent)]
 
 
+@pytest.mark.integration
 def test_choose_model_validates_the_file_and_saves_it(qtbot, live, tmp_path, monkeypatch, parser_threads) -> None:
     import sys
     import threading
@@ -306,6 +318,7 @@ def test_choose_model_validates_the_file_and_saves_it(qtbot, live, tmp_path, mon
     assert controller.notices[-1][1] == "Settings saved"
 
 
+@pytest.mark.integration
 def test_start_on_login_toggle_writes_and_removes_the_autostart_entry(qtbot, controller, tmp_path, monkeypatch) -> None:
     from tray_app.desktop import autostart
 
