@@ -96,14 +96,12 @@ def test_a_page_on_this_machine_passes_its_preflight_without_configuration(harde
     assert "x-degraded-note" in preflight.headers["access-control-allow-headers"].lower()
     answer = hardened.http.post("/v1/chat/completions", json=HI, headers={"Origin": origin})
     assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == origin
-
-
-@pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://localhost.evil.example:3000"])
-def test_null_and_foreign_origins_fail_their_preflight(hardened, origin):
-    preflight = hardened.http.options("/v1/chat/completions", headers={
-        "Origin": origin, "Access-Control-Request-Method": "POST"})
-    assert preflight.status_code == 403 and error_code(preflight) == "origin_not_allowed"
-    assert "access-control-allow-origin" not in preflight.headers
+    # Not every page: null (sandboxed and file:// pages) and foreign names still fail.
+    for refused in ("http://evil.example", "null", "http://localhost.evil.example:3000"):
+        preflight = hardened.http.options("/v1/chat/completions", headers={
+            "Origin": refused, "Access-Control-Request-Method": "POST"})
+        assert preflight.status_code == 403 and error_code(preflight) == "origin_not_allowed"
+        assert "access-control-allow-origin" not in preflight.headers
 
 
 @pytest.mark.parametrize("body, code", [

@@ -63,6 +63,10 @@ class ServerConfig:
     # "reasoning_content" (llama-server's and DeepSeek's name), "reasoning"
     # (Ollama's and vLLM's, for clients that read only that) or "both".
     reasoning_field: str = "reasoning_content"
+    # Begin an answer the CPU or a peer serves (or one that waits for a load)
+    # with one short reasoning note saying so, for every request; a request's
+    # X-Degraded-Note: on|off overrides it. Off: it changes what clients see.
+    degraded_note: bool = False
 
 
 REASONING_FIELDS = ("reasoning_content", "reasoning", "both")

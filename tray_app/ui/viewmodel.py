@@ -13,6 +13,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+# In core: the note inside a degraded answer says the same words as the banner.
+from ..core.route_reasons import ROUTE_REASONS, route_reason_text
+
 # ----- tray state ---------------------------------------------------------------------
 
 # CPU: a machine with no GPU path at all (no usable device, a CPU-only
@@ -814,29 +817,6 @@ def _degraded_title(status: Mapping[str, Any], peers: list[str]) -> str:
 
 
 # ----- chat ---------------------------------------------------------------------------
-
-# The one table of route reasons (X-Route-Reason, /status requests, degraded reasons) in words.
-ROUTE_REASONS = {
-    "admitted": "admitted",
-    "forced_cpu": "GPU paused (force CPU)",
-    "gpu_unavailable": "GPU unavailable",
-    "gpu_context_cap": "over the GPU context cap",
-    "gpu_vram_headroom": "not enough VRAM headroom",
-    "gpu_busy": "GPU busy",
-    "gpu_failed_replayed": "GPU failed, re-run on the CPU",
-    "gpu_yielded": "GPU given to another app",
-    "gpu_loading": "GPU model loading",
-    "peer": "sent to a peer",
-    "peer_failed_replayed": "peer failed, re-run on the CPU",
-}
-
-
-def route_reason_text(code: str | None) -> str:
-    """A route reason code in words; an unknown code without its underscores."""
-    if not code:
-        return ""
-    return ROUTE_REASONS.get(code, code.replace("_", " "))
-
 
 def route_line(served_by: str | None, reason: str | None, fallback_model: str | None = None, *,
                progress: str = "", took_s: float | None = None, peer: str | None = None) -> str:

@@ -45,6 +45,7 @@ from .requests import (
     Routing, requested_limit, routing_headers, validate,
 )
 from .sinks import AggregatingSink, QueueSink, RecordedStream
+from . import degraded_note
 
 _Invalid = InvalidRequest
 
@@ -284,6 +285,8 @@ class Router:
                                logprobs=self.service.supports_logprobs)
             await self._constrain(body, checked)
             routing = routing_headers(request)
+            request.state.degraded_note = degraded_note.wanted(request.headers.get(degraded_note.NOTE_HEADER),
+                                                               self.service.config.server.degraded_note)
         except _Invalid as bad:
             headers = dict(base_headers)
             if bad.status in (408, 413):
@@ -454,6 +457,9 @@ class Router:
             return protocol.failed(failure, self._route_headers(job, host))
         finally:
             watcher.cancel()
+        note = self._degraded_note(request, job, host)
+        if note is not None and sink.events:
+            sink.events.insert(0, degraded_note.note_chunk(note, sink.events[0]))
         body = sink.chat_response(job) if job.kind is JobKind.CHAT else sink.completion_response(job)
         return JSONResponse(protocol.answer(body, job), headers=self._route_headers(job, host))
 
@@ -477,16 +483,27 @@ class Router:
             return protocol.failed(first_value, self._route_headers(job, host))
         headers = self._route_headers(job, host)
         stream = RecordedStream(headers, protocol.stream_media_type)
-        stream.relay(self._relay(job, sink, task, watcher, (first_kind, first_value), protocol, stream))
+        # Decided now, with the first event: a replay before the first byte is already done.
+        note = self._degraded_note(request, job, host)
+        lead = degraded_note.note_chunk(note, first_value) if note is not None else None
+        stream.relay(self._relay(job, sink, task, watcher, (first_kind, first_value), protocol, stream, lead))
         return stream
 
+    def _degraded_note(self, request: Request, job: Job, host: ModelHost) -> str | None:
+        if not getattr(request.state, "degraded_note", False):
+            return None
+        return degraded_note.note_text(job, host.model_id, host.fallback_model_id)
+
     async def _relay(self, job: Job, sink: QueueSink, task: asyncio.Task, watcher: asyncio.Task,
-                     first: tuple[str, Any], protocol: Protocol, stream: RecordedStream) -> AsyncIterator[bytes]:
+                     first: tuple[str, Any], protocol: Protocol, stream: RecordedStream,
+                     lead: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
         kind, value = first
         finished = False
         last_event: dict[str, Any] = {}
         encoder = protocol.encoder(job)
         try:
+            if lead is not None:
+                yield encoder.event(lead)
             while True:
                 if kind == "event":
                     last_event = value
