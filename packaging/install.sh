@@ -102,7 +102,7 @@ if can_apt_install; then
   apt_install libegl1 libgl1 libxkbcommon0 libxkbcommon-x11-0 libfontconfig1 libdbus-1-3 \
               libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1 libxcb-shape0 libxcb-xinerama0 \
               libxcb-randr0 libxcb-render-util0 libxcb-image0 xvfb \
-              $( [ "$WITH_TEST" = 1 ] && echo desktop-file-utils systemd )
+              $( [ "$WITH_TEST" = 1 ] && echo desktop-file-utils systemd chromium )
   # The GPU's build tools, and for the tests the Vulkan ones plus lavapipe
   # (mesa-vulkan-drivers): a failure here costs the GPU build, not the install.
   extra="$BACKEND_APT"

@@ -37,6 +37,7 @@ from .ollama import DEFAULT_TAG
 from .llamacpp import LlamaCppRoutes
 from .ollama_routes import OllamaRoutes
 from .openapi import build_openapi
+from .web_page import web_page
 from .protocol import Protocol, Translated
 from .responses import ResponsesRoutes
 from .requests import (
@@ -592,6 +593,9 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         HttpRoute("/detokenize", llamacpp.detokenize, methods=["POST"]),
         HttpRoute("/apply-template", llamacpp.apply_template, methods=["POST"]),
         HttpRoute("/props", llamacpp.props, methods=["GET"]),
+        # The web page (web_page.py); POST /ui/login is answered by the access guard.
+        HttpRoute("/ui", web_page, methods=["GET", "HEAD"]),
+        HttpRoute("/ui/{name}", web_page, methods=["GET", "HEAD"]),
         HttpRoute("/admin/gpu", router.admin_gpu, methods=["POST"]),
         HttpRoute("/admin/restart", router.admin_restart, methods=["POST"]),
         HttpRoute("/admin/models/{name:path}", router.admin_model, methods=["POST"]),

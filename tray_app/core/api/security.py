@@ -16,7 +16,9 @@ import hmac
 import json
 import os
 import re
+import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -27,10 +29,25 @@ from .errors import error_body_for_path
 API_KEY_ENV = "TRAY_APP_API_KEY"
 # Defined in http_basics, below api/ (the peer path and the config use them
 # too); the clients of our own port import them from here.
-__all__ = ["API_KEY_ENV", "EXPOSED_HEADERS", "MAX_HEADER_BYTES", "PUBLIC_PATHS", "AccessGuard", "AccessPolicy",
-           "bearer_header", "bind_problem", "effective_api_key", "host_name", "is_loopback"]
+__all__ = ["API_KEY_ENV", "CSRF_COOKIE", "CSRF_HEADER", "EXPOSED_HEADERS", "MAX_HEADER_BYTES", "PUBLIC_PATHS",
+           "SESSION_COOKIE", "AccessGuard", "AccessPolicy", "WebSessions", "bearer_header", "bind_problem",
+           "effective_api_key", "host_name", "is_loopback"]
 # Routes a monitor may call without the key.
 PUBLIC_PATHS = frozenset({"/health"})
+# The web page's files (tray_app/web) hold no data, so a browser may fetch them
+# before logging in: the page then asks for the key when /status says 401.
+WEB_PAGE_PREFIX = "/ui"
+WEB_LOGIN_PATH = "/ui/login"
+WEB_LOGOUT_PATH = "/ui/logout"
+# The page's session: an opaque token in an HttpOnly cookie (never the key,
+# which a stolen cookie would then leak), and a CSRF token the page's script
+# reads from a second cookie and echoes in a header a cross-site form can't set.
+SESSION_COOKIE = "tray_app_session"
+CSRF_COOKIE = "tray_app_csrf"
+CSRF_HEADER = "x-csrf-token"
+SESSION_LIFETIME_S = 12 * 3600
+MAX_WEB_SESSIONS = 64
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # The request line and headers together; the h11 parser enforces the same cap on
 # headers still arriving, this catches ones that arrive in a single packet.
 MAX_HEADER_BYTES = 16 * 1024
@@ -109,6 +126,63 @@ class AccessPolicy:
         return hmac.compare_digest(offered.encode(), self.api_key.encode())
 
 
+@dataclass(frozen=True)
+class _WebSession:
+    csrf_token: str
+    expires_at: float
+
+
+class WebSessions:
+    """The web page's logins, kept in memory only: a restart logs the pages
+    out, and nothing about them is written to disk."""
+
+    def __init__(self, lifetime_s: float = SESSION_LIFETIME_S, limit: int = MAX_WEB_SESSIONS) -> None:
+        self.lifetime_s = lifetime_s
+        self.limit = limit
+        self._sessions: OrderedDict[str, _WebSession] = OrderedDict()
+
+    def create(self, now: float) -> tuple[str, str]:
+        """A new session: (session token, CSRF token). The oldest goes when
+        the limit is reached, so repeated logins can't grow the table."""
+        self._expire(now)
+        while len(self._sessions) >= self.limit:
+            self._sessions.popitem(last=False)
+        token, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+        self._sessions[token] = _WebSession(csrf, now + self.lifetime_s)
+        return token, csrf
+
+    def csrf_for(self, token: str | None, now: float) -> str | None:
+        """The CSRF token of a live session, or None for an unknown or expired one."""
+        if not token:
+            return None
+        session = self._sessions.get(token)
+        if session is None:
+            return None
+        if session.expires_at <= now:
+            del self._sessions[token]
+            return None
+        return session.csrf_token
+
+    def end(self, token: str | None) -> None:
+        self._sessions.pop(token or "", None)
+
+    def _expire(self, now: float) -> None:
+        for token in [t for t, s in self._sessions.items() if s.expires_at <= now]:
+            del self._sessions[token]
+
+
+def cookie_value(cookie_header: str | None, name: str) -> str | None:
+    for part in (cookie_header or "").split(";"):
+        key, sep, value = part.strip().partition("=")
+        if sep and key == name:
+            return value
+    return None
+
+
+def _is_web_page_file(method: str, path: str) -> bool:
+    return method in ("GET", "HEAD") and (path == WEB_PAGE_PREFIX or path.startswith(WEB_PAGE_PREFIX + "/"))
+
+
 def _envelope(path: str, status: int, code: str, message: str, extra_headers: list[tuple[bytes, bytes]] = ()):
     """A refusal at the door, in the route's error envelope. It closes the
     connection (uvicorn closes it after a "Connection: close" answer)."""
@@ -128,11 +202,12 @@ class AccessGuard:
     holding one of the server's connections by retrying on it."""
 
     def __init__(self, app, policy: AccessPolicy, ledger: ConnectionLedger | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, sessions: WebSessions | None = None) -> None:
         self.app = app
         self.policy = policy
         self.ledger = ledger
         self._clock = clock
+        self.sessions = sessions or WebSessions()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -146,6 +221,11 @@ class AccessGuard:
             return
         if origin is not None and scope["method"] == "OPTIONS":
             await _send(send, 204, self._cors_headers(origin, preflight=True), b"")
+            return
+        if scope["method"] == "POST" and scope["path"] in (WEB_LOGIN_PATH, WEB_LOGOUT_PATH):
+            # Answered here, where the key, the sessions and the wrong-key
+            # slowdown live, so no route ever sees the key.
+            await _send(send, *await self._web_login(scope, receive, headers))
             return
         if origin is None:
             await self.app(scope, receive, send)
@@ -178,7 +258,9 @@ class AccessGuard:
                              "and 127.0.0.1 are allowed by default)")
         if scope["method"] == "OPTIONS":
             return None
-        if scope["path"] not in PUBLIC_PATHS:
+        # The login checks the key itself, as a body field.
+        if (scope["path"] not in PUBLIC_PATHS and scope["path"] != WEB_LOGIN_PATH
+                and not _is_web_page_file(scope["method"], scope["path"])):
             refusal = self._check_key(scope, headers)
             if refusal is not None:
                 return refusal
@@ -196,6 +278,11 @@ class AccessGuard:
 
     def _check_key(self, scope, headers: dict[str, str]):
         connection: ClientConnection | None = (scope.get("extensions") or {}).get(CONNECTION_SCOPE_KEY)
+        if self.policy.api_key and not (headers.get("authorization") or headers.get("x-api-key")):
+            session = cookie_value(headers.get("cookie"), SESSION_COOKIE)
+            csrf = self.sessions.csrf_for(session, self._clock())
+            if csrf is not None:
+                return self._check_csrf(scope, headers, csrf, connection)
         if connection is not None and connection.authenticated:
             # Shown the key before (or none is set): checked again, but never
             # held back by what other connections from its address did.
@@ -218,6 +305,46 @@ class AccessGuard:
             self.ledger.authenticated(connection)
         return None
 
+    def _check_csrf(self, scope, headers: dict[str, str], csrf: str, connection: ClientConnection | None):
+        """A logged-in page: reads pass; a change must echo the CSRF token,
+        which a page on another site can neither read nor guess."""
+        if scope["method"] not in _SAFE_METHODS:
+            offered = headers.get(CSRF_HEADER, "")
+            if not hmac.compare_digest(offered.encode(), csrf.encode()):
+                return _envelope(scope["path"], 403, "csrf_token_invalid",
+                                 f"a change made with the web page's login cookie must carry its "
+                                 f"{CSRF_HEADER} header; reload the page")
+        if connection is not None and self.ledger is not None:
+            self.ledger.authenticated(connection)
+        return None
+
+    async def _web_login(self, scope, receive, headers: dict[str, str]):
+        """POST /ui/login {"key": ...} sets the session cookies; POST
+        /ui/logout (with the CSRF header) ends the session."""
+        path = scope["path"]
+        if path == WEB_LOGOUT_PATH:
+            session = cookie_value(headers.get("cookie"), SESSION_COOKIE)
+            csrf = self.sessions.csrf_for(session, self._clock())
+            if csrf is not None and hmac.compare_digest(headers.get(CSRF_HEADER, "").encode(), csrf.encode()):
+                self.sessions.end(session)
+            return 200, [(b"content-type", b"application/json"), *_session_cookies("", "", 0)], b'{"logged_in":false}'
+        if not self.policy.api_key:
+            return 200, [(b"content-type", b"application/json")], b'{"logged_in":true,"key_required":false}'
+        body = await _read_small_body(receive)
+        try:
+            offered = json.loads(body).get("key")
+        except (ValueError, AttributeError):
+            offered = None
+        if not isinstance(offered, str) or not offered:
+            return _envelope(path, 400, "invalid_request", 'send {"key": "<the API key>"} as application/json')
+        refusal = self._check_key(scope, {"authorization": f"Bearer {offered}"})
+        if refusal is not None:
+            return refusal
+        token, csrf = self.sessions.create(self._clock())
+        return (200, [(b"content-type", b"application/json"),
+                      *_session_cookies(token, csrf, int(self.sessions.lifetime_s))],
+                b'{"logged_in":true,"key_required":true}')
+
     def _wrong_key(self, scope, headers: dict[str, str], address: str):
         # Only a key that was offered counts towards the wait: a client that
         # sent none is not guessing, and shouldn't lock out its address.
@@ -239,6 +366,25 @@ class AccessGuard:
                 (b"access-control-max-age", b"600"),
             ]
         return headers
+
+
+def _session_cookies(token: str, csrf: str, max_age_s: int) -> list[tuple[bytes, bytes]]:
+    """Both cookies, or (max_age 0) their removal. SameSite=Strict: a request
+    another site starts carries neither."""
+    common = f"Path=/; Max-Age={max_age_s}; SameSite=Strict"
+    return [(b"set-cookie", f"{SESSION_COOKIE}={token}; {common}; HttpOnly".encode()),
+            (b"set-cookie", f"{CSRF_COOKIE}={csrf}; {common}".encode())]
+
+
+async def _read_small_body(receive, limit: int = 4096) -> bytes:
+    """The login form's body: a key, never more than a few KiB."""
+    body = b""
+    while len(body) <= limit:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    return body[:limit]
 
 
 async def _send(send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:

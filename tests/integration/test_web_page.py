@@ -1,0 +1,202 @@
+"""The web page at /ui (issue 31), in a real headless Chromium against the real service.
+
+Debian's chromium (`apt-get install chromium`, which `install.sh --test`
+does as root) driven by Playwright's Python package; Playwright's own
+browser download is never used. Without a chromium binary the tests skip.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.harness import BASE_CONFIG, RunningService
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM = next((path for path in (os.environ.get("TRAY_APP_CHROMIUM"), shutil.which("chromium"),
+                                   shutil.which("chromium-browser")) if path), None)
+if CHROMIUM is None:
+    pytest.skip("no chromium binary (apt-get install chromium, or set TRAY_APP_CHROMIUM)", allow_module_level=True)
+playwright_api = pytest.importorskip("playwright.sync_api", reason="the test extra's playwright package is missing")
+expect = playwright_api.expect
+
+LONG_ANSWER = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+DESKTOP, PHONE = {"width": 1280, "height": 900}, {"width": 390, "height": 844}
+# A model name that would run a script if the page put the service's text in as HTML.
+HOSTILE_NAME = '<img src=x onerror="document.title=`pwned`">'
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport=DESKTOP)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    yield page
+    context.close()
+    assert not errors, f"the page's script failed: {errors}"
+
+
+def chat(service, request_id, client=None, max_tokens=60):
+    headers = {"X-Request-Id": request_id, **({"X-Client-Name": client} if client else {})}
+    return service.http.post("/v1/chat/completions", headers=headers, json={
+        "messages": LONG_ANSWER, "max_tokens": max_tokens, "temperature": 0})
+
+
+def test_the_page_is_served_from_the_package_and_loads_nothing_from_outside(fresh):
+    page = fresh.http.get("/ui")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'none'" in page.headers["content-security-policy"]
+    assert "http" not in page.text.replace('content="width', "")  # no outside URL in the page
+    for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
+        asset = fresh.http.get(f"/ui/{name}")
+        assert asset.status_code == 200 and asset.headers["content-type"].startswith(kind)
+    missing = fresh.http.get("/ui/secrets.txt")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def test_degraded_banner_appears_and_cancels_a_queued_request(fresh, page):
+    page.goto(f"{fresh.url}/ui")
+    expect(page.locator("#state")).to_have_text("Serving on the GPU")
+    expect(page.locator("#banner")).to_be_hidden()
+    fresh.http.post("/admin/gpu", json={"paused": True})
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        blocker = pool.submit(chat, fresh, "web-blocker")
+        fresh.wait_for(lambda s: any(r["id"] == "web-blocker" and r["state"] == "running" for r in s["requests"]),
+                       what="blocker running")
+        queued = pool.submit(chat, fresh, "web-queued", "notes-app")
+        fresh.wait_for(lambda s: any(r["id"] == "web-queued" and r["state"] == "queued" for r in s["requests"]),
+                       what="queued")
+        banner = page.locator("#banner")
+        expect(banner).to_be_visible()
+        expect(page.locator("#banner-title")).to_have_text("Degraded: the CPU is serving")
+        expect(page.locator("#banner-model")).not_to_be_empty()
+        expect(page.locator("#banner-latency")).to_contain_text("about")
+        row = banner.locator("li", has=page.locator('[data-request-id="web-queued"]'))
+        expect(row).to_contain_text("notes-app · 1st in the CPU queue · about")
+        row.get_by_role("button", name="Cancel").click()
+        canceled = queued.result()
+        assert canceled.status_code == 499 and canceled.json()["error"]["code"] == "request_canceled"
+        assert blocker.result().status_code == 200
+    fresh.http.post("/admin/gpu", json={"paused": False})
+    expect(page.locator("#banner")).to_be_hidden()
+
+
+def test_unload_and_load_a_model_from_the_page(fresh, page):
+    page.goto(f"{fresh.url}/ui")
+    model = fresh.status()["models"][0]["name"]
+    row = page.locator("#models li", has_text=model)
+    expect(row).to_contain_text("on the GPU")
+    load = row.get_by_role("button", name=f"Load {model}", exact=True)
+    expect(load).to_be_disabled()
+    row.get_by_role("button", name=f"Unload {model}", exact=True).click()
+    # The GPU worker lets go; the CPU worker, loaded too, still holds it.
+    expect(row).to_contain_text("on the CPU")
+    expect(load).to_be_enabled()
+    assert fresh.status()["models"][0]["gpu"] == "unloaded_idle"
+    load.click()
+    expect(row).to_contain_text("on the GPU", timeout=60_000)
+
+
+def test_give_the_gpu_back_and_use_it_again(fresh, page):
+    page.goto(f"{fresh.url}/ui")
+    page.get_by_role("button", name="Give the GPU back now").click()
+    expect(page.locator("#residency")).to_have_text("GPU: given back by you")
+    assert fresh.status()["gpu"]["residency"]["state"] == "given_back_by_user"
+    page.get_by_role("button", name="Use the GPU again").click()
+    expect(page.get_by_role("button", name="Give the GPU back now")).to_be_visible(timeout=60_000)
+    assert fresh.status()["gpu"]["residency"]["state"] in ("loading", "loaded")
+
+
+def test_chat_streams_an_answer_with_its_route_line(fresh, page):
+    page.goto(f"{fresh.url}/ui")
+    expect(page.locator("#chat-model option")).not_to_have_count(0)
+    page.get_by_label("Message").fill("Say hello.")
+    page.get_by_role("button", name="Send").press("Enter")  # by keyboard, as a real button takes it
+    expect(page.locator("#chat-route")).to_have_text("served by GPU · admitted")
+    expect(page.locator("#chat-answer")).not_to_be_empty()
+    # The stream's end re-enables Send (a generous deadline: the answer runs
+    # to the model's stop on a busy machine).
+    expect(page.get_by_role("button", name="Send")).to_be_enabled(timeout=120_000)
+
+
+def test_the_services_text_is_shown_as_text_never_as_markup(fresh, page):
+    page.goto(f"{fresh.url}/ui")
+    expect(page.locator("#chat-model option")).not_to_have_count(0)
+    # A name no picker offers, so the service's refusal quotes it back.
+    page.locator("#chat-model option").first.evaluate("(option, name) => { option.value = name; }", HOSTILE_NAME)
+    page.get_by_label("Message").fill("Say hello.")
+    page.get_by_role("button", name="Send").click()
+    expect(page.locator("#chat-answer")).to_contain_text(HOSTILE_NAME)
+    expect(page.locator("#chat-answer img")).to_have_count(0)
+    assert page.title() != "pwned"
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    service = RunningService(tmp_path_factory.mktemp("keyed"), BASE_CONFIG, env={"TRAY_APP_API_KEY": "web-page-key"})
+    service.http.headers["Authorization"] = "Bearer web-page-key"
+    try:
+        service.wait_ready()
+        yield service
+    finally:
+        service.stop()
+
+
+def test_with_a_key_the_page_logs_in_and_every_change_needs_the_csrf_token(keyed, page):
+    page.goto(f"{keyed.url}/ui")
+    expect(page.locator("#login")).to_be_visible()
+    page.get_by_label("API key").fill("not-the-key")
+    page.get_by_role("button", name="Log in").click()
+    expect(page.locator("#login-error")).to_contain_text("wrong API key")
+    page.get_by_label("API key").fill("web-page-key")
+    page.get_by_role("button", name="Log in").click()
+    expect(page.locator("#state")).to_have_text("Serving on the GPU")
+    cookies = {c["name"]: c for c in page.context.cookies()}
+    session = cookies["tray_app_session"]
+    assert session["httpOnly"] and session["sameSite"] == "Strict" and session["value"] != "web-page-key"
+    assert not cookies["tray_app_csrf"]["httpOnly"]
+    # The same cookie without the CSRF header, as a forged request would come: refused.
+    forged = page.evaluate("""async () => {
+        const r = await fetch('/admin/gpu', {method: 'POST', headers: {'Content-Type': 'application/json'},
+                                             body: JSON.stringify({paused: true})});
+        return [r.status, (await r.json()).error.code];
+    }""")
+    assert forged == [403, "csrf_token_invalid"] and keyed.status()["service"]["gpu_paused"] is False
+    page.get_by_role("button", name="Give the GPU back now").click()
+    expect(page.locator("#residency")).to_have_text("GPU: given back by you")
+    keyed.http.post("/admin/gpu", json={"given_back": False})
+
+
+@pytest.mark.skipif(not os.environ.get("TRAY_APP_SCREENSHOTS"), reason="set TRAY_APP_SCREENSHOTS=1 to refresh "
+                    "docs/screenshots/web-*.png")
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+@pytest.mark.parametrize("size", ["desktop", "phone"])
+def test_screenshots(fresh, browser, size, scheme):
+    context = browser.new_context(viewport=DESKTOP if size == "desktop" else PHONE, color_scheme=scheme)
+    page = context.new_page()
+    fresh.http.post("/admin/gpu", json={"paused": True})
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(chat, fresh, f"shot-{i}", client) for i, client in enumerate(("notes-app", "open-webui"))]
+        fresh.wait_for(lambda s: len([r for r in s["requests"] if r["state"] == "queued"]) == 1, what="one queued")
+        page.goto(f"{fresh.url}/ui")
+        expect(page.locator("#banner-requests li")).to_have_count(2)
+        page.screenshot(path=str(SCREENSHOTS / f"web-{size}-{scheme}.png"), full_page=True)
+        for i in range(2):
+            fresh.http.delete(f"/v1/requests/shot-{i}")
+        [future.result() for future in futures]
+    context.close()

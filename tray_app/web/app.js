@@ -1,0 +1,464 @@
+// The tray's panel in a browser, from the same /status contract.
+// The wording follows tray_app/ui/viewmodel.py. Every text that comes from
+// the server (model names, reasons, app names, answers) goes in through
+// textContent, never innerHTML, so it can't become markup.
+"use strict";
+
+const POLL_MS = 1000;  // the tray's rate
+const CSRF_COOKIE = "tray_app_csrf";
+const ROUTE_REASONS = {
+  admitted: "admitted", forced_cpu: "GPU paused (force CPU)", gpu_unavailable: "GPU unavailable",
+  gpu_context_cap: "over the GPU context cap", gpu_vram_headroom: "not enough VRAM headroom", gpu_busy: "GPU busy",
+  gpu_failed_replayed: "GPU failed, re-run on the CPU", gpu_yielded: "GPU given to another app",
+  gpu_loading: "GPU model loading", peer: "sent to a peer", peer_failed_replayed: "peer failed, re-run on the CPU",
+};
+const GIVEN_STATES = ["given_away", "given_back_by_user"];
+const MAX_APPS_SHOWN = 4;
+
+const $ = (id) => document.getElementById(id);
+let lastStatus = null;
+let pollTimer = null;
+
+// ----- formatting, as viewmodel.py ---------------------------------------------------
+
+function num(value) { return typeof value === "number" && Number.isFinite(value) ? value : null; }
+
+function fmtMib(value, scale) {
+  if (value === null || value === undefined) return "unknown";
+  const ref = scale === undefined || scale === null ? value : scale;
+  if (Math.abs(ref) >= 10 * 1024) return `${(value / 1024).toLocaleString("en-US", {minimumFractionDigits: 1, maximumFractionDigits: 1})} GiB`;
+  return `${Math.round(value).toLocaleString("en-US")} MiB`;
+}
+
+function fmtSeconds(value) {
+  if (value === null || value === undefined) return "unknown";
+  if (value < 10) return `${value.toFixed(1)} s`;
+  if (value < 120) return `${Math.round(value)} s`;
+  return `${Math.round(value / 60)} min`;
+}
+
+function ordinal(n) {
+  const suffix = (n % 100 >= 10 && n % 100 <= 20) ? "th" : ({1: "st", 2: "nd", 3: "rd"}[n % 10] || "th");
+  return `${n}${suffix}`;
+}
+
+function reasonInWords(reason) {
+  if (!reason) return "";
+  const at = reason.indexOf(": ");
+  if (at > 0 && ROUTE_REASONS[reason.slice(0, at)]) return `${ROUTE_REASONS[reason.slice(0, at)]}: ${reason.slice(at + 2)}`;
+  return reason;
+}
+
+function sentence(text) { return text.charAt(0).toUpperCase() + text.slice(1); }
+
+function timeLeftText(request) {
+  const estimate = num(request.estimated_latency_s);
+  if (estimate === null) return "";
+  const left = estimate - (num(request.age_s) || 0);
+  if (left >= 0.5) return `about ${fmtSeconds(left)} left`;
+  if (left > -0.5) return "due now";
+  return `overdue by ${fmtSeconds(-left)}`;
+}
+
+function requestLine(request) {
+  const path = String(request.path || "?");
+  let where;
+  if (request.state === "queued" && request.queue_position) {
+    where = `${ordinal(request.queue_position)} in the ${path === "cpu" ? "CPU" : "GPU"} queue`;
+  } else if (request.state === "running" && path === "peer") {
+    where = `running on peer ${request.peer || "?"}`;
+  } else if (request.state === "running") {
+    where = `running on the ${path.toUpperCase()}`;
+  } else {
+    where = String(request.state || "?");
+  }
+  const parts = [String(request.client || request.id), where];
+  const left = timeLeftText(request);
+  if (left) parts.push(left);
+  const age = num(request.age_s);
+  if (age !== null) parts.push(`${fmtSeconds(age)} old`);
+  return parts.join(" · ");
+}
+
+function workers(status) {
+  const byRole = {};
+  for (const w of status.workers || []) byRole[w.role] = w;
+  return byRole;
+}
+
+function residencyState(status) { return ((status.gpu || {}).residency || {}).state || null; }
+
+function stateTitle(status) {
+  const service = status.service || {};
+  const roles = workers(status);
+  if (!service.healthy) {
+    return Object.values(roles).some((w) => ["starting", "stopping"].includes(w.state)) ? "Starting" : "Down";
+  }
+  if (!roles.gpu) return "Serving on the CPU";
+  if ((status.degraded || {}).active) return "Degraded: the CPU is serving";
+  if (residencyState(status) === "unloaded_idle") return "Idle: the GPU model is unloaded";
+  return "Serving on the GPU";
+}
+
+function otherAppsText(processes, ours) {
+  const apps = (processes || []).filter((p) => p && !ours.has(p.pid))
+    .map((p) => [p.name || `pid ${p.pid}`, num(p.used_mib)]).sort((a, b) => (b[1] || 0) - (a[1] || 0));
+  if (!apps.length) return "";
+  const shown = apps.slice(0, MAX_APPS_SHOWN).map(([name, used]) => used === null ? name : `${name} ${fmtMib(used)}`);
+  const more = apps.length - MAX_APPS_SHOWN;
+  return "Other apps: " + shown.join(" · ") + (more > 0 ? ` · ${more} more` : "");
+}
+
+function headroomSegments(workerLabel, workerMib, used, keptLabel, kept, free, what) {
+  const mine = Math.min(workerMib, used);
+  const segments = [];
+  if (mine > 0) segments.push(["worker", workerLabel, mine]);
+  segments.push(["used", mine > 0 ? "other use" : "used", Math.max(0, used - mine)]);
+  if (free >= kept) return [[...segments, ["reserve", keptLabel, kept], ["free", "headroom", free - kept]], ""];
+  return [[...segments, ["reserve", keptLabel, free], ["free", "headroom", 0]],
+    `${what} is ${fmtMib(kept - free)} below the ${fmtMib(kept)} ${keptLabel}`];
+}
+
+function memoryBars(status) {
+  const bars = [];
+  const gpu = status.gpu || {};
+  const ours = new Set((status.workers || []).map((w) => w.pid).filter((pid) => Number.isInteger(pid)));
+  if (gpu.available) {
+    const worker = workers(status).gpu;
+    const workerMib = worker && worker.pid ? num(worker.estimated_vram_mib) || 0 : 0;
+    const devices = gpu.devices && gpu.devices.length ? gpu.devices
+      : [{name: "GPU", total_mib: gpu.total_mib, used_mib: gpu.used_mib, free_mib: gpu.free_mib}];
+    devices.forEach((device, position) => {
+      const total = num(device.total_mib), free = num(device.free_mib);
+      const title = `VRAM · ${device.name || `GPU ${position}`}` + (gpu.simulated ? " (simulated)" : "");
+      if (!total || free === null) { bars.push({title, total: null, segments: [], caption: "free VRAM unknown"}); return; }
+      const used = num(device.used_mib) ?? Math.max(0, total - free);
+      const [segments, warning] = position === 0
+        ? headroomSegments("GPU worker (est.)", workerMib, used, "reserve", num(gpu.reserve_mib) || 0, free, "free VRAM")
+        : [[["used", "used", used], ["free", "free", free]], ""];
+      bars.push({title, total, segments, warning, caption: `${fmtMib(free, total)} free of ${fmtMib(total)}`,
+        apps: otherAppsText(device.processes, ours)});
+    });
+  } else if (workers(status).gpu) {
+    bars.push({title: "VRAM", total: null, segments: [], caption: "no GPU reading",
+      warning: `no GPU reading: ${gpu.reason || "unknown"}`});
+  }
+  const ram = status.ram || {};
+  const total = num(ram.total_mib), available = num(ram.available_mib);
+  if (total === null || available === null) {
+    bars.push({title: "RAM · host", total: null, segments: [], caption: "RAM unknown"});
+  } else {
+    const rss = Object.values(ram.rss_mib_by_pid || {}).reduce((sum, v) => sum + (num(v) || 0), 0);
+    const floor = num(ram.floor_mib) ?? num(ram.ram_floor_mib) ?? 0;
+    const [segments, warning] = headroomSegments("workers (RSS)", rss, Math.max(0, total - available), "floor", floor,
+      available, "available RAM");
+    bars.push({title: "RAM · host", total, segments, warning,
+      caption: `${fmtMib(available, total)} available of ${fmtMib(total)}`});
+  }
+  return bars;
+}
+
+function modelViews(status) {
+  return (status.models || []).map((model) => {
+    const location = String(model.location || "unloaded"), gpu = String(model.gpu || "");
+    let where = "unloaded";
+    if (gpu === "loaded") where = "on the GPU";
+    else if (location.split("+").includes("cpu")) where = "on the CPU";
+    else if (gpu === "loading" || location === "loading") where = "loading";
+    else if (gpu === "given_away") where = "GPU given away";
+    const vram = num(model.vram_mib) || 0;
+    let memory;
+    if (where === "on the GPU" && vram > 0) memory = `${fmtMib(vram)} VRAM`;
+    else if (where === "on the CPU") memory = `${fmtMib(num(model.estimated_ram_mib))} RAM`;
+    else memory = num(model.size_bytes) ? `${fmtMib(model.size_bytes / 1048576)} on disk` : "size unknown";
+    const busy = Number(model.in_flight || 0);
+    return {name: String(model.name), where, memory, isDefault: model.source === "default",
+      canLoad: gpu === "unloaded_idle" && where !== "loading" && where !== "on the GPU",
+      canUnload: (where === "on the GPU" || where === "on the CPU") && busy === 0};
+  });
+}
+
+function cpuRequests(status) {
+  return (status.requests || []).filter((r) => ["cpu", "peer"].includes(r.path) && ["queued", "running"].includes(r.state))
+    .sort((a, b) => (a.state === "queued") - (b.state === "queued") || (a.queue_position || 0) - (b.queue_position || 0)
+      || (b.age_s || 0) - (a.age_s || 0));
+}
+
+function bannerLatency(status) {
+  const latency = num((status.degraded || {}).estimated_latency_s);
+  return latency === null ? "unknown" : `a new request would be answered in about ${fmtSeconds(latency)}, queue included`;
+}
+
+// ----- talking to the service ---------------------------------------------------------
+
+function csrfToken() {
+  for (const part of document.cookie.split(";")) {
+    const [name, ...rest] = part.trim().split("=");
+    if (name === CSRF_COOKIE) return rest.join("=");
+  }
+  return "";
+}
+
+class LoggedOut extends Error {}
+
+// Every change carries the CSRF token: with a key set the service refuses
+// one made with the login cookie but without it.
+async function call(method, path, body) {
+  const headers = {};
+  if (method !== "GET") headers["X-CSRF-Token"] = csrfToken();
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  const response = await fetch(path, {method, headers, body: body === undefined ? undefined : JSON.stringify(body),
+    credentials: "same-origin", cache: "no-store"});
+  if (response.status === 401) throw new LoggedOut();
+  return response;
+}
+
+async function act(method, path, body) {
+  $("action-error").textContent = "";
+  try {
+    const response = await call(method, path, body);
+    if (!response.ok) $("action-error").textContent = await errorText(response);
+  } catch (error) {
+    if (error instanceof LoggedOut) showLogin(); else $("action-error").textContent = String(error);
+  }
+  poll();
+}
+
+async function errorText(response) {
+  try {
+    const body = await response.json();
+    return (body.error && (body.error.message || body.error)) || `HTTP ${response.status}`;
+  } catch (_) {
+    return `HTTP ${response.status}`;
+  }
+}
+
+// ----- rendering -------------------------------------------------------------------------
+
+function el(tag, text, className) {
+  const node = document.createElement(tag);
+  if (text !== undefined) node.textContent = text;
+  if (className) node.className = className;
+  return node;
+}
+
+function button(label, onClick, className) {
+  const node = el("button", label, className);
+  node.type = "button";
+  node.addEventListener("click", onClick);
+  return node;
+}
+
+function cancelButton(request) {
+  const node = button("Cancel", () => act("DELETE", `/v1/requests/${encodeURIComponent(request.id)}`), "secondary");
+  node.setAttribute("aria-label", `Cancel ${request.client || request.id}`);
+  node.dataset.requestId = request.id;
+  return node;
+}
+
+function requestRow(request) {
+  const row = el("li");
+  row.append(el("span", requestLine(request)));
+  const buttons = el("span", undefined, "buttons");
+  buttons.append(cancelButton(request));
+  row.append(buttons);
+  return row;
+}
+
+function renderBars(status) {
+  const holder = $("bars");
+  holder.replaceChildren();
+  for (const bar of memoryBars(status)) {
+    const box = el("div", undefined, "bar");
+    const title = el("div", undefined, "bar-title");
+    title.append(el("strong", bar.title), el("span", bar.caption));
+    box.append(title);
+    if (bar.total) {
+      const track = el("div", undefined, "track");
+      track.setAttribute("role", "img");
+      track.setAttribute("aria-label", `${bar.title}: ${bar.caption}`);
+      const legend = [];
+      for (const [key, label, mib] of bar.segments) {
+        const segment = el("span", undefined, `seg-${key}`);
+        segment.style.width = `${Math.max(0, mib) / bar.total * 100}%`;
+        track.append(segment);
+        legend.push(`${label} ${fmtMib(mib, bar.total)}`);
+      }
+      box.append(track, el("p", legend.join(" · "), "legend"));
+    }
+    if (bar.warning) box.append(el("p", bar.warning, "warning"));
+    if (bar.apps) box.append(el("p", bar.apps, "apps"));
+    holder.append(box);
+  }
+}
+
+function renderBanner(status) {
+  const degraded = status.degraded || {};
+  const banner = $("banner");
+  banner.hidden = !degraded.active || !workers(status).gpu;
+  if (banner.hidden) return;
+  $("banner-title").textContent = "Degraded: the CPU is serving";
+  $("banner-reason").textContent = sentence(reasonInWords(degraded.reason || "the GPU path can't take this request"));
+  let model = String(degraded.fallback_model || "unknown");
+  $("banner-warning").textContent = "";
+  if (degraded.fallback_equivalent === false) {
+    model += " (a different model)";
+    $("banner-warning").textContent = `Answers may differ from the GPU model: ${degraded.fallback_detail}`;
+  }
+  $("banner-model").textContent = model;
+  const queue = (status.queues || {}).cpu || {};
+  const cap = degraded.cpu_context_cap;
+  const depth = degraded.cpu_queue_depth ?? queue.depth ?? 0;
+  $("banner-limits").textContent = (Number.isInteger(cap) ? `context up to ${cap.toLocaleString("en-US")} tokens`
+    : "context cap unknown") + ` · ${depth} waiting` + (queue.limit !== undefined && queue.limit !== null ? ` (limit ${queue.limit})` : "");
+  $("banner-latency").textContent = bannerLatency(status);
+  $("banner-requests").replaceChildren(...cpuRequests(status).map(requestRow));
+}
+
+function renderRequests(status) {
+  const active = (status.requests || []).filter((r) => ["queued", "running"].includes(r.state));
+  $("requests-empty").hidden = active.length > 0;
+  $("requests").replaceChildren(...active.map(requestRow));
+}
+
+function renderModels(status) {
+  const views = modelViews(status);
+  $("models").replaceChildren(...views.map((view) => {
+    const row = el("li");
+    row.append(el("span", `${view.name}${view.isDefault ? " (default)" : ""}: ${view.where}, ${view.memory}`));
+    const buttons = el("span", undefined, "buttons");
+    const path = `/admin/models/${encodeURIComponent(view.name)}`;
+    const load = button("Load", () => act("POST", path, {loaded: true}));
+    load.disabled = !view.canLoad;
+    load.setAttribute("aria-label", `Load ${view.name}`);
+    const unload = button("Unload", () => act("POST", path, {loaded: false}), "secondary");
+    unload.disabled = !view.canUnload;
+    unload.setAttribute("aria-label", `Unload ${view.name}`);
+    buttons.append(load, unload);
+    row.append(buttons);
+    return row;
+  }));
+  const picker = $("chat-model");
+  const names = views.map((view) => view.name);
+  if (names.join("\n") !== [...picker.options].map((o) => o.value).join("\n")) {
+    const chosen = picker.value;
+    picker.replaceChildren(...names.map((name) => { const o = el("option", name); o.value = name; return o; }));
+    if (names.includes(chosen)) picker.value = chosen;
+  }
+}
+
+function renderGpu(status) {
+  const state = residencyState(status);
+  const give = $("give-back");
+  give.hidden = !workers(status).gpu;
+  give.textContent = GIVEN_STATES.includes(state) ? "Use the GPU again" : "Give the GPU back now";
+  const residency = (status.gpu || {}).residency || {};
+  const texts = {given_back_by_user: "GPU: given back by you", given_away: String(residency.text || "GPU given to another app"),
+    unloaded_idle: String(residency.text || "GPU unloaded (idle)"), loading: "GPU: loading the model"};
+  $("residency").textContent = texts[state] || "";
+}
+
+function render(status) {
+  $("state").textContent = stateTitle(status);
+  renderBanner(status);
+  renderBars(status);
+  renderRequests(status);
+  renderModels(status);
+  renderGpu(status);
+}
+
+// ----- polling, only while the page is seen ---------------------------------------------
+
+async function poll() {
+  clearTimeout(pollTimer);
+  pollTimer = null;
+  if (document.visibilityState !== "visible") return;
+  try {
+    const response = await call("GET", "/status");
+    if (!response.ok) throw new Error(await errorText(response));
+    lastStatus = await response.json();
+    $("login").hidden = true;
+    $("panel").hidden = false;
+    render(lastStatus);
+  } catch (error) {
+    if (error instanceof LoggedOut) { showLogin(); return; }
+    $("state").textContent = `The service did not answer: ${error.message || error}`;
+  }
+  if (document.visibilityState === "visible" && pollTimer === null) pollTimer = setTimeout(poll, POLL_MS);
+}
+
+function showLogin() {
+  clearTimeout(pollTimer);
+  pollTimer = null;
+  $("panel").hidden = true;
+  $("login").hidden = false;
+  $("state").textContent = "Log in to see the service";
+  $("login-key").focus();
+}
+
+async function logIn(event) {
+  event.preventDefault();
+  $("login-error").textContent = "";
+  const response = await fetch("/ui/login", {method: "POST", headers: {"Content-Type": "application/json"},
+    body: JSON.stringify({key: $("login-key").value}), credentials: "same-origin"});
+  if (!response.ok) { $("login-error").textContent = await errorText(response); return; }
+  $("login-key").value = "";
+  poll();
+}
+
+// ----- chat --------------------------------------------------------------------------------
+
+function routeLine(servedBy, reason, fallbackModel, peer) {
+  const parts = [servedBy === "peer" ? `served by peer ${peer || "unknown"}` : `served by ${(servedBy || "unknown").toUpperCase()}`];
+  if (reason) parts.push(ROUTE_REASONS[reason] || reason.replaceAll("_", " "));
+  if (servedBy === "cpu" && fallbackModel) parts.push(`fallback model ${fallbackModel}`);
+  return parts.join(" · ");
+}
+
+async function chat(event) {
+  event.preventDefault();
+  const answer = $("chat-answer"), send = $("chat-send");
+  answer.textContent = "";
+  $("chat-route").textContent = "";
+  send.disabled = true;
+  try {
+    const response = await call("POST", "/v1/chat/completions", {model: $("chat-model").value, stream: true,
+      messages: [{role: "user", content: $("chat-prompt").value}]});
+    if (!response.ok) { answer.textContent = await errorText(response); return; }
+    const h = response.headers;
+    $("chat-route").textContent = routeLine(h.get("X-Served-By"), h.get("X-Route-Reason"), h.get("X-Fallback-Model"), h.get("X-Peer"));
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let pending = "";
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) break;
+      pending += decoder.decode(value, {stream: true});
+      const lines = pending.split("\n");
+      pending = lines.pop();
+      for (const line of lines) {
+        if (!line.startsWith("data:")) continue;
+        const data = line.slice(5).trim();
+        if (data === "[DONE]") continue;
+        const event = JSON.parse(data);
+        if (event.error) { answer.append(`\n${event.error.message || "error"}`); continue; }
+        const delta = ((event.choices || [])[0] || {}).delta || {};
+        if (typeof delta.content === "string") answer.append(delta.content);
+      }
+    }
+  } catch (error) {
+    if (error instanceof LoggedOut) showLogin(); else answer.append(`\n${error}`);
+  } finally {
+    send.disabled = false;
+  }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("login").addEventListener("submit", logIn);
+  $("chat").addEventListener("submit", chat);
+  $("give-back").addEventListener("click", () =>
+    act("POST", "/admin/gpu", {given_back: !GIVEN_STATES.includes(residencyState(lastStatus || {}))}));
+  // Hidden tab: no polling, so an open-but-unseen page costs the service nothing.
+  document.addEventListener("visibilitychange", poll);
+  poll();
+});
