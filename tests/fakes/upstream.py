@@ -2,8 +2,9 @@
 
 `FakeUpstream.transport()` is an httpx.MockTransport: give it to the
 service's HTTP client (Service(http_transport=...)) or to any httpx client,
-and each request to a FakeWorker's base_url (http://<name>.worker) is
-answered by the script of that name: /v1/chat/completions and
+and each request to a FakeWorker's base_url (http://<name>.worker), or to a
+peer configured at http://<name>.worker:<port>, is answered by the script of
+that name (a peer's /v1/models lists `models`): /v1/chat/completions and
 /v1/completions stream SSE the way llama-server does (a role delta, one
 event per token, the finish, its usage chunk, [DONE]). The knobs fail the
 answer before its first byte, mid-stream, or slow its tokens; `hold` keeps
@@ -38,6 +39,8 @@ class Script:
     token_delay_s: float = 0.0
     # Set: every answer waits for it before its first byte.
     hold: asyncio.Event | None = None
+    # What its /v1/models lists (a peer's health check reads it).
+    models: list[str] = field(default_factory=lambda: ["upstream-model"])
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,9 @@ class FakeUpstream:
         path = request.url.path
         if request.method == "GET" and path == "/health":
             return httpx.Response(200, json={"status": "ok"})
+        if request.method == "GET" and path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [
+                {"id": model, "object": "model", "owned_by": name} for model in script.models]})
         body = json.loads(request.content or b"{}")
         self.seen.append(SeenRequest(name, path, body, dict(request.headers)))
         if script.fail_before_first_byte:

@@ -20,6 +20,9 @@ import openai
 import pytest
 
 from tests.fakes.service import InProcess, in_process_service, isolate_user_folders
+from tests.fakes.upstream import FakeUpstream
+from tests.harness import BASE_CONFIG
+from tray_app.core.config import bundled_model_path
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -181,3 +184,45 @@ async def test_full_lanes_refuse_the_next_request_with_a_503_and_serve_the_admit
     held.set()
     served = await asyncio.gather(*pending)
     assert pending and all(answer.status_code == 200 for answer in served)
+
+
+# ----- peers ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def with_peer(tmp_path, monkeypatch):
+    """The service with one fallback peer, "desk", that the fake upstream answers for; once its
+    first health check has found it."""
+    isolate_user_folders(monkeypatch, tmp_path)
+    upstream = FakeUpstream()
+    model = bundled_model_path().stem
+    upstream.script("desk").models = [model]
+    config = BASE_CONFIG + '\n[[peers]]\nname = "desk"\nurl = "http://desk.worker:8642"\n'
+    async with in_process_service(tmp_path, config, upstream=upstream) as running:
+        peer = running.service.peers.get("desk")
+        while peer.health.reachable is not True:
+            await asyncio.sleep(0.01)
+        assert (await running.client.post("/admin/gpu", json={"paused": True})).status_code == 200
+        yield running
+
+
+async def test_a_fallback_peer_takes_what_the_gpu_cant_before_the_local_cpu(with_peer):
+    rig = with_peer
+    answer = await rig.client.post("/v1/chat/completions", json={"model": model_of(rig), "messages": HI,
+                                                                  "max_tokens": 8})
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-served-by"] == "peer" and answer.json()["choices"][0]["message"]["content"] == \
+        "Hello from desk"
+    assert rig.upstream.answered_by("cpu") == []
+
+
+async def test_a_peer_failing_before_the_first_byte_hands_the_request_to_the_local_cpu_once(with_peer):
+    rig = with_peer
+    rig.upstream.script("desk").error_status = 500
+    answer = await rig.client.post("/v1/chat/completions", json={"model": model_of(rig), "messages": HI,
+                                                                  "max_tokens": 8})
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-served-by"] == "cpu" and answer.headers["x-route-reason"] == "peer_failed_replayed"
+    assert answer.json()["choices"][0]["message"]["content"] == "Hello from cpu"
+    chats = [seen for seen in rig.upstream.seen if seen.path == "/v1/chat/completions"]
+    assert [seen.upstream for seen in chats] == ["desk", "cpu"]
