@@ -130,7 +130,9 @@ function memoryBars(status) {
       : [{name: "GPU", total_mib: gpu.total_mib, used_mib: gpu.used_mib, free_mib: gpu.free_mib}];
     devices.forEach((device, position) => {
       const total = num(device.total_mib), free = num(device.free_mib);
-      const title = `VRAM · ${device.name || `GPU ${position}`}` + (gpu.simulated ? " (simulated)" : "");
+      const name = String(device.name || `GPU ${position}`);
+      // A simulated device is usually named so already.
+      const title = `VRAM · ${name}` + (gpu.simulated && !/simulated/i.test(name) ? " (simulated)" : "");
       if (!total || free === null) { bars.push({title, total: null, segments: [], caption: "free VRAM unknown"}); return; }
       const used = num(device.used_mib) ?? Math.max(0, total - free);
       const [segments, warning] = position === 0
@@ -277,14 +279,15 @@ function renderBars(status) {
       const track = el("div", undefined, "track");
       track.setAttribute("role", "img");
       track.setAttribute("aria-label", `${bar.title}: ${bar.caption}`);
-      const legend = [];
-      for (const [key, label, mib] of bar.segments) {
+      const legend = el("p", undefined, "legend");
+      bar.segments.forEach(([key, label, mib], position) => {
         const segment = el("span", undefined, `seg-${key}`);
         segment.style.width = `${Math.max(0, mib) / bar.total * 100}%`;
         track.append(segment);
-        legend.push(`${label} ${fmtMib(mib, bar.total)}`);
-      }
-      box.append(track, el("p", legend.join(" · "), "legend"));
+        // One entry never breaks inside, so a figure stays with its unit.
+        legend.append(...(position ? [" · "] : []), el("span", `${label} ${fmtMib(mib, bar.total)}`, `key-${key}`));
+      });
+      box.append(track, legend);
     }
     if (bar.warning) box.append(el("p", bar.warning, "warning"));
     if (bar.apps) box.append(el("p", bar.apps, "apps"));
