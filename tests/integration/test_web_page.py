@@ -12,6 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.harness import BASE_CONFIG, RunningService
@@ -20,10 +21,11 @@ pytestmark = pytest.mark.integration
 
 CHROMIUM = next((path for path in (os.environ.get("TRAY_APP_CHROMIUM"), shutil.which("chromium"),
                                    shutil.which("chromium-browser")) if path), None)
-if CHROMIUM is None:
-    pytest.skip("no chromium binary (apt-get install chromium, or set TRAY_APP_CHROMIUM)", allow_module_level=True)
-playwright_api = pytest.importorskip("playwright.sync_api", reason="the test extra's playwright package is missing")
-expect = playwright_api.expect
+try:
+    from playwright import sync_api as playwright_api
+    from playwright.sync_api import expect
+except ImportError:  # the test extra is not installed: the browser tests skip, the rest run
+    playwright_api = expect = None
 
 LONG_ANSWER = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
@@ -34,6 +36,10 @@ HOSTILE_NAME = '<img src=x onerror="document.title=`pwned`">'
 
 @pytest.fixture(scope="module")
 def browser():
+    if CHROMIUM is None:
+        pytest.skip("no chromium binary (apt-get install chromium, or set TRAY_APP_CHROMIUM)")
+    if playwright_api is None:
+        pytest.skip("the playwright package is missing (pip install -e '.[test]')")
     with playwright_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         yield browser
@@ -67,6 +73,27 @@ def test_the_page_is_served_from_the_package_and_loads_nothing_from_outside(fres
         assert asset.status_code == 200 and asset.headers["content-type"].startswith(kind)
     missing = fresh.http.get("/ui/secrets.txt")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def test_the_page_polls_status_only_while_it_is_visible(fresh, page):
+    page.clock.install()  # the page's timers run only when the test advances them
+    status_calls: list[str] = []
+    page.on("request", lambda request: status_calls.append(request.url) if request.url.endswith("/status") else None)
+    page.goto(f"{fresh.url}/ui")
+    expect(page.locator("#state")).to_have_text("Serving on the GPU")
+    with page.expect_request("**/status"):
+        page.clock.run_for(1000)  # the tray's rate
+    set_visibility = """state => {
+        Object.defineProperty(document, 'visibilityState', {value: state, configurable: true});
+        document.dispatchEvent(new Event('visibilitychange'));
+    }"""
+    page.evaluate(set_visibility, "hidden")
+    assert page.evaluate("pollTimer === null"), "a poll is still waiting to run"
+    seen = len(status_calls)
+    page.clock.run_for(30_000)
+    assert len(status_calls) == seen, "a hidden page kept polling /status"
+    with page.expect_request("**/status"):
+        page.evaluate(set_visibility, "visible")  # shown again: at once, not a second later
 
 
 def test_degraded_banner_appears_and_cancels_a_queued_request(fresh, page):
@@ -180,6 +207,33 @@ def test_with_a_key_the_page_logs_in_and_every_change_needs_the_csrf_token(keyed
     page.get_by_role("button", name="Give the GPU back now").click()
     expect(page.locator("#residency")).to_have_text("GPU: given back by you")
     keyed.http.post("/admin/gpu", json={"given_back": False})
+
+
+def test_login_sets_a_session_cookie_and_changes_with_it_need_the_csrf_header(keyed):
+    anonymous = httpx.Client(base_url=keyed.url)
+    assert anonymous.get("/ui").status_code == 200  # the page itself holds no data
+    assert anonymous.get("/status").status_code == 401
+    wrong = anonymous.post("/ui/login", json={"key": "not-the-key"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key" and not wrong.cookies
+    assert anonymous.post("/ui/login", json={}).json()["error"]["code"] == "invalid_request"
+    browser_like = httpx.Client(base_url=keyed.url)
+    login = browser_like.post("/ui/login", json={"key": "web-page-key"})
+    assert login.status_code == 200
+    session_cookie = next(h for h in login.headers.get_list("set-cookie") if h.startswith("tray_app_session="))
+    assert "HttpOnly" in session_cookie and "SameSite=Strict" in session_cookie and "Path=/" in session_cookie
+    assert "web-page-key" not in session_cookie
+    assert browser_like.get("/status").status_code == 200
+    refused = browser_like.post("/admin/gpu", json={"paused": True})
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "csrf_token_invalid"
+    wrong_token = browser_like.post("/admin/gpu", json={"paused": True}, headers={"X-CSRF-Token": "guess"})
+    assert wrong_token.status_code == 403
+    csrf = {"X-CSRF-Token": browser_like.cookies["tray_app_csrf"]}
+    assert browser_like.post("/admin/gpu", json={"paused": True}, headers=csrf).json()["gpu_paused"] is True
+    assert browser_like.post("/admin/gpu", json={"paused": False}, headers=csrf).json()["gpu_paused"] is False
+    # Logged out: the cookie no longer opens anything.
+    assert browser_like.post("/ui/logout", headers=csrf).status_code == 200
+    browser_like.cookies.set("tray_app_session", login.cookies["tray_app_session"])
+    assert browser_like.get("/status").status_code == 401
 
 
 @pytest.mark.skipif(not os.environ.get("TRAY_APP_SCREENSHOTS"), reason="set TRAY_APP_SCREENSHOTS=1 to refresh "
