@@ -207,6 +207,9 @@ def test_with_a_key_the_page_logs_in_and_every_change_needs_the_csrf_token(keyed
     page.get_by_role("button", name="Give the GPU back now").click()
     expect(page.locator("#residency")).to_have_text("GPU: given back by you")
     keyed.http.post("/admin/gpu", json={"given_back": False})
+    page.get_by_role("button", name="Log out").click()
+    expect(page.locator("#login")).to_be_visible()
+    assert page.evaluate("fetch('/status').then(r => r.status)") == 401
 
 
 def test_login_sets_a_session_cookie_and_changes_with_it_need_the_csrf_header(keyed):

@@ -382,6 +382,8 @@ async function poll() {
     lastStatus = await response.json();
     $("login").hidden = true;
     $("panel").hidden = false;
+    // Logged in by cookie (a key is set): the page can log out again.
+    $("logout").hidden = !csrfToken();
     render(lastStatus);
   } catch (error) {
     if (error instanceof LoggedOut) { showLogin(); return; }
@@ -394,6 +396,7 @@ function showLogin() {
   clearTimeout(pollTimer);
   pollTimer = null;
   $("panel").hidden = true;
+  $("logout").hidden = true;
   $("login").hidden = false;
   $("state").textContent = "Log in to see the service";
   $("login-key").focus();
@@ -459,6 +462,7 @@ async function chat(event) {
 document.addEventListener("DOMContentLoaded", () => {
   $("login").addEventListener("submit", logIn);
   $("chat").addEventListener("submit", chat);
+  $("logout").addEventListener("click", async () => { await call("POST", "/ui/logout"); showLogin(); });
   $("give-back").addEventListener("click", () =>
     act("POST", "/admin/gpu", {given_back: !GIVEN_STATES.includes(residencyState(lastStatus || {}))}));
   // Hidden tab: no polling, so an open-but-unseen page costs the service nothing.
