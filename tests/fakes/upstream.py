@@ -17,7 +17,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 
@@ -33,8 +33,10 @@ class Script:
     # An HTTP error before any byte of an answer, with llama-server's error body.
     error_status: int | None = None
     error_message: str = "the fake upstream failed"
-    # The connection breaks after this many tokens (httpx.ReadError).
+    # The connection breaks after this many tokens (httpx.ReadError), and
+    # then on_break runs (a FakeWorker's crash: the process died mid-answer).
     fail_after_tokens: int | None = None
+    on_break: Callable[[], None] | None = None
     # Seconds between tokens.
     token_delay_s: float = 0.0
     # Set: every answer waits for it before its first byte.
@@ -112,6 +114,8 @@ async def sse_events(tokens: list[str], chat: bool, body: dict[str, Any], script
         yield event({"delta": {"role": "assistant", "content": None}, "finish_reason": None})
     for sent, token in enumerate(tokens):
         if script.fail_after_tokens is not None and sent >= script.fail_after_tokens:
+            if script.on_break is not None:
+                script.on_break()
             raise httpx.ReadError("connection reset by peer (fake upstream)", request=request)
         if script.token_delay_s:
             await asyncio.sleep(script.token_delay_s)

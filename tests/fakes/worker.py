@@ -24,6 +24,7 @@ from tray_app.core.engine.exits import ExitKind, ExitReport
 from tray_app.core.engine.worker import WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
 
 CLEAN_STOP = ExitReport(ExitKind.CLEAN_STOP, 0, None, None)
+KILLED = ExitReport(ExitKind.CRASH, -9, "SIGKILL", None)
 
 
 def spec_for(role: str) -> WorkerSpec:
@@ -210,6 +211,13 @@ class FakeWorker:
 
     async def close(self) -> None:
         await self.stop()
+
+    def crash(self, report: ExitReport = KILLED) -> None:
+        """The process dies now (killed, by default); a live worker's owner loads a new one."""
+        if self._live:
+            self._replace(report)
+        else:
+            self._record_exit(report)
 
     # ----- the owner's side --------------------------------------------------
 

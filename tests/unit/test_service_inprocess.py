@@ -23,6 +23,7 @@ from tests.fakes.service import InProcess, in_process_service, isolate_user_fold
 from tests.fakes.upstream import FakeUpstream
 from tests.harness import BASE_CONFIG
 from tray_app.core.config import bundled_model_path
+from tray_app.core.engine.worker import WorkerState
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -117,8 +118,9 @@ async def test_a_gpu_failure_before_the_first_byte_is_replayed_on_the_cpu_exactl
     assert status["accounting"]["duplicate_executions"] == 0
 
 
-async def test_a_failure_mid_stream_is_not_replayed_and_ends_in_an_error_event(rig):
-    rig.upstream.script("gpu").fail_after_tokens = 1
+async def test_a_worker_dying_mid_stream_is_not_replayed_and_the_stream_ends_in_an_error_event(rig):
+    gpu = rig.upstream.script("gpu")
+    gpu.fail_after_tokens, gpu.on_break = 1, rig.workers["gpu"].crash
     answer = await rig.client.post("/v1/chat/completions", json={"model": model_of(rig), "messages": HI,
                                                                   "max_tokens": 8, "stream": True})
     events = sse_data(answer.text)
@@ -126,6 +128,8 @@ async def test_a_failure_mid_stream_is_not_replayed_and_ends_in_an_error_event(r
     assert any("error" in json.loads(e) for e in events if e != "[DONE]")
     # A byte reached the client: running it again would send a second answer.
     assert rig.upstream.answered_by("cpu") == []
+    await rig.workers["gpu"].wait_for_state(WorkerState.READY, timeout=30)
+    assert rig.workers["gpu"].exits == 1 and rig.workers["gpu"].last_exit.signal_name == "SIGKILL"
 
 
 async def test_an_idempotent_retry_gets_the_first_answer_and_runs_nothing(rig):
