@@ -190,6 +190,27 @@ async def test_full_lanes_refuse_the_next_request_with_a_503_and_serve_the_admit
     assert pending and all(answer.status_code == 200 for answer in served)
 
 
+# ----- GPU sharing -----------------------------------------------------------------------------------
+
+
+async def test_the_gpu_given_back_sends_requests_to_the_cpu_until_it_is_used_again(rig):
+    body = {"model": model_of(rig), "messages": HI, "max_tokens": 8}
+    gpu = rig.workers["gpu"]
+    assert (await rig.client.post("/admin/gpu", json={"given_back": True})).status_code == 200
+    await gpu.wait_for_state(WorkerState.STOPPED, timeout=30)
+    status = (await rig.client.get("/status")).json()
+    assert status["gpu"]["residency"]["state"] == "given_back_by_user"
+    given = await rig.client.post("/v1/chat/completions", json=body)
+    assert given.headers["x-served-by"] == "cpu" and given.headers["x-route-reason"] == "gpu_yielded"
+    assert given.json()["choices"][0]["message"]["content"] == "Hello from cpu"
+    assert (await rig.client.post("/admin/gpu", json={"given_back": False})).status_code == 200
+    await gpu.wait_for_state(WorkerState.READY, timeout=30)
+    back = await rig.client.post("/v1/chat/completions", json=body)
+    assert back.headers["x-served-by"] == "gpu" and back.json()["choices"][0]["message"]["content"] == "Hello from gpu"
+    kinds = [event["kind"] for event in (await rig.client.get("/status")).json()["events"]]
+    assert kinds.index("gpu_given_back") < kinds.index("gpu_taken_again") and gpu.loads_started == 2
+
+
 # ----- peers ---------------------------------------------------------------------------------------------
 
 
