@@ -234,15 +234,20 @@ class GpuSharing:
         self.residency.evicted(for_model)
         if for_model is not None:
             self.evictions += 1
+        # The pid before the stop: a worker that exits at once has none
+        # afterwards, and _wait_released needs it to see the process gone.
+        pid = self._worker.pid
         self._worker.request_stop()
-        self._start(lambda: self._evicted(why), is_load=False)
+        self._start(lambda: self._evicted(why, pid), is_load=False)
         task = self._task
         assert task is not None
         await asyncio.shield(task)
 
-    async def _evicted(self, why: str) -> None:
+    async def _evicted(self, why: str, pid: int | None) -> None:
+        # Read after the stop was asked for: if the worker is already gone this
+        # counts its memory as free before, and only the pid check ends the
+        # wait early (left alone: the stop can't wait for a blocking read).
         free_before = await asyncio.to_thread(self._read_free_mib)
-        pid = self._worker.pid
         await self._worker.stop()
         await self._wait_released(free_before, pid)
         self._note("gpu_evicted", why=why)
