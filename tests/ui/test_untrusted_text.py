@@ -101,3 +101,11 @@ def test_text_without_a_tag_is_left_alone() -> None:
 
     assert as_written("SmolLM2 · Q4_K_M") == "SmolLM2 · Q4_K_M"
     assert as_written("2 < 3") == "<qt>2 &lt; 3</qt>"  # drawn the same as the plain text
+
+
+def test_a_notification_body_shows_names_as_written_where_the_server_reads_markup() -> None:
+    from tray_app.ui.app import notification_body
+
+    body = notification_body('GPU failed; peer <img src="file:///etc/passwd"> & <b>box</b> serves', "linux")
+    assert "<" not in body and "&lt;img" in body and "&amp;" in body
+    assert notification_body("a <b>", "win32") == "a <b>"  # Windows and macOS show the body as text

@@ -8,6 +8,7 @@ normal window and says why.
 
 from __future__ import annotations
 
+import html
 import logging
 import os
 import signal
@@ -37,6 +38,15 @@ APP_LOG_NAME = "tray-app.log"
 QUIT_TIMEOUT_MS = 60_000
 NO_TRAY_NOTE = ("This desktop has no system tray, so tray-app runs as this window instead of a tray icon. "
                 "Every tray action is in the buttons below; closing this window stops the service and quits.")
+
+
+
+def notification_body(message: str, platform: str = sys.platform) -> str:
+    """A notification's body as written. On Linux the notification server may
+    read the body as markup (the freedesktop spec's body-markup), and a body
+    holds model, peer and app names from elsewhere: escaped, a name like
+    "<img src=...>" shows as text instead of loading anything."""
+    return html.escape(message, quote=False) if platform.startswith("linux") else message
 
 
 class TrayController(QObject):
@@ -524,7 +534,7 @@ class TrayController(QObject):
         if self.tray is not None and self.tray.isVisible() and self.tray.supportsMessages():
             icon = QSystemTrayIcon.MessageIcon.Warning if kind in ("degraded_start", "down", "error") \
                 else QSystemTrayIcon.MessageIcon.Information
-            self.tray.showMessage(title, message, icon, NOTIFY_MS)
+            self.tray.showMessage(title, notification_body(message), icon, NOTIFY_MS)
         self.notified.emit(kind, title, message)
 
     def _on_activated(self, reason: QSystemTrayIcon.ActivationReason) -> None:
