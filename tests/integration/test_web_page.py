@@ -57,10 +57,10 @@ def page(browser):
     assert not errors, f"the page's script failed: {errors}"
 
 
-def chat(service, request_id, client=None, max_tokens=60):
+def chat(service, request_id, client=None, max_tokens=60, **extra):
     headers = {"X-Request-Id": request_id, **({"X-Client-Name": client} if client else {})}
     return service.http.post("/v1/chat/completions", headers=headers, json={
-        "messages": LONG_ANSWER, "max_tokens": max_tokens, "temperature": 0})
+        "messages": LONG_ANSWER, "max_tokens": max_tokens, "temperature": 0, **extra})
 
 
 def test_the_page_is_served_from_the_package_and_loads_nothing_from_outside(fresh):
@@ -102,7 +102,9 @@ def test_degraded_banner_appears_and_cancels_a_queued_request(fresh, page):
     expect(page.locator("#banner")).to_be_hidden()
     fresh.http.post("/admin/gpu", json={"paused": True})
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        blocker = pool.submit(chat, fresh, "web-blocker")
+        # Holds the one CPU slot until this test cancels it (no EOS, a long
+        # limit): the queued request stays queued however fast the CPU is.
+        blocker = pool.submit(chat, fresh, "web-blocker", max_tokens=1500, ignore_eos=True)
         fresh.wait_for(lambda s: any(r["id"] == "web-blocker" and r["state"] == "running" for r in s["requests"]),
                        what="blocker running")
         queued = pool.submit(chat, fresh, "web-queued", "notes-app")
@@ -118,7 +120,8 @@ def test_degraded_banner_appears_and_cancels_a_queued_request(fresh, page):
         row.get_by_role("button", name="Cancel").click()
         canceled = queued.result()
         assert canceled.status_code == 499 and canceled.json()["error"]["code"] == "request_canceled"
-        assert blocker.result().status_code == 200
+        assert fresh.http.delete("/v1/requests/web-blocker").status_code == 200
+        assert blocker.result().status_code == 499
     fresh.http.post("/admin/gpu", json={"paused": False})
     expect(page.locator("#banner")).to_be_hidden()
 
