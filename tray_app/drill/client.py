@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from ..core.api.security import bearer_header
+from ..core.http_basics import sse_lines
 from .records import RequestRecord
 
 # Seconds without a byte before the client gives up on a request. Generous:
@@ -151,7 +152,7 @@ class DrillClient:
                 response.read()
                 self._take_error(record, response.json())
                 return
-            for line in response.iter_lines():
+            for line in sse_lines(response.iter_bytes()):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

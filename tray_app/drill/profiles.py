@@ -29,6 +29,7 @@ import psutil
 from ..core.config import bundled_model_path
 from ..core.engine.runtime import LaunchRequest, LlamaCppPythonRuntime
 from ..core.engine.worker import free_loopback_port
+from ..core.http_basics import sse_lines
 from ..core.memory.estimate import MIB, WorkerSettings, estimate_worker
 from ..core.memory.gguf_info import ModelInfo, read_model_info
 
@@ -138,7 +139,7 @@ def _one_stream(base: str) -> tuple[float | None, float | None]:
     sent = time.monotonic()
     stamps = []
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=300.0) as response:
-        for line in response.iter_lines():
+        for line in sse_lines(response.iter_bytes()):
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
             event = json.loads(line[5:])

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from ..core.http_basics import SseLineSplitter
 # In core: the note inside a degraded answer says the same words as the banner.
 from ..core.route_reasons import ROUTE_REASONS, route_reason_text
 
@@ -851,18 +852,12 @@ class SseParser:
     """
 
     def __init__(self) -> None:
-        self._buffer = b""
+        self._lines = SseLineSplitter()
         self._data: list[str] = []
 
     def feed(self, chunk: bytes) -> list[Any]:
-        self._buffer += chunk
         events: list[Any] = []
-        while True:
-            newline = self._buffer.find(b"\n")
-            if newline < 0:
-                return events
-            line = self._buffer[:newline].rstrip(b"\r").decode("utf-8", errors="replace")
-            self._buffer = self._buffer[newline + 1:]
+        for line in self._lines.feed(chunk):
             if not line:
                 event = self._dispatch()
                 if event is not None:
@@ -872,11 +867,11 @@ class SseParser:
             elif line.startswith("data:"):
                 value = line[5:]
                 self._data.append(value[1:] if value.startswith(" ") else value)
+        return events
 
     def close(self) -> list[Any]:
         """Whatever is left when the stream ends without a blank line."""
-        events = self.feed(b"\n\n") if self._buffer or self._data else []
-        return events
+        return self.feed(b"\n\n")
 
     def _dispatch(self) -> Any:
         if not self._data:

@@ -31,6 +31,7 @@ import httpx
 from ..engine.exits import ExitReport, is_input_crash, mentions_out_of_memory
 from ..engine.handle import WorkerHandle
 from ..engine.worker import WorkerState
+from ..http_basics import SseLineTooLong, aiter_sse_lines
 from .jobs import Attempt, Job, JobFailed, JobState, PathSpeed, WorkerFailure, WorkerRequestError
 from .lanes import Lane, Redirected
 
@@ -305,23 +306,14 @@ class Backend:
 
 
 async def sse_lines(response: Any) -> AsyncIterator[str]:
-    """The lines of an SSE stream, split only where SSE splits them (LF, CRLF).
-    httpx's aiter_lines also splits on U+0085, U+2028 and U+2029, which JSON
-    leaves raw inside strings: a model that writes one (the fuzzer's sampling
-    found it) cut an event in two, and the request failed with a 500."""
-    pending = b""
-    async for chunk in response.aiter_bytes():
-        pending += chunk
-        *complete, pending = pending.split(b"\n")
-        for line in complete:
-            yield line.removesuffix(b"\r").decode("utf-8", "replace")
-        if len(pending) > MAX_SSE_LINE_BYTES:
-            # No event is this large: an upstream (a peer, say) that never
-            # ends its line must not fill our memory.
-            raise httpx.RemoteProtocolError(f"an SSE line longer than {MAX_SSE_LINE_BYTES} bytes")
-    if pending:
-        yield pending.removesuffix(b"\r").decode("utf-8", "replace")
-
+    """The lines of an upstream's SSE stream (see http_basics.SseLineSplitter),
+    none longer than MAX_SSE_LINE_BYTES: an upstream (a peer, say) that never
+    ends its line must not fill our memory."""
+    try:
+        async for line in aiter_sse_lines(response.aiter_bytes(), MAX_SSE_LINE_BYTES):
+            yield line
+    except SseLineTooLong as exc:
+        raise httpx.RemoteProtocolError(str(exc)) from None
 
 
 async def relay_answer(response: httpx.Response, job: Job, attempt: Attempt, sink: Sink,
