@@ -240,7 +240,7 @@ def _message_id(job: Job) -> str:
 
 
 def _usage(job: Job) -> dict[str, int]:
-    return {"input_tokens": job.prompt_tokens, "output_tokens": job.attempts[-1].tokens if job.attempts else 0}
+    return {"input_tokens": job.prompt_tokens, "output_tokens": job.tokens_out}
 
 
 def _tool_use_block(call_id: str | None, name: str, arguments: str) -> dict[str, Any]:

@@ -225,7 +225,7 @@ def _timings(job: Job) -> dict[str, Any]:
 def final_fields(job: Job, model: str, content: str, finish_reason: str | None) -> dict[str, Any]:
     """The last object of an answer, streamed or not."""
     return {"index": 0, "content": content, "tokens": [], "stop": True, "model": model,
-            "tokens_predicted": job.attempts[-1].tokens if job.attempts else 0,
+            "tokens_predicted": job.tokens_out,
             "tokens_evaluated": job.prompt_tokens, "has_new_line": "\n" in content, "truncated": False,
             **_stop_fields(finish_reason), "tokens_cached": 0, "timings": _timings(job)}
 

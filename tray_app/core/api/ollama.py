@@ -339,7 +339,7 @@ def _done_reason(finish_reason: str | None) -> str:
 
 
 def _final_fields(job: Job, finish_reason: str | None) -> dict[str, Any]:
-    eval_count = job.attempts[-1].tokens if job.attempts else 0
+    eval_count = job.tokens_out
     return {"done": True, "done_reason": _done_reason(finish_reason),
             "total_duration": int((time.monotonic() - job.created_at) * 1e9), "load_duration": 0,
             "prompt_eval_count": job.prompt_tokens, "eval_count": eval_count, **answer_timings_ns(job)}

@@ -402,7 +402,7 @@ def output_items(message: dict[str, Any], item_id) -> list[dict[str, Any]]:
 
 
 def usage_of(job: Job) -> dict[str, Any]:
-    output = job.attempts[-1].tokens if job.attempts else 0
+    output = job.tokens_out
     return {"input_tokens": job.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": job.prompt_tokens + output}

@@ -87,7 +87,7 @@ class AggregatingSink:
     def _response(self, job: Job, kind: str, created: int, choice: dict[str, Any]) -> dict[str, Any]:
         """The envelope both response objects share; usage is the last (the only
         completed) attempt's."""
-        completion_tokens = job.attempts[-1].tokens if job.attempts else 0
+        completion_tokens = job.tokens_out
         return {
             "id": response_id(job),
             "object": kind,
@@ -114,7 +114,7 @@ def usage_chunk(job: Job, last_event: dict[str, Any]) -> dict[str, Any]:
     """The last chunk OpenAI sends for stream_options.include_usage: no
     choices, the usage of the whole request (of its one execution, after a
     replay too: the replay started from nothing)."""
-    completion_tokens = job.attempts[-1].tokens if job.attempts else 0
+    completion_tokens = job.tokens_out
     return {
         "id": last_event.get("id"),
         "object": "chat.completion.chunk" if job.kind is JobKind.CHAT else "text_completion",

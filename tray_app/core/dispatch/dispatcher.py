@@ -27,6 +27,7 @@ from .backend import Backend, Sink
 from .breaker import BreakerState, CircuitBreaker
 from .jobs import Attempt, Job, JobFailed, JobState, WorkerFailure, WorkerRequestError
 from .lanes import Redirected
+from .latency import PathLoad, Work, estimate
 from .peer import PeerFailure, Peers, job_may_use_peers
 from .quarantine import Quarantine
 
@@ -160,7 +161,7 @@ class Dispatcher:
             refusal = self.quarantined(job)
             if refusal is not None:
                 raise refusal
-            decision = self.decide(job)
+            decision = self.assign_route(job)
             if not decision.accepted:
                 raise _rejection(decision)
             await self._execute(job, sink, decision)
@@ -264,7 +265,7 @@ class Dispatcher:
 
     def cpu_wait_s(self, prompt_tokens: int, max_tokens: int) -> float:
         """What a new CPU request of this size would wait for its answer now."""
-        return self._cpu_backlog_s() + self._service_time_s(prompt_tokens, max_tokens, self.cpu)
+        return estimate(self._load(self.cpu, self._cpu_load_eta_s()), Work(prompt_tokens, max_tokens)).latency_s
 
     def request_status(self) -> list[dict[str, Any]]:
         # Jobs still being admitted hold their id but have no path or place yet.
@@ -280,9 +281,12 @@ class Dispatcher:
 
     # ----- admission ----------------------------------------------------------------------
 
-    def decide(self, job: Job) -> Decision:
-        """Gather the inputs and ask the pure admission function. No await in
-        here, so nothing can change between what we read and what we decide."""
+    def assign_route(self, job: Job) -> Decision:
+        """Decide where the job runs and commit it there: gather the inputs,
+        ask the pure admission function, take (or give back) the GPU's and a
+        peer's half-open probe, write the decision on the job, record it and
+        tell the events. No await in here, so nothing can change between what
+        we read and what we decide."""
         # A fresh decision starts without a probe: one this job took earlier
         # (before a redirect) goes back, or the breaker would wait for it forever.
         self._release_probe(job)
@@ -337,6 +341,7 @@ class Dispatcher:
             reserve_mib=self.limits.reserve_mib,
             request_vram_mib=self._costs.gpu_mib(job.prompt_tokens + job.max_tokens),
             backlog_s=self._backlog_s(self.gpu),
+            load=self._load(self.gpu),
         )
 
     def _cpu_view(self, job: Job) -> CpuView:
@@ -354,6 +359,7 @@ class Dispatcher:
             backlog_s=self._backlog_s(self.cpu) + self._cpu_load_eta_s(),
             load_ram_mib=self._costs.cpu_load_mib(),
             evictable_ram_mib=self._costs.cpu_evictable_mib(),
+            load=self._load(self.cpu, self._cpu_load_eta_s()),
         )
 
     def _peer_views(self, job: Job) -> list[PeerView]:
@@ -386,27 +392,31 @@ class Dispatcher:
 
     def _backlog_s(self, backend: Backend) -> float:
         """Seconds until a slot of this path frees up for a new arrival: the
-        work ahead (running and queued), spread over its slots. 0 while a slot
-        is free. A request's work is counted at its expected length, not its
-        limit: a chat without max_tokens may fill its context, but few do.
-        One that has already run long is expected to run as long again."""
+        work ahead (running and queued) played forward on its slots at the
+        speed each number of busy slots gets. 0 while a slot is free."""
         lane = backend.lane
         if len(lane.running_ids) < lane.concurrency and not lane.waiting_ids:
             return 0.0
-        total = 0.0
-        for job_id in lane.running_ids + lane.waiting_ids:
+        return estimate(self._load(backend), Work(0, 0)).wait_s
+
+    def _load(self, backend: Backend, not_before_s: float = 0.0) -> PathLoad:
+        """A path's slots and the work on them and in its queue, for the
+        latency estimate. A request's work is counted at its expected length,
+        not its limit: a chat without max_tokens may fill its context, but few
+        do. One that has already run long is expected to run as long again."""
+        def remaining(job_id: str) -> Work | None:
             job = self.jobs.get(job_id)
             if job is None:
-                continue
+                return None
             done = job.attempts[-1].tokens if job.state is JobState.RUNNING and job.attempts else 0
             expected = min(job.max_tokens, max(EXPECTED_ANSWER_TOKENS, 2 * done))
-            total += self._service_time_s(job.prompt_tokens if done == 0 else 0, max(0, expected - done), backend)
-        return total / max(1, lane.concurrency)
+            return Work(job.prompt_tokens if done == 0 else 0, max(0, expected - done))
 
-    @staticmethod
-    def _service_time_s(prompt_tokens: int, max_tokens: int, backend: Backend) -> float:
-        speed = backend.speed
-        return max_tokens / speed.tokens_per_s + prompt_tokens / speed.prompt_tokens_per_s
+        lane = backend.lane
+        running = tuple(work for work in map(remaining, lane.running_ids) if work is not None)
+        queued = tuple(work for work in map(remaining, lane.waiting_ids) if work is not None)
+        speeds = backend.busy_speeds.curve(backend.speed.tokens_per_s, backend.speed.prompt_tokens_per_s)
+        return PathLoad(lane.concurrency, running, queued, speeds, not_before_s)
 
     # ----- execution ------------------------------------------------------------------------
 
@@ -447,7 +457,7 @@ class Dispatcher:
             return None
         except Redirected as redirected:
             # Nothing ran yet; decide again with what we know now.
-            decision = self.decide(job)
+            decision = self.assign_route(job)
             if decision.reason is Reason.ADMITTED:
                 # The GPU said no once for this job: it goes to the CPU, and
                 # a probe the fresh decision took goes back at once.
@@ -481,7 +491,7 @@ class Dispatcher:
                 ) from None
             sink.reset()
             job.replayed = True
-            decision = self.decide(job)
+            decision = self.assign_route(job)
             if not decision.accepted:
                 raise _rejection(decision) from None
             self._events.note("replay", id=job.id, reason=str(failure))
@@ -517,7 +527,7 @@ class Dispatcher:
             if failure.ran:
                 # It may have begun there: this is the one re-run, on the CPU.
                 job.replayed, job.replayed_from = True, "peer"
-            decision = self.decide(job)
+            decision = self.assign_route(job)
             if not decision.accepted:
                 raise JobFailed(decision.status, decision.reason.value,
                                 f"peer {peer.name} failed ({failure}), and {decision.detail}",

@@ -137,6 +137,11 @@ class Job:
             self.cancel_reason = why
             self.canceled.set()
 
+    @property
+    def tokens_out(self) -> int:
+        """The answer's tokens so far: the last attempt's, since a replay starts the answer over."""
+        return self.attempts[-1].tokens if self.attempts else 0
+
     def age_s(self) -> float:
         return round(time.monotonic() - self.created_at, 3)
 
