@@ -11,6 +11,8 @@ import enum
 import math
 from dataclasses import dataclass
 
+from .latency import PathLoad, Work, estimate
+
 
 class Route(str, enum.Enum):
     GPU = "gpu"          # run now on the GPU worker
@@ -150,6 +152,9 @@ class GpuView:
     request_vram_mib: float       # what this request would add on the device
     # Seconds until a GPU slot frees up for a new arrival (work ahead, per slot).
     backlog_s: float = 0.0
+    # The work on the GPU's slots and in its queue, with its measured speeds:
+    # what the latency estimate plays forward (None: no estimate).
+    load: PathLoad | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +174,9 @@ class CpuView:
     # back to make room (residency.eviction; done just before the load).
     load_ram_mib: float = 0.0
     evictable_ram_mib: float = 0.0
+    # The work on the CPU's slots and in its queue, with its measured speeds
+    # per busy slot count; None: the single-stream speed and backlog_s.
+    load: PathLoad | None = None
 
 
 @dataclass(frozen=True)
@@ -188,8 +196,18 @@ class Decision:
 
 
 def estimate_cpu_latency_s(request: RequestShape, cpu: CpuView) -> float:
+    """Seconds until the last token on the CPU: the work ahead and this
+    request's own at the speed each stretch gets with the slots it shares."""
+    if cpu.load is not None:
+        return latency_on(cpu.load, request)
     service = request.max_tokens / cpu.tokens_per_s + request.prompt_tokens / cpu.prompt_tokens_per_s
     return round(cpu.backlog_s + service, 2)
+
+
+def latency_on(load: PathLoad, request: RequestShape) -> float:
+    """Seconds until the request's last token on a path with this load, if
+    it writes all of max_tokens (an answer that stops early comes sooner)."""
+    return round(estimate(load, Work(request.prompt_tokens, request.max_tokens)).latency_s, 2)
 
 
 def decide(request: RequestShape, gpu: GpuView | None, cpu: CpuView) -> Decision:
@@ -238,10 +256,12 @@ def decide(request: RequestShape, gpu: GpuView | None, cpu: CpuView) -> Decision
             f"{gpu.reserve_mib:.0f} MiB reserve",
         )
     if gpu.lane.has_free_slot:
-        return Decision(Route.GPU, Reason.ADMITTED, "fits on the GPU")
+        return Decision(Route.GPU, Reason.ADMITTED, "fits on the GPU",
+                        estimated_latency_s=latency_on(gpu.load, request) if gpu.load is not None else None)
     if gpu.lane.has_queue_room and _fits_budget(gpu.backlog_s, request):
         return Decision(Route.GPU_QUEUE, Reason.ADMITTED, "waiting for a GPU slot",
-                        estimated_latency_s=round(gpu.backlog_s, 2))
+                        estimated_latency_s=(latency_on(gpu.load, request) if gpu.load is not None
+                                             else round(gpu.backlog_s, 2)))
     if gpu.lane.has_queue_room:
         return _to_cpu(
             request, cpu, Reason.GPU_BUSY,

@@ -34,6 +34,7 @@ from ..engine.worker import WorkerState
 from ..http_basics import SseLineTooLong, aiter_sse_lines
 from .jobs import Attempt, Job, JobFailed, JobState, PathSpeed, WorkerFailure, WorkerRequestError
 from .lanes import Lane, Redirected
+from .latency import BusySpeeds, mean_busy
 
 # How often a request that waits on a worker asks whether the process can
 # still make progress at all (see Worker.liveness_problem).
@@ -71,6 +72,8 @@ class Backend:
         self.worker = worker
         self.lane = lane
         self.speed = speed
+        # Decode speed by how many slots were busy: what the latency estimate uses.
+        self.busy_speeds = BusySpeeds()
         self.fingerprint = fingerprint
         self._http = http
         self._deadlines = deadlines
@@ -253,6 +256,9 @@ class Backend:
         attempt.outcome = "completed"
         first = attempt.first_token_at or attempt.ended_at
         self.speed.observe(attempt.tokens, attempt.ended_at - first, job.prompt_tokens, first - attempt.started_at)
+        if attempt.tokens >= 4 and attempt.ended_at > first:
+            busy = mean_busy(first, attempt.ended_at, ((n.started_at, n.ended_at) for n in attempt.neighbours))
+            self.busy_speeds.observe(busy, (attempt.tokens - 1) / (attempt.ended_at - first))
         return attempt
 
     def _enter_process(self, job_id: str, attempt: Attempt) -> None:

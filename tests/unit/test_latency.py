@@ -1,0 +1,93 @@
+"""The latency estimate with plain numbers: speed per busy slot count, how
+busy a process was during an answer, and a queue played forward."""
+
+from dataclasses import replace
+
+import pytest
+
+from tray_app.core.dispatch.admission import (
+    CpuView, GpuView, LaneState, RequestShape, Route, decide, estimate_cpu_latency_s,
+)
+from tray_app.core.dispatch.latency import BusySpeeds, PathLoad, SpeedCurve, Work, estimate, mean_busy
+
+# One stream alone writes 100 tokens/s; two together 60 each (120 in all, not 200).
+SHARED_CORES = SpeedCurve(single_tokens_per_s=100.0, prompt_tokens_per_s=1e9, measured=((1, 100.0), (2, 60.0)))
+ANSWER = Work(prompt_tokens=0, answer_tokens=100)
+
+
+def test_each_busy_count_keeps_its_own_ewma_and_rounds_the_mean_count():
+    speeds = BusySpeeds(alpha=0.3)
+    speeds.observe(1.2, 100.0)
+    speeds.observe(1.6, 50.0)
+    speeds.observe(2.4, 40.0)
+    assert speeds.snapshot() == {"1": {"tokens_per_s": 100.0, "samples": 1},
+                                 "2": {"tokens_per_s": pytest.approx(0.3 * 40 + 0.7 * 50), "samples": 2}}
+    assert speeds.curve(80.0, 900.0).measured == ((1, 100.0), (2, pytest.approx(47.0)))
+
+
+def test_mean_busy_weighs_each_neighbour_by_its_overlap():
+    # 10 s of decoding: one neighbour there for its first 5 s, one still running from 8 s.
+    assert mean_busy(0.0, 10.0, [(-5.0, 5.0), (8.0, None), (11.0, 12.0)]) == pytest.approx(1.7)
+    assert mean_busy(3.0, 3.0, [(0.0, 9.0)]) == 1.0
+
+
+def test_unmeasured_counts_share_the_nearest_measured_aggregate():
+    assert SHARED_CORES.decode_tokens_per_s(2) == 60.0
+    assert SHARED_CORES.decode_tokens_per_s(4) == pytest.approx(30.0)    # 120 tok/s over 4 streams
+    nothing = SpeedCurve(single_tokens_per_s=100.0, prompt_tokens_per_s=1000.0)
+    assert nothing.decode_tokens_per_s(2) == pytest.approx(50.0)
+    only_four = replace(nothing, measured=((4, 20.0),))
+    assert only_four.decode_tokens_per_s(2) == pytest.approx(50.0)
+    assert only_four.decode_tokens_per_s(1) == pytest.approx(100.0)
+    slow_single_prior = replace(only_four, single_tokens_per_s=10.0)
+    assert slow_single_prior.decode_tokens_per_s(1) == pytest.approx(20.0)  # alone is no slower than among 4
+
+
+def test_eighth_of_eight_on_two_slots_runs_in_pairs_at_the_shared_speed():
+    # 2 running, 5 queued, all 100 tokens: four rounds of two at 60 tok/s.
+    load = PathLoad(slots=2, running=(ANSWER, ANSWER), queued=(ANSWER,) * 5, speeds=SHARED_CORES)
+    result = estimate(load, ANSWER)
+    assert result.wait_s == pytest.approx(3 * 100 / 60, abs=0.001)
+    assert result.latency_s == pytest.approx(4 * 100 / 60, abs=0.001)
+    # One stream's speed per slot said 7 * 1 s / 2 slots + 1 s = 4.5 s: a third short.
+
+
+def test_the_speed_changes_as_slots_free_up():
+    # One neighbour has 50 tokens left, one 100: ours starts when the first
+    # ends (0.83 s), writes 50 beside the other (0.83 s), then 50 alone at 100 tok/s.
+    load = PathLoad(slots=2, running=(Work(0, 50), ANSWER), queued=(), speeds=SHARED_CORES)
+    result = estimate(load, ANSWER)
+    assert result.wait_s == pytest.approx(50 / 60, abs=0.001)
+    assert result.latency_s == pytest.approx(50 / 60 + 50 / 60 + 50 / 100, abs=0.001)
+
+
+def test_a_free_slot_and_the_prompt_and_a_loading_worker():
+    curve = replace(SHARED_CORES, prompt_tokens_per_s=1000.0)
+    alone = estimate(PathLoad(slots=2, running=(), queued=(), speeds=curve), Work(500, 100))
+    assert (alone.wait_s, alone.latency_s) == (0.0, pytest.approx(0.5 + 1.0))
+    # Beside a running answer: the prompt first, then the answer at the shared speed.
+    beside = estimate(PathLoad(slots=2, running=(Work(0, 1000),), queued=(), speeds=curve), Work(500, 60))
+    assert beside.latency_s == pytest.approx(0.5 + 1.0, abs=0.001)
+    loading = estimate(PathLoad(slots=2, running=(), queued=(), speeds=curve, not_before_s=4.0), Work(500, 100))
+    assert loading.latency_s == pytest.approx(5.5)
+
+
+LANE = LaneState(context_cap=2048, running=2, concurrency=2, queued=5, queue_limit=16)
+BUSY_CPU = CpuView(lane=LANE, can_serve=True, out_reason=None, host_available_mib=16000, ram_floor_mib=1024,
+                   request_ram_mib=40, tokens_per_s=100.0, prompt_tokens_per_s=1e9, backlog_s=3.5,
+                   load=PathLoad(slots=2, running=(ANSWER, ANSWER), queued=(ANSWER,) * 5, speeds=SHARED_CORES))
+
+
+def test_the_cpu_estimate_and_the_header_use_the_speed_per_busy_slot():
+    request = RequestShape(prompt_tokens=0, max_tokens=100, force_cpu=True, queue_budget_s=60.0)
+    assert estimate_cpu_latency_s(request, BUSY_CPU) == pytest.approx(6.67)
+    decision = decide(request, None, BUSY_CPU)
+    assert decision.route is Route.CPU and decision.estimated_latency_s == pytest.approx(6.67)
+
+
+def test_a_gpu_request_gets_an_estimate_too():
+    lane = LaneState(context_cap=4096, running=1, concurrency=4, queued=0, queue_limit=8)
+    gpu = GpuView(lane=lane, out=None, free_vram_mib=2000, reserve_mib=512, request_vram_mib=50,
+                  load=PathLoad(slots=4, running=(Work(0, 1000),), queued=(), speeds=SHARED_CORES))
+    decision = decide(RequestShape(prompt_tokens=0, max_tokens=120), gpu, BUSY_CPU)
+    assert decision.route is Route.GPU and decision.estimated_latency_s == pytest.approx(2.0)
