@@ -22,6 +22,7 @@ from starlette.applications import Starlette
 from tests.harness import BASE_CONFIG
 from tray_app.core.api.app import create_app
 from tray_app.core.config import parse_config_text
+from tray_app.core.memory.telemetry import GpuReader
 from tray_app.core.service import Service
 
 from .upstream import FakeUpstream
@@ -47,13 +48,14 @@ def isolate_user_folders(monkeypatch: pytest.MonkeyPatch, tmp: Path) -> None:
 
 
 @contextlib.asynccontextmanager
-async def in_process_service(tmp: Path, config_text: str = BASE_CONFIG, *,
-                             upstream: FakeUpstream | None = None) -> AsyncIterator[InProcess]:
+async def in_process_service(tmp: Path, config_text: str = BASE_CONFIG, *, upstream: FakeUpstream | None = None,
+                             gpu_reader: GpuReader | None = None) -> AsyncIterator[InProcess]:
     """A started service (its resident workers ready) and a client for its app;
-    stopped after. Call isolate_user_folders first."""
+    stopped after. Call isolate_user_folders first. `gpu_reader` stands for
+    the device when the config simulates none."""
     workers, upstream = FakeWorkers(), upstream or FakeUpstream()
     service = Service(parse_config_text(config_text), runtime=FakeRuntime(), log_dir=tmp / "logs",
-                      worker_factory=workers, http_transport=upstream.transport())
+                      worker_factory=workers, http_transport=upstream.transport(), gpu_reader=gpu_reader)
     app = create_app(service)
     # ASGITransport sends no lifespan events: run the app's own lifespan (it starts and stops the service).
     async with app.router.lifespan_context(app):

@@ -20,6 +20,7 @@ import pytest
 from tests.harness import BASE_CONFIG, RunningService, wait_gone
 from tests.hostile_bodies import HOSTILE_BODIES, acceptable
 from tray_app.core.config import bundled_model_path
+from tray_app.core.status_contract import validate_status
 
 pytestmark = pytest.mark.integration
 
@@ -267,7 +268,8 @@ def test_admin_pressure_refuses_what_would_break_status(hardened, value):
     response = hardened.http.post("/admin/gpu", content=f'{{"simulated_pressure_mib": {value}}}'.encode(),
                                   headers={"Content-Type": "application/json"})
     assert response.status_code == 400, response.text
-    assert hardened.http.get("/status").status_code == 200
+    status = hardened.http.get("/status")
+    assert status.status_code == 200 and validate_status(status.json()) == []
 
 
 @pytest.mark.parametrize("field", ["given_back", "yield_to_other_apps", "paused"])

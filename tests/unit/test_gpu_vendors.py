@@ -498,7 +498,7 @@ class FakeNvml:
         self.closed = True
 
 
-NO_NVML = UNKNOWN_GPU("NVIDIA driver not loaded (NVML: Driver Not Loaded); running CPU-only")
+NO_NVML = UNKNOWN_GPU("NVIDIA driver not loaded (NVML: Driver Not Loaded)")
 NVIDIA = GpuReading(available=True, simulated=False, devices=(
     GpuDevice(index=0, name="NVIDIA GeForce RTX 4090", total_mib=24564.0, used_mib=500.0, free_mib=24064.0),))
 

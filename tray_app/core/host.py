@@ -16,7 +16,6 @@ import asyncio
 import collections
 import hashlib
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -24,15 +23,16 @@ from typing import Any, Callable, Protocol
 from .dispatch.admission import Decision, Reason, Route
 from .dispatch.backend import Backend, Deadlines
 from .dispatch.breaker import CircuitBreaker
-from .dispatch.dispatcher import EXPECTED_ANSWER_TOKENS, Costs, Dispatcher, Limits
+from .dispatch.dispatcher import Costs, Dispatcher, Limits
 from .dispatch.jobs import Attempt, Job, PathSpeed
 from .dispatch.lanes import Lane
 from .engine.exits import ExitKind
-from .engine.runtime import WorkerRuntime
+from .engine.runtime import IMAGE_MAX_TOKENS, WorkerRuntime
+from .engine.launch_env import workers_share_cores
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
 from .library import LibraryModel
 from .memory import estimate
-from .memory.gguf_info import ModelInfo, read_model_info
+from .memory.gguf_info import ModelInfo, ProjectorInfo, read_model_info, read_paired_projector
 from .memory.telemetry import wait_for_vram_recovery
 from .residency.coordinator import ResidencyCoordinator
 from .residency.gpu import GpuSharing, prior_load_s
@@ -80,6 +80,9 @@ class ModelFiles:
     fallback_info: ModelInfo
     gpu_fingerprint: str
     cpu_fingerprint: str
+    # Each path's multimodal projector, when the model has one and the runtime reads images.
+    projector: ProjectorInfo | None = None
+    cpu_projector: ProjectorInfo | None = None
 
 
 def read_model_files(model: LibraryModel, runtime: WorkerRuntime, gpu_runtime: WorkerRuntime) -> ModelFiles:
@@ -88,8 +91,12 @@ def read_model_files(model: LibraryModel, runtime: WorkerRuntime, gpu_runtime: W
     model_info = read_model_info(model.path)
     cpu_path = model.cpu_path or model.path
     fallback_info = model_info if cpu_path == model.path else read_model_info(cpu_path)
+    projector = (read_paired_projector(model.mmproj, model_info)
+                 if model.mmproj is not None and getattr(gpu_runtime, "supports_images", False) else None)
+    cpu_projector = (read_paired_projector(model.cpu_mmproj, fallback_info)
+                     if model.cpu_mmproj is not None and getattr(runtime, "supports_images", False) else None)
     return ModelFiles(model_info, fallback_info, system_fingerprint(gpu_runtime.describe(), model_info.path),
-                      system_fingerprint(runtime.describe(), fallback_info.path))
+                      system_fingerprint(runtime.describe(), fallback_info.path), projector, cpu_projector)
 
 
 class ModelHost:
@@ -102,6 +109,10 @@ class ModelHost:
         self.name = model.name
         files = files or read_model_files(model, runtime, gpu_runtime)
         self.model_info: ModelInfo = files.model_info
+        self.projector, self.cpu_projector = files.projector, files.cpu_projector
+        # What one image counts for in a prompt: the most tokens the projector makes of it.
+        self.image_tokens = (estimate.image_tokens_bound(self.projector, IMAGE_MAX_TOKENS)
+                             if self.projector is not None else 0)
         cpu_path = model.cpu_path or model.path
         self.fallback_info: ModelInfo = files.fallback_info
         self.model_id = self.model_info.path.stem if model.is_default else model.name
@@ -121,10 +132,12 @@ class ModelHost:
         self.gpu_settings = estimate.WorkerSettings(
             n_ctx=model.gpu_n_ctx * self.slots["gpu"], n_gpu_layers=model.gpu_layers,
             n_batch=config.worker.n_batch, n_parallel=self.slots["gpu"], logits_all=False,
+            projector=self.projector, image_max_tokens=IMAGE_MAX_TOKENS,
         )
         self.cpu_settings = estimate.WorkerSettings(
             n_ctx=model.cpu_n_ctx * self.slots["cpu"], n_gpu_layers=0, n_batch=config.worker.n_batch,
             n_parallel=self.slots["cpu"], logits_all=False,
+            projector=self.cpu_projector, image_max_tokens=IMAGE_MAX_TOKENS,
         )
         # Every offloaded layer on the local GPU. What it is charged is
         # gpu_footprint: less when [gpu] rpc_servers lend devices.
@@ -135,6 +148,12 @@ class ModelHost:
         self.last_used = self._clock()
         self.requests_by_path: collections.Counter[str] = collections.Counter()
 
+        # Whether this model's GPU and CPU workers compute on the same cores
+        # (then their OpenMP threads spin briefly; see engine/launch_env.py).
+        self.workers_share_cores = workers_share_cores(
+            gpu_worker=gpu_missing_reason is None, simulated=service.simulated is not None,
+            layers_offloaded=estimate.layers_offloaded(self.model_info, model.gpu_layers),
+            layers_total=self.model_info.n_layer + 1)
         hooks = _HostHooks(self)
         backends = {"cpu": self._backend("cpu", runtime, hooks, files.cpu_fingerprint)}
         if gpu_missing_reason is None:
@@ -192,7 +211,9 @@ class ModelHost:
         spec = WorkerSpec(path, info.path, info.path.stem, model.gpu_n_ctx if path == "gpu" else model.cpu_n_ctx,
                           model.gpu_layers if path == "gpu" else 0, config.worker.n_batch,
                           config.cpu.n_threads, parallel=slots,
-                          rpc_servers=self.rpc_servers if path == "gpu" else ())
+                          rpc_servers=self.rpc_servers if path == "gpu" else (),
+                          shares_cores=self.workers_share_cores,
+                          mmproj=self.projector_path(path))
         worker = service.worker_factory(spec, runtime, service.log_dir, config.worker, hooks, self._clock,
                         log_name=None if model.is_default else f"{path}-{model.name}")
         settings = config.gpu if path == "gpu" else config.cpu
@@ -217,6 +238,11 @@ class ModelHost:
         expected_s = job.prompt_tokens / max(1.0, speed.prompt_tokens_per_s)
         return min(self.service.config.gpu.first_token_timeout_s,
                    FIRST_TOKEN_SLACK_S + FIRST_TOKEN_FACTOR * expected_s)
+
+    def projector_path(self, path: str) -> Path | None:
+        """The projector the worker on `path` loads, None when it reads no images."""
+        projector = self.projector if path == "gpu" else self.cpu_projector
+        return projector.path if projector is not None else None
 
     def note(self, kind: str, **data: Any) -> None:
         """An event in the log, naming this model unless it is the default one."""
@@ -283,17 +309,17 @@ class ModelHost:
         whose memory has been read, only the layers llama.cpp's split leaves
         here (estimate.local_gpu_layers); otherwise all of them, as if there
         were no remote device (conservative)."""
-        layers = self._local_gpu_layers()
+        layers = self.local_gpu_layers()
         if layers is None:
             return self.all_local_gpu_footprint
         return estimate.local_footprint(self.model_info, self.gpu_settings, layers)
 
     def local_gpu_settings(self) -> estimate.WorkerSettings:
         """The GPU worker's settings as the local GPU sees them: its layers only."""
-        layers = self._local_gpu_layers()
+        layers = self.local_gpu_layers()
         return self.gpu_settings if layers is None else estimate.with_gpu_layers(self.gpu_settings, layers)
 
-    def _local_gpu_layers(self) -> int | None:
+    def local_gpu_layers(self) -> int | None:
         """The offloaded layers on the local GPU; None when there are no RPC
         servers or their memory is not known yet. llama.cpp weighs the local
         GPU by its free memory at load; its total stands in for that here:
@@ -309,23 +335,6 @@ class ModelHost:
             return None
         offloaded = estimate.layers_offloaded(self.model_info, self.gpu_settings.n_gpu_layers)
         return estimate.local_gpu_layers(offloaded, local_total, remote)
-
-    def rpc_split(self) -> dict[str, Any] | None:
-        """/status gpu.rpc_split: what admission charges the local GPU with."""
-        if not self.rpc_servers:
-            return None
-        offloaded = estimate.layers_offloaded(self.model_info, self.gpu_settings.n_gpu_layers)
-        layers = self._local_gpu_layers()
-        return {
-            "offloaded_layers": offloaded,
-            "local_layers": layers,
-            "local_share": round(layers / offloaded, 3) if layers is not None and offloaded else None,
-            "local_gpu_mib": round(self.gpu_footprint.gpu.total / MIB, 1),
-            "all_local_gpu_mib": round(self.all_local_gpu_footprint.gpu.total / MIB, 1),
-            "basis": ("llama.cpp's default split by free memory: the local GPU's total against the remote "
-                      "devices' last reading" if layers is not None else
-                      "the remote devices' memory is not known: all layers charged to the local GPU"),
-        }
 
     def vram_mib(self, reading=None) -> float:
         """What this model's GPU worker holds on the device: NVML's
@@ -385,88 +394,6 @@ class ModelHost:
             if worker.role == "cpu" and self.on_demand_cpu is not None and worker.state is WorkerState.STOPPED:
                 continue
             worker.restart("restart requested by the user")
-
-    # ----- what it says about itself (reads only) -----------------------------------
-
-    def location(self) -> str:
-        """Where the model is loaded now: "gpu", "cpu", "gpu+cpu", "loading" or "unloaded"."""
-        places = [w.role for w in self.workers() if w.state is WorkerState.READY]
-        if places:
-            return "+".join(places)
-        if any(w.state is WorkerState.STARTING for w in self.workers()):
-            return "loading"
-        return "unloaded"
-
-    def degraded(self) -> dict[str, Any]:
-        observer = self.service.observer
-        cause = self.dispatcher.degraded_cause()
-        serving = sorted({job.peer for job in self.dispatcher.jobs.values()
-                          if job.path == "peer" and job.peer is not None})
-        default = self.model.is_default
-        return {
-            # The default model's degraded mode is the observer's (with its
-            # debounce and history); another model's is its dispatcher's now.
-            "active": observer.degraded_since is not None if default else cause is not None,
-            "reason": observer.degraded_reason if default else cause,
-            "since": observer.degraded_since if default else None,
-            "model": self.model_id,
-            "fallback_model": self.fallback_model_id,
-            "fallback_equivalent": self.equivalence["equivalent"],
-            "fallback_detail": self.equivalence["detail"],
-            # What a typical new request (64 prompt tokens) would wait now.
-            "estimated_latency_s": round(self.dispatcher.cpu_wait_s(64, EXPECTED_ANSWER_TOKENS), 2),
-            "cpu_context_cap": self.model.cpu_n_ctx,
-            "cpu_queue_depth": len(self.dispatcher.cpu.lane.waiting_ids),
-            # The peers serving this model's requests now (degraded mode names
-            # them), and what a typical request takes there (None: not measured yet).
-            "peers": serving,
-            "peer_latency_s": {name: self._peer_estimate_s(name) for name in serving},
-        }
-
-    def _peer_estimate_s(self, name: str) -> float | None:
-        peers = self.dispatcher.peers
-        peer = peers.get(name) if peers is not None else None
-        return peer.estimate_s(64, EXPECTED_ANSWER_TOKENS) if peer is not None else None
-
-    def worker_status(self, snapshot) -> list[dict[str, Any]]:
-        workers = []
-        for worker in self.workers():
-            info = worker.snapshot()
-            info["rss_mib"] = snapshot.host.rss_mib_by_pid.get(worker.pid) if worker.pid else None
-            footprint = self.gpu_footprint if worker.role == "gpu" else self.cpu_footprint
-            info["estimated_vram_mib"] = round(footprint.gpu.total / MIB, 1)
-            info["estimated_ram_mib"] = round(footprint.host.total / MIB, 1)
-            workers.append(info)
-        return workers
-
-    def summary(self) -> dict[str, Any]:
-        """This model's line in /status["models"] and /v1/models."""
-        model = self.model
-        sharing = self.sharing
-        gpu, cpu = self.gpu_worker, self.cpu_worker
-        return {
-            "name": self.model_id, "aliases": list(model.aliases), "source": model.source,
-            "path": str(model.path), "size_bytes": self.model_info.file_size,
-            "cpu_fallback": None if model.cpu_path is None else self.fallback_model_id,
-            "location": self.location(),
-            "gpu": sharing.state() if sharing is not None else "unavailable",
-            "cpu": cpu.state.value if cpu is not None else None,
-            "gpu_pid": gpu.pid if gpu is not None else None,
-            "estimated_vram_mib": round(self.gpu_footprint.gpu.total / MIB, 1),
-            "estimated_ram_mib": round(self.cpu_footprint.host.total / MIB, 1),
-            "vram_mib": round(self.vram_mib(), 1),
-            "context": {"gpu": model.gpu_n_ctx, "cpu": model.cpu_n_ctx},
-            "idle_unload_s": model.idle_unload_s,
-            "last_used": round(time.time() - (self._clock() - self.last_used), 3),
-            "loads": sharing.loads if sharing is not None else 0,
-            "last_load_s": sharing.last_load_s if sharing is not None else None,
-            "evictions": sharing.evictions if sharing is not None else 0,
-            "requests": dict(self.requests_by_path),
-            "in_flight": self.in_flight(),
-            "breaker": self.breaker.snapshot()["state"],
-            "degraded": self.dispatcher.degraded_cause(),
-            "logs": {w.role: str(w.log_path) for w in self.workers()},
-        }
 
     # ----- worker hooks ---------------------------------------------------------------
 

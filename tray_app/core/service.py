@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -26,24 +25,24 @@ import httpx
 
 from .api.metrics import ServiceMetrics
 from .config import Config, ConfigError, log_dir as default_log_dir, peer_base_url, simulated_device_dir
-from .dispatch.lanes import Lane
 from .dispatch.peer import Peer, Peers
-from .embeddings import SPECIAL_TOKEN_MARGIN, EmbeddingPath, embedding_runtime
+from .embedding_setup import build_embedding_path
+from .embeddings import EmbeddingPath
 from .engine.handle import WorkerFactory
 from .engine.offload_probe import workers_gpu_offload_support
 from .engine.runtime import RuntimeChoice, WorkerRuntime, choose_runtime, rpc_runtime_problem
-from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
+from .engine.worker import Worker, WorkerState
 from .host import ModelFiles, ModelHost, read_model_files
 from .library import Library, LibraryError, build_library
-from .memory import estimate
 from .memory.gguf_info import ModelFileError
 from .memory.gpu_readers import detect_gpu_reader
-from .memory.telemetry import GpuReader, MemorySnapshot, SimulatedGpu
+from .memory.telemetry import GpuReader, MemorySnapshot, SimulatedGpu, gpu_path_missing_reason
 from .observe import Observer
 from .residency.coordinator import ResidencyCoordinator
 from .rpc import RpcHealth
+from .status_build import build_status, gpu_status, health
+from .status_contract import GpuStatus, Status
 
-MIB = 1024 * 1024
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +96,8 @@ class Service:
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=5.0),
                                       limits=httpx.Limits(max_connections=64, max_keepalive_connections=0),
                                       trust_env=False, transport=http_transport)
-        gpu_missing_reason = self._gpu_disabled_reason()
+        gpu_missing_reason = gpu_path_missing_reason(config.gpu.enabled, self.simulated is not None,
+                                                     self.gpu_reader.read, self.offload_support)
         # Kept for the hosts of models added later (rescan_models).
         self._gpu_runtime, self._gpu_missing_reason = gpu_runtime, gpu_missing_reason
         self.observer = Observer(self.gpu_reader, self.worker_pids, self._degraded_cause, on_sample=self._on_sample)
@@ -133,7 +133,13 @@ class Service:
         self.embeddings: EmbeddingPath | None = None
         self.embeddings_off_reason: str | None = None
         if config.embeddings.enabled:
-            self.embeddings = self._embedding_path(runtime)
+            path = build_embedding_path(config, runtime, self.model_info, self.model_id,
+                                        worker_factory=worker_factory, log_dir=self.log_dir,
+                                        observer=self.observer, http=self.http, clock=clock)
+            if isinstance(path, EmbeddingPath):
+                self.embeddings = path
+            else:
+                self.embeddings_off_reason = path
         else:
             self.embeddings_off_reason = "embeddings are disabled in the config ([embeddings] enabled = false)"
         self.observer.sample()
@@ -161,48 +167,8 @@ class Service:
         return self.default_host.counter
 
     @property
-    def equivalence(self) -> dict[str, Any]:
-        return self.default_host.equivalence
-
-    @property
-    def slots(self) -> dict[str, int]:
-        return self.default_host.slots
-
-    @property
-    def gpu_footprint(self):
-        return self.default_host.gpu_footprint
-
-    @property
-    def cpu_footprint(self):
-        return self.default_host.cpu_footprint
-
-    @property
-    def gpu_recovery_s(self) -> float | None:
-        return self.default_host.gpu_recovery_s
-
-    @property
-    def breaker(self):
-        return self.default_host.breaker
-
-    @property
     def dispatcher(self):
         return self.default_host.dispatcher
-
-    @property
-    def sharing(self):
-        return self.default_host.sharing
-
-    @property
-    def on_demand_cpu(self):
-        return self.default_host.on_demand_cpu
-
-    @property
-    def gpu_worker(self) -> Worker | None:
-        return self.default_host.gpu_worker
-
-    @property
-    def cpu_worker(self) -> Worker:
-        return self.default_host.cpu_worker
 
     @property
     def gpu_paused(self) -> bool:
@@ -245,36 +211,6 @@ class Service:
         model = self.library.resolve(name)
         return self.hosts[model.name] if model is not None else None
 
-    def _embedding_path(self, runtime: WorkerRuntime) -> EmbeddingPath | None:
-        """The embedding worker on the main model file, CPU only (it must not
-        take VRAM the GPU worker's admission counts on), or None with the
-        reason when the engine can't serve embeddings."""
-        config = self.config
-        settings = config.embeddings
-        slots = min(settings.max_concurrency, runtime.max_parallel)
-        # A slot holds the longest accepted input plus the special tokens the server may add.
-        slot_ctx = settings.n_ctx + SPECIAL_TOKEN_MARGIN
-        chosen = embedding_runtime(runtime, settings.pooling, slot_ctx)
-        if isinstance(chosen, str):
-            self.embeddings_off_reason = chosen
-            return None
-        info = self.model_info
-        spec = WorkerSpec("embed", info.path, info.path.stem, slot_ctx, 0, slot_ctx, settings.n_threads,
-                          parallel=slots)
-        worker = self.worker_factory(spec, chosen, self.log_dir, config.worker, _EmbedHooks(self.observer),
-                                     self.clock)
-        footprint = estimate.estimate_worker(info, estimate.WorkerSettings(
-            n_ctx=slot_ctx * slots, n_gpu_layers=0, n_batch=slot_ctx, n_ubatch=slot_ctx, n_parallel=slots,
-            logits_all=False))
-        return EmbeddingPath(
-            worker, Lane("embed", slots, settings.queue_limit, self.clock), self.http,
-            model=self.model_id, pooling=settings.pooling, n_ctx=settings.n_ctx, dimensions=info.n_embd,
-            idle_unload_s=settings.idle_unload_s, ready_timeout_s=config.worker.ready_timeout_s,
-            ram_floor_mib=config.cpu.ram_floor_mib, load_ram_mib=footprint.host.total / MIB,
-            available_ram_mib=lambda: self.observer.latest().host.available_mib,
-            note=self.observer.note, changed=self.observer.advance, clock=self.clock,
-        )
-
     def _on_sample(self, snapshot: MemorySnapshot) -> None:
         self.residency.on_sample(snapshot)
         if self.embeddings is not None:
@@ -308,18 +244,6 @@ class Service:
         self.observer.add_listener(listener)
 
     # ----- lifecycle ----------------------------------------------------------
-
-    def _gpu_disabled_reason(self) -> str | None:
-        if not self.config.gpu.enabled:
-            return "the GPU path is disabled in the config ([gpu] enabled = false)"
-        if self.simulated is not None:
-            return None
-        reading = self.gpu_reader.read()
-        if not reading.available:
-            return f"no usable GPU: {reading.reason}; serving CPU-only"
-        if self.offload_support.supported is False:
-            return f"GPU found, but {self.offload_support.message}; serving CPU-only"
-        return None
 
     async def start(self) -> None:
         # First, while the RPC servers are free to answer: their memory, before a GPU worker takes them.
@@ -371,7 +295,7 @@ class Service:
     def give_gpu_back(self, given: bool) -> None:
         """The tray's "Give the GPU back now" (True): every loaded model's
         GPU worker unloads; "Use the GPU again" (False): those come back."""
-        if self.sharing is None:
+        if self.default_host.sharing is None:
             raise ValueError(self.dispatcher.gpu_missing_reason or "there is no GPU path")
         for host in self.hosts.values():
             sharing = host.sharing
@@ -422,7 +346,7 @@ class Service:
             host.sharing.keep_alive(seconds)
 
     def set_yield_to_other_apps(self, enabled: bool) -> None:
-        if self.sharing is None:
+        if self.default_host.sharing is None:
             raise ValueError(self.dispatcher.gpu_missing_reason or "there is no GPU path")
         for host in self.hosts.values():
             if host.sharing is not None:
@@ -459,88 +383,14 @@ class Service:
 
     # ----- the snapshot (reads only) ---------------------------------------------------
 
-    def degraded(self) -> dict[str, Any]:
-        return self.default_host.degraded()
-
     def health(self) -> tuple[bool, str]:
-        host = self.default_host
-        out = host.dispatcher.gpu_out()
-        if out is None:
-            return True, "the GPU path can serve"
-        if out.quiet:
-            return True, out.detail
-        gpu_out = out.detail
-        cpu = host.cpu_worker
-        if cpu.state is WorkerState.READY:
-            return True, f"the CPU path can serve (degraded: {gpu_out})"
-        if host.on_demand_cpu is not None and cpu.gave_up is None:
-            return True, f"the CPU path loads on demand (degraded: {gpu_out})"
-        why = cpu.gave_up or cpu.unhealthy_reason
-        return False, f"no path can serve: GPU: {gpu_out}; CPU worker is {cpu.state.value}" + (f" ({why})" if why else "")
+        return health(self.default_host)
 
-    def engine_status(self) -> dict[str, Any]:
-        return {"runtime": self.runtime.name, "version": self.runtime.describe(),
-                "configured": self.config.engine.runtime, "fallback_reason": self.engine_fallback_reason,
-                "slots": dict(self.slots), "cpu_keep": self.config.cpu.keep,
-                "fallback_policy": self.config.routing.fallback}
+    def gpu_status(self) -> GpuStatus:
+        return gpu_status(self)
 
-    def gpu_status(self) -> dict[str, Any]:
-        gpu_status = self.observer.latest().gpu.to_status()
-        gpu_status["reserve_mib"] = self.config.gpu.reserve_mib
-        gpu_status["path_out_reason"] = self.dispatcher.gpu_out_reason()
-        gpu_status["offload_supported"] = self.offload_support.supported
-        gpu_status["offload_message"] = self.offload_support.message
-        if self.simulated is not None:
-            gpu_status["pressure_mib"] = self.simulated.pressure_mib
-            gpu_status["simulated_device_dir"] = str(self.simulated.others_dir)
-        gpu_status["residency"] = self.sharing.status() if self.sharing is not None else None
-        gpu_status["rpc_servers"] = self.rpc_health.status()
-        gpu_status["rpc_split"] = self.default_host.rpc_split()  # the local GPU's share admission charges
-        return gpu_status
-
-    def status(self) -> dict[str, Any]:
-        """The default model's paths at the top level (as before there was a
-        library), and every model's line under "models"."""
-        snapshot = self.observer.latest()
-        host = self.default_host
-        dispatcher = host.dispatcher
-        healthy, health_reason = self.health()
-        backends = {path: b for path, b in (("gpu", dispatcher.gpu), ("cpu", dispatcher.cpu)) if b is not None}
-        hosts = list(self.hosts.values())
-        return {
-            "service": {"pid": os.getpid(), "started_at": self.started_at, "model": self.model_id, "healthy": healthy,
-                        "health_reason": health_reason, "gpu_paused": dispatcher.gpu_paused},
-            "workers": host.worker_status(snapshot),
-            "engine": self.engine_status(),
-            "gpu": self.gpu_status(),
-            "ram": {**snapshot.host.to_status(), "floor_mib": self.config.cpu.ram_floor_mib},
-            "breaker": host.breaker.snapshot(),
-            "queues": {"gpu": dispatcher.gpu.lane.snapshot() if dispatcher.gpu is not None else _NO_LANE,
-                       "cpu": dispatcher.cpu.lane.snapshot()},
-            "degraded": self.degraded(),
-            "requests": [r for h in hosts for r in h.dispatcher.request_status()],
-            "recent_decisions": list(dispatcher.recent)[-20:],
-            "speeds": {path: {"tokens_per_s": round(b.speed.tokens_per_s, 2), "samples": b.speed.samples}
-                       for path, b in backends.items()},
-            "gpu_recovery_s": self.gpu_recovery_s,
-            "accounting": {"completed_executions": sum(h.dispatcher.completed_total for h in hosts),
-                           "duplicate_executions": sum(h.dispatcher.duplicate_executions for h in hosts)},
-            "events": list(self.observer.events)[-20:],
-            "embeddings": self.embeddings_status(),
-            "models": [h.summary() for h in hosts],
-            "library_problems": list(self.library_problems),
-            "peers": self.peers.status(),
-        }
-
-    def embeddings_status(self) -> dict[str, Any]:
-        """/status["embeddings"]: kept out of "workers", which readers take to
-        be the GPU and CPU paths."""
-        path = self.embeddings
-        if path is None:
-            return {"enabled": False, "reason": self.embeddings_off_reason}
-        pid = path.worker.pid
-        rss = self.observer.latest().host.rss_mib_by_pid.get(pid) if pid else None
-        return path.status(rss_mib=round(rss, 1) if rss is not None else None)
+    def status(self) -> Status:
+        return build_status(self)
 
 
 _CANT_SERVE = "not a readable GGUF model file; the server's log says why"
@@ -575,21 +425,3 @@ def _read_new_models(config: Config, library: Library, served: set[str], runtime
             found.append((model, _CANT_SERVE))
     return found
 
-
-class _EmbedHooks(WorkerHooks):
-    """The embedding worker's events go to the event log; it needs nothing before it starts."""
-
-    def __init__(self, observer: Observer) -> None:
-        self._observer = observer
-
-    async def before_spawn(self, worker: Worker) -> LaunchExtras:
-        return LaunchExtras()
-
-    def on_event(self, event: WorkerEvent) -> None:
-        self._observer.note("worker", role=event.role, state=event.state.value,
-                            exit=event.exit.describe() if event.exit else None)
-        self._observer.advance()
-
-
-# /status has both queues even when there is no GPU worker.
-_NO_LANE = {"running": 0, "concurrency": 0, "depth": 0, "limit": 0, "oldest_age_s": 0.0}

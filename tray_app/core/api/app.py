@@ -27,6 +27,7 @@ from ..dispatch.quarantine import request_fingerprint
 from ..grammar_check import GrammarChecker
 from ..host import ModelHost
 from ..service import Service
+from ..status_build import model_summary
 from . import bounds
 from .embeddings import openai_embeddings
 from .errors import error_response, error_response_for_path
@@ -140,7 +141,7 @@ class Router:
         def where(host: ModelHost | None) -> dict[str, Any]:
             if host is None:
                 return {"role": "cpu_fallback", "fallback_of": service.model_id}
-            summary = host.summary()
+            summary = model_summary(host)
             return {key: summary[key] for key in ("location", "gpu", "cpu", "size_bytes", "estimated_vram_mib",
                                                   "aliases", "source", "cpu_fallback")}
 
@@ -223,7 +224,7 @@ class Router:
                 await self.service.unload_model(host)
             except ValueError as exc:
                 return error_response(409, str(exc), "model_busy")
-        return JSONResponse(host.summary(), status_code=202 if loaded else 200)
+        return JSONResponse(model_summary(host), status_code=202 if loaded else 200)
 
     async def admin_rescan(self, request: Request) -> Response:
         """POST /admin/library/rescan: models downloaded into the folder since the start are served now."""

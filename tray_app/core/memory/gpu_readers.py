@@ -286,7 +286,7 @@ def find_gpu_reader(nvml: GpuReader, sys_root: Path, proc_root: Path,
         return nvml, ""
     nvml.close()
     # The service says "serving CPU-only" itself, after all the reasons.
-    reasons = [(nvml_reading.reason or "NVML sees no NVIDIA GPU").removesuffix("; running CPU-only")]
+    reasons = [nvml_reading.reason or "NVML sees no NVIDIA GPU"]
 
     cards = scan_cards(sys_root)
     fallback = first_device_total_mib(llama_probe) if llama_probe is not None else None

@@ -269,12 +269,12 @@ class NvmlGpuReader:
                     warnings.simplefilter("ignore", FutureWarning)
                     self._nvml = importlib.import_module("pynvml")
             except ImportError as error:
-                return UNKNOWN_GPU(f"pynvml is not installed ({error}); running CPU-only")
+                return UNKNOWN_GPU(f"pynvml is not installed ({error})")
         nvml = self._nvml
         try:
             nvml.nvmlInit()
         except nvml.NVMLError as error:
-            return UNKNOWN_GPU(f"{_describe_nvml_error(nvml, error)}; running CPU-only")
+            return UNKNOWN_GPU(_describe_nvml_error(nvml, error))
         self._initialized = True
         return None
 
@@ -299,7 +299,7 @@ class NvmlGpuReader:
                 self._shutdown()
             return UNKNOWN_GPU(_describe_nvml_error(nvml, error))
         if not devices:
-            return UNKNOWN_GPU("NVML reports no NVIDIA GPUs; running CPU-only")
+            return UNKNOWN_GPU("NVML reports no NVIDIA GPUs")
         return GpuReading(available=True, simulated=False, devices=devices)
 
     def _ends_session(self, error: BaseException) -> bool:
@@ -557,6 +557,29 @@ class TelemetryHistory:
 class OffloadSupport:
     supported: bool | None  # None = llama_cpp could not be imported
     message: str
+
+
+# A reading says what it saw of the device; what the service makes of it
+# ("serving CPU-only") is said once, here, after the reason.
+CPU_ONLY = "serving CPU-only"
+GPU_DISABLED_IN_CONFIG = "the GPU path is disabled in the config ([gpu] enabled = false)"
+
+
+def gpu_path_missing_reason(enabled: bool, simulated: bool, read_gpu: Callable[[], GpuReading],
+                            offload: OffloadSupport) -> str | None:
+    """Why the service has no GPU path, or None when it has one: the config
+    turned it off, no device answered, or the worker's build can't offload.
+    The device is read only when that decides it (a disabled GPU is never probed)."""
+    if not enabled:
+        return GPU_DISABLED_IN_CONFIG
+    if simulated:
+        return None
+    reading = read_gpu()
+    if not reading.available:
+        return f"no usable GPU: {reading.reason}; {CPU_ONLY}"
+    if offload.supported is False:
+        return f"GPU found, but {offload.message}; {CPU_ONLY}"
+    return None
 
 
 def _local_gpu_backend(llama_cpp: Any) -> bool:
