@@ -226,13 +226,13 @@ def test_after_sigkill_a_restart_reclaims_the_port_and_inflight_clients_get_an_e
 
 
 def test_worker_logs_rotate_and_are_capped(tmp_path):
-    from tray_app.core.engine.runtime import LlamaCppPythonRuntime
-    from tray_app.core.engine.worker import LOG_FILE_BACKUPS, LOG_FILE_BYTES, Worker, WorkerSpec
+    from tray_app.core.engine.worker_log import LOG_FILE_BACKUPS, LOG_FILE_BYTES, WorkerLog
 
-    worker = Worker(WorkerSpec("cpu", bundled_model_path(), "m", 512, 0), LlamaCppPythonRuntime(), tmp_path)
+    worker_log = WorkerLog(tmp_path, "cpu")
     line = "x" * 1000
     for _ in range((LOG_FILE_BACKUPS + 3) * LOG_FILE_BYTES // 1000):
-        worker._file_log.info(line)
+        worker_log.note(line)
+    worker_log.close()
     files = sorted(tmp_path.glob("cpu-worker.log*"))
     assert len(files) == LOG_FILE_BACKUPS + 1
     assert all(f.stat().st_size <= LOG_FILE_BYTES + 2000 for f in files)

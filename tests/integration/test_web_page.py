@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -32,6 +33,26 @@ SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
 DESKTOP, PHONE = {"width": 1280, "height": 900}, {"width": 390, "height": 844}
 # A model name that would run a script if the page put the service's text in as HTML.
 HOSTILE_NAME = '<img src=x onerror="document.title=`pwned`">'
+# Model text with every Markdown piece the chat renders, and three ways to smuggle markup in.
+MARKDOWN_ANSWER = """# Plan
+Some **bold**, some *italic* and `x < y` inline.
+
+- first item
+- second with [a link](https://example.org/docs)
+
+1. one
+2. two
+
+```python
+print("<b>not bold</b>")
+```
+
+[a trap](javascript:document.title='pwned') and <img src=x onerror="document.title='pwned'">
+<script>document.title='pwned'</script>"""
+SET_VISIBILITY = """state => {
+    Object.defineProperty(document, 'visibilityState', {value: state, configurable: true});
+    document.dispatchEvent(new Event('visibilitychange'));
+}"""
 
 
 @pytest.fixture(scope="module")
@@ -83,17 +104,137 @@ def test_the_page_polls_status_only_while_it_is_visible(fresh, page):
     expect(page.locator("#state")).to_have_text("Serving on the GPU")
     with page.expect_request("**/status"):
         page.clock.run_for(1000)  # the tray's rate
-    set_visibility = """state => {
-        Object.defineProperty(document, 'visibilityState', {value: state, configurable: true});
-        document.dispatchEvent(new Event('visibilitychange'));
-    }"""
-    page.evaluate(set_visibility, "hidden")
+    page.evaluate(SET_VISIBILITY, "hidden")
     assert page.evaluate("pollTimer === null"), "a poll is still waiting to run"
     seen = len(status_calls)
     page.clock.run_for(30_000)
     assert len(status_calls) == seen, "a hidden page kept polling /status"
     with page.expect_request("**/status"):
-        page.evaluate(set_visibility, "visible")  # shown again: at once, not a second later
+        page.evaluate(SET_VISIBILITY, "visible")  # shown again: at once, not a second later
+
+
+def test_the_charts_draw_from_the_pages_own_updates(fresh, page):
+    page.clock.install()  # one poll per run_for, whatever the machine's speed
+    page.goto(f"{fresh.url}/ui")
+    expect(page.locator("#state")).to_have_text("Serving on the GPU")
+    for chart in ("vram", "ram"):
+        expect(page.locator(f'[data-chart="{chart}"] polyline')).to_have_count(1)
+    with page.expect_response("**/status"):
+        page.clock.run_for(1000)
+    # Two samples a second apart: a line between two different x positions.
+    two_points = re.compile(r"^(\d+\.\d+),\d+\.\d+ (?!\1,)\d+\.\d+,\d+\.\d+$")
+    for chart, title in (("vram", "Free VRAM"), ("ram", "Available RAM")):
+        figure = page.locator(f'[data-chart="{chart}"]')
+        expect(figure.locator("polyline")).to_have_attribute("points", two_points)
+        expect(figure.locator("figcaption")).to_contain_text(re.compile(title + r"[\d,.]+ (MiB|GiB)"))
+        expect(figure.locator(".axis")).to_contain_text("scale 0 –")
+    expect(page.locator('[data-chart="vram"] line.threshold')).to_have_count(1)  # the reserve
+    # A page left hidden measured nothing: its line breaks instead of bridging the gap.
+    page.evaluate(SET_VISIBILITY, "hidden")
+    page.clock.run_for(60_000)
+    with page.expect_response("**/status"):
+        page.evaluate(SET_VISIBILITY, "visible")
+    expect(page.locator('[data-chart="ram"] polyline')).to_have_count(2)
+
+
+def test_recent_requests_show_a_request_with_its_route_reason(fresh, page):
+    fresh.http.post("/admin/gpu", json={"paused": True})
+    try:
+        answer = chat(fresh, "web-recent-cpu", max_tokens=2)
+        assert answer.status_code == 200
+    finally:
+        fresh.http.post("/admin/gpu", json={"paused": False})
+    page.goto(f"{fresh.url}/ui")
+    row = page.locator('#recent li[data-request-id="web-recent-cpu"]')
+    expect(row).to_contain_text(re.compile(r"^\d\d:\d\d:\d\d · web-recent-cpu · CPU · GPU paused \(force CPU\)"))
+    expect(page.locator("#recent-empty")).to_be_hidden()
+
+
+def test_the_log_view_shows_the_workers_log(fresh, page):
+    logs = {w["role"]: Path(w["log"]) for w in fresh.status()["workers"]}
+    # A line each worker wrote to its file, and so to the tray's log viewer.
+    last = {role: [line for line in path.read_text(errors="replace").splitlines() if line.strip()][-1]
+            for role, path in logs.items()}
+    page.goto(f"{fresh.url}/ui")
+    view = page.locator("#logs")
+    expect(view).to_contain_text(last["gpu"])  # the GPU worker's, read as the page opens
+    expect(page.locator("#logs-count")).to_contain_text(re.compile(r"^the last \d+ lines$"))
+    page.get_by_label("Worker").select_option("cpu")
+    expect(view).to_contain_text(last["cpu"])
+    page.get_by_label("Filter").fill("no line says this")
+    expect(view).to_be_empty()
+    expect(page.locator("#logs-count")).to_contain_text(re.compile(r"^0 of the last \d+ lines$"))
+
+
+def test_the_log_route_is_bounded_and_says_what_is_wrong(fresh):
+    five = fresh.http.get("/admin/logs", params={"worker": "cpu", "lines": 5})
+    assert five.status_code == 200
+    assert five.json()["worker"] == "cpu" and 1 <= len(five.json()["lines"]) <= 5
+    for params, param in (({"worker": "tpu"}, "worker"), ({}, "worker"), ({"worker": "gpu", "lines": 0}, "lines"),
+                          ({"worker": "gpu", "lines": 1001}, "lines"), ({"worker": "gpu", "lines": "all"}, "lines")):
+        bad = fresh.http.get("/admin/logs", params=params)
+        assert bad.status_code == 400, params
+        assert bad.json()["error"]["code"] == "invalid_value" and bad.json()["error"]["param"] == param
+    unknown = fresh.http.get("/admin/logs", params={"worker": "gpu", "model": "no-such-model"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+
+
+def test_the_chat_renders_markdown_and_model_text_never_becomes_markup(fresh, page):
+    page.goto(f"{fresh.url}/ui")
+    expect(page.locator("#state")).to_have_text("Serving on the GPU")
+    # The tiny model won't write this; the page's renderer gets it as a stream would leave it.
+    page.evaluate("text => showAnswer(text)", MARKDOWN_ANSWER)
+    answer = page.locator("#chat-answer")
+    expect(answer.locator("h3")).to_have_text("Plan")
+    expect(answer.locator("strong")).to_have_text("bold")
+    expect(answer.locator("em")).to_have_text("italic")
+    expect(answer.locator("p code")).to_have_text("x < y")
+    expect(answer.locator("ul li")).to_have_count(2)
+    expect(answer.locator("ol li")).to_have_text(["one", "two"])
+    expect(answer.locator("pre code")).to_have_text('print("<b>not bold</b>")')
+    expect(answer.locator("pre code")).to_have_attribute("data-language", "python")
+    link = answer.locator("a")
+    expect(link).to_have_count(1)  # the javascript: one stays text
+    expect(link).to_have_attribute("href", "https://example.org/docs")
+    expect(link).to_have_attribute("rel", "noopener noreferrer")
+    expect(answer).to_contain_text("[a trap](javascript:")
+    expect(answer).to_contain_text("<img src=x onerror=")
+    expect(answer).to_contain_text("<script>")
+    expect(answer.locator("img, script, b")).to_have_count(0)
+    assert page.title() != "pwned"
+    # An answer still streaming inside a code fence shows as code so far.
+    page.evaluate("text => showAnswer(text)", "Here:\n```\nlet a = 1;")
+    expect(answer.locator("pre code")).to_have_text("let a = 1;")
+
+
+def test_the_page_works_by_keyboard(fresh, page):
+    page.goto(f"{fresh.url}/ui")
+    expect(page.locator("#models li")).not_to_have_count(0)
+    reached = []
+    for _ in range(60):
+        page.keyboard.press("Tab")
+        focused = page.evaluate("""() => {
+            const e = document.activeElement;
+            if (e === document.body) return null;  // past the last control
+            return [e.id || e.getAttribute('aria-label') || e.textContent, getComputedStyle(e).outlineStyle];
+        }""")
+        if focused is None:
+            break
+        reached.append(focused[0])
+        assert focused[1] != "none", f"{focused[0]} has no visible focus"
+    wanted = ["give-back", "chat-model", "chat-prompt", "chat-send", "logs-worker", "logs-filter", "logs-refresh", "logs"]
+    assert [name for name in reached if name in wanted][:len(wanted)] == wanted, reached
+    assert any(str(name).startswith("Unload ") for name in reached)
+    # Escape stops a streaming answer, and the server ends that request too.
+    page.get_by_label("Message").fill("Write a long story about a lighthouse keeper and the sea.")
+    page.get_by_label("Message").press("Control+Enter")
+    expect(page.get_by_role("button", name="Stop")).to_be_visible()
+    expect(page.locator("#chat-route")).not_to_be_empty()
+    page.keyboard.press("Escape")
+    expect(page.locator("#chat-answer .error")).to_have_text("Stopped.")
+    expect(page.get_by_role("button", name="Send")).to_be_enabled()
+    fresh.wait_for(lambda s: not [r for r in s["requests"] if r["state"] in ("queued", "running")],
+                   what="the stopped request ended on the server")
 
 
 def test_degraded_banner_appears_and_cancels_a_queued_request(fresh, page):
@@ -253,8 +394,13 @@ def test_screenshots(fresh, browser, size, scheme):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(chat, fresh, f"shot-{i}", client) for i, client in enumerate(("notes-app", "open-webui"))]
         fresh.wait_for(lambda s: len([r for r in s["requests"] if r["state"] == "queued"]) == 1, what="one queued")
+        page.clock.install()  # a minute of the charts in a moment: each run_for is one poll
         page.goto(f"{fresh.url}/ui")
         expect(page.locator("#banner-requests li")).to_have_count(2)
+        for _ in range(60):
+            with page.expect_response("**/status"):
+                page.clock.run_for(1000)
+        expect(page.locator("#logs")).not_to_be_empty()
         page.screenshot(path=str(SCREENSHOTS / f"web-{size}-{scheme}.png"), full_page=True)
         for i in range(2):
             fresh.http.delete(f"/v1/requests/shot-{i}")

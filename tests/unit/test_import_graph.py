@@ -1,9 +1,12 @@
 """The package's layering, checked on its source: no import cycles (counting
-imports inside functions and under TYPE_CHECKING too), and no Qt outside ui/."""
+imports inside functions and under TYPE_CHECKING too), no Qt outside ui/, and
+the config, which every layer reads, reading nothing above it."""
 
 from __future__ import annotations
 
 import ast
+import functools
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import tray_app
@@ -19,11 +22,17 @@ def module_name(path: Path) -> str:
 
 
 def imports_of(path: Path) -> set[str]:
-    """Every tray_app module this file imports, anywhere in it."""
+    """Every module this file imports, anywhere in it."""
     name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    return imports_in(path.read_text(), name if path.name == "__init__.py" else name.rpartition(".")[0])
+
+
+def imports_in(source: str, package: str) -> set[str]:
+    """Every module `source`, a module of `package`, imports: at the top, in
+    functions, and under `if TYPE_CHECKING:` (a type-only import is still a
+    dependency, and a cycle through one breaks the moment it is evaluated)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -38,12 +47,15 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
-def graph() -> dict[str, set[str]]:
+@functools.cache
+def graph() -> dict[str, frozenset[str]]:
+    """Each tray_app module and the tray_app modules it imports (read once: every test asks)."""
     modules = {module_name(p): p for p in PACKAGE_ROOT.rglob("*.py")}
-    return {name: {m for m in imports_of(path) if m in modules and m != name} for name, path in modules.items()}
+    return {name: frozenset(m for m in imports_of(path) if m in modules and m != name)
+            for name, path in modules.items()}
 
 
-def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+def find_cycle(edges: Mapping[str, Collection[str]]) -> list[str] | None:
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -70,8 +82,32 @@ def test_the_checker_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+def test_the_reader_counts_type_only_and_function_local_imports():
+    source = ("from typing import TYPE_CHECKING\n"
+              "if TYPE_CHECKING:\n"
+              "    from ..service import Service\n"
+              "def later():\n"
+              "    from . import worker\n"
+              "    import tray_app.core.config\n")
+    found = imports_in(source, "tray_app.core.engine")
+    assert {"tray_app.core.service", "tray_app.core.engine.worker", "tray_app.core.config"} <= found
+
+
 def test_no_import_cycle_in_tray_app():
     assert find_cycle(graph()) is None
+
+
+# A leaf imports no tray_app module: what the config may build on.
+LEAVES_THE_CONFIG_READS = {"tray_app.core.files", "tray_app.core.http_basics", "tray_app.core.policies"}
+
+
+def test_the_config_imports_nothing_above_it():
+    edges = graph()
+    assert edges["tray_app.core.config"] <= LEAVES_THE_CONFIG_READS, (
+        "config.py is read by every layer: it may import only leaf modules, not "
+        f"{sorted(edges['tray_app.core.config'] - LEAVES_THE_CONFIG_READS)}")
+    for leaf in LEAVES_THE_CONFIG_READS:
+        assert not edges[leaf], f"{leaf} is no leaf: it imports {sorted(edges[leaf])}"
 
 
 def test_qt_only_in_the_ui_package():

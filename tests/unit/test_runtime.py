@@ -134,17 +134,6 @@ def test_the_wrapper_execs_llama_server_with_the_secret_only_in_its_environment(
     assert "--parallel" in seen["argv"] and LAUNCH.api_key not in " ".join(seen["argv"])
 
 
-def test_workers_spin_briefly_unless_the_user_set_openmp_waiting_themselves():
-    from tray_app.core.engine.worker import OPENMP_SPIN_DEFAULT, worker_environment
-
-    parent = {"PATH": "/bin", "HOST": "0.0.0.0", "OMP_NUM_THREADS": "2"}
-    env = worker_environment(parent, {"LLAMA_API_KEY": "k"})
-    assert env == {**OPENMP_SPIN_DEFAULT, "PATH": "/bin", "OMP_NUM_THREADS": "2", "LLAMA_API_KEY": "k"}
-    for own in ({"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "300000"}):
-        env = worker_environment({**parent, **own}, {})
-        assert env.items() >= own.items() and ("GOMP_SPINCOUNT" not in env or "GOMP_SPINCOUNT" in own)
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exec and PR_SET_PDEATHSIG are Linux-only")
 @pytest.mark.parametrize("n_gpu_layers", [99, 0])
 def test_the_wrapper_names_a_gpu_workers_devices_in_its_log(tmp_path, n_gpu_layers):

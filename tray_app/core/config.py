@@ -19,11 +19,9 @@ from typing import Any, Mapping
 
 import platformdirs
 
-from .dispatch.breaker import BreakerPolicy
-from .engine.worker import RestartPolicy
 from .files import make_private_dir, write_atomically
 from .http_basics import is_loopback
-from .memory.estimate import DEFAULT_GPU_RESERVE_MIB
+from .policies import DEFAULT_GPU_RESERVE_MIB, BreakerPolicy, RestartPolicy
 
 APP_NAME = "tray-app"
 DEFAULT_PORT = 8642
@@ -139,7 +137,7 @@ class GpuConfig:
     # has its own n_ctx of KV cache, so VRAM grows with this number.
     max_concurrency: int = 4
     queue_limit: int = 8
-    # Kept free on the device; why 1 GiB: see estimate.DEFAULT_GPU_RESERVE_MIB.
+    # Kept free on the device; why 1 GiB: see policies.DEFAULT_GPU_RESERVE_MIB.
     reserve_mib: int = DEFAULT_GPU_RESERVE_MIB
     # 0 = use the real device through NVML; N > 0 = a simulated device of N MiB.
     simulate_mib: int = 0
@@ -250,9 +248,9 @@ class EmbeddingsConfig:
 
 
 # [breaker] is the circuit breaker's BreakerPolicy itself, and [worker] the
-# workers' RestartPolicy plus n_batch: each policy is written once, where it is
-# used, and the config hands it over as it is (engine and dispatch never import
-# the config).
+# workers' RestartPolicy plus n_batch: each policy is written once, in the leaf
+# policies.py, and the config hands it over as it is (engine and dispatch never
+# import the config, and the config imports nothing above it).
 @dataclass(frozen=True)
 class WorkerConfig(RestartPolicy):
     n_batch: int = 512

@@ -12,8 +12,15 @@ const ROUTE_REASONS = {
   gpu_failed_replayed: "GPU failed, re-run on the CPU", gpu_yielded: "GPU given to another app",
   gpu_loading: "GPU model loading", peer: "sent to a peer", peer_failed_replayed: "peer failed, re-run on the CPU",
 };
+const ROUTE_NAMES = {gpu: "GPU", gpu_queue: "GPU queue", cpu: "CPU", peer: "peer", reject: "refused"};
 const GIVEN_STATES = ["given_away", "given_back_by_user"];
 const MAX_APPS_SHOWN = 4;
+const HISTORY_S = 300;  // the tray's "Last 5 minutes"
+// A hidden page polls nothing; the charts' lines break across such a gap
+// rather than drawing a straight line through minutes nobody measured.
+const GAP_S = 5;
+const LOG_LINES = 500;
+const SVG = "http://www.w3.org/2000/svg";
 
 const $ = (id) => document.getElementById(id);
 let lastStatus = null;
@@ -47,6 +54,12 @@ function reasonInWords(reason) {
   const at = reason.indexOf(": ");
   if (at > 0 && ROUTE_REASONS[reason.slice(0, at)]) return `${ROUTE_REASONS[reason.slice(0, at)]}: ${reason.slice(at + 2)}`;
   return reason;
+}
+
+// A route reason code in words; an unknown code without its underscores (core/route_reasons.py).
+function reasonText(code) {
+  if (!code) return "";
+  return ROUTE_REASONS[code] || String(code).replaceAll("_", " ");
 }
 
 function sentence(text) { return text.charAt(0).toUpperCase() + text.slice(1); }
@@ -191,6 +204,108 @@ function bannerLatency(status) {
   return latency === null ? "unknown" : `a new request would be answered in about ${fmtSeconds(latency)}, queue included`;
 }
 
+// ----- the 5-minute charts, kept by the page from its own polls -------------------------
+
+const history = [];
+
+function addSample(status, now) {
+  const gpu = status.gpu || {}, ram = status.ram || {};
+  const available = Boolean(gpu.available);
+  const total = num(gpu.total_mib);
+  history.push({t: now, vramFree: available ? num(gpu.free_mib) : null,
+    // A device that reports 0 MiB in all has not been read, not filled up.
+    vramTotal: available && total > 0 ? total : null, reserve: num(gpu.reserve_mib),
+    ramAvailable: num(ram.available_mib), ramTotal: num(ram.total_mib), floor: num(ram.floor_mib) ?? num(ram.ram_floor_mib)});
+  while (history.length && history[0].t < now - HISTORY_S) history.shift();
+}
+
+const CHARTS = [
+  {key: "vram", title: "Free VRAM", value: (s) => s.vramFree, total: (s) => s.vramTotal, threshold: (s) => s.reserve,
+    thresholdLabel: "reserve", shown: (status) => Boolean((status.gpu || {}).available || workers(status).gpu)},
+  {key: "ram", title: "Available RAM", value: (s) => s.ramAvailable, total: (s) => s.ramTotal, threshold: (s) => s.floor,
+    thresholdLabel: "floor", shown: () => true},
+];
+
+// The series as runs of [x, y] in a 0..100 box (y down), broken where a value
+// is unknown or the page was not polling; the scale is the largest total seen.
+function chartRuns(samples, chart) {
+  const latest = samples[samples.length - 1];
+  const total = Math.max(0, ...samples.map((s) => chart.total(s) || 0));
+  if (!latest || total <= 0) return {runs: [], total: 0};
+  const start = latest.t - HISTORY_S;
+  const clamp = (v) => Math.min(Math.max(v, 0), 1);
+  const runs = [[]];
+  let previous = null;
+  for (const sample of samples) {
+    const value = chart.value(sample);
+    if (value === null || (previous !== null && sample.t - previous > GAP_S)) {
+      if (runs[runs.length - 1].length) runs.push([]);
+    }
+    previous = sample.t;
+    if (value === null) continue;
+    runs[runs.length - 1].push([100 * clamp((sample.t - start) / HISTORY_S), 100 - 100 * clamp(value / total)]);
+  }
+  return {runs: runs.filter((run) => run.length), total};
+}
+
+function svg(tag, attributes) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [name, value] of Object.entries(attributes)) node.setAttribute(name, String(value));
+  return node;
+}
+
+function chartFigure(chart, samples) {
+  const latest = samples[samples.length - 1];
+  const {runs, total} = chartRuns(samples, chart);
+  const figure = el("figure", undefined, "chart");
+  figure.dataset.chart = chart.key;
+  const caption = el("figcaption");
+  const now = latest ? chart.value(latest) : null;
+  caption.append(el("strong", chart.title), el("span", latest ? fmtMib(now, total || undefined) : "no data"));
+  figure.append(caption);
+  const plot = svg("svg", {viewBox: "0 0 100 100", preserveAspectRatio: "none", role: "img", class: "plot"});
+  const lows = samples.map(chart.value).filter((v) => v !== null);
+  plot.setAttribute("aria-label", `${chart.title}, last 5 minutes: now ${fmtMib(now, total || undefined)}` +
+    (lows.length ? `, lowest ${fmtMib(Math.min(...lows), total || undefined)}` : ""));
+  for (const fraction of [0.25, 0.5, 0.75]) {
+    plot.append(svg("line", {x1: 0, x2: 100, y1: 100 * fraction, y2: 100 * fraction, class: "grid"}));
+  }
+  const threshold = latest ? chart.threshold(latest) : null;
+  if (threshold && total > 0) {
+    const y = 100 - 100 * Math.min(threshold / total, 1);
+    plot.append(svg("line", {x1: 0, x2: 100, y1: y, y2: y, class: "threshold"}));
+  }
+  for (const run of runs) {
+    // One sample alone draws as a dot: the same point twice, with round caps.
+    const points = (run.length === 1 ? [run[0], run[0]] : run).map(([x, y]) => `${x.toFixed(2)},${y.toFixed(2)}`);
+    plot.append(svg("polyline", {points: points.join(" "), class: `series series-${chart.key}`}));
+  }
+  figure.append(plot);
+  const axis = el("div", undefined, "axis");
+  axis.append(el("span", "5 min ago"), el("span", total > 0 ? `scale 0 – ${fmtMib(total)}` : ""), el("span", "now"));
+  figure.append(axis);
+  if (threshold) figure.append(el("p", `${chart.thresholdLabel} ${fmtMib(threshold, total || undefined)}`, "legend threshold-key"));
+  return figure;
+}
+
+function renderCharts(status) {
+  $("charts").replaceChildren(...CHARTS.filter((chart) => chart.shown(status)).map((chart) => chartFigure(chart, history)));
+}
+
+// ----- recent requests ------------------------------------------------------------------
+
+function timeOfDay(seconds) {
+  const time = new Date(seconds * 1000);
+  return Number.isNaN(time.getTime()) ? "" : time.toLocaleTimeString("en-GB", {hour12: false});
+}
+
+function recentLine(decision) {
+  const parts = [timeOfDay(num(decision.t)), String(decision.client || decision.id || "?")];
+  if (decision.model) parts.push(String(decision.model));
+  parts.push(ROUTE_NAMES[decision.route] || String(decision.route || "?"), reasonText(decision.reason));
+  return parts.filter(Boolean).join(" · ");
+}
+
 // ----- talking to the service ---------------------------------------------------------
 
 function csrfToken() {
@@ -205,12 +320,12 @@ class LoggedOut extends Error {}
 
 // Every change carries the CSRF token: with a key set the service refuses
 // one made with the login cookie but without it.
-async function call(method, path, body) {
+async function call(method, path, body, signal) {
   const headers = {};
   if (method !== "GET") headers["X-CSRF-Token"] = csrfToken();
   if (body !== undefined) headers["Content-Type"] = "application/json";
   const response = await fetch(path, {method, headers, body: body === undefined ? undefined : JSON.stringify(body),
-    credentials: "same-origin", cache: "no-store"});
+    credentials: "same-origin", cache: "no-store", signal});
   if (response.status === 401) throw new LoggedOut();
   return response;
 }
@@ -361,13 +476,77 @@ function renderGpu(status) {
   $("residency").textContent = texts[state] || "";
 }
 
+function renderRecent(status) {
+  // Newest first: what was just sent is at the top.
+  const decisions = [...(status.recent_decisions || [])].reverse();
+  $("recent-empty").hidden = decisions.length > 0;
+  $("recent").replaceChildren(...decisions.map((decision) => {
+    const row = el("li");
+    row.dataset.requestId = String(decision.id || "");
+    const text = el("span");
+    text.append(el("span", recentLine(decision)));
+    if (decision.detail) text.append(el("span", String(decision.detail), "detail"));
+    row.append(text);
+    return row;
+  }));
+}
+
+function renderLogWorkers(status) {
+  const picker = $("logs-worker");
+  const roles = ["gpu", "cpu"].filter((role) => workers(status)[role]);
+  if (roles.join() === [...picker.options].map((o) => o.value).join()) return;
+  const chosen = picker.value;
+  picker.replaceChildren(...roles.map((role) => {
+    const option = el("option", `${role.toUpperCase()} worker`);
+    option.value = role;
+    return option;
+  }));
+  if (roles.includes(chosen)) picker.value = chosen;
+}
+
 function render(status) {
   $("state").textContent = stateTitle(status);
   renderBanner(status);
   renderBars(status);
+  renderCharts(status);
   renderRequests(status);
   renderModels(status);
+  renderRecent(status);
   renderGpu(status);
+  renderLogWorkers(status);
+}
+
+// ----- logs, read when asked -----------------------------------------------------------
+
+let logLines = [];
+let logsShown = false;
+
+async function showLogs(event) {
+  if (event) event.preventDefault();
+  logsShown = true;
+  const worker = $("logs-worker").value || "gpu";
+  try {
+    const response = await call("GET", `/admin/logs?worker=${encodeURIComponent(worker)}&lines=${LOG_LINES}`);
+    if (!response.ok) {
+      logLines = [];
+      renderLogs(await errorText(response));
+      return;
+    }
+    logLines = (await response.json()).lines || [];
+    renderLogs();
+  } catch (error) {
+    if (error instanceof LoggedOut) showLogin(); else renderLogs(String(error));
+  }
+}
+
+function renderLogs(problem) {
+  const filter = $("logs-filter").value.trim().toLowerCase();
+  const shown = filter ? logLines.filter((line) => line.toLowerCase().includes(filter)) : logLines;
+  const view = $("logs");
+  view.textContent = shown.join("\n");
+  view.scrollTop = view.scrollHeight;  // the newest lines, as a tail shows them
+  $("logs-count").textContent = problem
+    || (filter ? `${shown.length} of the last ${logLines.length} lines` : `the last ${logLines.length} lines`);
 }
 
 // ----- polling, only while the page is seen ---------------------------------------------
@@ -380,11 +559,13 @@ async function poll() {
     const response = await call("GET", "/status");
     if (!response.ok) throw new Error(await errorText(response));
     lastStatus = await response.json();
+    addSample(lastStatus, Date.now() / 1000);
     $("login").hidden = true;
     $("panel").hidden = false;
     // Logged in by cookie (a key is set): the page can log out again.
     $("logout").hidden = !csrfToken();
     render(lastStatus);
+    if (!logsShown) showLogs();
   } catch (error) {
     if (error instanceof LoggedOut) { showLogin(); return; }
     $("state").textContent = `The service did not answer: ${error.message || error}`;
@@ -412,30 +593,159 @@ async function logIn(event) {
   poll();
 }
 
+// ----- Markdown, built as DOM nodes ---------------------------------------------------------
+// Model text never becomes HTML: every piece goes in as a text node or
+// through textContent, and a link keeps only an http(s) address.
+
+// `code`, **bold**, __bold__, *italic*, _italic_, [text](http…)
+const INLINE = /`([^`\n]+)`|\*\*(\S(?:[^*]*\S)?)\*\*|__(\S(?:[^_]*\S)?)__|\*(\S(?:[^*]*\S)?)\*|(?<!\w)_(\S(?:[^_]*\S)?)_(?!\w)|\[([^\]\n]+)\]\(([^()\s]+)\)/g;
+
+function safeHref(address) {
+  try {
+    const url = new URL(address);
+    return url.protocol === "http:" || url.protocol === "https:" ? url.href : null;
+  } catch (_) {
+    return null;  // relative, or not an address at all
+  }
+}
+
+function appendInline(parent, text) {
+  let done = 0;
+  for (const match of text.matchAll(INLINE)) {
+    parent.append(text.slice(done, match.index));
+    const [whole, code, bold1, bold2, italic1, italic2, label, address] = match;
+    if (code !== undefined) {
+      parent.append(el("code", code));
+    } else if (bold1 !== undefined || bold2 !== undefined) {
+      parent.append(appendInline(el("strong"), bold1 ?? bold2));
+    } else if (italic1 !== undefined || italic2 !== undefined) {
+      parent.append(appendInline(el("em"), italic1 ?? italic2));
+    } else {
+      const href = safeHref(address);
+      if (href === null) {
+        parent.append(whole);
+      } else {
+        const link = appendInline(el("a"), label);
+        link.href = href;
+        link.rel = "noopener noreferrer";
+        link.target = "_blank";
+        parent.append(link);
+      }
+    }
+    done = match.index + whole.length;
+  }
+  parent.append(text.slice(done));
+  return parent;
+}
+
+const FENCE = /^\s*(```|~~~)\s*([\w+#.-]*)/;
+const HEADING = /^(#{1,6})\s+(.*)$/;
+const BULLET = /^\s*[-*+]\s+(.*)$/;
+const NUMBERED = /^\s*(\d{1,9})[.)]\s+(.*)$/;
+const QUOTE = /^\s*>\s?(.*)$/;
+
+// Fenced code, headings, lists, quotes and paragraphs. A fence still open
+// (the answer is streaming) holds the rest as code.
+function renderMarkdown(text) {
+  const root = document.createDocumentFragment();
+  const lines = String(text).split("\n");
+  let paragraph = [];
+  const flush = () => {
+    if (paragraph.length) root.append(appendInline(el("p"), paragraph.join("\n")));
+    paragraph = [];
+  };
+  for (let i = 0; i < lines.length;) {
+    const line = lines[i];
+    const fence = line.match(FENCE);
+    if (fence) {
+      flush();
+      const code = [];
+      for (i += 1; i < lines.length && !lines[i].trimStart().startsWith(fence[1]); i += 1) code.push(lines[i]);
+      i += 1;
+      const block = el("code", code.join("\n"));
+      if (fence[2]) block.dataset.language = fence[2];
+      const pre = el("pre");
+      pre.append(block);
+      root.append(pre);
+      continue;
+    }
+    const heading = line.match(HEADING);
+    if (heading) {
+      flush();
+      // Under the page's own h2 ("Chat"): # is an h3.
+      root.append(appendInline(el(`h${Math.min(heading[1].length + 2, 6)}`), heading[2]));
+      i += 1;
+      continue;
+    }
+    const kind = BULLET.test(line) ? BULLET : NUMBERED.test(line) ? NUMBERED : null;
+    if (kind) {
+      flush();
+      const list = el(kind === BULLET ? "ul" : "ol");
+      if (kind === NUMBERED) list.start = Number(line.match(NUMBERED)[1]);
+      let item = null;
+      for (; i < lines.length; i += 1) {
+        const match = lines[i].match(kind);
+        if (match) {
+          item = appendInline(el("li"), match[match.length - 1]);
+          list.append(item);
+        } else if (item && /^\s+\S/.test(lines[i]) && !FENCE.test(lines[i])) {
+          appendInline(item, `\n${lines[i].trim()}`);  // an item's wrapped line
+        } else {
+          break;
+        }
+      }
+      root.append(list);
+      continue;
+    }
+    if (QUOTE.test(line)) {
+      flush();
+      const quoted = [];
+      for (; i < lines.length && QUOTE.test(lines[i]); i += 1) quoted.push(lines[i].match(QUOTE)[1]);
+      root.append(appendInline(el("blockquote"), quoted.join("\n")));
+      continue;
+    }
+    if (line.trim() === "") flush(); else paragraph.push(line);
+    i += 1;
+  }
+  flush();
+  return root;
+}
+
 // ----- chat --------------------------------------------------------------------------------
+
+let chatAbort = null;
 
 function routeLine(servedBy, reason, fallbackModel, peer) {
   const parts = [servedBy === "peer" ? `served by peer ${peer || "unknown"}` : `served by ${(servedBy || "unknown").toUpperCase()}`];
-  if (reason) parts.push(ROUTE_REASONS[reason] || reason.replaceAll("_", " "));
+  if (reason) parts.push(reasonText(reason));
   if (servedBy === "cpu" && fallbackModel) parts.push(`fallback model ${fallbackModel}`);
   return parts.join(" · ");
 }
 
+function showAnswer(text, problem) {
+  const answer = $("chat-answer");
+  answer.replaceChildren(renderMarkdown(text));
+  if (problem) answer.append(el("p", problem, "error"));
+}
+
 async function chat(event) {
   event.preventDefault();
-  const answer = $("chat-answer"), send = $("chat-send");
-  answer.textContent = "";
+  const send = $("chat-send"), stop = $("chat-stop");
+  let text = "";
+  showAnswer("");
   $("chat-route").textContent = "";
   send.disabled = true;
+  stop.hidden = false;
+  chatAbort = new AbortController();
   try {
     const response = await call("POST", "/v1/chat/completions", {model: $("chat-model").value, stream: true,
-      messages: [{role: "user", content: $("chat-prompt").value}]});
-    if (!response.ok) { answer.textContent = await errorText(response); return; }
+      messages: [{role: "user", content: $("chat-prompt").value}]}, chatAbort.signal);
+    if (!response.ok) { showAnswer("", await errorText(response)); return; }
     const h = response.headers;
     $("chat-route").textContent = routeLine(h.get("X-Served-By"), h.get("X-Route-Reason"), h.get("X-Fallback-Model"), h.get("X-Peer"));
     const reader = response.body.getReader();
     const decoder = new TextDecoder();
-    let pending = "";
+    let pending = "", problem = "";
     for (;;) {
       const {value, done} = await reader.read();
       if (done) break;
@@ -447,21 +757,44 @@ async function chat(event) {
         const data = line.slice(5).trim();
         if (data === "[DONE]") continue;
         const event = JSON.parse(data);
-        if (event.error) { answer.append(`\n${event.error.message || "error"}`); continue; }
+        if (event.error) { problem = event.error.message || "error"; continue; }
         const delta = ((event.choices || [])[0] || {}).delta || {};
-        if (typeof delta.content === "string") answer.append(delta.content);
+        if (typeof delta.content === "string") text += delta.content;
       }
+      showAnswer(text, problem);
     }
   } catch (error) {
-    if (error instanceof LoggedOut) showLogin(); else answer.append(`\n${error}`);
+    if (error instanceof LoggedOut) showLogin();
+    else if (error.name === "AbortError") showAnswer(text, "Stopped.");
+    else showAnswer(text, String(error));
   } finally {
+    chatAbort = null;
     send.disabled = false;
+    stop.hidden = true;
   }
+}
+
+// Closing the stream ends the request on the server too (it cancels a
+// request whose client has gone).
+function stopChat() {
+  if (chatAbort) chatAbort.abort();
 }
 
 document.addEventListener("DOMContentLoaded", () => {
   $("login").addEventListener("submit", logIn);
   $("chat").addEventListener("submit", chat);
+  $("chat-stop").addEventListener("click", stopChat);
+  $("chat-prompt").addEventListener("keydown", (event) => {
+    // Ctrl+Enter (⌘+Enter) sends; Enter alone is a new line.
+    if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) { event.preventDefault(); $("chat").requestSubmit(); }
+  });
+  $("logs-form").addEventListener("submit", showLogs);
+  $("logs-worker").addEventListener("change", () => showLogs());
+  $("logs-filter").addEventListener("input", () => renderLogs());
+  // Escape stops a streaming answer; a dialog closes itself on Escape.
+  document.addEventListener("keydown", (event) => {
+    if (event.key === "Escape" && chatAbort && !document.querySelector("dialog[open]")) stopChat();
+  });
   $("logout").addEventListener("click", async () => { await call("POST", "/ui/logout"); showLogin(); });
   $("give-back").addEventListener("click", () =>
     act("POST", "/admin/gpu", {given_back: !GIVEN_STATES.includes(residencyState(lastStatus || {}))}));

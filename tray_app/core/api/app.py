@@ -38,7 +38,7 @@ from .ollama import DEFAULT_TAG
 from .llamacpp import LlamaCppRoutes
 from .ollama_routes import OllamaRoutes
 from .openapi import build_openapi
-from .web_page import web_page
+from .web_page import web_page, worker_logs
 from .protocol import Protocol, Translated
 from .responses import ResponsesRoutes
 from .requests import (
@@ -601,6 +601,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         HttpRoute("/admin/restart", router.admin_restart, methods=["POST"]),
         HttpRoute("/admin/models/{name:path}", router.admin_model, methods=["POST"]),
         HttpRoute("/admin/library/rescan", router.admin_rescan, methods=["POST"]),
+        HttpRoute("/admin/logs", worker_logs(service), methods=["GET"]),
         # Ollama's API (see ollama.py), for apps that speak only it.
         HttpRoute("/api/chat", ollama.chat, methods=["POST"]),
         HttpRoute("/api/generate", ollama.generate, methods=["POST"]),

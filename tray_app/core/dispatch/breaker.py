@@ -10,29 +10,17 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any
+
+# BreakerPolicy is the config's [breaker] section too: it lives below both.
+from ..policies import BreakerPolicy
 
 
 class BreakerState(str, Enum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
-
-
-@dataclass(frozen=True)
-class BreakerPolicy:
-    # Also the [breaker] section of the config, as it is.
-    failure_threshold: int = 3
-    window_s: float = 60.0
-    cooldown_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.failure_threshold < 1:
-            raise ValueError(f"failure_threshold must be at least 1, got {self.failure_threshold}")
-        if self.window_s <= 0 or self.cooldown_s < 0:
-            raise ValueError(f"window_s must be > 0 and cooldown_s >= 0, got {self.window_s}, {self.cooldown_s}")
 
 
 class CircuitBreaker:

@@ -100,6 +100,11 @@ class ExitReport:
             text = f"exited with an error ({how})"
         return f"{text}: {self.evidence}" if self.evidence else text
 
+    def as_status(self) -> dict:
+        """The worker's `last_exit` in /status."""
+        return {"kind": self.kind.value, "returncode": self.returncode, "signal": self.signal_name,
+                "evidence": self.evidence, "description": self.describe()}
+
     def _how_it_ended(self) -> str:
         if self.signal_name:
             return self.signal_name

@@ -68,13 +68,6 @@ HOST_GPU_RUNTIME_EXTRA_MIB = 256
 # workspace, and ggml's CUDA memory pool.  Not measured here; an allowance.
 GPU_RUNTIME_OVERHEAD_MIB = 512
 
-# Free GPU memory admission control leaves untouched.  The worker's own CUDA
-# context is already charged above (GPU_RUNTIME_OVERHEAD_MIB), so this covers
-# what we do not see: the desktop compositor and browsers allocating after we
-# read free memory, driver-side fragmentation, and error in the estimate
-# itself.  1 GiB is ~8% of a 12 GiB card and ~4% of a 24 GiB one.
-DEFAULT_GPU_RESERVE_MIB = 1024
-
 
 @dataclass(frozen=True)
 class WorkerSettings:
