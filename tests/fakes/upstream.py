@@ -7,7 +7,7 @@ peer configured at http://<name>.worker:<port>, is answered by the script of
 that name (a peer's /v1/models lists `models`): /v1/chat/completions and
 /v1/completions stream SSE the way llama-server does (a role delta, one
 event per token, the finish, its usage chunk, [DONE]). The knobs fail the
-answer before its first byte, mid-stream, or slow its tokens; `hold` keeps
+answer before its first byte, mid-stream, slow its tokens or stall them; `hold` keeps
 an answer waiting, so a test can fill a lane.
 """
 
@@ -39,6 +39,10 @@ class Script:
     on_break: Callable[[], None] | None = None
     # Seconds between tokens.
     token_delay_s: float = 0.0
+    # The answer stops after this many tokens and never ends (the connection
+    # stays open), after calling on_stall: a test moves its FakeClock there.
+    stall_after_tokens: int | None = None
+    on_stall: Callable[[], None] | None = None
     # Set: every answer waits for it before its first byte.
     hold: asyncio.Event | None = None
     # What its /v1/models lists (a peer's health check reads it).
@@ -117,6 +121,10 @@ async def sse_events(tokens: list[str], chat: bool, body: dict[str, Any], script
             if script.on_break is not None:
                 script.on_break()
             raise httpx.ReadError("connection reset by peer (fake upstream)", request=request)
+        if script.stall_after_tokens is not None and sent >= script.stall_after_tokens:
+            if script.on_stall is not None:
+                script.on_stall()
+            await asyncio.Event().wait()
         if script.token_delay_s:
             await asyncio.sleep(script.token_delay_s)
         yield event({"delta": {"content": token}, "finish_reason": None} if chat

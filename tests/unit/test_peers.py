@@ -491,7 +491,7 @@ async def test_a_constrained_request_stays_local():
 
 
 async def test_a_peer_line_without_end_is_cut_off():
-    from tray_app.core.dispatch.backend import MAX_SSE_LINE_BYTES
+    from tray_app.core.dispatch.upstream import MAX_SSE_LINE_BYTES
 
     async def endless():
         chunk = b"x" * 65536

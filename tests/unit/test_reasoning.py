@@ -15,7 +15,7 @@ from tray_app.core.api.protocol import Protocol
 from tray_app.core.api.requests import ModelNames, validate
 from tray_app.core.api.responses import translate_request
 from tray_app.core.config import ConfigError, parse_config_text
-from tray_app.core.dispatch.backend import shape_event
+from tray_app.core.dispatch.upstream import shape_event
 from tray_app.core.dispatch.jobs import Job, JobKind
 
 CONTEXT = 2048

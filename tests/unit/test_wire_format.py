@@ -3,7 +3,7 @@ client: pure helpers, tested with plain dicts."""
 
 from __future__ import annotations
 
-from tray_app.core.dispatch.backend import _as_forced_tool_call, _carries_token, _trim_logprobs, worker_body
+from tray_app.core.dispatch.upstream import _as_forced_tool_call, _carries_token, _trim_logprobs, worker_body
 from tray_app.core.dispatch.jobs import Attempt, Job, JobKind
 
 
@@ -54,7 +54,7 @@ def test_a_forced_tool_answer_streams_as_one_call_named_once():
 async def test_sse_lines_split_only_on_line_feeds_not_on_unicode_line_separators():
     import json
 
-    from tray_app.core.dispatch.backend import sse_lines
+    from tray_app.core.dispatch.upstream import sse_lines
 
     # llama-server leaves U+0085, U+2028 and U+2029 raw inside JSON strings.
     text = "a\u0085b\u2028c\u2029d\x1ce"

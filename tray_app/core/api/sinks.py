@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 
 from starlette.responses import StreamingResponse
 
-from ..dispatch.backend import response_id
+from ..dispatch.upstream import response_id
 from ..dispatch.jobs import Job, JobKind
 
 

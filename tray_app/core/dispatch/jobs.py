@@ -52,17 +52,17 @@ class Attempt:
     # The other attempts that were inside the same process at some point
     # while this one was (llama-server decodes its slots together).
     neighbours: list["Attempt"] = field(default_factory=list, repr=False, compare=False)
-    # When the last token came (time.monotonic), for the between-tokens deadline.
+    # When the last token came (the path's clock), for the between-tokens deadline.
     last_token_at: float = 0.0
 
-    def wait_limit_s(self, first_deadline: float, between_tokens_s: float) -> float:
-        """How long the upstream may stay silent from now. Until the first
-        token one deadline (first_deadline, time.monotonic) covers the wait
-        for the headers and the first event; then it runs from the last
+    def wait_limit_s(self, first_deadline: float, between_tokens_s: float, now: float) -> float:
+        """How long the upstream may stay silent from `now`. Until the first
+        token one deadline (first_deadline, on the same clock) covers the
+        wait for the headers and the first event; then it runs from the last
         token, so keep-alive comments (":" lines) can't hide a stall."""
         if self.first_token_at is None:
-            return max(0.0, first_deadline - time.monotonic())
-        return max(0.0, self.last_token_at + between_tokens_s - time.monotonic())
+            return max(0.0, first_deadline - now)
+        return max(0.0, self.last_token_at + between_tokens_s - now)
 
     def shared_at_crash(self) -> bool:
         """Whether another request was inside the process when it died: then

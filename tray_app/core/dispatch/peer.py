@@ -40,12 +40,11 @@ import httpx
 
 from ..http_basics import bearer_header, is_loopback
 from .admission import PeerRole, PeerView
-from .backend import (
-    _CANCELED, MAX_SSE_LINE_BYTES, Sink, _wait_on_worker, canceled_error, client_safe, relay_answer,
-    upstream_error_text, worker_body,
-)
 from .breaker import BreakerPolicy, BreakerState, CircuitBreaker
-from .jobs import Attempt, Job, JobFailed, PathSpeed
+from .jobs import Attempt, Job, PathSpeed
+from .upstream import (
+    MAX_SSE_LINE_BYTES, Sink, UpstreamRules, Waiter, client_safe, stream_attempt, upstream_error_text, worker_body,
+)
 
 log = logging.getLogger(__name__)
 
@@ -246,76 +245,14 @@ class Peer:
             left_s = max(0.1, job.deadline_s - job.age_s())
             headers["X-Request-Timeout"] = f"{left_s:.3f}"
             first_wait_s = min(first_wait_s, left_s)
-        first_deadline = time.monotonic() + first_wait_s
-        canceled = asyncio.ensure_future(job.canceled.wait())
-
-        async def from_peer(awaitable):
-            limit = attempt.wait_limit_s(first_deadline, self.settings.token_timeout_s)
-            result = await _wait_on_worker(awaitable, canceled, limit, lambda: None)
-            if result is _CANCELED:
-                attempt.outcome = "canceled"
-                raise canceled_error(job, f"while peer {self.name} served it")
-            return result
-
-        def peer_error(message: str) -> NoReturn:
-            raise PeerFailure(f"it {client_safe(message)}")
-
-        def limit_s() -> float:
-            return first_wait_s if attempt.first_token_at is None else self.settings.token_timeout_s
-
         self.in_flight += 1
-        done_seen = False
         try:
-            request = self._http.build_request("POST", f"{self.base_url}{job.kind.upstream_path}", json=body,
-                                               headers=headers)
-            response = await from_peer(self._http.send(request, stream=True))
-            try:
-                attempt.reached_worker = True
-                if response.status_code >= 400:
-                    # Its body too under the request's deadline and cancel: a
-                    # peer that stalls or never ends its error answer must not
-                    # hold the request (or its in-flight count) forever.
-                    try:
-                        error_body, _ = await from_peer(read_at_most(response, ERROR_BODY_MAX_BYTES))
-                    except asyncio.TimeoutError:
-                        attempt.outcome = "failed: hang"
-                        raise PeerFailure(f"it answered HTTP {response.status_code} but sent no more of its "
-                                          f"body for {limit_s():g} s") from None
-                    self._refused(response.status_code, error_body)
-                done_seen = await relay_answer(_CappedAnswer(response, job.max_tokens), job, attempt,
-                                               _CappedSink(sink, job.max_tokens), from_peer, fail=peer_error,
-                                               model=model, fingerprint=fingerprint, clock=self._clock)
-            finally:
-                await response.aclose()
-        except PeerFailure as failure:
-            attempt.outcome = f"failed: {failure}"
-            raise
-        except asyncio.TimeoutError:
-            attempt.outcome = "failed: hang"
-            raise PeerFailure(f"no output for {limit_s():g} s") from None
-        except (UnicodeEncodeError, httpx.LocalProtocolError) as exc:
-            # A request this server could not encode (a header httpx can't
-            # send): our failure, not the peer's. It never left; run it here.
-            attempt.outcome = f"failed: {type(exc).__name__}"
-            raise PeerFailure(f"it was not asked: this request could not be sent ({type(exc).__name__})",
-                              counts=False, ran=False) from None
-        except (httpx.TransportError, httpx.StreamError) as exc:
-            attempt.outcome = f"failed: {type(exc).__name__}"
-            # Refused or timed out at connect: the request never got there.
-            raise PeerFailure(f"the connection broke: {type(exc).__name__}: {client_safe(str(exc)) or 'no detail'}",
-                              ran=not isinstance(exc, NOT_SENT)) from None
-        except (JobFailed, asyncio.CancelledError):
-            raise  # the client canceled: not the peer's failure
-        except Exception as exc:  # noqa: BLE001 - whatever a peer sends, the request must not be lost
-            # A body httpx can't decode, an event of an odd shape: the peer's
-            # failure, and the request may have begun there.
-            attempt.outcome = f"failed: {type(exc).__name__}"
-            log.warning("peer %s: unexpected failure on %s: %r", self.name, job.id, exc)
-            raise PeerFailure(f"its answer could not be read ({type(exc).__name__})") from None
+            done_seen = await stream_attempt(
+                self._http, f"{self.base_url}{job.kind.upstream_path}", body, headers, job, attempt, sink,
+                _PeerRules(self, job), clock=self._clock, first_token_s=first_wait_s,
+                between_tokens_s=self.settings.token_timeout_s, model=model, fingerprint=fingerprint)
         finally:
-            canceled.cancel()
             self.in_flight -= 1
-            attempt.ended_at = self._clock()
         if not done_seen:
             attempt.outcome = "failed: truncated"
             raise PeerFailure("its stream ended without [DONE]")
@@ -396,6 +333,58 @@ class Peer:
 CLEARTEXT_KEY_WARNING = ("its api_key is sent over plain http: anyone on the network between here and "
                          "there can read it and use it; reach the peer over https (a TLS proxy in front of it) "
                          "or only over a network that is yours")
+
+
+class _PeerRules(UpstreamRules):
+    """How an attempt at a peer ends without an answer: a PeerFailure that
+    says whether its breaker counts it and whether it may have run there.
+    Its answer is capped by the request's max_tokens."""
+
+    failure = PeerFailure
+
+    def __init__(self, peer: Peer, job: Job) -> None:
+        self._peer = peer
+        self._job = job
+        self.canceled_where = f"while peer {peer.name} served it"
+
+    async def refused(self, response: httpx.Response, wait: Waiter, silent_s: Callable[[], float]) -> NoReturn:
+        # Its body too under the request's deadline and cancel: a peer that
+        # stalls or never ends its error answer must not hold the request
+        # (or its in-flight count) forever.
+        try:
+            error_body, _ = await wait(read_at_most(response, ERROR_BODY_MAX_BYTES))
+        except asyncio.TimeoutError:
+            raise PeerFailure(f"it answered HTTP {response.status_code} but sent no more of its "
+                              f"body for {silent_s():g} s") from None
+        self._peer._refused(response.status_code, error_body)
+
+    def bad_event(self, message: str) -> NoReturn:
+        raise PeerFailure(f"it {client_safe(message)}")
+
+    def hung(self, silent_s: float) -> Exception:
+        return PeerFailure(f"no output for {silent_s:g} s")
+
+    def broke(self, exc: Exception, attempt: Attempt) -> Exception | None:
+        if isinstance(exc, (UnicodeEncodeError, httpx.LocalProtocolError)):
+            # A request this server could not encode (a header httpx can't
+            # send): our failure, not the peer's. It never left; run it here.
+            return PeerFailure(f"it was not asked: this request could not be sent ({type(exc).__name__})",
+                               counts=False, ran=False)
+        if isinstance(exc, (httpx.TransportError, httpx.StreamError)):
+            # Refused or timed out at connect: the request never got there.
+            return PeerFailure(f"the connection broke: {type(exc).__name__}: {client_safe(str(exc)) or 'no detail'}",
+                               ran=not isinstance(exc, NOT_SENT))
+        # Whatever a peer sends, the request must not be lost: a body httpx
+        # can't decode, an event of an odd shape is the peer's failure, and
+        # the request may have begun there.
+        log.warning("peer %s: unexpected failure on %s: %r", self._peer.name, self._job.id, exc)
+        return PeerFailure(f"its answer could not be read ({type(exc).__name__})")
+
+    def answer(self, response: httpx.Response) -> _CappedAnswer:
+        return _CappedAnswer(response, self._job.max_tokens)
+
+    def sink(self, sink: Sink) -> _CappedSink:
+        return _CappedSink(sink, self._job.max_tokens)
 
 
 async def read_at_most(response: httpx.Response, max_bytes: int) -> tuple[bytes, bool]:

@@ -1,0 +1,385 @@
+"""One attempt at an OpenAI-compatible upstream: a local worker (llama-server,
+llama-cpp-python) or a peer server on the LAN.
+
+`stream_attempt` is the one loop both paths run: send the body, wait for
+the headers and then each SSE line under the first-token and between-tokens
+deadlines (on the injected clock) and the client's cancel, shape every event
+as this server's, and count the tokens on the attempt. What differs between
+the targets is an `UpstreamRules`: how a refusal, a bad event, a hang or a
+broken connection becomes that target's failure, and the caps a peer's
+answer gets. The wire format both speak (the request body, each event's
+shape, an error answer's text) is here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn, Protocol
+
+import httpx
+
+from ..http_basics import SseLineTooLong, aiter_sse_lines
+from .jobs import Attempt, Job, JobFailed, WorkerFailure
+
+# How often a request that waits on an upstream asks whether it can still
+# make progress at all (see Worker.liveness_problem).
+LIVENESS_INTERVAL_S = 1.0
+# The longest SSE line an upstream may send (an event with logprobs is a few KiB).
+MAX_SSE_LINE_BYTES = 4 * 1024 * 1024
+
+
+class Sink(Protocol):
+    """Where a job's output goes. `emit` hands an event towards the client."""
+
+    def emit(self, event: dict[str, Any]) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class UpstreamRules:
+    """What differs between upstreams. Each way an attempt can end without
+    an answer becomes the target's own failure here; the defaults are a
+    target with no liveness check and no caps."""
+
+    # The target's own failure: an attempt that raises it is marked failed with its message.
+    failure: type[Exception] = Exception
+    # Where a cancel found the job, for the client's 499.
+    canceled_where = "while it ran"
+
+    def liveness(self) -> str | None:
+        """Why the upstream can't make progress any more, or None (asked every LIVENESS_INTERVAL_S)."""
+        return None
+
+    async def refused(self, response: httpx.Response, wait: "Waiter", silent_s: Callable[[], float]) -> NoReturn:
+        """The upstream answered an HTTP error status: raise what that means."""
+        raise NotImplementedError
+
+    def bad_event(self, message: str) -> NoReturn:
+        """The upstream `message` (sent an odd or an error event): raise what that means."""
+        raise NotImplementedError
+
+    def hung(self, silent_s: float) -> Exception:
+        """The failure for an upstream that sent nothing for `silent_s` seconds."""
+        raise NotImplementedError
+
+    def broke(self, exc: Exception, attempt: Attempt) -> Exception | None:
+        """The failure for an exception from the connection or the answer,
+        or None to let it propagate as it is."""
+        return None
+
+    def answer(self, response: httpx.Response) -> Any:
+        """The answer as relay_answer reads it (a peer's is capped)."""
+        return response
+
+    def sink(self, sink: Sink) -> Sink:
+        """The sink as relay_answer writes it (a peer's is capped)."""
+        return sink
+
+
+Waiter = Callable[[Awaitable[Any]], Awaitable[Any]]
+
+
+async def stream_attempt(http: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str], job: Job,
+                         attempt: Attempt, sink: Sink, rules: UpstreamRules, *, clock: Callable[[], float],
+                         first_token_s: float, between_tokens_s: float, model: str, fingerprint: str) -> bool:
+    """POST `body` to `url` and relay the streamed answer into `sink`.
+    Returns whether the stream ended with [DONE]; raises JobFailed for a
+    cancel and the rules' failures for the rest. The attempt's outcome and
+    end time are set on every way out."""
+    canceled = asyncio.ensure_future(job.canceled.wait())
+    first_deadline = clock() + first_token_s
+
+    def silent_s() -> float:
+        return first_token_s if attempt.first_token_at is None else between_tokens_s
+
+    async def wait(awaitable: Awaitable[Any]) -> Any:
+        limit_s = attempt.wait_limit_s(first_deadline, between_tokens_s, clock())
+        result = await wait_on_upstream(awaitable, canceled, limit_s, rules.liveness, clock)
+        if result is _CANCELED:
+            attempt.outcome = "canceled"
+            raise canceled_error(job, rules.canceled_where)
+        return result
+
+    try:
+        request = http.build_request("POST", url, json=body, headers=headers)
+        response = await wait(http.send(request, stream=True))
+        try:
+            attempt.reached_worker = True
+            if response.status_code >= 400:
+                await rules.refused(response, wait, silent_s)
+            return await relay_answer(rules.answer(response), job, attempt, rules.sink(sink), wait,
+                                      fail=rules.bad_event, model=model, fingerprint=fingerprint, clock=clock)
+        finally:
+            await response.aclose()
+    except rules.failure as failure:
+        attempt.outcome = f"failed: {failure}"
+        raise
+    except asyncio.TimeoutError:
+        attempt.outcome = "failed: hang"
+        raise rules.hung(silent_s()) from None
+    except (JobFailed, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        failure = rules.broke(exc, attempt)
+        if failure is None:
+            raise
+        attempt.outcome = f"failed: {type(exc).__name__}"
+        raise failure from None
+    finally:
+        canceled.cancel()
+        attempt.ended_at = clock()
+
+
+# ----- the wire format ------------------------------------------------------------------
+
+
+async def sse_lines(response: Any) -> AsyncIterator[str]:
+    """The lines of an upstream's SSE stream (see http_basics.SseLineSplitter),
+    none longer than MAX_SSE_LINE_BYTES: an upstream (a peer, say) that never
+    ends its line must not fill our memory."""
+    try:
+        async for line in aiter_sse_lines(response.aiter_bytes(), MAX_SSE_LINE_BYTES):
+            yield line
+    except SseLineTooLong as exc:
+        raise httpx.RemoteProtocolError(str(exc)) from None
+
+
+async def relay_answer(response: httpx.Response, job: Job, attempt: Attempt, sink: Sink,
+                       wait: Callable[[Any], Awaitable[Any]], *, fail: Callable[[str], NoReturn], model: str,
+                       fingerprint: str, clock: Callable[[], float]) -> bool:
+    """Relay an upstream's streamed answer (a worker's or a peer's) to the
+    sink, each event shaped as this server's, counting the tokens on the
+    attempt. `wait` awaits each next line under the caller's deadlines and
+    cancel; `fail(what)` raises the caller's failure for a bad or error
+    event. Returns whether the stream ended with [DONE]."""
+    named_tool_calls: set[tuple[int, int]] = set()
+    lines = sse_lines(response)
+    while True:
+        line = await wait(lines.__anext__())
+        if line is None:
+            return False
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return True
+        try:
+            event = json.loads(data)
+        except ValueError:
+            fail("sent an event that is not JSON")
+        if not isinstance(event, dict):
+            fail("sent an event that is not a JSON object")
+        if "error" in event:
+            fail(f"reported an error: {event['error']}")
+        choices = event.get("choices")
+        if not choices:
+            # llama-server's own usage chunk: the sink writes the usage of
+            # the whole request (one execution) itself.
+            continue
+        if not isinstance(choices, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("delta", {}), dict) for c in choices):
+            fail("sent an event whose choices are not OpenAI's shape")
+        if shape_event(event, job, named_tool_calls, model=model, fingerprint=fingerprint):
+            attempt.tokens += 1
+            attempt.last_token_at = clock()
+            if attempt.first_token_at is None:
+                attempt.first_token_at = attempt.last_token_at
+        sink.emit(event)
+
+
+def shape_event(event: dict[str, Any], job: Job, named_tool_calls: set[tuple[int, int]], *, model: str,
+                fingerprint: str) -> bool:
+    """Make one streamed event of an upstream server (a worker, or a peer)
+    what this server sends: its ids, its model name, OpenAI's shapes.
+    Returns whether the event carries output (a token)."""
+    # The upstream's per-request timings and usage are its business (the
+    # sink writes the usage of the one execution), and the same answer
+    # looks the same from any engine or server.
+    event.pop("timings", None)
+    event.pop("usage", None)
+    _trim_logprobs(event, job.top_logprobs)
+    _reasoning_as_reasoning_content(event)
+    if job.forced_tool is not None:
+        _as_forced_tool_call(event, job)
+    carries = _carries_token(event)
+    event["id"] = response_id(job)
+    event["model"] = model
+    event["system_fingerprint"] = fingerprint
+    _drop_repeated_tool_names(event, named_tool_calls)
+    return carries
+
+
+def worker_body(job: Job) -> dict[str, Any]:
+    body = dict(job.body)
+    body.pop("model", None)
+    # Always an explicit limit, the one admission planned with: the worker's
+    # own default may be none at all, and it does not know the current API's
+    # name max_completion_tokens.
+    body.pop("max_completion_tokens", None)
+    body["max_tokens"] = job.max_tokens
+    # Always streamed from the worker: that gives cancellation, hang
+    # detection, token metering and replay while nothing was sent.
+    body["stream"] = True
+    body.pop("stream_options", None)
+    if job.top_logprobs is not None:
+        # See _trim_logprobs: at least one, or llama-server sends none.
+        key = "top_logprobs" if job.kind.value == "chat" else "logprobs"
+        body[key] = max(1, job.top_logprobs)
+    return body
+
+
+async def upstream_error_message(response: httpx.Response) -> str:
+    """An upstream's error answer as one client-safe line."""
+    return upstream_error_text(await response.aread())
+
+
+def upstream_error_text(raw: bytes) -> str:
+    """An upstream's error body as one client-safe line."""
+    try:
+        payload = json.loads(raw)
+    except ValueError:
+        payload = {}
+    error = payload.get("error") if isinstance(payload, dict) else None
+    message = (error or {}).get("message") if isinstance(error, dict) else None
+    message = message or (payload.get("detail") if isinstance(payload, dict) else None) or raw.decode("utf-8", "replace")
+    return client_safe(str(message))
+
+
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.\-+@~]+){2,}")
+
+
+def client_safe(message: str) -> str:
+    """A worker's error message as a client may see it: one line, no
+    traceback, no file system paths (they tell an attacker the install
+    layout), and short."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    kept = [line for line in lines if not line.startswith(("Traceback", "File ", "^", "~"))]
+    # A traceback's last line is the exception; otherwise the first few lines
+    # (a validation error names the field on the next ones).
+    text = kept[-1] if kept and lines[0].startswith("Traceback") else "; ".join(kept[:3])
+    return _PATH.sub("<path>", text)[:300] or "no detail"
+
+
+def _trim_logprobs(event: dict[str, Any], wanted: int | None) -> None:
+    """Keep the alternatives the client asked for. llama-server returns 20
+    when top_logprobs is absent and none at all for 0, so the worker is asked
+    for at least one and the list is cut here (OpenAI's default is 0)."""
+    if wanted is None:
+        return
+    for choice in event.get("choices") or ():
+        logprobs = choice.get("logprobs")
+        for token in (logprobs.get("content") or ()) if isinstance(logprobs, dict) else ():
+            if isinstance(token, dict) and isinstance(token.get("top_logprobs"), list):
+                del token["top_logprobs"][wanted:]
+
+
+def _reasoning_as_reasoning_content(event: dict[str, Any]) -> None:
+    """An upstream that streams the reasoning as `reasoning` (a peer with
+    [server] reasoning_field = "reasoning", or vLLM) under llama-server's
+    name, `reasoning_content`, which every sink reads."""
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and isinstance(delta.get("reasoning"), str):
+            text = delta.pop("reasoning")
+            delta.setdefault("reasoning_content", text)
+
+
+def _as_forced_tool_call(event: dict[str, Any], job: Job) -> None:
+    """The constrained answer to a named tool_choice, as OpenAI streams a
+    call: the arguments in fragments, the id and name in the first one only,
+    and finish_reason "tool_calls". The id comes from the request id, so a
+    replay names the call the same."""
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta")
+        if delta is None:
+            continue
+        text = delta.pop("content", None)
+        if text:
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if job.attempts and job.attempts[-1].tokens == 0:
+                call.update(id=f"call_{job.id}", type="function")
+                call["function"]["name"] = job.forced_tool
+            delta["tool_calls"] = [call]
+        if choice.get("finish_reason") == "stop":
+            choice["finish_reason"] = "tool_calls"
+
+
+def _drop_repeated_tool_names(event: dict[str, Any], named: set[tuple[int, int]]) -> None:
+    """OpenAI streams a tool call's name once, in its first delta, and clients
+    append the fragments; llama-cpp-python repeats the name in every delta,
+    which would read as 'fnfnfn'. Keep only the first."""
+    for choice in event.get("choices") or ():
+        for call in (choice.get("delta") or {}).get("tool_calls") or ():
+            function = call.get("function")
+            if not isinstance(function, dict) or not function.get("name"):
+                continue
+            key = (choice.get("index", 0), call.get("index", 0))
+            if key in named:
+                function.pop("name")
+                call.pop("id", None)
+                call.pop("type", None)
+            else:
+                named.add(key)
+
+
+def _carries_token(event: dict[str, Any]) -> bool:
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta")
+        # A thinking model's reasoning is output too: without it, a model that
+        # thinks for a while would look hung before its first answer token.
+        if delta is not None and (delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+                                  or delta.get("function_call")):
+            return True
+        if choice.get("text"):
+            return True
+    return False
+
+
+def response_id(job: Job) -> str:
+    prefix = "chatcmpl" if job.kind.value == "chat" else "cmpl"
+    return f"{prefix}-{job.id}"
+
+
+def canceled_error(job: Job, where: str) -> JobFailed:
+    return JobFailed(499, "request_canceled", f"request {job.id} was canceled {where}: {job.cancel_reason}")
+
+
+# ----- waiting on an upstream ---------------------------------------------------------------
+
+_CANCELED = object()
+
+
+async def wait_on_upstream(awaitable: Awaitable[Any], canceled: asyncio.Future, timeout: float,
+                           liveness: Callable[[], str | None], clock: Callable[[], float]) -> Any:
+    """The result of `awaitable` (the response, or the next SSE line: None at
+    the end), or _CANCELED if the job was canceled meanwhile. Raises
+    TimeoutError when the upstream gives nothing for `timeout` seconds of
+    `clock`, and the liveness problem's failure (WorkerFailure) as soon as
+    `liveness` names one."""
+    pending = asyncio.ensure_future(awaitable)
+    deadline = clock() + timeout
+    problem = None
+    while True:
+        wait_s = min(LIVENESS_INTERVAL_S, max(0.0, deadline - clock()))
+        done, _ = await asyncio.wait({pending, canceled}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        if done:
+            break
+        problem = liveness()
+        if problem is not None or clock() >= deadline:
+            break
+    if pending in done:
+        try:
+            return pending.result()
+        except StopAsyncIteration:
+            return None
+    pending.cancel()
+    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, httpx.HTTPError):
+        await pending
+    if canceled in done:
+        return _CANCELED
+    if problem is not None:
+        raise WorkerFailure(problem)
+    raise asyncio.TimeoutError
