@@ -7,15 +7,10 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-STATUS = {
-    "service": {"model": "fake-model", "healthy": True, "health_reason": "ok"},
-    "gpu": {"available": True, "simulated": True, "free_mib": 1024, "total_mib": 2048, "reserve_mib": 256},
-    "ram": {"available_mib": 4096, "total_mib": 8192},
-    "breaker": {"state": "closed"},
-    "workers": [],
-    "queues": {},
-    "requests": [],
-}
+from tests.status_sample import sample_status
+
+STATUS = sample_status()
+STATUS["service"]["model"] = "fake-model"
 
 
 class KeyCheckingService:

@@ -14,6 +14,7 @@ import pytest
 from tests.fakes.service import InProcess, in_process_service, isolate_user_folders
 from tests.fakes.upstream import FakeUpstream
 from tests.harness import BASE_CONFIG
+from tests.status_sample import sample_status
 from tray_app.core.config import bundled_model_path
 from tray_app.core.engine.worker import WorkerState
 from tray_app.core.memory.telemetry import NvmlGpuReader
@@ -151,3 +152,7 @@ def test_optional_keys_may_be_absent_and_open_events_may_carry_their_own(real_st
     assert validate_status(status) == []
     status["gpu"]["path"] = "remote"
     assert validate_status(status) == ["status.gpu.path: 'remote' is not one of ['local', 'none']"]
+
+
+def test_the_sample_that_reader_tests_start_from_conforms():
+    assert validate_status(sample_status()) == []

@@ -122,8 +122,11 @@ def print_status(url: str, as_json: bool, api_key: str = "") -> int:
     if as_json:
         print(json.dumps(data, indent=2))
         return 0
-    from .status_text import render_status
+    from .status_text import render_status, status_mismatch
 
+    mismatch = status_mismatch(url, data)
+    if mismatch:
+        return _fail(mismatch)
     print(render_status(data))
     return 0
 
