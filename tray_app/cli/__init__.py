@@ -10,11 +10,14 @@ from typing import Any, Sequence
 
 from ..core.config import DEFAULT_PORT, Config, ConfigError, apply_overrides, lan_api_key_problem, load_config
 from ..core.engine.gpu_env import hide_gpus_from_this_process
+from ..core.keys import KeyProblem
 from ..core.memory.gguf_info import ModelFileError
 from ..drill.command import add_drill_parser, run_drill
+from .keys import add_keys_parser, run_keys
 from .models import add_models_parser, run_models
 from .pull import add_pull_parser, run_pull
 from .rpc_worker import add_rpc_worker_parser, run_rpc_worker
+from .usage import add_usage_parser, run_usage
 
 
 def _add_service_options(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="TOML config file whose [server] api_key to send (default: the platform config "
                              "dir's config.toml); TRAY_APP_API_KEY takes precedence, as on the server")
     add_models_parser(sub)
+    add_keys_parser(sub)
+    add_usage_parser(sub)
     add_pull_parser(sub)
     add_drill_parser(sub)
     add_rpc_worker_parser(sub)
@@ -142,7 +147,7 @@ def _error_message(response: Any) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     raw = list(argv if argv is not None else sys.argv[1:])
-    subcommands = {"tray", "serve", "status", "models", "pull", "drill", "rpc-worker"}
+    subcommands = {"tray", "serve", "status", "models", "keys", "usage", "pull", "drill", "rpc-worker"}
     # Options without a subcommand belong to the default one: `tray-app --port 9000`.
     if raw and raw[0] not in subcommands and raw[0] not in ("-h", "--help"):
         raw = ["tray", *raw]
@@ -154,14 +159,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The router: its tokenizer's llama.cpp must not open a GPU. First,
         # before anything loads llama.cpp; the GPU worker gets the user's values.
         hide_gpus_from_this_process()
-    if command == "status":
+    if command in ("status", "usage"):
         from ..core.api.security import effective_api_key
 
         try:
             configured_key = load_config(args.config).server.api_key
         except ConfigError as exc:
             return _fail(str(exc))
+        if command == "usage":
+            return run_usage(args, effective_api_key(configured_key))
         return print_status(args.url, args.json, effective_api_key(configured_key))
+    if command == "keys":
+        return run_keys(args)
     if command == "models":
         return run_models(args)
     if command == "pull":
@@ -179,9 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.model.fallback_path:
             read_model_info(config.fallback_model_path())
         from ..core.api.security import bind_problem, effective_api_key
+        from ..core.keys import KeyStore
 
         api_key = effective_api_key(config.server.api_key)
-        problem = bind_problem(config.server.host, api_key) or lan_api_key_problem(config.server.host, api_key)
+        named_keys = KeyStore().has_keys()
+        problem = (bind_problem(config.server.host, api_key, named_keys)
+                   or lan_api_key_problem(config.server.host, api_key))
         if problem:
             raise ConfigError(problem)
         from ..core.engine.runtime import choose_runtime, rpc_runtime_problem
@@ -190,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       choose_runtime(config.engine.runtime, config.engine.llama_server))
         if problem:
             raise ConfigError(problem)
-    except (ConfigError, ModelFileError) as exc:
+    except (ConfigError, ModelFileError, KeyProblem) as exc:
         return _fail(str(exc))
     if command == "serve":
         return serve(config, args.log_level)

@@ -28,10 +28,13 @@ from ..grammar_check import GrammarChecker
 from ..host import ModelHost
 from ..service import Service
 from ..status_build import model_summary
+from ..usage import Outcome, UsageStore
 from . import bounds
 from .embeddings import openai_embeddings
 from .errors import error_response, error_response_for_path
 from .idempotency import IdempotencyStore
+from .key_access import KeyAccess, Refusal, usage_name
+from .security import principal_of
 from .openai_request import InvalidRequest
 from .anthropic import AnthropicMessages
 from .ollama import DEFAULT_TAG
@@ -53,8 +56,9 @@ _Invalid = InvalidRequest
 
 
 class Router:
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, usage: UsageStore | None = None) -> None:
         self.service = service
+        self.access = KeyAccess(service, usage or UsageStore())
         self._names_for: tuple[Any, ModelNames] | None = None
         self.largest_context = max(max(m.gpu_n_ctx, m.cpu_n_ctx) for m in service.library)
         self.idempotency = IdempotencyStore()
@@ -108,7 +112,7 @@ class Router:
         return JSONResponse({"status": "ok" if ok else "unavailable", "reason": reason}, status_code=200 if ok else 503)
 
     async def status(self, request: Request) -> Response:
-        return JSONResponse(self.service.status())
+        return JSONResponse({**self.service.status(), "usage": self.access.usage.snapshot()})
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.service.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
@@ -160,6 +164,9 @@ class Router:
 
     async def cancel(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
+        refusal = self.access.cancel_refusal(request, request_id)
+        if refusal is not None:
+            return error_response(403, refusal, "insufficient_scope")
         result = self.service.cancel(request_id)
         if result is None:
             return error_response(404, f"no queued or running request has id {request_id!r}; "
@@ -360,6 +367,14 @@ class Router:
             return protocol.error(409, f"a request with X-Request-Id {request_id!r} is already in flight; "
                                   "send a new id, or an Idempotency-Key to share its result", "duplicate_request_id",
                                   headers=base_headers)
+        request.state.usage_name = usage_name(principal_of(request.scope), job.client)
+        try:
+            self.access.admit(request, job, host)
+        except Refusal as refusal:
+            dispatcher.unregister(job)
+            self.access.count(request.state.usage_name, Outcome(refused=True))
+            return protocol.error(refusal.status, refusal.message, refusal.code,
+                                  headers={**base_headers, **refusal.headers})
         try:
             await self.service.ensure_started(host)
             job.prompt_tokens = await self._count_prompt(job, host)
@@ -454,7 +469,7 @@ class Router:
         sink = AggregatingSink()
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
         try:
-            await host.dispatcher.run(job, sink)
+            await self.access.run_counted(host, job, sink, request.state.usage_name)
         except JobFailed as failure:
             return protocol.failed(failure, self._route_headers(job, host))
         finally:
@@ -471,7 +486,7 @@ class Router:
 
         async def run() -> None:
             try:
-                await host.dispatcher.run(job, sink)
+                await self.access.run_counted(host, job, sink, request.state.usage_name)
                 sink.queue.put_nowait(("done", None))
             except JobFailed as failure:
                 sink.queue.put_nowait(("failed", failure))
@@ -546,6 +561,7 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> None:
 
 def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
     router = Router(service)
+    service.metrics.count_usage(router.access.usage.book)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -554,6 +570,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         try:
             yield
         finally:
+            await router.access.close()
             if router._grammars is not None:
                 await router._grammars.close()
             if manage_lifecycle:

@@ -16,6 +16,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..config import Config
+from ..keys import KeyStore
 from ..service import Service
 from .app import create_app
 from .connections import CONNECTION_SCOPE_KEY, ConnectionLedger, client_key
@@ -214,9 +215,9 @@ def build_server(config: Config, service: Service | None = None, log_level: str 
     app = create_app(service, manage_lifecycle=manage_lifecycle)
     policy = AccessPolicy.build(
         api_key=effective_api_key(config.server.api_key), bound_host=config.server.host,
-        allowed_hosts=config.server.allowed_hosts, cors_origins=config.server.cors_origins,
+        allowed_hosts=config.server.allowed_hosts, cors_origins=config.server.cors_origins, keys=KeyStore(),
     )
-    ledger = ConnectionLedger(config.server.max_connections, key_required=bool(policy.api_key))
+    ledger = ConnectionLedger(config.server.max_connections, key_required=policy.key_required)
     protocol = type("ConfiguredGuardedH11Protocol", (GuardedH11Protocol,),
                     {"header_timeout_s": config.server.header_timeout_s, "ledger": ledger})
     sockets = None

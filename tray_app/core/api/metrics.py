@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ..usage import PATHS, UsageBook
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 TPS_BUCKETS = (1, 2, 5, 10, 20, 40, 80, 160, 320)
@@ -38,6 +40,11 @@ class ServiceMetrics:
         self.model_evictions = Counter("tray_app_model_evictions", "GPU unloads to make room for another model",
                                        ["model"], registry=self.registry)
         self.registry.register(_LiveGauges(status))
+
+    def count_usage(self, book: UsageBook) -> None:
+        """Serve each key's (or app's) usage since the start: counters, as
+        Prometheus wants them; its rate over a day is the day's use."""
+        self.registry.register(_UsageCounters(book))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -118,3 +125,31 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, documentation)
     family.add_metric([], value)
     return family
+
+
+class _UsageCounters:
+    """Usage per key since the start. The key label's values are bounded by
+    the book (usage.MAX_NAMES, then "other"), the rest by fixed lists."""
+
+    def __init__(self, book: UsageBook) -> None:
+        self._book = book
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily("tray_app_usage_requests", "Requests per key (or app) and the path that "
+                                       "served them", labels=["key", "path"])
+        tokens = CounterMetricFamily("tray_app_usage_tokens", "Tokens per key (or app), path and direction",
+                                     labels=["key", "path", "direction"])
+        outcomes = CounterMetricFamily("tray_app_usage_outcomes", "Requests per key (or app) that were degraded, "
+                                       "refused or cancelled", labels=["key", "outcome"])
+        for name, counts in sorted(self._book.since_start.items()):
+            for path in PATHS:
+                by_path = counts["paths"][path]
+                requests.add_metric([name, path], by_path["requests"])
+                tokens.add_metric([name, path, "in"], by_path["tokens_in"])
+                tokens.add_metric([name, path, "out"], by_path["tokens_out"])
+            for outcome in ("degraded", "refused", "cancelled"):
+                outcomes.add_metric([name, outcome], counts[outcome])
+        yield from (requests, tokens, outcomes)

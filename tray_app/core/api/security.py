@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..http_basics import bearer_header, is_loopback
+from ..keys import LEGACY_KEY_NAME, ApiKey, KeyStore
 from .connections import CONNECTION_SCOPE_KEY, ClientConnection, ConnectionLedger, client_key, retry_after_header
 from .errors import error_body_for_path
 
@@ -30,8 +31,14 @@ API_KEY_ENV = "TRAY_APP_API_KEY"
 # Defined in http_basics, below api/ (the peer path and the config use them
 # too); the clients of our own port import them from here.
 __all__ = ["API_KEY_ENV", "CSRF_COOKIE", "CSRF_HEADER", "EXPOSED_HEADERS", "MAX_HEADER_BYTES", "PUBLIC_PATHS",
-           "SESSION_COOKIE", "AccessGuard", "AccessPolicy", "WebSessions", "bearer_header", "bind_problem",
-           "effective_api_key", "host_name", "is_loopback"]
+           "PRINCIPAL_SCOPE_KEY", "SESSION_COOKIE", "AccessGuard", "AccessPolicy", "WebSessions", "bearer_header",
+           "bind_problem", "effective_api_key", "host_name", "is_loopback", "principal_of"]
+# Where the guard leaves the key a request was made with (an ApiKey), for the
+# routes: its name owns the request's jobs and its usage, its scope and limits
+# apply. Absent when the server needs no key: then everyone may do everything.
+PRINCIPAL_SCOPE_KEY = "tray_app.principal"
+# Routes only an admin key may use (the web page's controls call these too).
+ADMIN_PREFIX = "/admin/"
 # Routes a monitor may call without the key.
 PUBLIC_PATHS = frozenset({"/health"})
 # The web page's files (tray_app/web) hold no data, so a browser may fetch them
@@ -61,6 +68,10 @@ EXPOSED_HEADERS = ("X-Request-Id", "X-Served-By", "X-Route-Reason", "X-Fallback-
                    "X-Estimated-Latency", "X-Queue-Wait", "Retry-After")
 
 
+def principal_of(scope) -> ApiKey | None:
+    return (scope.get("extensions") or {}).get(PRINCIPAL_SCOPE_KEY)
+
+
 def effective_api_key(configured: str) -> str:
     """The one rule for which key is in force, `configured` being [server] api_key.
     The environment wins, so a key need not be written to disk. The server checks
@@ -68,9 +79,9 @@ def effective_api_key(configured: str) -> str:
     return os.environ.get(API_KEY_ENV, "") or configured
 
 
-def bind_problem(host: str, api_key: str) -> str | None:
+def bind_problem(host: str, api_key: str, named_keys: bool = False) -> str | None:
     """Why binding `host` is refused, or None."""
-    if is_loopback(host) or api_key:
+    if is_loopback(host) or api_key or named_keys:
         return None
     return (f"binding {host} exposes the API to other machines, so it needs an API key: "
             f"export {API_KEY_ENV}=<a long random string> (or set [server] api_key in the config), "
@@ -91,11 +102,30 @@ class AccessPolicy:
     bound_host: str
     allowed_hosts: frozenset[str]
     cors_origins: frozenset[str]
+    # The named keys (keys.py), read again when their file changes.
+    keys: KeyStore | None = None
 
     @classmethod
-    def build(cls, api_key: str, bound_host: str, allowed_hosts: Iterable[str], cors_origins: Iterable[str]):
+    def build(cls, api_key: str, bound_host: str, allowed_hosts: Iterable[str], cors_origins: Iterable[str],
+              keys: KeyStore | None = None):
         return cls(api_key, bound_host.lower(), frozenset(h.lower() for h in allowed_hosts),
-                   frozenset(o.rstrip("/") for o in cors_origins))
+                   frozenset(o.rstrip("/") for o in cors_origins), keys)
+
+    @property
+    def key_required(self) -> bool:
+        return bool(self.api_key) or (self.keys is not None and self.keys.has_keys())
+
+    def legacy_key(self) -> ApiKey:
+        """The old single key: an admin key, so setups from before named keys
+        (and the tray, which sends it) keep every right they had."""
+        return ApiKey(LEGACY_KEY_NAME, "admin")
+
+    def principal_named(self, name: str) -> ApiKey | None:
+        """A web session's key, looked up again on each request: a revoked
+        key's sessions end with it."""
+        if name == LEGACY_KEY_NAME:
+            return self.legacy_key() if self.api_key else None
+        return self.keys.get(name) if self.keys is not None else None
 
     def host_allowed(self, host_header: str | None) -> bool:
         if not host_header:
@@ -112,24 +142,34 @@ class AccessPolicy:
         return origin in self.cors_origins or _LOCAL_ORIGIN.fullmatch(origin.lower()) is not None
 
     def key_matches(self, authorization: str | None, x_api_key: str | None = None) -> bool:
-        """The key as OpenAI's clients send it (Authorization: Bearer) or as
-        Anthropic's do (x-api-key)."""
-        if not self.api_key:
-            return True
+        return self.authenticate(authorization, x_api_key)[0]
+
+    def authenticate(self, authorization: str | None, x_api_key: str | None = None) -> tuple[bool, ApiKey | None]:
+        """(whether the request may pass, the key it was made with). The key
+        as OpenAI's clients send it (Authorization: Bearer) or as Anthropic's
+        do (x-api-key). With no key configured anywhere, everyone passes as
+        nobody in particular (None)."""
+        if not self.key_required:
+            return True, None
         if authorization and authorization.lower().startswith("bearer "):
             offered = authorization[7:].strip()
         elif x_api_key:
             offered = x_api_key.strip()
         else:
-            return False
+            return False, None
         # Constant time, so the key can't be guessed byte by byte from timings.
-        return hmac.compare_digest(offered.encode(), self.api_key.encode())
+        if self.api_key and hmac.compare_digest(offered.encode(), self.api_key.encode()):
+            return True, self.legacy_key()
+        named = self.keys.match(offered) if self.keys is not None else None
+        return named is not None, named
 
 
 @dataclass(frozen=True)
 class _WebSession:
     csrf_token: str
     expires_at: float
+    # The name of the key the page logged in with: its scope applies to the page.
+    key_name: str = ""
 
 
 class WebSessions:
@@ -141,14 +181,14 @@ class WebSessions:
         self.limit = limit
         self._sessions: OrderedDict[str, _WebSession] = OrderedDict()
 
-    def create(self, now: float) -> tuple[str, str]:
+    def create(self, now: float, key_name: str = "") -> tuple[str, str]:
         """A new session: (session token, CSRF token). The oldest goes when
         the limit is reached, so repeated logins can't grow the table."""
         self._expire(now)
         while len(self._sessions) >= self.limit:
             self._sessions.popitem(last=False)
         token, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
-        self._sessions[token] = _WebSession(csrf, now + self.lifetime_s)
+        self._sessions[token] = _WebSession(csrf, now + self.lifetime_s, key_name)
         return token, csrf
 
     def csrf_for(self, token: str | None, now: float) -> str | None:
@@ -162,6 +202,10 @@ class WebSessions:
             del self._sessions[token]
             return None
         return session.csrf_token
+
+    def key_name(self, token: str | None) -> str:
+        session = self._sessions.get(token or "")
+        return session.key_name if session is not None else ""
 
     def end(self, token: str | None) -> None:
         self._sessions.pop(token or "", None)
@@ -261,7 +305,7 @@ class AccessGuard:
         # The login checks the key itself, as a body field.
         if (scope["path"] not in PUBLIC_PATHS and scope["path"] != WEB_LOGIN_PATH
                 and not _is_web_page_file(scope["method"], scope["path"])):
-            refusal = self._check_key(scope, headers)
+            refusal = self._check_key(scope, headers) or _check_scope(scope)
             if refusal is not None:
                 return refusal
         if scope["method"] == "POST":
@@ -277,20 +321,30 @@ class AccessGuard:
         return None
 
     def _check_key(self, scope, headers: dict[str, str]):
+        """None when the request may pass, with its key left in the scope
+        (PRINCIPAL_SCOPE_KEY); else the refusal."""
         connection: ClientConnection | None = (scope.get("extensions") or {}).get(CONNECTION_SCOPE_KEY)
-        if self.policy.api_key and not (headers.get("authorization") or headers.get("x-api-key")):
+        key_required = self.policy.key_required
+        if key_required and not (headers.get("authorization") or headers.get("x-api-key")):
             session = cookie_value(headers.get("cookie"), SESSION_COOKIE)
             csrf = self.sessions.csrf_for(session, self._clock())
             if csrf is not None:
+                principal = self.policy.principal_named(self.sessions.key_name(session))
+                if principal is None:  # its key was revoked since the login
+                    self.sessions.end(session)
+                    return self._wrong_key(scope, headers, "")
+                _set_principal(scope, principal)
                 return self._check_csrf(scope, headers, csrf, connection)
         if connection is not None and connection.authenticated:
             # Shown the key before (or none is set): checked again, but never
             # held back by what other connections from its address did.
-            if self.policy.key_matches(headers.get("authorization"), headers.get("x-api-key")):
+            passed, principal = self.policy.authenticate(headers.get("authorization"), headers.get("x-api-key"))
+            if passed:
+                _set_principal(scope, principal)
                 return None
             return self._wrong_key(scope, headers, connection.address)
         address = connection.address if connection is not None else client_key((scope.get("client") or ("",))[0])
-        if self.ledger is not None and self.policy.api_key:
+        if self.ledger is not None and key_required:
             wait_s = self.ledger.key_wait_s(address, self._clock())
             if wait_s is not None:
                 # Refused before the key is compared, right or wrong, so that
@@ -299,8 +353,10 @@ class AccessGuard:
                                  f"too many wrong API keys from {address}: wait {retry_after_header(wait_s)} s "
                                  "before sending a key again (each further wrong key doubles the wait)",
                                  [(b"retry-after", retry_after_header(wait_s).encode())])
-        if not self.policy.key_matches(headers.get("authorization"), headers.get("x-api-key")):
+        passed, principal = self.policy.authenticate(headers.get("authorization"), headers.get("x-api-key"))
+        if not passed:
             return self._wrong_key(scope, headers, address)
+        _set_principal(scope, principal)
         if connection is not None and self.ledger is not None:
             self.ledger.authenticated(connection)
         return None
@@ -328,7 +384,7 @@ class AccessGuard:
             if csrf is not None and hmac.compare_digest(headers.get(CSRF_HEADER, "").encode(), csrf.encode()):
                 self.sessions.end(session)
             return 200, [(b"content-type", b"application/json"), *_session_cookies("", "", 0)], b'{"logged_in":false}'
-        if not self.policy.api_key:
+        if not self.policy.key_required:
             return 200, [(b"content-type", b"application/json")], b'{"logged_in":true,"key_required":false}'
         body = await _read_small_body(receive)
         try:
@@ -340,10 +396,12 @@ class AccessGuard:
         refusal = self._check_key(scope, {"authorization": f"Bearer {offered}"})
         if refusal is not None:
             return refusal
-        token, csrf = self.sessions.create(self._clock())
+        principal = principal_of(scope)
+        token, csrf = self.sessions.create(self._clock(), principal.name if principal is not None else "")
+        answer = {"logged_in": True, "key_required": True,
+                  "scope": principal.scope if principal is not None else "admin"}
         return (200, [(b"content-type", b"application/json"),
-                      *_session_cookies(token, csrf, int(self.sessions.lifetime_s))],
-                b'{"logged_in":true,"key_required":true}')
+                      *_session_cookies(token, csrf, int(self.sessions.lifetime_s))], json.dumps(answer).encode())
 
     def _wrong_key(self, scope, headers: dict[str, str], address: str):
         # Only a key that was offered counts towards the wait: a client that
@@ -366,6 +424,22 @@ class AccessGuard:
                 (b"access-control-max-age", b"600"),
             ]
         return headers
+
+
+def _set_principal(scope, principal: ApiKey | None) -> None:
+    if principal is not None:
+        scope.setdefault("extensions", {})[PRINCIPAL_SCOPE_KEY] = principal
+
+
+def _check_scope(scope):
+    """An inference key may not use the admin routes: restarting workers,
+    giving the GPU away, loading models are the household's, not an app's."""
+    principal = principal_of(scope)
+    if principal is None or principal.is_admin or not scope["path"].startswith(ADMIN_PREFIX):
+        return None
+    return _envelope(scope["path"], 403, "insufficient_scope",
+                     f"the key {principal.name!r} has scope {principal.scope!r}; {scope['path']} needs an admin key "
+                     "(tray-app keys add NAME --scope admin)")
 
 
 def _session_cookies(token: str, csrf: str, max_age_s: int) -> list[tuple[bytes, bytes]]:

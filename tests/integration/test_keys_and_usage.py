@@ -1,0 +1,230 @@
+"""A key per app, with scopes and limits, and who used what (issue 31, parts 2 and 3).
+
+The real service on SmolLM2, its keys made with the real `tray-app keys`
+command in the service's own config folder while it runs, and called with the
+official clients.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+from pathlib import Path
+
+import anthropic
+import httpx
+import ollama
+import openai
+import pytest
+
+from tests.harness import BASE_CONFIG, RunningService
+
+pytestmark = pytest.mark.integration
+
+LEGACY_KEY = "legacy-admin-key-for-tests-0123456789"
+HI = [{"role": "user", "content": "Say hi."}]
+LONG = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
+# Every admin route there is, and one there isn't: the scope check comes
+# before routing, so an inference key learns nothing even of what exists.
+ADMIN_POSTS = ("/admin/gpu", "/admin/restart", "/admin/models/anything", "/admin/library/rescan", "/admin/nothing")
+
+
+def keys_command(service: RunningService, *args: str) -> subprocess.CompletedProcess:
+    """`tray-app keys ...` with the service's own config folder."""
+    return subprocess.run([sys.executable, "-m", "tray_app", "keys", *args], env=service.env, capture_output=True,
+                          text=True, timeout=60, check=True)
+
+
+def add_key(service: RunningService, name: str, *options: str) -> str:
+    return keys_command(service, "add", name, *options).stdout.strip()
+
+
+def start(tmp: Path) -> RunningService:
+    service = RunningService(tmp, BASE_CONFIG, env={"TRAY_APP_API_KEY": LEGACY_KEY})
+    service.http.headers["Authorization"] = f"Bearer {LEGACY_KEY}"
+    service.wait_ready()
+    return service
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    service = start(tmp_path_factory.mktemp("keys"))
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+@pytest.fixture
+def keys(keyed):
+    keyed.reset()
+    return keyed
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def chat(service: RunningService, key: str, request_id: str | None = None, max_tokens: int = 4,
+         messages=HI, **extra) -> httpx.Response:
+    headers = {**bearer(key), **({"X-Request-Id": request_id} if request_id else {})}
+    return httpx.post(f"{service.url}/v1/chat/completions", headers=headers, timeout=180,
+                      json={"messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra})
+
+
+def hold(service: RunningService, pool, key: str, request_id: str):
+    """A request of `key` that stays in flight until the test cancels it."""
+    future = pool.submit(chat, service, key, request_id, 900, LONG, ignore_eos=True)
+    service.wait_for(lambda s: any(r["id"] == request_id for r in s["requests"]), what=f"{request_id} in flight")
+    return future
+
+
+def test_an_inference_key_gets_403_on_every_admin_route_and_an_admin_key_does_not(keys):
+    app_key, ops_key = add_key(keys, "scoped-app"), add_key(keys, "scoped-ops", "--scope", "admin")
+    # text/plain: a key with the scope passes to the content check (415), so
+    # nothing is restarted or paused by this test.
+    for path in ADMIN_POSTS:
+        refused = httpx.post(keys.url + path, headers={**bearer(app_key), "Content-Type": "text/plain"}, content="x")
+        assert refused.status_code == 403, path
+        assert refused.json()["error"]["code"] == "insufficient_scope" and "scoped-app" in refused.json()["error"][
+            "message"]
+        for admin in (ops_key, LEGACY_KEY):
+            passed = httpx.post(keys.url + path, headers={**bearer(admin), "Content-Type": "text/plain"}, content="x")
+            assert passed.status_code == 415, (path, passed.text)
+    assert httpx.get(keys.url + "/admin/logs", headers=bearer(app_key)).status_code == 403
+    assert httpx.get(keys.url + "/admin/logs", headers=bearer(ops_key)).status_code != 403
+    # The web page logged in with an inference key: it reads, its controls are refused.
+    page = httpx.Client(base_url=keys.url)
+    assert page.post("/ui/login", json={"key": app_key}).json()["scope"] == "inference"
+    assert page.get("/status").status_code == 200
+    csrf = {"X-CSRF-Token": page.cookies["tray_app_csrf"]}
+    refused = page.post("/admin/gpu", json={"paused": True}, headers=csrf)
+    assert refused.status_code == 403 and keys.status()["service"]["gpu_paused"] is False
+    # The API itself is an inference key's.
+    assert chat(keys, app_key).status_code == 200
+
+
+def test_an_inference_key_cancels_only_its_own_requests(keys):
+    owner, other = add_key(keys, "cancel-owner"), add_key(keys, "cancel-other")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = hold(keys, pool, owner, "owned-1")
+        refused = httpx.delete(f"{keys.url}/v1/requests/owned-1", headers=bearer(other))
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "insufficient_scope"
+        assert any(r["id"] == "owned-1" for r in keys.status()["requests"])
+        assert httpx.delete(f"{keys.url}/v1/requests/owned-1", headers=bearer(owner)).status_code == 200
+        assert first.result().status_code == 499
+        second = hold(keys, pool, owner, "owned-2")
+        # The old single api_key is an admin key: it cancels anyone's.
+        assert keys.http.delete("/v1/requests/owned-2").status_code == 200
+        assert second.result().status_code == 499
+    # An id nobody has is a 404 whoever asks, as before.
+    assert httpx.delete(f"{keys.url}/v1/requests/nobody", headers=bearer(other)).status_code == 404
+
+
+def test_a_revoked_key_stops_working_on_the_running_service(keys):
+    key = add_key(keys, "short-lived")
+    with httpx.Client(base_url=keys.url, headers=bearer(key)) as client:
+        assert client.get("/v1/models").status_code == 200
+        keys_command(keys, "revoke", "short-lived")
+        # The same client, on the same connection if it was kept: refused now.
+        refused = client.get("/v1/models")
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert "short-lived" not in keys_command(keys, "list").stdout
+
+
+def test_a_key_uses_only_its_models(keys):
+    model = keys.status()["service"]["model"]
+    elsewhere, allowed = add_key(keys, "other-model", "--models", "some-other-model"), add_key(
+        keys, "this-model", "--models", model)
+    refused = chat(keys, elsewhere)
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+    assert "some-other-model" in refused.json()["error"]["message"]
+    assert chat(keys, allowed).status_code == 200
+
+
+def test_over_its_concurrency_a_key_gets_429_with_retry_after_in_each_protocols_envelope(keys):
+    model = keys.status()["service"]["model"]
+    key = add_key(keys, "one-at-a-time", "--max-concurrency", "1")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        blocker = hold(keys, pool, key, "one-blocker")
+        try:
+            with openai.OpenAI(base_url=f"{keys.url}/v1", api_key=key, max_retries=0) as client:
+                with pytest.raises(openai.RateLimitError) as limited:
+                    client.chat.completions.create(model=model, messages=HI, max_tokens=2)
+            assert limited.value.response.headers["retry-after"] == "1"
+            assert limited.value.body["code"] == "key_concurrency_limit"
+            with anthropic.Anthropic(base_url=keys.url, api_key=key, max_retries=0) as client:
+                with pytest.raises(anthropic.RateLimitError) as limited:
+                    client.messages.create(model=model, max_tokens=2, messages=HI)
+            assert limited.value.response.headers["retry-after"] == "1"
+            assert limited.value.body["error"]["type"] == "rate_limit_error"
+            with pytest.raises(ollama.ResponseError) as limited:
+                ollama.Client(host=keys.url, headers=bearer(key)).chat(model=model, messages=HI)
+            assert limited.value.status_code == 429 and "one-at-a-time" in limited.value.error
+            raw = httpx.post(f"{keys.url}/api/chat", headers=bearer(key),
+                             json={"model": model, "messages": HI, "stream": False})
+            assert raw.status_code == 429 and raw.headers["retry-after"] == "1" and set(raw.json()) == {"error"}
+            # Another key is not held back by this one's limit.
+            assert keys.http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2}).status_code == 200
+        finally:
+            keys.http.delete("/v1/requests/one-blocker")
+            assert blocker.result().status_code == 499
+    usage = keys.status()["usage"]["by_name"]["one-at-a-time"]["today"]
+    assert (usage["refused"], usage["cancelled"]) == (4, 1)
+    assert chat(keys, key).status_code == 200  # its slot is free again
+
+
+def test_usage_by_key_and_path_matches_what_was_sent_and_survives_a_restart(tmp_path):
+    service = start(tmp_path)
+    try:
+        phone, laptop = add_key(service, "phone"), add_key(service, "laptop")
+        sent = {"phone": [], "laptop": []}  # (path, prompt tokens, completion tokens)
+        for key, name in ((phone, "phone"), (phone, "phone"), (laptop, "laptop")):
+            answer = chat(service, key)
+            sent[name].append((answer.headers["x-served-by"], answer.json()["usage"]))
+        with openai.OpenAI(base_url=f"{service.url}/v1", api_key=phone, max_retries=0) as client:
+            stream = client.chat.completions.with_raw_response.create(
+                model="default", messages=HI, max_tokens=4, stream=True, stream_options={"include_usage": True})
+            chunks = list(stream.parse())
+        sent["phone"].append((stream.headers["x-served-by"], chunks[-1].usage.model_dump()))
+        # The GPU paused (by the admin key): the next request is the CPU's, degraded.
+        assert service.http.post("/admin/gpu", json={"paused": True}).status_code == 200
+        answer = chat(service, laptop)
+        sent["laptop"].append((answer.headers["x-served-by"], answer.json()["usage"]))
+        assert service.http.post("/admin/gpu", json={"paused": False}).status_code == 200
+        assert [path for path, _ in sent["phone"]] == ["gpu", "gpu", "gpu"]
+        assert [path for path, _ in sent["laptop"]] == ["gpu", "cpu"]
+
+        def expected(name: str) -> dict:
+            by_path = {path: {"requests": 0, "tokens_in": 0, "tokens_out": 0} for path in ("gpu", "cpu", "peer")}
+            for path, usage in sent[name]:
+                by_path[path]["requests"] += 1
+                by_path[path]["tokens_in"] += usage["prompt_tokens"]
+                by_path[path]["tokens_out"] += usage["completion_tokens"]
+            return by_path
+
+        def check(usage: dict) -> None:
+            for name in ("phone", "laptop"):
+                today = usage["by_name"][name]["today"]
+                assert today["paths"] == expected(name), name
+                assert today["requests"] == len(sent[name])
+                assert today["tokens_out"] == sum(u["completion_tokens"] for _, u in sent[name])
+                assert usage["by_name"][name]["last_7_days"] == today
+            assert usage["by_name"]["laptop"]["today"]["degraded"] == 1
+            assert usage["by_name"]["phone"]["today"]["degraded"] == 0
+
+        check(service.status()["usage"])
+        metrics = service.http.get("/metrics").text
+        assert 'tray_app_usage_requests_total{key="laptop",path="cpu"} 1.0' in metrics
+        assert 'tray_app_usage_requests_total{key="phone",path="gpu"} 3.0' in metrics
+        listed = subprocess.run([sys.executable, "-m", "tray_app", "usage", "--url", service.url], env=service.env,
+                                capture_output=True, text=True, timeout=60, check=True).stdout
+        assert any(line.split()[:4] == ["phone", "today", "3", "3"] for line in listed.splitlines()), listed
+    finally:
+        service.stop()
+    restarted = start(tmp_path)
+    try:
+        check(restarted.status()["usage"])
+    finally:
+        restarted.stop()

@@ -1,0 +1,86 @@
+"""The named key store: hashed at rest, private, read again when the file changes."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from tray_app.core.api.security import AccessPolicy
+from tray_app.core.keys import KEY_PREFIX, KeyProblem, KeyStore, digest
+
+
+@pytest.fixture
+def store(tmp_path) -> KeyStore:
+    return KeyStore(tmp_path / "config" / "keys.json")
+
+
+def test_a_key_is_shown_once_and_stored_only_as_its_hash(store):
+    raw = store.add("phone", "inference", ("SmolLM2",), 2, now=1000.0)
+    text = store.path.read_text()
+    assert raw.startswith(KEY_PREFIX) and len(raw) > 40
+    assert raw not in text and digest(raw) in text
+    assert stat.S_IMODE(os.stat(store.path).st_mode) == 0o600
+    key = store.match(raw)
+    assert key is not None and (key.name, key.scope, key.models, key.max_concurrency, key.created) == (
+        "phone", "inference", ("SmolLM2",), 2, 1000.0)
+    assert store.match(raw + "x") is None and store.match("") is None
+
+
+def test_names_scopes_and_limits_are_checked(store):
+    store.add("phone")
+    for bad in ("", "has space", "-dash-first", "x" * 65, "api_key"):
+        with pytest.raises(KeyProblem):
+            store.add(bad)
+    with pytest.raises(KeyProblem, match="exists"):
+        store.add("phone")
+    with pytest.raises(KeyProblem, match="scope"):
+        store.add("other", "root")
+    with pytest.raises(KeyProblem, match="at least 1"):
+        store.add("other", max_concurrency=0)
+    with pytest.raises(KeyProblem, match="no key named 'ghost'"):
+        store.revoke("ghost")
+
+
+def test_a_second_store_sees_a_revoke_made_by_another_process(store):
+    """The service's store and the CLI's are two objects on one file: the
+    service notices the CLI's change on its next lookup."""
+    raw = store.add("phone")
+    service_side = KeyStore(store.path)
+    assert service_side.match(raw) is not None
+    KeyStore(store.path).revoke("phone")
+    assert service_side.match(raw) is None
+    assert not service_side.has_keys()
+
+
+def test_a_hand_broken_file_is_an_error_that_names_it(store):
+    store.path.parent.mkdir(parents=True)
+    store.path.write_text(json.dumps({"keys": [{"name": "x", "scope": "god", "sha256": "00"}]}))
+    with pytest.raises(KeyProblem, match="scope 'god'"):
+        store.keys()
+    store.path.write_text("{not json")
+    with pytest.raises(KeyProblem, match="not valid JSON"):
+        store.keys()
+
+
+def test_policy_names_the_key_a_request_was_made_with(store):
+    raw = store.add("ops", "admin")
+    policy = AccessPolicy.build(api_key="legacy-key", bound_host="127.0.0.1", allowed_hosts=(), cors_origins=(),
+                                keys=store)
+    assert policy.authenticate(f"Bearer {raw}") == (True, store.get("ops"))
+    passed, legacy = policy.authenticate(None, "legacy-key")
+    assert passed and legacy is not None and legacy.is_admin and legacy.name == "api_key"
+    assert policy.authenticate("Bearer wrong") == (False, None)
+    assert policy.authenticate(None) == (False, None)
+
+
+def test_without_any_key_everyone_passes_as_nobody(store):
+    open_policy = AccessPolicy.build(api_key="", bound_host="127.0.0.1", allowed_hosts=(), cors_origins=(),
+                                     keys=store)
+    assert not open_policy.key_required
+    assert open_policy.authenticate(None) == (True, None)
+    # The first named key closes the door without a restart.
+    store.add("phone")
+    assert open_policy.key_required and open_policy.authenticate(None) == (False, None)

@@ -1,0 +1,182 @@
+"""Named API keys, one per app, each with a scope and limits.
+
+Only a key's SHA-256 is stored: the raw key (`tak_` and 32 random bytes) is
+shown once, when it is made. A hash of a high-entropy token needs no salt or
+slow hash, since nobody can guess their way to a 256-bit token. The file is
+the user's alone (0600) and written atomically; a running service notices a
+change by the file's mtime, so `tray-app keys revoke` takes effect at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .files import PRIVATE_FILE_MODE, write_atomically
+
+KEY_PREFIX = "tak_"
+SCOPES = ("inference", "admin")
+KEYS_FILE = "keys.json"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# The old single [server] api_key (and TRAY_APP_API_KEY): an admin key under this name.
+LEGACY_KEY_NAME = "api_key"
+
+
+class KeyProblem(ValueError):
+    """A key that can't be added or revoked, with the sentence that says why."""
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    name: str
+    scope: str
+    # Library model names this key may use; empty = every model.
+    models: tuple[str, ...] = ()
+    # Requests of this key running or queued at once; None = no limit.
+    max_concurrency: int | None = None
+    created: float = 0.0
+    sha256: str = field(default="", repr=False)
+
+    @property
+    def is_admin(self) -> bool:
+        return self.scope == "admin"
+
+    def public(self) -> dict[str, Any]:
+        """What `keys list` shows: everything but the hash."""
+        return {"name": self.name, "scope": self.scope, "models": list(self.models),
+                "max_concurrency": self.max_concurrency, "created": self.created}
+
+
+def default_keys_path() -> Path:
+    from .config import config_dir
+
+    return config_dir() / KEYS_FILE
+
+
+def digest(raw_key: str) -> str:
+    return hashlib.sha256(raw_key.encode()).hexdigest()
+
+
+def name_problem(name: str) -> str | None:
+    if not _NAME.fullmatch(name):
+        return (f"key name {name!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter "
+                "or digit (it appears in /status, /metrics and logs)")
+    if name == LEGACY_KEY_NAME:
+        return f"{LEGACY_KEY_NAME!r} names the key set in [server] api_key; choose another name"
+    return None
+
+
+def parse_keys(data: Any) -> dict[str, ApiKey]:
+    """The file's contents, checked: a hand-edited file with a bad entry is an
+    error that names it, not a key silently ignored."""
+    if not isinstance(data, dict) or not isinstance(data.get("keys"), list):
+        raise KeyProblem('the keys file must be {"keys": [...]}')
+    keys: dict[str, ApiKey] = {}
+    for entry in data["keys"]:
+        try:
+            key = ApiKey(name=str(entry["name"]), scope=str(entry["scope"]), models=tuple(entry.get("models") or ()),
+                         max_concurrency=entry.get("max_concurrency"), created=float(entry.get("created", 0)),
+                         sha256=str(entry["sha256"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise KeyProblem(f"a keys file entry is malformed ({exc!r}): {entry!r}") from None
+        if key.scope not in SCOPES:
+            raise KeyProblem(f"key {key.name!r} has scope {key.scope!r}; it must be one of {', '.join(SCOPES)}")
+        keys[key.name] = key
+    return keys
+
+
+class KeyStore:
+    """The keys file, read again whenever its mtime changes (one stat per
+    lookup: cheap next to an HTTP request)."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or default_keys_path()
+        self._keys: dict[str, ApiKey] = {}
+        self._seen: tuple[int, int, int] | None = None
+
+    def keys(self) -> dict[str, ApiKey]:
+        self._refresh()
+        return dict(self._keys)
+
+    def has_keys(self) -> bool:
+        self._refresh()
+        return bool(self._keys)
+
+    def get(self, name: str) -> ApiKey | None:
+        self._refresh()
+        return self._keys.get(name)
+
+    def match(self, raw_key: str) -> ApiKey | None:
+        """The key whose hash this is. Every entry is compared, in constant
+        time each, so the answer's timing says nothing about which matched."""
+        self._refresh()
+        offered = digest(raw_key).encode()
+        found = None
+        for key in self._keys.values():
+            if hmac.compare_digest(offered, key.sha256.encode()):
+                found = key
+        return found
+
+    def add(self, name: str, scope: str = "inference", models: tuple[str, ...] = (),
+            max_concurrency: int | None = None, now: float | None = None) -> str:
+        """Store a new key; return the raw key, which is not kept anywhere."""
+        problem = name_problem(name)
+        if problem:
+            raise KeyProblem(problem)
+        if scope not in SCOPES:
+            raise KeyProblem(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+        if max_concurrency is not None and max_concurrency < 1:
+            raise KeyProblem("max concurrency must be at least 1 (leave it out for no limit)")
+        keys = self._read()
+        if name in keys:
+            raise KeyProblem(f"a key named {name!r} exists; revoke it first to replace it")
+        raw = KEY_PREFIX + secrets.token_urlsafe(32)
+        keys[name] = ApiKey(name, scope, tuple(models), max_concurrency,
+                            time.time() if now is None else now, digest(raw))
+        self._write(keys)
+        return raw
+
+    def revoke(self, name: str) -> ApiKey:
+        keys = self._read()
+        if name not in keys:
+            known = ", ".join(sorted(keys)) or "none"
+            raise KeyProblem(f"no key named {name!r} (keys: {known})")
+        revoked = keys.pop(name)
+        self._write(keys)
+        return revoked
+
+    def _read(self) -> dict[str, ApiKey]:
+        self._seen = None
+        self._refresh()
+        return dict(self._keys)
+
+    def _refresh(self) -> None:
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            self._keys, self._seen = {}, None
+            return
+        # The inode too: each write renames a new file into place, so two
+        # writes within the clock's granularity still differ.
+        seen = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        if seen == self._seen:
+            return
+        try:
+            data = json.loads(self.path.read_text())
+        except ValueError as exc:
+            raise KeyProblem(f"{self.path} is not valid JSON ({exc}); fix or delete it") from None
+        self._keys, self._seen = parse_keys(data), seen
+
+    def _write(self, keys: dict[str, ApiKey]) -> None:
+        entries = [{**asdict(key), "models": list(key.models)} for key in keys.values()]
+        write_atomically(self.path, json.dumps({"keys": entries}, indent=2).encode(), mode=PRIVATE_FILE_MODE)
+        self._seen = None
+        self._refresh()
