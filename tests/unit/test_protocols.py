@@ -172,7 +172,7 @@ def test_max_tokens_is_required_and_means_up_to_the_context():
 @pytest.mark.parametrize("message, where", [
     ({"role": "system", "content": "x"}, "messages.0"),
     ({"role": "user", "content": 5}, "messages.0.content"),
-    ({"role": "user", "content": [{"type": "image", "source": {}}]}, "messages.0.content.0"),
+    ({"role": "user", "content": [{"type": "image", "source": {}}]}, "messages.0.content.0.source"),
     ({"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "b"}]}, "messages.0.content.0"),
     ({"role": "user", "content": [{"type": "tool_result"}]}, "messages.0.content.0"),
     ({"role": "user", "content": ["text"]}, "messages.0.content.0")])

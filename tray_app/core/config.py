@@ -125,6 +125,9 @@ class ModelEntry:
     # Unload its GPU worker after this long without a request; -1 = [gpu]
     # idle_unload_s, 0 = never.
     idle_unload_s: float = -1.0
+    # Its multimodal projector (an mmproj .gguf), so it reads images; empty =
+    # an mmproj*.gguf beside its file, if there is one.
+    mmproj: str = ""
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,7 @@ class ModelHost:
             no_fallback=config.routing.fallback == "never" or model.cpu_path is None,
             peers=service.peers,
             model_names=tuple(dict.fromkeys((self.model_info.path.stem, self.model_id, *model.names()))),
+            cpu_reads_images=self.cpu_projector is not None,
         )
         self.sharing: GpuSharing | None = None
         if self.dispatcher.gpu is not None:

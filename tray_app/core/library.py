@@ -9,6 +9,10 @@ model, or none) and how long its GPU worker stays loaded without a request.
 
 Resolving a name is pure: exact names first, then aliases, Ollama's
 ":latest" tag, the file name, and "default".
+
+A model reads images when it has a multimodal projector: `mmproj = "path"` in
+its [[models]] entry, or an mmproj*.gguf beside its file (llama-server's
+router mode uses the same convention). Projector files are not models.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Iterable, Iterator
 # A split GGUF's later parts ("model-00002-of-00003.gguf") are loaded through
 # the first part; listing them as models of their own would be wrong.
 _LATER_SPLIT_PART = re.compile(r"-(\d{5})-of-\d{5}\.gguf$", re.IGNORECASE)
+PROJECTOR_PREFIX = "mmproj"
 OLLAMA_TAG = ":latest"
 
 
@@ -36,6 +41,8 @@ class LibraryModel:
     cpu_path: Path | None = None      # the CPU fallback's file; None = no CPU fallback
     cpu_n_ctx: int = 2048
     idle_unload_s: float = 300.0      # the GPU worker unloads after this long idle; 0 = never
+    mmproj: Path | None = None        # the projector that lets it read images; None = text only
+    cpu_mmproj: Path | None = None    # the CPU fallback's projector (its model may be another file)
 
     @property
     def is_default(self) -> bool:
@@ -43,6 +50,10 @@ class LibraryModel:
 
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
+
+    @property
+    def sees_images(self) -> bool:
+        return self.mmproj is not None
 
 
 class LibraryError(ValueError):
@@ -83,6 +94,22 @@ class Library:
             return self._by_name[name[: -len(OLLAMA_TAG)]]
         return next((m for m in self.models if m.path.name == name), None)
 
+    def seeing_models(self) -> list[LibraryModel]:
+        """The models that read images, for a refusal that names one."""
+        return [model for model in self.models if model.sees_images]
+
+
+def is_projector(path: Path) -> bool:
+    return path.name.lower().startswith(PROJECTOR_PREFIX) and path.suffix.lower() == ".gguf"
+
+
+def projector_beside(model_path: Path) -> Path | None:
+    """The mmproj*.gguf in the model file's folder (the first by name), or None."""
+    folder = model_path.parent
+    if not folder.is_dir():
+        return None
+    found = sorted(path for path in folder.iterdir() if is_projector(path) and path.is_file())
+    return found[0] if found else None
 
 
 def gguf_files(folder: Path) -> list[Path]:
@@ -92,7 +119,7 @@ def gguf_files(folder: Path) -> list[Path]:
         return []
     found = []
     for path in sorted(folder.rglob("*")):
-        if path.suffix.lower() != ".gguf" or not path.is_file():
+        if path.suffix.lower() != ".gguf" or is_projector(path) or not path.is_file():
             continue
         split = _LATER_SPLIT_PART.search(path.name)
         if split is not None and split.group(1) != "00001":
@@ -114,9 +141,11 @@ def folder_models(folder: Path, taken: Iterable[Path], template: LibraryModel) -
         if name in names:  # the same file name in two subfolders: keep the first
             continue
         names.add(name)
+        mmproj = projector_beside(path)
         models.append(LibraryModel(name=name, path=path, source="folder", gpu_n_ctx=template.gpu_n_ctx,
                                    gpu_layers=template.gpu_layers, slots=template.slots, cpu_path=path,
-                                   cpu_n_ctx=template.cpu_n_ctx, idle_unload_s=template.idle_unload_s))
+                                   cpu_n_ctx=template.cpu_n_ctx, idle_unload_s=template.idle_unload_s,
+                                   mmproj=mmproj, cpu_mmproj=mmproj))
     return models
 
 
@@ -126,10 +155,13 @@ def build_library(config) -> Library:
     this module stays importable without the config's dependencies)."""
     gpu, cpu = config.gpu, config.cpu
     default_path = config.model_path()
+    default_cpu_path = config.fallback_model_path()
+    default_mmproj = projector_beside(default_path)
     default = LibraryModel(
         name=default_path.stem, path=default_path, aliases=("default",), source="default", gpu_n_ctx=gpu.n_ctx,
-        gpu_layers=gpu.n_gpu_layers, slots=gpu.max_concurrency, cpu_path=config.fallback_model_path(),
-        cpu_n_ctx=cpu.n_ctx, idle_unload_s=gpu.idle_unload_s)
+        gpu_layers=gpu.n_gpu_layers, slots=gpu.max_concurrency, cpu_path=default_cpu_path,
+        cpu_n_ctx=cpu.n_ctx, idle_unload_s=gpu.idle_unload_s, mmproj=default_mmproj,
+        cpu_mmproj=cpu_projector(default_path, default_mmproj, default_cpu_path))
     models = [default]
     for entry in config.models:
         path = Path(entry.path).expanduser()
@@ -139,11 +171,25 @@ def build_library(config) -> Library:
             cpu_path = path
         else:
             cpu_path = Path(entry.cpu_fallback).expanduser()
+        configured = getattr(entry, "mmproj", "")
+        mmproj = Path(configured).expanduser() if configured else projector_beside(path)
         models.append(LibraryModel(
             name=entry.name, path=path, aliases=tuple(entry.aliases), source="config",
             gpu_n_ctx=entry.n_ctx or gpu.n_ctx,
             gpu_layers=entry.n_gpu_layers, slots=entry.max_concurrency or gpu.max_concurrency, cpu_path=cpu_path,
             cpu_n_ctx=cpu.n_ctx,
-            idle_unload_s=gpu.idle_unload_s if entry.idle_unload_s < 0 else entry.idle_unload_s))
+            idle_unload_s=gpu.idle_unload_s if entry.idle_unload_s < 0 else entry.idle_unload_s,
+            mmproj=mmproj, cpu_mmproj=cpu_projector(path, mmproj, cpu_path)))
     models += folder_models(config.models_folder(), [m.path for m in models], default)
     return Library(models)
+
+
+def cpu_projector(model_path: Path, mmproj: Path | None, cpu_path: Path | None) -> Path | None:
+    """The CPU fallback's projector: the model's own when the fallback is the
+    same file; a smaller fallback model needs its own beside it (a projector
+    is made for one model's width)."""
+    if cpu_path is None:
+        return None
+    if cpu_path == model_path:
+        return mmproj
+    return projector_beside(cpu_path)

@@ -14,9 +14,9 @@ structured output (output_config.format), temperature, top_p and top_k
 (which newer SDKs send only through extra_body), streaming, usage,
 /v1/messages/count_tokens, extended thinking (`thinking` enabled with
 budget_tokens, adaptive, disabled: see reasoning.py) answered in thinking
-blocks (with empty signatures).
-Not supported: images and documents (the models here have no vision),
-server tools, and stop_sequence in the answer (a matched stop ends as
+blocks (with empty signatures), images as base64 image blocks (for a model
+with a projector; a url source is refused unless it is a data: URI).
+Not supported: documents, server tools, and stop_sequence in the answer (a matched stop ends as
 "end_turn").
 """
 
@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from ..dispatch.jobs import Job, JobFailed, JobKind
 from . import reasoning
 from .errors import anthropic_error_body
-from .openai_request import InvalidRequest
+from .openai_request import InvalidRequest, assemble_content, image_data_uri, image_part
 from .protocol import Protocol, StreamEncoder, Translated
 
 _Invalid = InvalidRequest
@@ -70,16 +70,19 @@ def _convert_message(index: int, message: Any) -> list[dict[str, Any]]:
     if not isinstance(content, list):
         raise _Invalid(400, f"{where}.content must be a string or a list of content blocks", "invalid_type",
                        f"{where}.content")
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for number, block in enumerate(content):
         at = f"{where}.content.{number}"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
-        elif kind in ("image", "document"):
-            raise _Invalid(400, f"{at}: the models here have no vision; send text only", "unsupported_parameter", at)
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user":
+            parts.append(image_part(_image_uri(block.get("source"), at)))
+        elif kind == "document":
+            raise _Invalid(400, f"{at}: document blocks are not read here; send the text", "unsupported_parameter",
+                           at)
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise _Invalid(400, f"{at}: a tool_use block needs a string id and name", "invalid_type", at)
@@ -98,13 +101,29 @@ def _convert_message(index: int, message: Any) -> list[dict[str, Any]]:
                            "invalid_value", at)
     converted: list[dict[str, Any]] = list(results)
     if role == "assistant":
-        assistant: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+        assistant: dict[str, Any] = {"role": "assistant",
+                                     "content": "".join(part["text"] for part in parts) or None}
         if calls:
             assistant["tool_calls"] = calls
         converted.append(assistant)
-    elif texts or not results:
-        converted.append({"role": "user", "content": "\n".join(texts)})
+    elif parts or not results:
+        converted.append({"role": "user", "content": assemble_content(parts)})
     return converted
+
+
+def _image_uri(source: Any, at: str) -> str:
+    """An image block's source ({type: base64, media_type, data} or {type: url, url}) as a checked data: URI."""
+    if not isinstance(source, dict) or source.get("type") not in ("base64", "url"):
+        raise _Invalid(400, f"{at}.source must be {{\"type\": \"base64\", \"media_type\": ..., \"data\": ...}}",
+                       "invalid_image", f"{at}.source")
+    if source["type"] == "url":
+        url = source.get("url")
+        return image_data_uri(url if isinstance(url, str) else "", f"{at}.source")
+    data = source.get("data")
+    if not isinstance(data, str):
+        raise _Invalid(400, f"{at}.source.data must be the image as a base64 string", "invalid_image",
+                       f"{at}.source.data")
+    return image_data_uri(f"data:{source.get('media_type') or 'image/png'};base64,{data}", f"{at}.source.data")
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..dispatch.jobs import Job, JobFailed, JobKind
 from . import bounds, reasoning
-from .openai_request import InvalidRequest
+from .openai_request import InvalidRequest, assemble_content, base64_image_uri, image_part
 from .protocol import Protocol, StreamEncoder, Translated, answer_timings_ns
 
 _Invalid = InvalidRequest
@@ -154,9 +154,6 @@ def _common(body: dict[str, Any], out: dict[str, Any], largest_context: int) -> 
         out["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
     elif fmt not in (None, ""):
         raise _Invalid(400, "'format' must be \"json\" or a JSON schema object", "invalid_value", "format")
-    if body.get("images"):
-        raise _Invalid(400, "'images': the models here have no vision; send text only", "unsupported_parameter",
-                       "images")
     context_cap = _options(body, out, largest_context)
     reasoning.from_ollama_think(body.get("think"), out)
     keep_alive = parse_keep_alive(body["keep_alive"]) if body.get("keep_alive") is not None else None
@@ -181,6 +178,22 @@ def _tool_calls_to_openai(calls: Any, index: int) -> list[dict[str, Any]]:
     return converted
 
 
+def _with_images(text: str, images: Any, where: str) -> str | list[dict[str, Any]]:
+    """Ollama's text and images[] (base64 strings) as one OpenAI content, the
+    images first, as Ollama puts them in the prompt before the text."""
+    if images is None or images == []:
+        return text
+    if not isinstance(images, list):
+        raise _Invalid(400, f"'{where}' must be a list of base64-encoded images", "invalid_type", where)
+    parts: list[dict[str, Any]] = []
+    for number, image in enumerate(images):
+        if not isinstance(image, str):
+            raise _Invalid(400, f"'{where}[{number}]' must be a base64 string", "invalid_image",
+                           f"{where}[{number}]")
+        parts.append(image_part(base64_image_uri(image, f"{where}[{number}]")))
+    return assemble_content(parts + ([{"type": "text", "text": text}] if text else []))
+
+
 def _chat_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise _Invalid(400, "'messages' must be a non-empty list of {role, content}", "invalid_type", "messages")
@@ -191,14 +204,13 @@ def _chat_messages(messages: Any) -> list[dict[str, Any]]:
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise _Invalid(400, f"messages[{index}] must be an object", "invalid_type", f"messages[{index}]")
-        if message.get("images"):
-            raise _Invalid(400, f"messages[{index}].images: the models here have no vision; send text only",
-                           "unsupported_parameter", f"messages[{index}].images")
         content = message.get("content", "")
         if content is not None and not isinstance(content, str):
             raise _Invalid(400, f"messages[{index}].content must be a string", "invalid_type",
                            f"messages[{index}].content")
-        converted: dict[str, Any] = {"role": message.get("role"), "content": content or ""}
+        converted: dict[str, Any] = {"role": message.get("role"),
+                                     "content": _with_images(content or "", message.get("images"),
+                                                             f"messages[{index}].images")}
         if message.get("tool_calls"):
             converted["tool_calls"] = _tool_calls_to_openai(message["tool_calls"], index)
             for call in converted["tool_calls"]:
@@ -230,6 +242,9 @@ class OllamaChat(Protocol):
         messages = body.get("messages")
         out: dict[str, Any] = {}
         translated = _common(body, out, self._largest_context)
+        if body.get("images"):
+            raise _Invalid(400, "'images' belong on each message in /api/chat (messages[i].images)",
+                           "invalid_value", "images")
         if messages is None or messages == []:
             # Ollama's way to load a model without asking anything.
             translated.load_only = True
@@ -300,6 +315,9 @@ class OllamaGenerate(OllamaChat):
         if not prompt:
             translated.load_only = True
             return translated
+        if raw and body.get("images"):
+            raise _Invalid(400, "'images' need the model's chat template, which raw skips; send raw false",
+                           "invalid_value", "images")
         if raw:
             translated.kind = JobKind.COMPLETION
             out["prompt"] = prompt
@@ -308,7 +326,7 @@ class OllamaGenerate(OllamaChat):
             out.setdefault("max_tokens", self._largest_context)
         else:
             out["messages"] = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": prompt}]
+                {"role": "user", "content": _with_images(prompt, body.get("images"), "images")}]
         return translated
 
     def answer(self, response: dict[str, Any], job: Job) -> dict[str, Any]:

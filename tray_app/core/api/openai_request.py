@@ -7,6 +7,8 @@ worker, the token counter and admission all see the same request.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,32 +28,150 @@ class InvalidRequest(Exception):
 IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
 TEXT_PART_TYPES = frozenset({"text", "input_text", "refusal"})
 
+# One image, decoded. Phone photos are 2-8 MB; the bound keeps a hostile
+# part from costing more than the request body limit already allows.
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+# What llama.cpp's image loader (stb_image) reads, by their first bytes.
+IMAGE_SIGNATURES = {
+    b"\x89PNG\r\n\x1a\n": "image/png",
+    b"\xff\xd8\xff": "image/jpeg",
+    b"GIF87a": "image/gif",
+    b"GIF89a": "image/gif",
+    b"BM": "image/bmp",
+}
+REMOTE_IMAGES_SETTING = "[server] allow_remote_images"
 
-def flatten_content(messages: list[dict[str, Any]], model_name: str) -> None:
-    """Every message's content as one string, in place.
+
+@dataclass(frozen=True)
+class Vision:
+    """What the model a request names can do with images, for flatten_content."""
+
+    model: str                        # its name, for messages
+    sees: bool = False                # it has a projector
+    seeing_models: tuple[str, ...] = ()  # the library's models that do, for a refusal that names one
+
+
+def flatten_content(messages: list[dict[str, Any]], vision: Vision) -> int:
+    """Every message's content as one string, in place; a message with images
+    as a list of text and image_url parts, each image checked and rewritten as
+    a base64 data: URI. Returns the number of images.
 
     The OpenAI chat API allows a string, a list of typed parts, or null (an
     assistant turn that only called tools). Chat templates and the worker
     take a string, so text parts are joined with newlines, the way
     llama.cpp's server joins them for templates without typed content.
+    llama-server takes images as image_url parts and puts its media marker
+    where each was, so those messages keep their parts.
     """
+    images = 0
     for index, message in enumerate(messages):
         content = message.get("content")
         if content is None:
             message["content"] = ""
         elif isinstance(content, list):
-            message["content"] = "\n".join(_part_text(index, number, part, model_name)
-                                           for number, part in enumerate(content))
+            parts = [_part(index, number, part, vision) for number, part in enumerate(content)]
+            images += sum(1 for part in parts if part["type"] == "image_url")
+            message["content"] = assemble_content(parts)
+    return images
 
 
-def _part_text(index: int, number: int, part: Any, model_name: str) -> str:
+def image_part(url: str) -> dict[str, Any]:
+    """An OpenAI image part, as llama-server takes it."""
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def assemble_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text and image parts, in order, as one message's content: the text
+    joined with newlines when there is no image, else the parts."""
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
+    return "\n".join(part["text"] for part in parts)
+
+
+def text_only(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each image part left out, for what counts text tokens."""
+    return [{**message, "content": "\n".join(part["text"] for part in message["content"] if part["type"] == "text")}
+            if isinstance(message.get("content"), list) else message for message in messages]
+
+
+def _part(index: int, number: int, part: Any, vision: Vision) -> dict[str, Any]:
     where = f"messages[{index}].content[{number}]"
     if not isinstance(part, dict) or not isinstance(part.get("type"), str):
         raise InvalidRequest(400, f"{where} must be an object with a string 'type'", "invalid_type", where)
+    if part["type"] in IMAGE_PART_TYPES:
+        refuse_without_vision(vision, where)
+        url = part.get("image_url")
+        if isinstance(url, dict):
+            url = url.get("url")
+        if not isinstance(url, str):
+            raise InvalidRequest(400, f"{where} needs 'image_url': {{\"url\": \"data:image/png;base64,...\"}}",
+                                 "invalid_image", where)
+        return image_part(image_data_uri(url, where))
+    return {"type": "text", "text": _part_text(where, part)}
+
+
+def refuse_without_vision(vision: Vision, where: str) -> None:
+    """The 400 for an image sent to a model that can't read it, naming one that can."""
+    if vision.sees:
+        return
+    others = [name for name in vision.seeing_models if name != vision.model]
+    hint = (f" {'These models read' if len(others) > 1 else 'This model reads'} images here: "
+            f"{', '.join(others[:5])}." if others else " No model here reads images (a model reads them when its "
+            "mmproj .gguf is beside it, or named by mmproj in its [[models]] entry).")
+    raise InvalidRequest(400, f"{where} is an image, but the model {vision.model} has no vision: it reads text "
+                         f"only. Send the text, or use a vision model.{hint}", "model_has_no_vision", where)
+
+
+def image_data_uri(url: str, where: str) -> str:
+    """A data: URI checked to hold one image of a format llama.cpp decodes, as
+    data:<type>;base64,<data>. Remote URLs are refused: the server would fetch
+    whatever a client names, from wherever it can reach."""
+    if url.startswith(("http://", "https://")):
+        raise InvalidRequest(400, f"{where} is a remote image URL; this server does not fetch images from URLs "
+                             f"({REMOTE_IMAGES_SETTING} is off). Send the image inline as a data: URI "
+                             "(data:image/png;base64,...)", "remote_image_refused", where)
+    header, comma, data = url.partition(",")
+    if not url.startswith("data:") or not comma or not header.endswith(";base64"):
+        raise InvalidRequest(400, f"{where} must be a base64 data: URI (data:image/png;base64,...)",
+                             "invalid_image", where)
+    return base64_image_uri(data, where)
+
+
+def base64_image_uri(data: str, where: str) -> str:
+    """Base64 image bytes (Ollama's images[] items) as a checked data: URI, its type read from the bytes."""
+    return "data:{};base64,{}".format(image_type(decode_image(data, where), where), "".join(data.split()))
+
+
+def decode_image(data: str, where: str) -> bytes:
+    """Base64 image bytes, bounded and checked to be base64 at all."""
+    # base64 is 4 characters per 3 bytes: refuse before decoding what would be too large.
+    if len(data) > (MAX_IMAGE_BYTES + 2) // 3 * 4 + 64:
+        raise InvalidRequest(400, f"{where} is over the {MAX_IMAGE_BYTES // (1024 * 1024)} MiB limit for one "
+                             "image; send a smaller one", "image_too_large", where)
+    try:
+        raw = base64.b64decode("".join(data.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(400, f"{where} is not valid base64", "invalid_image", where) from None
+    if len(raw) > MAX_IMAGE_BYTES:
+        raise InvalidRequest(400, f"{where} is over the {MAX_IMAGE_BYTES // (1024 * 1024)} MiB limit for one "
+                             "image; send a smaller one", "image_too_large", where)
+    return raw
+
+
+def image_type(raw: bytes, where: str) -> str:
+    """The image's MIME type from its first bytes; a 400 for anything llama.cpp can't decode."""
+    for signature, mime in IMAGE_SIGNATURES.items():
+        if raw.startswith(signature):
+            return mime
+    if raw[:4] == b"RIFF" and raw[8:12] == b"WEBP":
+        raise InvalidRequest(400, f"{where} is a WebP image, which llama.cpp can't decode; send PNG, JPEG, GIF "
+                             "or BMP", "unsupported_image_format", where)
+    raise InvalidRequest(400, f"{where} is not an image this server reads (PNG, JPEG, GIF or BMP)",
+                         "invalid_image", where)
+
+
+def _part_text(where: str, part: dict[str, Any]) -> str:
     kind = part["type"]
-    if kind in IMAGE_PART_TYPES:
-        raise InvalidRequest(400, f"{where} is an image, but the model {model_name} has no vision: it reads text "
-                             "only. Send the text, or use a vision model.", "model_has_no_vision", where)
     if kind not in TEXT_PART_TYPES:
         raise InvalidRequest(400, f"{where} has type {kind!r}; this server reads text parts only "
                              "(types 'text', 'input_text', 'refusal')", "unsupported_content_part", where)

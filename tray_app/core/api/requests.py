@@ -15,7 +15,7 @@ from starlette.requests import Request
 
 from ..dispatch.jobs import JobKind
 from . import bounds, reasoning
-from .openai_request import Constraint, InvalidRequest, constrain_output, flatten_content, force_named_tool
+from .openai_request import Constraint, InvalidRequest, Vision, constrain_output, flatten_content, force_named_tool
 
 _Invalid = InvalidRequest
 
@@ -27,6 +27,15 @@ class ModelNames:
     accepted: frozenset[str]  # what the `model` field may say (also the file name, "default")
     # [model] unknown_name = "default": any other name is the default model's.
     unknown_is_default: bool = False
+    # The accepted names of models that read images, and the names to suggest.
+    seeing: frozenset[str] = frozenset()
+    seeing_models: tuple[str, ...] = ()
+
+    def vision(self, model: Any) -> Vision:
+        """What the model a request names can do with images."""
+        named = model if isinstance(model, str) and model in self.accepted else None
+        return Vision(named or self.main, sees=(named or "default") in self.seeing,
+                      seeing_models=self.seeing_models)
 
 
 MAX_MESSAGES = 1024
@@ -96,6 +105,7 @@ class Checked:
     # What the answer must match (response_format, grammar, a named
     # tool_choice); the router turns it into the body's grammar off the loop.
     constraint: Constraint | None = None
+    images: int = 0  # image parts: only a worker with a projector can run the request
 
     @property
     def forced_tool(self) -> str | None:
@@ -129,6 +139,7 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
         if field in body:
             raise _Invalid(400, f"'{field}' is not accepted here: {instead}", "unsupported_parameter", field)
     check_model(body.get("model"), models)
+    images = 0
     if kind is JobKind.CHAT:
         messages = body.get("messages")
         if messages is None:
@@ -149,7 +160,7 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
             if content is not None and not isinstance(content, (str, list)):
                 raise _Invalid(400, f"messages[{index}].content must be a string or a list of parts",
                                "invalid_type", f"messages[{index}].content")
-        flatten_content(messages, models.main)
+        images = flatten_content(messages, models.vision(body.get("model")))
     else:
         prompt = body.get("prompt")
         if prompt is None:
@@ -186,7 +197,7 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
     if kind is JobKind.CHAT:
         constraint = force_named_tool(body, constraint)
         reasoning.apply_to_chat(body, min(requested_limit(body) or largest_context, largest_context))
-    return Checked(top_logprobs=top_logprobs, constraint=constraint)
+    return Checked(top_logprobs=top_logprobs, constraint=constraint, images=images)
 
 
 def _check_logprobs(body: dict[str, Any], kind: JobKind, supported: bool) -> int | None:

@@ -42,7 +42,7 @@ from ..dispatch.jobs import Job, JobFailed, JobKind
 from . import bounds
 from .errors import error_response
 from .ollama_routes import Complete
-from .openai_request import IMAGE_PART_TYPES, InvalidRequest
+from .openai_request import IMAGE_PART_TYPES, InvalidRequest, assemble_content, image_data_uri, image_part
 from .protocol import Protocol, StreamEncoder, Translated
 
 _Invalid = InvalidRequest
@@ -132,30 +132,39 @@ def caller_of(headers: Mapping[str, str]) -> str:
 # ----- request: Responses body -> chat body ----------------------------------------------------
 
 
-def _text_parts(content: Any, where: str, kinds: frozenset[str]) -> str:
-    """A message's or a tool output's content: a string or a list of text parts, joined."""
+def _text_parts(content: Any, where: str, kinds: frozenset[str]) -> str | list[dict[str, Any]]:
+    """A message's or a tool output's content: a string, or a list of parts
+    as assemble_content makes them (a message's input_image parts become
+    image_url parts; whether the model can see them is validation's to say)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _Invalid(400, f"'{where}' must be a string or a list of content parts", "invalid_type", where)
-    texts = []
+    parts = []
     for number, part in enumerate(content):
         at = f"{where}[{number}]"
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and "input_image" in kinds:
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise _Invalid(400, f"'{at}' needs 'image_url' as a data: URI (a file_id can't be read here)",
+                               "invalid_image", at)
+            parts.append(image_part(image_data_uri(url, at)))
+            continue
         if kind in IMAGE_PART_TYPES or kind in ("input_file", "input_audio"):
-            raise _Invalid(400, f"'{at}' is {kind!r}: the models here read text only; send the text instead",
-                           "model_has_no_vision" if kind in IMAGE_PART_TYPES else "unsupported_content_part", at)
+            raise _Invalid(400, f"'{at}' is {kind!r}, which is not read here; send the text instead",
+                           "unsupported_content_part", at)
         if kind not in kinds:
             raise _Invalid(400, f"'{at}' has type {kind!r}; this server reads "
                            + ", ".join(repr(k) for k in sorted(kinds)) + " parts here", "unsupported_content_part", at)
         field = "refusal" if kind == "refusal" else "text"
         if not isinstance(part.get(field), str):
             raise _Invalid(400, f"'{at}' of type {kind!r} needs a string '{field}'", "invalid_type", at)
-        texts.append(part[field])
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": part[field]})
+    return assemble_content(parts)
 
 
-_MESSAGE_PARTS = frozenset({"input_text", "output_text", "refusal", "text"})
+_MESSAGE_PARTS = frozenset({"input_text", "output_text", "refusal", "text", "input_image"})
 _TOOL_OUTPUT_PARTS = frozenset({"input_text", "output_text", "text"})
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 

@@ -117,6 +117,9 @@ class RequestShape:
     prefer_gpu: bool = False
     # X-Fallback: never, or [routing] fallback = "never": a 503 instead of the CPU.
     no_fallback: bool = False
+    # Why the CPU path can't run this request at all (it carries images and the
+    # CPU worker has no projector), or None: then a 503, never a text-only answer.
+    cpu_refusal: str | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -232,11 +235,13 @@ def decide(request: RequestShape, gpu: GpuView | None, cpu: CpuView) -> Decision
     if gpu.out is not None:
         # A client that would rather wait for the load, or may not use the
         # CPU at all, waits for it (the GPU is seconds away, not gone).
-        waits = request.prefer_gpu or (request.no_fallback and not request.force_cpu)
+        waits = (request.prefer_gpu or (request.no_fallback and not request.force_cpu)
+                 or request.cpu_refusal is not None)
         if gpu.out.reason is Reason.GPU_LOADING and waits and gpu.lane.has_queue_room:
             wait = (gpu.out.back_in_s or 0.0) + gpu.backlog_s
             if request.deadline_s is None or wait <= request.deadline_s:
-                why = "X-Prefer-Path: gpu" if request.prefer_gpu else "no CPU fallback"
+                why = ("X-Prefer-Path: gpu" if request.prefer_gpu else
+                       "no CPU fallback" if request.cpu_refusal is None else request.cpu_refusal)
                 return Decision(Route.GPU_QUEUE, Reason.ADMITTED,
                                 f"waiting for the GPU to load ({why}): {gpu.out.detail}",
                                 estimated_latency_s=round(wait, 2), waits_for_load=True)
@@ -277,6 +282,10 @@ def decide(request: RequestShape, gpu: GpuView | None, cpu: CpuView) -> Decision
 
 def _to_cpu(request: RequestShape, cpu: CpuView, why: Reason, detail: str,
             gpu_back_in_s: float | None = None) -> Decision:
+    if request.cpu_refusal is not None:
+        return Decision(Route.REJECT, why, f"the GPU path can't serve ({detail}) and {request.cpu_refusal}; "
+                        "retry later", status=503,
+                        retry_after_s=_retry_after(gpu_back_in_s if gpu_back_in_s is not None else 30.0))
     if request.no_fallback and not request.is_replay:
         back = (f"; the GPU is expected back in about {gpu_back_in_s:.0f} s" if gpu_back_in_s is not None
                 else "; nobody can say when the GPU is back")

@@ -105,7 +105,7 @@ class Dispatcher:
                  memory: Callable[[], MemorySnapshot], costs: Costs, events: DispatchEvents, *,
                  gpu_missing_reason: str | None = None, clock: Callable[[], float] = time.monotonic,
                  no_fallback: bool = False, peers: Peers | None = None,
-                 model_names: tuple[str, ...] = ("",)) -> None:
+                 model_names: tuple[str, ...] = ("",), cpu_reads_images: bool = False) -> None:
         self.limits = limits
         self.gpu = backends.get("gpu")
         self.cpu = backends["cpu"]
@@ -118,6 +118,8 @@ class Dispatcher:
         self.gpu_paused = False
         # [routing] fallback = "never": requests may not run on the CPU unless they ask.
         self.no_fallback = no_fallback
+        # The CPU worker has the model's projector: it may take requests with images.
+        self.cpu_reads_images = cpu_reads_images
         self.residency: GpuResidency = _AlwaysResident()
         # Other servers on the LAN ([[peers]]), and the names this model goes
         # by (the first is what answers say; a peer may know it by any).
@@ -304,7 +306,8 @@ class Dispatcher:
                              force_cpu=job.force_cpu or self.gpu_paused, deadline_s=job.deadline_s,
                              is_replay=job.replayed, replayed_from=job.replayed_from,
                              queue_budget_s=job.deadline_s if job.deadline_s is not None else self.limits.queue_budget_s,
-                             prefer_gpu=job.prefer_gpu, no_fallback=self._no_fallback(job))
+                             prefer_gpu=job.prefer_gpu, no_fallback=self._no_fallback(job),
+                             cpu_refusal=self._cpu_refusal(job))
         decision = decide(shape, gpu, self._cpu_view(job))
         decision, job.peer = offer_to_peer(decision, shape, self._peer_views(job))
         peer = self.peers.get(job.peer) if self.peers is not None else None
@@ -363,10 +366,17 @@ class Dispatcher:
         )
 
     def _peer_views(self, job: Job) -> list[PeerView]:
-        if self.peers is None or not job_may_use_peers(job) or self._no_fallback(job):
+        # A peer may not see: a request with images stays here.
+        if self.peers is None or not job_may_use_peers(job) or self._no_fallback(job) or job.images:
             return []
         expected = EXPECTED_ANSWER_TOKENS
         return [peer.view(job.prompt_tokens, job.max_tokens, expected) for peer in self.peers.offering(self.model_names)]
+
+    def _cpu_refusal(self, job: Job) -> str | None:
+        """Why the CPU path can't run this job at all, or None."""
+        if job.images and not self.cpu_reads_images:
+            return "the request carries images, which the CPU worker can't read (it has no projector)"
+        return None
 
     def _no_fallback(self, job: Job) -> bool:
         """May this job not run on the CPU? A client that asked for the CPU
@@ -462,7 +472,11 @@ class Dispatcher:
                 # The GPU said no once for this job: it goes to the CPU, and
                 # a probe the fresh decision took goes back at once.
                 self._release_probe(job)
-                if self._no_fallback(job):
+                if self._cpu_refusal(job):
+                    decision = Decision(Route.REJECT, Reason.GPU_UNAVAILABLE,
+                                        f"the GPU path closed while this request waited ({redirected.reason}) "
+                                        f"and {self._cpu_refusal(job)}", status=503, retry_after_s=30.0)
+                elif self._no_fallback(job):
                     decision = Decision(Route.REJECT, Reason.GPU_UNAVAILABLE,
                                         f"the GPU path closed while this request waited ({redirected.reason}) "
                                         "and it may not run on the CPU (X-Fallback: never)",

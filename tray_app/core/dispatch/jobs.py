@@ -101,6 +101,9 @@ class Job:
     forced_tool: str | None = None
     # Alternatives per token the client asked for with logprobs; None = no logprobs.
     top_logprobs: int | None = None
+    # Images in the request: only a worker with a projector may run it (a
+    # replay resends the same body, images and all).
+    images: int = 0
     # Who sent it (X-Client-Name or the User-Agent's product), for the tray.
     client: str | None = None
     # This request is the circuit breaker's half-open probe of the GPU.

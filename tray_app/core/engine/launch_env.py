@@ -93,6 +93,8 @@ class WorkerSpec:
     # Whether another busy llama.cpp process computes on the same cores
     # (launch_env.workers_share_cores): then its OpenMP threads spin briefly.
     shares_cores: bool = False
+    # The multimodal projector (mmproj .gguf) the worker loads; None = text only.
+    mmproj: Path | None = None
 
 
 def launch_request(spec: WorkerSpec, port: int, extras: LaunchExtras, api_key: str) -> LaunchRequest:
@@ -101,5 +103,5 @@ def launch_request(spec: WorkerSpec, port: int, extras: LaunchExtras, api_key: s
         model_path=spec.model_path, port=port, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers,
         n_batch=spec.n_batch, n_threads=spec.n_threads,
         simulated_vram_need_mib=extras.simulated_vram_need_mib, simulated_vram_free_mib=extras.simulated_vram_free_mib,
-        api_key=api_key, parallel=spec.parallel, rpc_servers=spec.rpc_servers,
+        api_key=api_key, parallel=spec.parallel, rpc_servers=spec.rpc_servers, mmproj=spec.mmproj,
     )

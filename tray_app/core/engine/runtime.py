@@ -39,6 +39,16 @@ class LaunchRequest:
     parallel: int = 1
     # llama.cpp RPC servers whose devices take a share of the layers.
     rpc_servers: tuple[str, ...] = ()
+    # The multimodal projector (mmproj .gguf) that lets the model read images; None = text only.
+    mmproj: Path | None = None
+
+
+# The most tokens one image may become in a worker with a projector
+# (llama-server's --image-max-tokens). A dynamic-resolution encoder makes as
+# many tokens as the image has patches, and its compute buffer grows with the
+# square of them; the cap keeps both inside what memory/estimate.py charges
+# (projector_need) and what one slot's context can hold next to the text.
+IMAGE_MAX_TOKENS = 1024
 
 
 # The worker wrapper takes the secret from here and removes it from its
@@ -97,6 +107,8 @@ class WorkerRuntime(Protocol):
     supports_logprobs: bool
     # Whether the worker can spread a model over llama.cpp RPC servers.
     supports_rpc: bool
+    # Whether the worker can load a multimodal projector (--mmproj) and read images.
+    supports_images: bool
 
     def describe(self) -> str:
         """Name and version, for /status and the system fingerprint."""
@@ -131,6 +143,10 @@ class LlamaCppPythonRuntime:
     # local, seen in the load log. Admission would then charge the local GPU
     # only a share of a model it holds whole, so it is refused instead.
     supports_rpc = False
+    # Its server reads images only through a chat format chosen per model
+    # family (--chat_format llava-1-5 with --clip_model_path), which would
+    # replace the model's own template: a projector is not passed.
+    supports_images = False
 
     def __init__(self, python: str = sys.executable) -> None:
         self._python = python
@@ -242,6 +258,7 @@ class LlamaServerRuntime:
     # It computes the probabilities of the sampled token's candidates only.
     supports_logprobs = True
     supports_rpc = True
+    supports_images = True
 
     def __init__(self, binary: Path, python: str = sys.executable, *, bundled: bool = True) -> None:
         self.binary = binary
@@ -282,6 +299,8 @@ class LlamaServerRuntime:
             "--log-verbosity", "2",
             *(["--threads", str(launch.n_threads)] if launch.n_threads > 0 else []),
             *(["--rpc", ",".join(launch.rpc_servers)] if launch.rpc_servers else []),
+            *(["--mmproj", str(launch.mmproj), "--image-max-tokens", str(IMAGE_MAX_TOKENS)]
+              if launch.mmproj is not None else []),
         ]
 
     def environment(self, launch: LaunchRequest) -> dict[str, str]:

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from dataclasses import replace
 
-from .gguf_info import ModelInfo
+from .gguf_info import ModelInfo, ProjectorInfo
 
 MIB = 1024 * 1024
 
@@ -86,6 +86,10 @@ class WorkerSettings:
     # are needed, and say so here.
     logits_all: bool = True
     flash_attn: bool = False  # llama_cpp.server's default
+    # The multimodal projector (--mmproj) the worker loads, and the cap on one
+    # image's tokens it is started with (--image-max-tokens).
+    projector: ProjectorInfo | None = None
+    image_max_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_type not in KV_TYPE_BYTES:
@@ -135,6 +139,66 @@ def kv_bytes_per_token(info: ModelInfo, kv_type: str = "f16") -> int:
 
 
 def estimate_worker(info: ModelInfo, settings: WorkerSettings) -> Footprint:
+    text = _estimate_text_worker(info, settings)
+    if settings.projector is None:
+        return text
+    projector = projector_need(settings.projector, settings.image_max_tokens)
+    # llama-server puts the projector on the GPU whenever it has one
+    # (--mmproj-offload is on by default), whatever n_gpu_layers says; a worker
+    # that offloads nothing is taken to have none.
+    if text.layers_on_gpu:
+        return replace(text, gpu=_plus(text.gpu, projector))
+    return replace(text, host=_plus(text.host, projector))
+
+
+def _plus(need: DeviceNeed, projector: DeviceNeed) -> DeviceNeed:
+    return DeviceNeed(need.weights + projector.weights, need.kv_cache, need.compute + projector.compute,
+                      need.runtime_overhead)
+
+
+# How llama.cpp sizes a projector's memory (tools/mtmd/clip.cpp): its weights,
+# loaded whole, plus one compute buffer that the graph allocator reserves at
+# load by building the vision graph for a dummy image ("warmup") of side
+# hparams.warmup_image_size, and grows if a later image needs more. For a
+# fixed-size encoder (LLaVA's mlp, Gemma 3, ...) every image is resized to
+# clip.vision.image_size, so that side is the worst case. For a dynamic-
+# resolution one (Qwen-VL, Pixtral, ...) the side follows the image, up to
+# image_max_pixels = --image-max-tokens x patch area, and warmup_image_size =
+# sqrt(image_max_pixels): the cap bounds the buffer. A type known to be fixed-
+# size is charged its image_size; any other the larger of that and the cap,
+# so the estimate holds for either kind. In the graph
+# the allocator reuses memory between layers, so the buffer is one layer's
+# peak: the raw image and its im2col patches, a few rows of activations per
+# token (residual, norm, Q, K, V, attention output), the FFN's wide rows, and
+# the attention scores (n_head x tokens^2; flash attention skips them, but
+# whether the backend has it is only known at load). Checked against the
+# tiny projector's "compute buffer size" in llama-server's log (0.07 MiB,
+# estimated 0.14 MiB): conservative by design.
+VISION_ACTIVATION_ROWS_PER_TOKEN = 6
+# clip.projector_type values whose images are always resized to image_size
+# (one tile at a time, where the type tiles): --image-max-tokens does not apply.
+FIXED_SIZE_PROJECTORS = frozenset({"mlp", "mlp_norm", "ldp", "ldpv2", "gemma3", "idefics3", "internvl", "llama4"})
+
+
+def image_tokens_bound(projector: ProjectorInfo, image_max_tokens: int) -> int:
+    """The most tokens one image (one tile) can become with this projector and cap."""
+    if projector.projector_type in FIXED_SIZE_PROJECTORS:
+        return projector.tokens_per_image
+    return max(projector.tokens_per_image, image_max_tokens)
+
+
+def projector_need(projector: ProjectorInfo, image_max_tokens: int) -> DeviceNeed:
+    """What loading the projector adds: its weights and its compute buffer."""
+    tokens = image_tokens_bound(projector, image_max_tokens)
+    side = math.isqrt(tokens) * max(projector.patch_size, 1)
+    patch_values = 3 * projector.patch_size ** 2
+    compute = F32_BYTES * (3 * side * side + tokens * patch_values
+                           + tokens * (VISION_ACTIVATION_ROWS_PER_TOKEN * projector.width + 2 * projector.n_ff)
+                           + max(projector.n_head, 1) * tokens * tokens)
+    return DeviceNeed(weights=projector.weights_bytes, kv_cache=0, compute=compute, runtime_overhead=0)
+
+
+def _estimate_text_worker(info: ModelInfo, settings: WorkerSettings) -> Footprint:
     offloaded = layers_offloaded(info, settings.n_gpu_layers)
     output_on_gpu = offloaded >= 1
     blocks_on_gpu = max(offloaded - 1, 0)  # the output layer is the first one offloaded

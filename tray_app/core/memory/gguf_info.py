@@ -27,7 +27,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
 
@@ -78,6 +78,8 @@ _SCALAR_FORMATS: dict[GGUFValueType, str] = {
 # where a tuple of Python numbers would take up to 36 times that.  "B" stands
 # in for bool, which array.array lacks; only truthiness is ever read.
 _ARRAY_TYPECODES: dict[GGUFValueType, str] = {**_SCALAR_FORMATS, GGUFValueType.BOOL: "B"}
+
+_Info = TypeVar("_Info")
 
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")
 _ARCHITECTURE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # llama.cpp's are like "llama", "gpt-oss", "ernie4_5"
@@ -245,9 +247,28 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
     """The one place parse failures become ModelFileError: whatever goes wrong
     inside (our own checks or an error nobody foresaw), the caller gets one
     line that names the file."""
-    model_path = Path(path)
+    return _read_safely(Path(path), _read_model_info)
+
+
+def read_projector_info(path: str | os.PathLike[str]) -> "ProjectorInfo":
+    """A multimodal projector's (mmproj) sizes, with read_model_info's one-line errors."""
+    return _read_safely(Path(path), _read_projector_info)
+
+
+def read_paired_projector(projector_path: str | os.PathLike[str], model: ModelInfo) -> "ProjectorInfo":
+    """The projector paired with `model`, checked to feed embeddings as wide as
+    the model's (llama-server refuses the pair at load otherwise)."""
+    projector = read_projector_info(projector_path)
+    if projector.output_width and projector.output_width != model.n_embd:
+        raise ModelFileError(
+            f"projector file {projector.path} makes {projector.output_width}-wide embeddings but the model "
+            f"{model.path.name} is {model.n_embd} wide: it belongs to another model; use this model's own mmproj")
+    return projector
+
+
+def _read_safely(model_path: Path, read: Callable[[Path], _Info]) -> _Info:
     try:
-        return _read_model_info(model_path)
+        return read(model_path)
     except ModelFileError as error:
         raise ModelFileError(_one_line(str(error))) from None
     except FileNotFoundError:
@@ -293,6 +314,16 @@ def _one_line(text: str, limit: int | None = None) -> str:
 
 
 def _read_model_info(model_path: Path) -> ModelInfo:
+    file_size, modified, metadata, tensors = _read_header(model_path)
+    return replace(_build_info(model_path, file_size, metadata, tensors), modified=modified)
+
+
+def _read_projector_info(model_path: Path) -> "ProjectorInfo":
+    file_size, _, metadata, tensors = _read_header(model_path)
+    return _build_projector_info(model_path, file_size, metadata, tensors)
+
+
+def _read_header(model_path: Path) -> tuple[int, float, dict[str, Any], list[_TensorEntry]]:
     with open(model_path, "rb") as model_file:
         facts = os.fstat(model_file.fileno())
         file_size = facts.st_size
@@ -307,7 +338,7 @@ def _read_model_info(model_path: Path) -> ModelInfo:
             raise _Truncated(
                 f"tensor {tensor.name!r} ends at byte {data_start + tensor.end_offset:,} but the file has {file_size:,}"
             )
-    return replace(_build_info(model_path, file_size, metadata, tensors), modified=facts.st_mtime)
+    return file_size, facts.st_mtime, metadata, tensors
 
 
 def _describe_bad_magic(model_path: Path, magic: bytes) -> str:
@@ -448,6 +479,57 @@ def _build_info(model_path: Path, file_size: int, metadata: dict[str, Any], tens
         output_bytes=tensor_bytes.get("output.weight", tensor_bytes.get("token_embd.weight", 0)),
         chat_template=chat_template if isinstance(chat_template, str) else None,
         tokenizer_model=tokenizer_model if isinstance(tokenizer_model, str) else None,
+    )
+
+
+@dataclass(frozen=True)
+class ProjectorInfo:
+    """What the memory estimate and the library need of a multimodal projector
+    (llama.cpp's mmproj file: a vision encoder and the projection to the text
+    model's width), read from the keys tools/mtmd/clip.cpp reads."""
+
+    path: Path
+    file_size: int
+    projector_type: str
+    weights_bytes: int
+    width: int          # clip.vision.embedding_length
+    n_ff: int
+    n_head: int
+    n_block: int
+    image_size: int     # the side an image is resized to (fixed-size encoders) or a nominal one
+    patch_size: int
+    output_width: int   # clip.vision.projection_dim: the text model's n_embd it feeds
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Patches of one image_size-square image: what a fixed-size encoder always makes."""
+        return (self.image_size // self.patch_size) ** 2 if self.patch_size else 0
+
+
+def _build_projector_info(model_path: Path, file_size: int, metadata: dict[str, Any],
+                          tensors: list[_TensorEntry]) -> ProjectorInfo:
+    def count(key: str, default: int | None = None) -> int:
+        if key not in metadata and default is None:
+            raise ModelFileError(f"projector file {model_path} lacks the metadata key {key}, so it is not a "
+                                 "llama.cpp vision projector (mmproj): download the model's mmproj .gguf again")
+        return _as_count(metadata.get(key, default), key, MAX_HYPERPARAMETER)
+
+    if not metadata.get("clip.has_vision_encoder"):
+        raise ModelFileError(f"projector file {model_path} has no vision encoder (clip.has_vision_encoder), "
+                             "so it can't read images: use the model's vision mmproj .gguf")
+    projector_type = metadata.get("clip.projector_type", metadata.get("clip.vision.projector_type", ""))
+    return ProjectorInfo(
+        path=model_path,
+        file_size=file_size,
+        projector_type=projector_type if isinstance(projector_type, str) else "",
+        weights_bytes=sum(tensor.n_bytes for tensor in tensors),
+        width=count("clip.vision.embedding_length"),
+        n_ff=count("clip.vision.feed_forward_length", 0),
+        n_head=count("clip.vision.attention.head_count", 1),
+        n_block=count("clip.vision.block_count", 0),
+        image_size=count("clip.vision.image_size"),
+        patch_size=count("clip.vision.patch_size"),
+        output_width=count("clip.vision.projection_dim", 0),
     )
 
 
