@@ -35,7 +35,7 @@ from .errors import error_response, error_response_for_path
 from .idempotency import IdempotencyStore
 from .key_access import KeyAccess, Refusal, usage_name
 from .security import principal_of
-from .openai_request import InvalidRequest
+from .openai_request import InvalidRequest, text_only
 from .anthropic import AnthropicMessages
 from .ollama import DEFAULT_TAG
 from .llamacpp import LlamaCppRoutes
@@ -77,8 +77,12 @@ class Router:
             accepted = served | {service.model_info.path.name, "default"} | {
                 name for model in service.library for name in (*model.names(), model.path.name)}
             # Ollama's clients name models with a tag (GET /api/tags lists ":latest").
+            seeing = {name for model in service.library if model.sees_images
+                      for name in (*model.names(), model.path.name)}
             names = ModelNames(service.model_id, served, accepted | {name + DEFAULT_TAG for name in accepted},
-                               unknown_is_default=service.config.model.unknown_name == "default")
+                               unknown_is_default=service.config.model.unknown_name == "default",
+                               seeing=frozenset(seeing | {name + DEFAULT_TAG for name in seeing}),
+                               seeing_models=tuple(model.name for model in service.library if model.sees_images))
             self._names_for = (service.library, names)
         return self._names_for[1]
 
@@ -256,7 +260,8 @@ class Router:
             translated = protocol.translate(body, JobKind.CHAT)
             checked = validate(translated.body, JobKind.CHAT, self.model_names, self.largest_context)
             await self._constrain(translated.body, checked)
-            job = Job(id=new_request_id(), kind=JobKind.CHAT, body=translated.body, stream=False)
+            job = Job(id=new_request_id(), kind=JobKind.CHAT, body=translated.body, stream=False,
+                      images=checked.images)
             host = self._host(translated.body.get("model"))
             await self.service.ensure_started(host)
             tokens = await self._count_prompt(job, host)
@@ -354,7 +359,7 @@ class Router:
         dispatcher = host.dispatcher
         job = Job(id=request_id, kind=kind, body=body, stream=bool(body.get("stream")), force_cpu=routing.force_cpu,
                   deadline_s=routing.deadline_s, prefer_gpu=routing.prefer_gpu, no_fallback=routing.no_fallback,
-                  forced_tool=checked.forced_tool, top_logprobs=checked.top_logprobs,
+                  forced_tool=checked.forced_tool, top_logprobs=checked.top_logprobs, images=checked.images,
                   client=client_name(request.headers.get("x-client-name"), request.headers.get("user-agent")))
         job.fingerprint = request_fingerprint(kind.value, body)
         job.model = "" if host is self.service.default_host else host.name
@@ -437,7 +442,10 @@ class Router:
         assert counter is not None
         try:
             if job.kind is JobKind.CHAT:
-                return await asyncio.to_thread(counter.count_chat, job.body["messages"], job.body.get("tools"))
+                # An image is as many tokens as its projector makes of one (host.image_tokens).
+                text = await asyncio.to_thread(counter.count_chat, text_only(job.body["messages"]),
+                                               job.body.get("tools"))
+                return text + job.images * host.image_tokens
             return await asyncio.to_thread(counter.count_text, job.body["prompt"])
         except Exception as exc:  # a template can reject odd message shapes
             raise _Invalid(400, f"the messages can't be rendered with the model's chat template: {exc}",
