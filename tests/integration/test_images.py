@@ -1,0 +1,171 @@
+"""Images on every API, on real workers with a real projector.
+
+The default model is the bundled SmolLM2 with the tiny random-weight LLaVA
+projector (tests/tiny_projector.py) beside it, so both workers load it with
+--mmproj; a second library model ("plain") has none. The answers are noise:
+what is checked is that llama-server ran the image (its prompt counts the
+image's 16 tokens), on the path the headers name, and that every bad image is
+a 400 naming its part."""
+
+from __future__ import annotations
+
+import base64
+import os
+
+import anthropic
+import httpx
+import ollama
+import openai
+import pytest
+
+from tests.harness import BASE_CONFIG, running
+from tests.tiny_projector import image_tokens, tiny_png, write_tiny_projector
+from tray_app.core.config import bundled_model_path
+from tray_app.core.memory.gguf_info import read_model_info
+
+pytestmark = pytest.mark.integration
+
+PNG = tiny_png()
+PNG_B64 = base64.b64encode(PNG).decode()
+DATA_URI = f"data:image/png;base64,{PNG_B64}"
+IMAGE_TOKENS = image_tokens()
+MODEL = bundled_model_path().stem
+
+
+def model_folder(folder, *, projector: bool):
+    """A folder with the bundled model linked in, and the tiny projector beside it if asked."""
+    folder.mkdir(parents=True, exist_ok=True)
+    link = folder / bundled_model_path().name
+    os.symlink(bundled_model_path(), link)
+    if projector:
+        write_tiny_projector(folder / "mmproj-tiny.gguf", text_width=read_model_info(bundled_model_path()).n_embd)
+    return link
+
+
+def image_config(tmp, *, cpu_sees: bool) -> str:
+    seeing = model_folder(tmp / "seeing", projector=True)
+    plain = model_folder(tmp / "plain", projector=False)
+    # The CPU fallback is the same file in a folder without a projector when the CPU must not see.
+    fallback = "" if cpu_sees else f'fallback_path = "{model_folder(tmp / "blind", projector=False)}"\n'
+    return (BASE_CONFIG + f'[model]\npath = "{seeing}"\nfolder = "{tmp / "empty"}"\n{fallback}'
+            f'[[models]]\nname = "plain"\npath = "{plain}"\n')
+
+
+@pytest.fixture(scope="module")
+def seeing(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("images")
+    with running(tmp, image_config(tmp, cpu_sees=True)) as service:
+        yield service
+
+
+@pytest.fixture
+def fresh(seeing):
+    seeing.reset()
+    return seeing
+
+
+def openai_client(service) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=0)
+
+
+def ask(text: str, *images: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": text},
+                                         *({"type": "image_url", "image_url": {"url": url}} for url in images)]}]
+
+
+def text_prompt_tokens(service, text: str) -> int:
+    """What the same question costs without its image, on the GPU worker."""
+    reply = openai_client(service).chat.completions.create(model=MODEL, messages=ask(text), max_tokens=1)
+    return reply.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("path", ["gpu", "cpu"])
+def test_openai_image_url_runs_on_either_path_and_counts_the_images_tokens(fresh, path):
+    raw = openai_client(fresh).chat.completions.with_raw_response.create(
+        model=MODEL, messages=ask("What is in the picture?", DATA_URI), max_tokens=4,
+        extra_headers={"X-Force-Path": "cpu"} if path == "cpu" else {})
+    reply = raw.parse()
+    assert raw.headers["x-served-by"] == path
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    # llama-server counted the image's tokens: the worker ran the projector.
+    assert reply.usage.prompt_tokens == text_prompt_tokens(fresh, "What is in the picture?") + IMAGE_TOKENS
+
+
+def test_ollama_images_on_chat_and_generate(fresh):
+    client = ollama.Client(host=fresh.url)
+    chat = client.chat(model=MODEL, messages=[{"role": "user", "content": "Describe it.", "images": [PNG]}],
+                       options={"num_predict": 3})
+    with_image = chat.prompt_eval_count
+    plain = client.chat(model=MODEL, messages=[{"role": "user", "content": "Describe it."}],
+                        options={"num_predict": 3}).prompt_eval_count
+    assert with_image == plain + IMAGE_TOKENS
+    generated = client.generate(model=MODEL, prompt="Describe it.", images=[PNG_B64], options={"num_predict": 3})
+    assert generated.prompt_eval_count == with_image
+
+
+def test_anthropic_base64_image_block(fresh):
+    client = anthropic.Anthropic(base_url=fresh.url, api_key="unused", max_retries=0)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_B64}}
+    with_image = client.messages.create(model=MODEL, max_tokens=3, messages=[
+        {"role": "user", "content": [block, {"type": "text", "text": "Describe it."}]}])
+    plain = client.messages.create(model=MODEL, max_tokens=3, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Describe it."}]}])
+    assert with_image.usage.input_tokens == plain.usage.input_tokens + IMAGE_TOKENS
+
+
+def test_responses_input_image(fresh):
+    client = openai_client(fresh)
+    content = [{"type": "input_text", "text": "Describe it."}]
+    plain = client.responses.create(model=MODEL, max_output_tokens=16, input=[{"role": "user", "content": content}])
+    with_image = client.responses.create(model=MODEL, max_output_tokens=16, input=[
+        {"role": "user", "content": [*content, {"type": "input_image", "image_url": DATA_URI, "detail": "auto"}]}])
+    assert with_image.usage.input_tokens == plain.usage.input_tokens + IMAGE_TOKENS
+
+
+@pytest.mark.parametrize(("url", "code", "words"), [
+    ("data:image/png;base64,@@not base64@@", "invalid_image", "not valid base64"),
+    (f"data:image/png;base64,{base64.b64encode(b'just some text, no image').decode()}", "invalid_image",
+     "not an image"),
+    ("https://example.com/cat.png", "remote_image_refused", "[server] allow_remote_images"),
+])
+def test_a_bad_image_is_a_400_that_names_the_part(seeing, url, code, words):
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client(seeing).chat.completions.create(model=MODEL, messages=ask("Look", DATA_URI, url), max_tokens=1)
+    error = refused.value.body
+    assert error["code"] == code
+    assert error["param"] == "messages[0].content[2]"
+    assert words in error["message"]
+
+
+def test_ollama_and_anthropic_bad_images_name_their_part(seeing):
+    answer = httpx.post(f"{seeing.url}/api/chat", json={"model": MODEL, "messages": [
+        {"role": "user", "content": "hi", "images": [PNG_B64, "bm90IGFuIGltYWdl"]}]}, timeout=30)
+    assert answer.status_code == 400 and "messages[0].images[1]" in answer.json()["error"]
+    answer = httpx.post(f"{seeing.url}/v1/messages", headers={"x-api-key": "unused"}, json={
+        "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "@@"}}]}]}, timeout=30)
+    assert answer.status_code == 400
+    assert "messages.0.content.0.source.data" in answer.json()["error"]["message"]
+
+
+def test_a_model_without_a_projector_refuses_and_names_one_that_sees(seeing):
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client(seeing).chat.completions.create(model="plain", messages=ask("Look", DATA_URI), max_tokens=1)
+    assert refused.value.body["code"] == "model_has_no_vision"
+    assert MODEL in refused.value.body["message"]
+
+
+def test_a_gpu_kill_before_the_first_byte_replays_the_image_on_the_cpu(fresh):
+    expected = text_prompt_tokens(fresh, "Kill test") + IMAGE_TOKENS
+
+    def run():
+        raw = openai_client(fresh).chat.completions.with_raw_response.create(
+            model=MODEL, messages=ask("Kill test", DATA_URI), max_tokens=4,
+            extra_headers={"X-Request-Id": "image-kill"})
+        return raw.headers, raw.parse()
+
+    headers, reply = fresh.kill_gpu_before_first_token("image-kill", run)
+    assert headers["x-served-by"] == "cpu"
+    assert headers["x-route-reason"] == "gpu_failed_replayed"
+    # The replay carried the image: the CPU worker counted its tokens too.
+    assert reply.usage.prompt_tokens == expected
