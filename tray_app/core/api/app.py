@@ -15,7 +15,6 @@ import json
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
-from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -31,7 +30,8 @@ from ..status_build import model_summary
 from ..usage import Outcome, UsageStore
 from . import bounds
 from .embeddings import openai_embeddings
-from .errors import error_response, error_response_for_path
+from .errors import error_response_for_path
+from .admin_routes import AdminRoutes
 from .idempotency import IdempotencyStore
 from .key_access import KeyAccess, Refusal, usage_name
 from .security import principal_of
@@ -40,14 +40,13 @@ from .anthropic import AnthropicMessages
 from .ollama import DEFAULT_TAG
 from .llamacpp import LlamaCppRoutes
 from .ollama_routes import OllamaRoutes
-from .openapi import build_openapi
 from .web_page import web_page, worker_logs
 from .protocol import Protocol, Translated
 from .responses import ResponsesRoutes
+from .service_routes import ServiceRoutes
 from .requests import (
-    MAX_MESSAGES, PRESSURE_RULE, Checked, ModelNames, clean_request_id, client_name, read_json_object,
-    check_model, unknown_model_message,
-    Routing, requested_limit, routing_headers, validate,
+    Checked, ModelNames, Routing, check_model, clean_request_id, client_name, read_json_object, requested_limit,
+    routing_headers, validate,
 )
 from .sinks import AggregatingSink, QueueSink, RecordedStream
 from . import degraded_note
@@ -109,22 +108,6 @@ class Router:
                            verdict.code or "invalid_grammar", constraint.param)
         body["grammar"] = verdict.grammar
 
-    # ----- small routes -----------------------------------------------------
-
-    async def health(self, request: Request) -> Response:
-        ok, reason = self.service.health()
-        return JSONResponse({"status": "ok" if ok else "unavailable", "reason": reason}, status_code=200 if ok else 503)
-
-    async def status(self, request: Request) -> Response:
-        return JSONResponse({**self.service.status(), "usage": self.access.usage.snapshot()})
-
-    async def metrics(self, request: Request) -> Response:
-        return Response(self.service.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
-
-    async def openapi(self, request: Request) -> Response:
-        config = self.service.config
-        return JSONResponse(build_openapi(max(config.gpu.n_ctx, config.cpu.n_ctx), MAX_MESSAGES))
-
     async def models(self, request: Request) -> Response:
         """Every model in the library, with where it is loaded now (gpu, cpu,
         unloaded) and how large it is; the default model's CPU fallback too
@@ -165,85 +148,6 @@ class Router:
              "capabilities": {**capabilities(host), **(embedding_info if model_id == service.model_id
                                                        else {"embeddings": False})}, **where(host)}
             for model_id, host in listed]})
-
-    async def cancel(self, request: Request) -> Response:
-        request_id = request.path_params["request_id"]
-        refusal = self.access.cancel_refusal(request, request_id)
-        if refusal is not None:
-            return error_response(403, refusal, "insufficient_scope")
-        result = self.service.cancel(request_id)
-        if result is None:
-            return error_response(404, f"no queued or running request has id {request_id!r}; "
-                                  "it may have finished already", "request_not_found")
-        return JSONResponse(result)
-
-    async def admin_gpu(self, request: Request) -> Response:
-        try:
-            body = await read_json_object(request)
-        except _Invalid as bad:
-            return error_response(bad.status, bad.message, bad.code)
-        if "paused" in body:
-            if not isinstance(body["paused"], bool):
-                return error_response(400, "'paused' must be true or false", "invalid_value", param="paused")
-            self.service.set_gpu_paused(body["paused"])
-        if "yield_to_other_apps" in body:
-            if not isinstance(body["yield_to_other_apps"], bool):
-                return error_response(400, "'yield_to_other_apps' must be true or false", "invalid_value",
-                                      param="yield_to_other_apps")
-            try:
-                self.service.set_yield_to_other_apps(body["yield_to_other_apps"])
-            except ValueError as exc:
-                return error_response(409, str(exc), "no_gpu")
-        if "given_back" in body:
-            if not isinstance(body["given_back"], bool):
-                return error_response(400, "'given_back' must be true or false", "invalid_value", param="given_back")
-            try:
-                self.service.give_gpu_back(body["given_back"])
-            except ValueError as exc:
-                return error_response(409, str(exc), "no_gpu")
-        if "simulated_pressure_mib" in body:
-            problem = PRESSURE_RULE(body["simulated_pressure_mib"])
-            if problem:
-                return error_response(400, f"'simulated_pressure_mib' {problem}", "invalid_value",
-                                      param="simulated_pressure_mib")
-            value = body["simulated_pressure_mib"]
-            try:
-                self.service.set_simulated_pressure(float(value))
-            except ValueError as exc:
-                return error_response(409, str(exc), "not_simulated")
-        return JSONResponse({"gpu_paused": self.service.gpu_paused, "gpu": self.service.gpu_status()})
-
-    async def admin_model(self, request: Request) -> Response:
-        """POST /admin/models/{name} {"loaded": true|false}: load a model's GPU
-        worker now (making room as a request would), or unload the model."""
-        name = request.path_params["name"]
-        host = self.service.host_for(name)
-        if host is None:
-            return error_response(404, unknown_model_message(name, self.model_names), "model_not_found")
-        try:
-            body = await read_json_object(request)
-        except _Invalid as bad:
-            return error_response(bad.status, bad.message, bad.code)
-        loaded = body.get("loaded")
-        if not isinstance(loaded, bool):
-            return error_response(400, "'loaded' must be true or false", "invalid_value", param="loaded")
-        if loaded:
-            await self.service.ensure_started(host)
-            self.service.preload(host)
-        else:
-            try:
-                await self.service.unload_model(host)
-            except ValueError as exc:
-                return error_response(409, str(exc), "model_busy")
-        return JSONResponse(model_summary(host), status_code=202 if loaded else 200)
-
-    async def admin_rescan(self, request: Request) -> Response:
-        """POST /admin/library/rescan: models downloaded into the folder since the start are served now."""
-        return JSONResponse(await self.service.rescan_models())
-
-    async def admin_restart(self, request: Request) -> Response:
-        self.service.restart_workers()
-        return JSONResponse({"restarting": True})
 
     # ----- completions ----------------------------------------------------------
 
@@ -318,7 +222,7 @@ class Router:
         try:
             entry = self.idempotency.lookup(idempotency_key, fingerprint)
             if entry is not None:
-                return await self._replay_idempotent(entry, base_headers)
+                return await _replay_idempotent(self.idempotency, entry, base_headers)
         except JobFailed as failure:
             return protocol.failed(failure, base_headers)
         # Claimed before any await: a twin arriving meanwhile finds the claim
@@ -332,7 +236,7 @@ class Router:
                 500, "the first request with this Idempotency-Key failed inside the server; retry it",
                 "internal_error").body))
             raise
-        self._settle_claim(claim, idempotency_key, request_id, response)
+        _settle_claim(self.idempotency, claim, idempotency_key, request_id, response)
         return response
 
     def _load_only(self, translated: Translated, protocol: Protocol) -> Response:
@@ -407,36 +311,6 @@ class Router:
             return await self._stream(request, job, protocol, host)
         return await self._aggregate(request, job, protocol, host)
 
-    def _settle_claim(self, claim: asyncio.Future, key: str, request_id: str, response: Response) -> None:
-        """Keep a result (an answer, or a client error that would repeat); let
-        go of the key after a failure, so a retry with it runs for real."""
-        if isinstance(response, RecordedStream):
-            def finished(recorded, completed: bool) -> None:
-                if not completed:
-                    self.idempotency.forget(key, request_id)
-                _resolve(claim, recorded)
-            response.on_finish = finished
-            return
-        if response.status_code >= 500 or response.status_code in (408, 409, 499):
-            self.idempotency.forget(key, request_id)
-        _resolve(claim, ("json", response.status_code, dict(response.headers), response.body))
-
-    async def _replay_idempotent(self, entry, base_headers: dict[str, str]) -> Response:
-        recorded = await self.idempotency.wait(entry)
-        kind = recorded[0]
-        if kind == "json":
-            _, status, headers, body = recorded
-            headers = {k: v for k, v in headers.items() if k.lower() not in ("content-length", "content-type")}
-            headers["X-Idempotent-Replay"] = "true"
-            return Response(body, status_code=status, headers=headers, media_type="application/json")
-        _, headers, chunks, media_type = recorded
-        headers = {**headers, "X-Idempotent-Replay": "true"}
-
-        async def replay() -> AsyncIterator[bytes]:
-            for chunk in chunks:
-                yield chunk
-        return StreamingResponse(replay(), media_type=media_type, headers=headers)
-
     async def _count_prompt(self, job: Job, host: ModelHost) -> int:
         counter = host.counter
         assert counter is not None
@@ -451,42 +325,20 @@ class Router:
             raise _Invalid(400, f"the messages can't be rendered with the model's chat template: {exc}",
                            "invalid_messages", "messages") from None
 
-    def _route_headers(self, job: Job, host: ModelHost) -> dict[str, str]:
-        headers = {
-            "X-Request-Id": job.id,
-            "X-Served-By": job.path or "none",
-            # The library model that answered: the one named, or the default
-            # model for a name it doesn't know ([model] unknown_name).
-            "X-Model": host.model_id,
-            "X-Route-Reason": job.reason.value if job.reason else "none",
-        }
-        estimated = job.estimated_latency_s
-        if job.path == "cpu":
-            headers["X-Fallback-Model"] = host.fallback_model_id
-            headers["X-Estimated-Latency"] = f"{estimated:.2f}" if estimated is not None else "unknown"
-        elif job.path == "peer" and job.peer is not None:
-            headers["X-Peer"] = job.peer
-            headers["X-Estimated-Latency"] = f"{estimated:.2f}" if estimated is not None else "unknown"
-        elif estimated is not None:  # refused at admission: what the CPU would have taken
-            headers["X-Estimated-Latency"] = f"{estimated:.2f}"
-        if job.queue_wait_s:
-            headers["X-Queue-Wait"] = f"{job.queue_wait_s:.3f}"
-        return headers
-
     async def _aggregate(self, request: Request, job: Job, protocol: Protocol, host: ModelHost) -> Response:
         sink = AggregatingSink()
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
         try:
             await self.access.run_counted(host, job, sink, request.state.usage_name)
         except JobFailed as failure:
-            return protocol.failed(failure, self._route_headers(job, host))
+            return protocol.failed(failure, _route_headers(job, host))
         finally:
             watcher.cancel()
         note = self._degraded_note(request, job, host)
         if note is not None and sink.events:
             sink.events.insert(0, degraded_note.note_chunk(note, sink.events[0]))
         body = sink.chat_response(job) if job.kind is JobKind.CHAT else sink.completion_response(job)
-        return JSONResponse(protocol.answer(body, job), headers=self._route_headers(job, host))
+        return JSONResponse(protocol.answer(body, job), headers=_route_headers(job, host))
 
     async def _stream(self, request: Request, job: Job, protocol: Protocol, host: ModelHost) -> Response:
         sink = QueueSink(job)
@@ -505,13 +357,13 @@ class Router:
         first_kind, first_value = await sink.queue.get()
         if first_kind == "failed":
             watcher.cancel()
-            return protocol.failed(first_value, self._route_headers(job, host))
-        headers = self._route_headers(job, host)
+            return protocol.failed(first_value, _route_headers(job, host))
+        headers = _route_headers(job, host)
         stream = RecordedStream(headers, protocol.stream_media_type)
         # Decided now, with the first event: a replay before the first byte is already done.
         note = self._degraded_note(request, job, host)
         lead = degraded_note.note_chunk(note, first_value) if note is not None else None
-        stream.relay(self._relay(job, sink, task, watcher, (first_kind, first_value), protocol, stream, lead))
+        stream.relay(_relay(job, sink, task, watcher, (first_kind, first_value), protocol, stream, lead))
         return stream
 
     def _degraded_note(self, request: Request, job: Job, host: ModelHost) -> str | None:
@@ -519,38 +371,96 @@ class Router:
             return None
         return degraded_note.note_text(job, host.model_id, host.fallback_model_id)
 
-    async def _relay(self, job: Job, sink: QueueSink, task: asyncio.Task, watcher: asyncio.Task,
-                     first: tuple[str, Any], protocol: Protocol, stream: RecordedStream,
-                     lead: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
-        kind, value = first
-        finished = False
-        last_event: dict[str, Any] = {}
-        encoder = protocol.encoder(job)
-        try:
-            if lead is not None:
-                yield encoder.event(lead)
-            while True:
-                if kind == "event":
-                    last_event = value
-                    data = encoder.event(value)
-                elif kind == "done":
-                    stream.completed = True
-                    finished = True
-                    yield encoder.done(job, last_event)
-                    return
-                else:
-                    finished = True
-                    yield encoder.failed(value)
-                    return
-                if data:
-                    yield data
-                kind, value = await sink.queue.get()
-        finally:
-            watcher.cancel()
-            if not finished:
-                # The client went away mid-stream: stop the worker generating.
-                job.cancel("the client disconnected")
-            await asyncio.shield(task)
+
+
+def _route_headers(job: Job, host: ModelHost) -> dict[str, str]:
+    headers = {
+        "X-Request-Id": job.id,
+        "X-Served-By": job.path or "none",
+        # The library model that answered: the one named, or the default
+        # model for a name it doesn't know ([model] unknown_name).
+        "X-Model": host.model_id,
+        "X-Route-Reason": job.reason.value if job.reason else "none",
+    }
+    estimated = job.estimated_latency_s
+    if job.path == "cpu":
+        headers["X-Fallback-Model"] = host.fallback_model_id
+        headers["X-Estimated-Latency"] = f"{estimated:.2f}" if estimated is not None else "unknown"
+    elif job.path == "peer" and job.peer is not None:
+        headers["X-Peer"] = job.peer
+        headers["X-Estimated-Latency"] = f"{estimated:.2f}" if estimated is not None else "unknown"
+    elif estimated is not None:  # refused at admission: what the CPU would have taken
+        headers["X-Estimated-Latency"] = f"{estimated:.2f}"
+    if job.queue_wait_s:
+        headers["X-Queue-Wait"] = f"{job.queue_wait_s:.3f}"
+    return headers
+
+
+def _settle_claim(store: IdempotencyStore, claim: asyncio.Future, key: str, request_id: str,
+                  response: Response) -> None:
+    """Keep a result (an answer, or a client error that would repeat); let
+    go of the key after a failure, so a retry with it runs for real."""
+    if isinstance(response, RecordedStream):
+        def finished(recorded, completed: bool) -> None:
+            if not completed:
+                store.forget(key, request_id)
+            _resolve(claim, recorded)
+        response.on_finish = finished
+        return
+    if response.status_code >= 500 or response.status_code in (408, 409, 499):
+        store.forget(key, request_id)
+    _resolve(claim, ("json", response.status_code, dict(response.headers), response.body))
+
+
+async def _replay_idempotent(store: IdempotencyStore, entry, base_headers: dict[str, str]) -> Response:
+    recorded = await store.wait(entry)
+    kind = recorded[0]
+    if kind == "json":
+        _, status, headers, body = recorded
+        headers = {k: v for k, v in headers.items() if k.lower() not in ("content-length", "content-type")}
+        headers["X-Idempotent-Replay"] = "true"
+        return Response(body, status_code=status, headers=headers, media_type="application/json")
+    _, headers, chunks, media_type = recorded
+    headers = {**headers, "X-Idempotent-Replay": "true"}
+
+    async def replay() -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            yield chunk
+    return StreamingResponse(replay(), media_type=media_type, headers=headers)
+
+
+async def _relay(job: Job, sink: QueueSink, task: asyncio.Task, watcher: asyncio.Task,
+             first: tuple[str, Any], protocol: Protocol, stream: RecordedStream,
+             lead: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
+    kind, value = first
+    finished = False
+    last_event: dict[str, Any] = {}
+    encoder = protocol.encoder(job)
+    try:
+        if lead is not None:
+            yield encoder.event(lead)
+        while True:
+            if kind == "event":
+                last_event = value
+                data = encoder.event(value)
+            elif kind == "done":
+                stream.completed = True
+                finished = True
+                yield encoder.done(job, last_event)
+                return
+            else:
+                finished = True
+                yield encoder.failed(value)
+                return
+            if data:
+                yield data
+            kind, value = await sink.queue.get()
+    finally:
+        watcher.cancel()
+        if not finished:
+            # The client went away mid-stream: stop the worker generating.
+            job.cancel("the client disconnected")
+        await asyncio.shield(task)
 
 
 def _resolve(future: asyncio.Future, value: Any) -> None:
@@ -569,6 +479,8 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> None:
 
 def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
     router = Router(service)
+    info = ServiceRoutes(service, router.access.usage)
+    admin = AdminRoutes(service, router.access, lambda: router.model_names)
     service.metrics.count_usage(router.access.usage.book)
 
     @asynccontextmanager
@@ -590,11 +502,11 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
                               router.largest_context)
     routes = [
         HttpRoute("/", ollama.root, methods=["GET", "HEAD"]),
-        HttpRoute("/health", router.health, methods=["GET"]),
-        HttpRoute("/status", router.status, methods=["GET"]),
+        HttpRoute("/health", info.health, methods=["GET"]),
+        HttpRoute("/status", info.status, methods=["GET"]),
         HttpRoute("/v1/models", router.models, methods=["GET"]),
-        HttpRoute("/openapi.json", router.openapi, methods=["GET"]),
-        HttpRoute("/metrics", router.metrics, methods=["GET"]),
+        HttpRoute("/openapi.json", info.openapi, methods=["GET"]),
+        HttpRoute("/metrics", info.metrics, methods=["GET"]),
         HttpRoute("/v1/chat/completions", router.chat_completions, methods=["POST"]),
         HttpRoute("/v1/completions", router.completions, methods=["POST"]),
         # The same routes without /v1, as llama.cpp's server offers them, for
@@ -604,7 +516,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         HttpRoute("/completions", router.completions, methods=["POST"]),
         HttpRoute("/v1/embeddings", router.embeddings, methods=["POST"]),
         HttpRoute("/embeddings", router.embeddings, methods=["POST"]),
-        HttpRoute("/v1/requests/{request_id}", router.cancel, methods=["DELETE"]),
+        HttpRoute("/v1/requests/{request_id}", admin.cancel, methods=["DELETE"]),
         # Anthropic's Messages API (see anthropic.py).
         HttpRoute("/v1/messages", router.messages, methods=["POST"]),
         HttpRoute("/v1/messages/count_tokens", router.count_message_tokens, methods=["POST"]),
@@ -622,10 +534,10 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         # The web page (web_page.py); POST /ui/login is answered by the access guard.
         HttpRoute("/ui", web_page, methods=["GET", "HEAD"]),
         HttpRoute("/ui/{name}", web_page, methods=["GET", "HEAD"]),
-        HttpRoute("/admin/gpu", router.admin_gpu, methods=["POST"]),
-        HttpRoute("/admin/restart", router.admin_restart, methods=["POST"]),
-        HttpRoute("/admin/models/{name:path}", router.admin_model, methods=["POST"]),
-        HttpRoute("/admin/library/rescan", router.admin_rescan, methods=["POST"]),
+        HttpRoute("/admin/gpu", admin.gpu, methods=["POST"]),
+        HttpRoute("/admin/restart", admin.restart, methods=["POST"]),
+        HttpRoute("/admin/models/{name:path}", admin.model, methods=["POST"]),
+        HttpRoute("/admin/library/rescan", admin.rescan, methods=["POST"]),
         HttpRoute("/admin/logs", worker_logs(service), methods=["GET"]),
         # Ollama's API (see ollama.py), for apps that speak only it.
         HttpRoute("/api/chat", ollama.chat, methods=["POST"]),
