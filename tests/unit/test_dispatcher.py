@@ -292,7 +292,7 @@ async def test_admitted_to_gpu_completes_once_and_unregisters(rig):
     assert rig.events.completions == [("req-1", "gpu")]
     assert rig.gpu.calls == ["req-1"] and rig.cpu.calls == []
     assert rig.dispatcher.completed_total == 1 and rig.dispatcher.duplicate_executions == 0
-    assert rig.dispatcher._executions == {"req-1": 1}
+    assert rig.dispatcher.ledger.counts == {"req-1": 1}
     assert "req-1" not in rig.dispatcher.jobs and job.state is JobState.DONE
     assert sink.events == [CHUNK] and sink.resets == 0
     assert lanes_empty(rig) and rig.events.changes >= 1
@@ -315,7 +315,7 @@ async def test_ledger_counts_a_second_execution_of_one_id_as_a_duplicate(rig):
     await run_job(rig, make_job("again"))
     assert rig.dispatcher.completed_total == 2
     assert rig.dispatcher.duplicate_executions == 1
-    assert rig.dispatcher._executions["again"] == 2
+    assert rig.dispatcher.ledger.counts["again"] == 2
 
 
 # ----- GPU failure: replay, commit, CPU failure, request errors -------------------------------

@@ -1,0 +1,44 @@
+"""The work ahead on a path (running and queued), as the latency estimate
+reads it: what admission's wait estimates and /status's CPU wait are made of."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from .backend import Backend
+from .jobs import Job, JobState
+from .latency import PathLoad, Work, estimate
+
+# The answer length a queued request is expected to run to, when its limit is
+# larger: the wait estimate for those behind it.
+EXPECTED_ANSWER_TOKENS = 256
+
+
+def backlog_s(backend: Backend, jobs: Mapping[str, Job]) -> float:
+    """Seconds until a slot of this path frees up for a new arrival: the
+    work ahead (running and queued) played forward on its slots at the
+    speed each number of busy slots gets. 0 while a slot is free."""
+    lane = backend.lane
+    if len(lane.running_ids) < lane.concurrency and not lane.waiting_ids:
+        return 0.0
+    return estimate(path_load(backend, jobs), Work(0, 0)).wait_s
+
+
+def path_load(backend: Backend, jobs: Mapping[str, Job], not_before_s: float = 0.0) -> PathLoad:
+    """A path's slots and the work on them and in its queue, for the
+    latency estimate. A request's work is counted at its expected length,
+    not its limit: a chat without max_tokens may fill its context, but few
+    do. One that has already run long is expected to run as long again."""
+    def remaining(job_id: str) -> Work | None:
+        job = jobs.get(job_id)
+        if job is None:
+            return None
+        done = job.tokens_out if job.state is JobState.RUNNING else 0
+        expected = min(job.max_tokens, max(EXPECTED_ANSWER_TOKENS, 2 * done))
+        return Work(job.prompt_tokens if done == 0 else 0, max(0, expected - done))
+
+    lane = backend.lane
+    running = tuple(work for work in map(remaining, lane.running_ids) if work is not None)
+    queued = tuple(work for work in map(remaining, lane.waiting_ids) if work is not None)
+    speeds = backend.busy_speeds.curve(backend.speed.tokens_per_s, backend.speed.prompt_tokens_per_s)
+    return PathLoad(lane.concurrency, running, queued, speeds, not_before_s)

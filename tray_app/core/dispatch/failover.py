@@ -1,0 +1,185 @@
+"""What a path's failure means for the job, the path and the rest.
+
+Before any byte reached the client a failed path hands the job on: a GPU
+failure replays it once on the CPU, a peer's failure runs it here (a re-run
+only if it may have begun there). After a byte it is an explicit error that
+says nothing was re-run. A request that crashed its worker is quarantined,
+never replayed. Completions are counted in the ExecutionLedger.
+
+The dispatcher decides where a job runs (`assign_route`) and calls these;
+they reach it only through `Routing`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .admission import Decision, Reason
+from .backend import Backend
+from .breaker import CircuitBreaker
+from .jobs import Attempt, Job, JobFailed, JobState, WorkerFailure
+from .ledger import ExecutionLedger
+from .peer import PeerFailure, Peers
+from .ports import DispatchEvents, GpuResidency
+from .quarantine import Quarantine
+from .upstream import Sink
+
+
+class Routing(Protocol):
+    """What failover needs of the dispatcher."""
+
+    gpu: Backend | None
+    cpu: Backend
+    breaker: CircuitBreaker
+    peers: Peers | None
+    model_names: tuple[str, ...]
+    residency: GpuResidency
+    quarantine: Quarantine
+    ledger: ExecutionLedger
+    events: DispatchEvents
+
+    def assign_route(self, job: Job) -> Decision: ...
+
+
+async def replay_after_gpu_failure(routing: Routing, job: Job, sink: Sink, failure: WorkerFailure, *,
+                                   no_fallback: bool) -> Decision:
+    """The GPU failed the job: quarantine it if its input crashed the worker,
+    count the failure, and hand back the decision for its one replay, or
+    raise the client's error when it can't be replayed."""
+    assert routing.gpu is not None
+    await raise_if_crashed_by_input(routing, job, routing.gpu, failure)
+    record_gpu_failure(routing, job, str(failure))
+    if job.committed:
+        raise JobFailed(502, "gpu_worker_failed", f"the GPU worker failed after part of the answer was sent ({failure}); "
+                        "nothing was re-run. It is safe to retry this request.") from None
+    if no_fallback:
+        raise JobFailed(503, "gpu_worker_failed",
+                        f"the GPU worker failed before any output ({failure}) and this request may not "
+                        "run on the CPU (X-Fallback: never); nothing was re-run. It is safe to retry it.",
+                        retry_after_s=30.0) from None
+    sink.reset()
+    job.replayed = True
+    decision = routing.assign_route(job)
+    if not decision.accepted:
+        raise rejection(decision) from None
+    routing.events.note("replay", id=job.id, reason=str(failure))
+    return decision
+
+
+async def run_on_cpu(routing: Routing, job: Job, sink: Sink) -> None:
+    """Run the job on the CPU, the last path: its failure is the client's error."""
+    try:
+        record_completion(routing, job, await routing.cpu.run(job, sink))
+    except WorkerFailure as failure:
+        await raise_if_crashed_by_input(routing, job, routing.cpu, failure)
+        job.first_failure = job.first_failure or str(failure)
+        routing.cpu.report_failure(str(failure))
+        routing.events.note("cpu_failure", id=job.id, reason=str(failure))
+        raise JobFailed(502, "cpu_worker_failed", f"the CPU worker failed while serving this request ({failure}); "
+                        "nothing was re-run. It is safe to retry this request.") from None
+
+
+async def run_on_peer(routing: Routing, job: Job, sink: Sink) -> Decision | None:
+    """Run the job on the peer admission chose. None when it answered;
+    the decision for the one run here when it failed before any output
+    reached the client."""
+    assert routing.peers is not None
+    peer = routing.peers.get(job.peer)
+    assert peer is not None
+    job.path, job.state = "peer", JobState.RUNNING
+    routing.events.changed()
+    succeeded = False
+    try:
+        # The answer names the model as this server does; its fingerprint
+        # says another server made it.
+        attempt = await peer.run(job, sink, routing.model_names, routing.model_names[0], f"fp_peer_{peer.name}")
+        succeeded = True
+    except PeerFailure as failure:
+        peer.record_failure(failure)
+        job.first_failure = job.first_failure or f"peer {peer.name}: {failure}"
+        job.no_peer = True
+        routing.events.note("peer_failure", id=job.id, peer=peer.name, reason=str(failure), committed=job.committed,
+                            ran=failure.ran)
+        if job.committed:
+            raise JobFailed(502, "peer_failed", f"peer {peer.name} failed after part of the answer was sent "
+                            f"({failure}); nothing was re-run. It is safe to retry this request.") from None
+        sink.reset()
+        job.path, job.state = None, JobState.ADMITTING
+        if failure.ran:
+            # It may have begun there: this is the one re-run, on the CPU.
+            job.replayed, job.replayed_from = True, "peer"
+        decision = routing.assign_route(job)
+        if not decision.accepted:
+            raise JobFailed(decision.status, decision.reason.value,
+                            f"peer {peer.name} failed ({failure}), and {decision.detail}",
+                            retry_after_s=decision.retry_after_s) from None
+        if failure.ran:
+            routing.events.note("replay", id=job.id, reason=f"peer {peer.name}: {failure}")
+        return decision
+    finally:
+        if job.peer_probe:
+            job.peer_probe = False
+            peer.settle_probe(succeeded)
+    routing.ledger.count(job.id)
+    routing.events.completed(job, attempt)
+    return None
+
+
+async def raise_if_crashed_by_input(routing: Routing, job: Job, backend: Backend, failure: WorkerFailure) -> None:
+    """A request that crashed its worker is not replayed: a request that
+    segfaults a healthy worker would segfault the other one too. It is
+    quarantined, so a retry gets the same answer without reaching a worker."""
+    report = await backend.crash_cause(job, failure)
+    if report is None:
+        return
+    detail = f"it crashed the {backend.path} model server ({report.signal_name})"
+    job.first_failure = job.first_failure or detail
+    routing.quarantine.add(job.fingerprint, detail)
+    routing.events.note("request_crashed_worker", id=job.id, path=backend.path, signal=report.signal_name,
+                        committed=job.committed)
+    refusal = routing.quarantine.refusal(job.fingerprint, job.id)
+    assert refusal is not None
+    raise refusal from None
+
+
+def record_gpu_failure(routing: Routing, job: Job, reason: str) -> None:
+    """Count a GPU failure: its breaker, its worker's owner, the requests
+    waiting for it, the events. Not one we caused by unloading the GPU."""
+    assert routing.gpu is not None
+    resident = routing.residency.gpu_out()
+    if resident is not None and resident.reason is Reason.GPU_YIELDED:
+        # We unloaded the worker under this request (it outran the drain
+        # time of a give-back): not a GPU failure, for the breaker or anyone.
+        reason = f"{reason}; the GPU model was unloaded under it ({resident.detail})"
+        job.first_failure = job.first_failure or reason
+        settle_gpu_probe(routing.breaker, job)
+        routing.events.note("gpu_unloaded_under_request", id=job.id, committed=job.committed)
+        return
+    job.first_failure = job.first_failure or reason
+    settle_gpu_probe(routing.breaker, job, failed=reason)
+    routing.gpu.report_failure(reason)
+    moved = routing.gpu.lane.redirect_waiting(f"the GPU worker failed: {reason}")
+    routing.events.gpu_failed(job, reason)
+    routing.events.note("gpu_failure", id=job.id, reason=reason, committed=job.committed, redirected=moved)
+
+
+def record_completion(routing: Routing, job: Job, attempt: Attempt) -> None:
+    routing.ledger.count(job.id)
+    if attempt.path == "gpu":
+        routing.breaker.record_success()
+        job.half_open_probe = False
+    routing.events.completed(job, attempt)
+
+
+def settle_gpu_probe(breaker: CircuitBreaker, job: Job, failed: str | None = None) -> None:
+    """The GPU breaker's half-open probe this job holds, if any, is over: a
+    failure opens the breaker again; otherwise the probe goes back."""
+    if failed is not None:
+        breaker.record_failure(failed)
+    elif job.half_open_probe:
+        breaker.release_probe()
+    job.half_open_probe = False
+
+
+def rejection(decision: Decision) -> JobFailed:
+    return JobFailed(decision.status, decision.reason.value, decision.detail, retry_after_s=decision.retry_after_s)
