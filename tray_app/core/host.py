@@ -487,6 +487,11 @@ class _DispatchEvents:
         metrics.ttft.labels(attempt.path).observe(first - attempt.started_at)
         if attempt.tokens > 1 and attempt.ended_at > first:
             metrics.tokens_per_second.labels(attempt.path).observe((attempt.tokens - 1) / (attempt.ended_at - first))
+        if job.fault is not None and attempt.path != "gpu" and attempt.first_token_at is not None:
+            # A replay's first token: the client's first byte after the GPU's fault.
+            seconds = attempt.first_token_at - job.fault.at
+            metrics.failover_seconds.labels(job.fault.kind).observe(seconds)
+            self._host.service.observer.failed_over(job.fault.kind, seconds, id=job.id)
 
     def gpu_failed(self, job: Job, reason: str) -> None:
         self._host._gpu_failed_at = self._host._clock()

@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any, Callable
 
+from .dispatch.failover_time import FailoverTimes
 from .memory.telemetry import GpuReader, MemorySnapshot, TelemetryHistory, read_host
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class Observer:
         self.degraded_since: float | None = None
         self.degraded_reason: str | None = None
         self._sampler: asyncio.Task | None = None
+        # Fault to first token of each replay, for /status and the panel.
+        self.failovers = FailoverTimes()
 
     # ----- advancing -------------------------------------------------------------
 
@@ -65,6 +68,11 @@ class Observer:
         self.events.append(event)
         for listener in self._listeners:
             listener(event)
+
+    def failed_over(self, fault: str, seconds: float, **data: Any) -> None:
+        """A replay's first token came `seconds` after the GPU's fault."""
+        self.failovers.record(fault, seconds)
+        self.note("failover", fault=fault, seconds=round(seconds, 3), **data)
 
     def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
         self._listeners.append(listener)

@@ -25,6 +25,7 @@ from .memory.telemetry import MemorySnapshot, OffloadSupport, SimulatedGpu
 from .observe import Observer
 from .rpc import RpcHealth
 from .status_contract import (BreakerStatus, DecisionRecord, DegradedStatus, EmbeddingsStatus, EngineStatus, Event,
+                              FailoverStatus,
                               GpuStatus, LaneStatus, ModelSummary, PeerStatus, RamStatus, RequestStatus,
                               ResidencyStatus, RpcServerStatus, RpcSplit, Speeds, Status, WorkerStatus)
 
@@ -92,6 +93,7 @@ def build_status(service: StatusSource) -> Status:
         "models": [model_summary(h) for h in hosts],
         "library_problems": list(service.library_problems),
         "peers": cast(list[PeerStatus], service.peers.status()),
+        "failover": cast(FailoverStatus, service.observer.failovers.snapshot()),
     }
 
 

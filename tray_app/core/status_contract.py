@@ -280,6 +280,23 @@ class Speeds(TypedDict):
     cpu: PathSpeedStatus
 
 
+class FailoverFaultStatus(TypedDict):
+    count: int
+    last_s: float
+    p50_s: float   # over the last 50 of this kind
+
+
+class FailoverStatus(TypedDict):
+    """Seconds from a GPU fault to the first token of its replay on the CPU
+    (the first byte a streaming client gets), by fault: crash, hang, give_back."""
+
+    count: int
+    last_s: float | None       # None until a replay has answered
+    last_fault: str | None
+    p50_s: float | None
+    by_fault: dict[str, FailoverFaultStatus]
+
+
 class Accounting(TypedDict):
     completed_executions: int
     duplicate_executions: int
@@ -411,6 +428,8 @@ class Status(TypedDict):
     # Per API key's name: requests and tokens today and this week. The HTTP
     # app's /status adds it (core/usage.py's book); Service.status() has none.
     usage: NotRequired[dict[str, Any]]
+    # Failover time (core/dispatch/failover_time.py); Service.status() always has it.
+    failover: NotRequired[FailoverStatus]
 
 
 # ----- the check ------------------------------------------------------------------------------

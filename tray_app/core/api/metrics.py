@@ -17,6 +17,8 @@ from ..usage import PATHS, UsageBook
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 TPS_BUCKETS = (1, 2, 5, 10, 20, 40, 80, 160, 320)
+# Fault to a replay's first token: a crash is well under a second, a hang its deadline more.
+FAILOVER_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120)
 BREAKER_STATES = ("closed", "open", "half_open")
 
 
@@ -29,6 +31,9 @@ class ServiceMetrics:
                                     ["committed"], registry=self.registry)
         self.replays = Counter("tray_app_replays", "Requests re-run once on the CPU after a GPU or peer failure",
                                registry=self.registry)
+        self.failover_seconds = Histogram(
+            "tray_app_failover_seconds", "From a GPU fault to the first token of the request's replay on the CPU",
+            ["fault"], buckets=FAILOVER_BUCKETS, registry=self.registry)
         self.ttft = Histogram("tray_app_time_to_first_token_seconds", "Time to first token per path",
                               ["path"], buckets=TTFT_BUCKETS, registry=self.registry)
         self.tokens_per_second = Histogram("tray_app_tokens_per_second", "Generation speed per path",

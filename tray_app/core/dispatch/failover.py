@@ -17,6 +17,7 @@ from typing import Protocol
 from .admission import Decision, Reason
 from .backend import Backend
 from .breaker import CircuitBreaker
+from .failover_time import fault_of
 from .jobs import Attempt, Job, JobFailed, JobState, WorkerFailure
 from .ledger import ExecutionLedger
 from .peer import PeerFailure, Peers
@@ -59,6 +60,9 @@ async def replay_after_gpu_failure(routing: Routing, job: Job, sink: Sink, failu
                         retry_after_s=30.0) from None
     sink.reset()
     job.replayed = True
+    failed = job.attempts[-1] if job.attempts else None
+    if failed is not None and failed.path == "gpu" and failed.ended_at is not None:
+        job.fault = fault_of(failed, gave_back=gpu_was_given_back(routing))
     decision = routing.assign_route(job)
     if not decision.accepted:
         raise rejection(decision) from None
@@ -146,8 +150,9 @@ def record_gpu_failure(routing: Routing, job: Job, reason: str) -> None:
     """Count a GPU failure: its breaker, its worker's owner, the requests
     waiting for it, the events. Not one we caused by unloading the GPU."""
     assert routing.gpu is not None
-    resident = routing.residency.gpu_out()
-    if resident is not None and resident.reason is Reason.GPU_YIELDED:
+    if gpu_was_given_back(routing):
+        resident = routing.residency.gpu_out()
+        assert resident is not None
         # We unloaded the worker under this request (it outran the drain
         # time of a give-back): not a GPU failure, for the breaker or anyone.
         reason = f"{reason}; the GPU model was unloaded under it ({resident.detail})"
@@ -161,6 +166,12 @@ def record_gpu_failure(routing: Routing, job: Job, reason: str) -> None:
     moved = routing.gpu.lane.redirect_waiting(f"the GPU worker failed: {reason}")
     routing.events.gpu_failed(job, reason)
     routing.events.note("gpu_failure", id=job.id, reason=reason, committed=job.committed, redirected=moved)
+
+
+def gpu_was_given_back(routing: Routing) -> bool:
+    """The GPU model is unloaded because the user gave the GPU back."""
+    resident = routing.residency.gpu_out()
+    return resident is not None and resident.reason is Reason.GPU_YIELDED
 
 
 def record_completion(routing: Routing, job: Job, attempt: Attempt) -> None:

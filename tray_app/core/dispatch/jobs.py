@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .admission import Decision, Reason
+from .failover_time import Fault
 
 
 class JobKind(str, enum.Enum):
@@ -131,6 +132,8 @@ class Job:
     peer_probe: bool = False
     # Where the failure that made this job a replay happened: "gpu" or "peer".
     replayed_from: str = "gpu"
+    # The GPU's fault that made this job a replay: when and how (failover_time).
+    fault: Fault | None = None
     # The client's Idempotency-Key, handed on to a peer so a retry there
     # finds the first run's result.
     idempotency_key: str | None = None

@@ -1,0 +1,34 @@
+"""Failover time with plain values: when each kind of fault happened, and
+what /status says of the last replays."""
+
+import pytest
+
+from tray_app.core.dispatch.failover_time import FailoverTimes, Fault, fault_of
+from tray_app.core.dispatch.jobs import Attempt
+
+
+def failed(outcome: str, *, first: float | None = None, last: float = 0.0) -> Attempt:
+    return Attempt("gpu", started_at=10.0, first_token_at=first, ended_at=40.0, outcome=outcome,
+                   last_token_at=last)
+
+
+def test_a_crash_and_a_give_back_count_from_when_the_connection_broke():
+    assert fault_of(failed("failed: RemoteProtocolError"), gave_back=False) == Fault("crash", 40.0)
+    assert fault_of(failed("failed: RemoteProtocolError"), gave_back=True) == Fault("give_back", 40.0)
+
+
+def test_a_hang_counts_from_when_the_worker_went_quiet_not_from_its_deadline():
+    assert fault_of(failed("failed: hang"), gave_back=False) == Fault("hang", 10.0)
+    assert fault_of(failed("failed: hang", first=12.0, last=15.0), gave_back=False) == Fault("hang", 15.0)
+
+
+def test_the_snapshot_has_the_last_value_and_medians_overall_and_per_fault():
+    times = FailoverTimes()
+    assert times.snapshot() == {"count": 0, "last_s": None, "last_fault": None, "p50_s": None, "by_fault": {}}
+    for kind, seconds in (("crash", 0.4), ("crash", 0.6), ("hang", 21.0), ("crash", 0.5)):
+        times.record(kind, seconds)
+    assert times.snapshot() == {
+        "count": 4, "last_s": 0.5, "last_fault": "crash", "p50_s": pytest.approx(0.55),
+        "by_fault": {"crash": {"count": 3, "last_s": 0.5, "p50_s": 0.5},
+                     "hang": {"count": 1, "last_s": 21.0, "p50_s": 21.0}},
+    }
