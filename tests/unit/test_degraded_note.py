@@ -10,12 +10,12 @@ from tray_app.core.api.degraded_note import note_chunk, note_text, wanted
 from tray_app.core.api.openai_request import InvalidRequest
 from tray_app.core.config import parse_config_text
 from tray_app.core.dispatch.admission import Decision, Reason, Route
-from tray_app.core.dispatch.jobs import Job, JobKind
+from tray_app.core.dispatch.jobs import Job, JobKind, JobRequest
 
 
 def job(path: str | None, reason: Reason | None, detail: str = "", estimate: float | None = 40.2,
         kind: JobKind = JobKind.CHAT) -> Job:
-    done = Job(id="req-1", kind=kind, body={}, stream=True)
+    done = Job(JobRequest(id="req-1", kind=kind, body={}, stream=True))
     done.path, done.reason, done.reason_detail, done.estimated_latency_s = path, reason, detail, estimate
     return done
 

@@ -23,7 +23,7 @@ from tray_app.core.dispatch.backend import INPUT_CRASH_WAIT_S, Backend, Deadline
 from tray_app.core.dispatch.breaker import BreakerPolicy, BreakerState, CircuitBreaker
 from tray_app.core.dispatch.dispatcher import Costs, Dispatcher, Limits
 from tray_app.core.dispatch.jobs import (
-    Attempt, Job, JobFailed, JobKind, JobState, PathSpeed, WorkerFailure, WorkerRequestError,
+    Attempt, Job, JobFailed, JobKind, JobRequest, JobState, PathSpeed, WorkerFailure, WorkerRequestError,
 )
 from tray_app.core.dispatch.lanes import Lane, Redirected
 from tray_app.core.dispatch.quarantine import QUARANTINE_S
@@ -186,11 +186,11 @@ def rig() -> Rig:
 
 
 def make_job(request_id: str = "req-1", *, prompt: int = 10, max_tokens: int = 10,
-             kind: JobKind = JobKind.CHAT, fingerprint: str | None = None) -> Job:
-    job = Job(id=request_id, kind=kind, body={"messages": [{"role": "user", "content": request_id}]}, stream=False)
-    job.prompt_tokens, job.max_tokens = prompt, max_tokens
-    job.fingerprint = fingerprint if fingerprint is not None else f"fp-{request_id}"
-    return job
+             kind: JobKind = JobKind.CHAT, fingerprint: str | None = None, **request: Any) -> Job:
+    """A job whose request is this one; `request` sets its other fields (force_cpu=True, ...)."""
+    return Job(JobRequest(id=request_id, kind=kind, body={"messages": [{"role": "user", "content": request_id}]},
+                          stream=False, prompt_tokens=prompt, max_tokens=max_tokens,
+                          fingerprint=fingerprint if fingerprint is not None else f"fp-{request_id}", **request))
 
 
 async def run_job(rig: Rig, job: Job, sink: Sink | None = None) -> Sink:
@@ -361,8 +361,7 @@ async def test_mid_stream_gpu_failure_after_bytes_were_sent_is_not_replayed(rig)
 
 async def test_cpu_failure_is_a_502_and_does_not_touch_the_breaker(rig):
     rig.cpu.script = raising(WorkerFailure("connection reset"))
-    job = make_job()
-    job.force_cpu = True
+    job = make_job(force_cpu=True)
     error = await failed(rig, job)
     assert (error.status, error.code) == (502, "cpu_worker_failed")
     assert rig.cpu.worker.failures == ["connection reset"] and rig.gpu.calls == []
@@ -600,8 +599,7 @@ async def test_cancel_all_cancels_every_live_request(rig):
 
 async def test_deadline_too_short_for_the_cpu_is_refused_when_the_gpu_is_out(rig):
     rig.gpu.worker.state = WorkerState.UNHEALTHY
-    job = make_job(prompt=100, max_tokens=100)  # CPU: 100/10 + 100/100 = 11 s
-    job.deadline_s = 5.0
+    job = make_job(prompt=100, max_tokens=100, deadline_s=5.0)  # CPU: 100/10 + 100/100 = 11 s
     error = await failed(rig, job)
     assert (error.status, error.code) == (503, "deadline_too_short")
     assert error.retry_after_s == 1.0  # nothing ahead in the CPU lane
@@ -611,15 +609,13 @@ async def test_deadline_too_short_for_the_cpu_is_refused_when_the_gpu_is_out(rig
 
 async def test_a_long_enough_deadline_runs_on_cpu(rig):
     rig.gpu.worker.state = WorkerState.UNHEALTHY
-    job = make_job(prompt=100, max_tokens=100)
-    job.deadline_s = 11.0
+    job = make_job(prompt=100, max_tokens=100, deadline_s=11.0)
     await run_job(rig, job)
     assert rig.cpu.calls == ["req-1"] and job.reason is Reason.GPU_UNAVAILABLE
 
 
 async def test_deadline_does_not_apply_to_the_gpu_path(rig):
-    job = make_job(prompt=100, max_tokens=100)
-    job.deadline_s = 0.5
+    job = make_job(prompt=100, max_tokens=100, deadline_s=0.5)
     await run_job(rig, job)
     assert rig.gpu.calls == ["req-1"] and job.reason is Reason.ADMITTED
 
@@ -714,8 +710,7 @@ async def test_no_gpu_configured_runs_on_cpu_with_the_reason():
 
 
 async def test_forced_cpu_by_the_client(rig):
-    job = make_job()
-    job.force_cpu = True
+    job = make_job(force_cpu=True)
     await run_job(rig, job)
     assert job.reason is Reason.FORCED_CPU and rig.cpu.calls == ["req-1"] and rig.gpu.calls == []
 
@@ -832,8 +827,7 @@ async def test_input_crash_is_quarantined_not_replayed(rig):
 async def test_input_crash_on_cpu_is_quarantined_too(rig):
     rig.cpu.script = raising(WorkerFailure("connection broke", process_may_have_died=True))
     rig.cpu.worker.exit_report = SIGSEGV
-    job = make_job(fingerprint="fp-crasher")
-    job.force_cpu = True
+    job = make_job(fingerprint="fp-crasher", force_cpu=True)
     error = await failed(rig, job)
     assert error.code == "request_crashed_worker"
     assert "cpu" in error.message and rig.cpu.worker.failures == []
@@ -1073,8 +1067,7 @@ async def test_an_idle_unloaded_gpu_is_not_degraded_until_a_request_runs_elsewhe
 async def test_a_loading_gpu_sends_requests_to_the_cpu_unless_they_prefer_to_wait(rig):
     with_residency(rig, Reason.GPU_LOADING, "the GPU worker is loading", back_in_s=4.0)
     await run_job(rig, make_job("impatient"))
-    waiting = make_job("patient")
-    waiting.prefer_gpu = True
+    waiting = make_job("patient", prefer_gpu=True)
     await run_job(rig, waiting)
     assert rig.events.decisions == [("impatient", Route.CPU, Reason.GPU_LOADING),
                                     ("patient", Route.GPU_QUEUE, Reason.ADMITTED)]
@@ -1085,16 +1078,14 @@ async def test_a_loading_gpu_sends_requests_to_the_cpu_unless_they_prefer_to_wai
 
 async def test_preferring_the_gpu_does_not_wait_past_the_clients_deadline(rig):
     with_residency(rig, Reason.GPU_LOADING, "the GPU worker is loading", back_in_s=40.0)
-    job = make_job()
-    job.prefer_gpu, job.deadline_s = True, 20.0
+    job = make_job(prefer_gpu=True, deadline_s=20.0)
     await run_job(rig, job)
     assert rig.events.decisions == [("req-1", Route.CPU, Reason.GPU_LOADING)]
 
 
 async def test_never_fall_back_is_a_503_with_when_the_gpu_is_back(rig):
     with_residency(rig, Reason.GPU_YIELDED, "GPU given to steam; the memory is free again", back_in_s=12.2)
-    job = make_job()
-    job.no_fallback = True
+    job = make_job(no_fallback=True)
     failure = await failed(rig, job)
     assert (failure.status, failure.code, failure.retry_after_s) == (503, "gpu_yielded", 13.0)
     assert "expected back in about 12 s" in failure.message
@@ -1103,8 +1094,7 @@ async def test_never_fall_back_is_a_503_with_when_the_gpu_is_back(rig):
 
 async def test_a_request_that_may_not_fall_back_waits_for_a_loading_gpu_instead_of_a_503(rig):
     with_residency(rig, Reason.GPU_LOADING, "the GPU worker is loading", back_in_s=3.0)
-    job = make_job()
-    job.no_fallback = True
+    job = make_job(no_fallback=True)
     await run_job(rig, job)
     assert rig.events.decisions == [("req-1", Route.GPU_QUEUE, Reason.ADMITTED)]
     assert rig.gpu.calls == ["req-1"] and rig.cpu.calls == []
@@ -1116,19 +1106,16 @@ async def test_the_configured_policy_applies_unless_the_request_says_otherwise(r
     refused = await failed(rig, make_job("by-policy"))
     assert (refused.status, refused.code) == (503, "gpu_yielded")
     assert "nobody can say when" in refused.message
-    allowed = make_job("x-fallback-cpu")
-    allowed.no_fallback = False
+    allowed = make_job("x-fallback-cpu", no_fallback=False)
     await run_job(rig, allowed)
-    asked = make_job("x-force-path-cpu")
-    asked.force_cpu = True
+    asked = make_job("x-force-path-cpu", force_cpu=True)
     await run_job(rig, asked)
     assert rig.cpu.calls == ["x-fallback-cpu", "x-force-path-cpu"]
 
 
 async def test_a_gpu_failure_is_not_replayed_on_the_cpu_when_fallback_is_never(rig):
     rig.gpu.script = raising(WorkerFailure("connection reset"))
-    job = make_job()
-    job.no_fallback = True
+    job = make_job(no_fallback=True)
     failure = await failed(rig, job)
     assert (failure.status, failure.code) == (503, "gpu_worker_failed")
     assert "nothing was re-run" in failure.message
@@ -1137,8 +1124,7 @@ async def test_a_gpu_failure_is_not_replayed_on_the_cpu_when_fallback_is_never(r
 
 async def test_a_client_forcing_the_cpu_does_not_wake_an_unloaded_gpu(rig):
     residency = with_residency(rig, Reason.GPU_LOADING, "unloaded (idle)")
-    job = make_job()
-    job.force_cpu = True
+    job = make_job(force_cpu=True)
     await run_job(rig, job)
     assert residency.arrivals == 0
 
@@ -1185,8 +1171,7 @@ async def test_waiters_that_prefer_the_gpu_keep_their_places_while_it_loads():
     first = start(rig, make_job("running"))
     await gate.started.wait()
     residency = with_residency(rig, Reason.GPU_LOADING, "the GPU worker is loading", back_in_s=2.0)
-    patient = make_job("patient")
-    patient.prefer_gpu = True
+    patient = make_job("patient", prefer_gpu=True)
     waiting = start(rig, patient)
     await until(lambda: rig.gpu.lane.position("patient") is not None)
     assert rig.dispatcher.redirect_gpu_waiting("the GPU worker is starting") == 0

@@ -11,7 +11,7 @@ from tray_app.core.api.llamacpp import (
     LlamaCppCompletion, error_body, prompt_token_ids, round_trip_problem, token_ids_problem, translate_completion,
 )
 from tray_app.core.api.openai_request import InvalidRequest
-from tray_app.core.dispatch.jobs import Attempt, Job, JobFailed, JobKind
+from tray_app.core.dispatch.jobs import Attempt, Job, JobFailed, JobKind, JobRequest
 
 CONTEXT = 2048
 
@@ -102,7 +102,7 @@ def test_a_token_prompt_is_sound_when_its_text_gives_the_same_tokens_back():
 
 
 def _job(tokens: int = 3) -> Job:
-    job = Job(id="req-1", kind=JobKind.COMPLETION, body={"prompt": "x"}, stream=True, prompt_tokens=8)
+    job = Job(JobRequest(id="req-1", kind=JobKind.COMPLETION, body={"prompt": "x"}, stream=True, prompt_tokens=8))
     job.attempts.append(Attempt(path="gpu", started_at=10.0, first_token_at=10.5, ended_at=11.0, tokens=tokens))
     return job
 

@@ -167,8 +167,7 @@ async def test_the_answer_carries_this_servers_identity_and_the_forwarding_heade
     server = FakePeerServer()
     peer = make_peer(server)
     await peer.check()
-    job = make_job("req-id-7")
-    job.idempotency_key = "key-1"
+    job = make_job("req-id-7", idempotency_key="key-1")
     sink = Sink(job)
     attempt = await peer.run(job, sink, ("smol",), "Local-Name", "fp_peer_desk")
     assert attempt.tokens == 2 and attempt.outcome == "completed"
@@ -365,8 +364,8 @@ async def test_the_peer_breaking_after_output_reached_the_client_is_a_502_and_no
 async def test_no_peer_for_a_forwarded_request_a_forced_cpu_one_or_one_that_may_not_leave_the_gpu():
     rig, _ = await peer_rig(FakePeerServer())
     rig.memory.free_mib = 100.0
-    hopped, forced, kept = make_job("hop"), make_job("forced"), make_job("kept")
-    hopped.no_peer, forced.force_cpu, kept.no_fallback = True, True, True
+    hopped, forced = make_job("hop", from_peer=True), make_job("forced", force_cpu=True)
+    kept = make_job("kept", no_fallback=True)
     await run_job(rig, hopped)
     await run_job(rig, forced)
     assert (hopped.path, forced.path) == ("cpu", "cpu")
@@ -461,8 +460,7 @@ async def test_the_clients_deadline_goes_with_the_request_and_bounds_the_wait():
     server = FakePeerServer()
     peer = make_peer(server)
     await peer.check()
-    job = make_job()
-    job.deadline_s = 30.0
+    job = make_job(deadline_s=30.0)
     await peer.run(job, Sink(), ("smol",), "m", "fp")
     assert 29.0 < float(server.requests[-1].headers["x-request-timeout"]) <= 30.0
 
@@ -732,8 +730,7 @@ def test_status_warns_when_the_peers_key_travels_in_cleartext(url, api_key, clea
 async def test_a_request_id_or_key_that_cant_be_a_header_stays_local_and_blames_no_peer():
     rig, peer = await peer_rig(FakePeerServer())
     rig.memory.free_mib = 100.0
-    accented, keyed = make_job("réquest"), make_job("plain")
-    keyed.idempotency_key = "clé"
+    accented, keyed = make_job("réquest"), make_job("plain", idempotency_key="clé")
     await run_job(rig, accented)
     await run_job(rig, keyed)
     assert (accented.path, keyed.path) == ("cpu", "cpu") and rig.cpu.calls == [accented.id, keyed.id]
@@ -744,8 +741,7 @@ async def test_a_request_the_peer_path_cant_encode_is_not_the_peers_failure():
     server = FakePeerServer()
     peer = make_peer(server)
     await peer.check()
-    job = make_job()
-    job.idempotency_key = "clé"
+    job = make_job(idempotency_key="clé")
     with pytest.raises(PeerFailure, match="could not be sent") as caught:
         await run_on_peer(peer, job)
     assert (caught.value.counts, caught.value.ran) == (False, False)

@@ -10,13 +10,13 @@ import pytest
 from tray_app.core.api.anthropic import AnthropicMessages, error_payload, translate_messages
 from tray_app.core.api.ollama import OllamaChat, OllamaGenerate, parameter_size, parse_keep_alive, strip_tag
 from tray_app.core.api.openai_request import InvalidRequest
-from tray_app.core.dispatch.jobs import Attempt, Job, JobKind
+from tray_app.core.dispatch.jobs import Attempt, Job, JobKind, JobRequest
 
 CONTEXT = 2048
 
 
 def job(body=None, kind=JobKind.CHAT, tokens=3, prompt=7) -> Job:
-    done = Job(id="req-1", kind=kind, body=body or {"model": "m:latest"}, stream=True, prompt_tokens=prompt)
+    done = Job(JobRequest(id="req-1", kind=kind, body=body or {"model": "m:latest"}, stream=True, prompt_tokens=prompt))
     done.attempts.append(Attempt(path="gpu", started_at=done.created_at, first_token_at=done.created_at + 0.1,
                                  ended_at=done.created_at + 0.3, tokens=tokens, outcome="completed"))
     return done

@@ -16,7 +16,7 @@ from tray_app.core.api.requests import ModelNames, validate
 from tray_app.core.api.responses import translate_request
 from tray_app.core.config import ConfigError, parse_config_text
 from tray_app.core.dispatch.upstream import shape_event
-from tray_app.core.dispatch.jobs import Job, JobKind
+from tray_app.core.dispatch.jobs import Job, JobKind, JobRequest
 
 CONTEXT = 2048
 NAMES = ModelNames("m", frozenset({"m"}), frozenset({"m", "m:latest"}))
@@ -163,7 +163,7 @@ def test_an_upstreams_reasoning_field_reaches_every_sink_as_reasoning_content():
     """A peer configured with reasoning_field = "reasoning" (or vLLM) streams
     `reasoning`; the sinks read llama-server's name."""
     event = {"choices": [{"index": 0, "delta": {"reasoning": "hmm"}}]}
-    job = Job(id="r1", kind=JobKind.CHAT, body={}, stream=True)
+    job = Job(JobRequest(id="r1", kind=JobKind.CHAT, body={}, stream=True))
     assert shape_event(event, job, set(), model="m", fingerprint="f") is True
     assert event["choices"][0]["delta"] == {"reasoning_content": "hmm"}
 

@@ -12,7 +12,7 @@ from tray_app.core.api.openai_request import InvalidRequest
 from tray_app.core.api.responses import (
     ResponseStore, ResponsesProtocol, caller_of, convert_items, translate_request,
 )
-from tray_app.core.dispatch.jobs import Attempt, Job, JobFailed, JobKind
+from tray_app.core.dispatch.jobs import Attempt, Job, JobFailed, JobKind, JobRequest
 
 CONTEXT = 2048
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -24,7 +24,7 @@ def translate(**body):
 
 
 def finished_job(body, tokens=3, prompt=7) -> Job:
-    job = Job(id="req-1", kind=JobKind.CHAT, body=body, stream=True, prompt_tokens=prompt)
+    job = Job(JobRequest(id="req-1", kind=JobKind.CHAT, body=body, stream=True, prompt_tokens=prompt))
     job.attempts.append(Attempt(path="gpu", started_at=job.created_at, first_token_at=job.created_at + 0.1,
                                 ended_at=job.created_at + 0.3, tokens=tokens, outcome="completed"))
     return job

@@ -4,7 +4,7 @@ client: pure helpers, tested with plain dicts."""
 from __future__ import annotations
 
 from tray_app.core.dispatch.upstream import _as_forced_tool_call, _carries_token, _trim_logprobs, worker_body
-from tray_app.core.dispatch.jobs import Attempt, Job, JobKind
+from tray_app.core.dispatch.jobs import Attempt, Job, JobKind, JobRequest
 
 
 def chunk(**delta) -> dict:
@@ -26,16 +26,16 @@ def test_alternatives_are_cut_to_what_the_client_asked_for():
 
 
 def test_the_worker_is_asked_for_at_least_one_alternative():
-    job = Job(id="r", kind=JobKind.CHAT, body={"messages": [], "logprobs": True, "top_logprobs": 0}, stream=False,
-              top_logprobs=0)
+    job = Job(JobRequest(id="r", kind=JobKind.CHAT, body={"messages": [], "logprobs": True, "top_logprobs": 0},
+                         stream=False, top_logprobs=0))
     assert worker_body(job)["top_logprobs"] == 1
-    completion = Job(id="c", kind=JobKind.COMPLETION, body={"prompt": "x", "logprobs": 0}, stream=False,
-                     top_logprobs=0)
+    completion = Job(JobRequest(id="c", kind=JobKind.COMPLETION, body={"prompt": "x", "logprobs": 0}, stream=False,
+                                top_logprobs=0))
     assert worker_body(completion)["logprobs"] == 1
 
 
 def test_a_forced_tool_answer_streams_as_one_call_named_once():
-    job = Job(id="req-9", kind=JobKind.CHAT, body={}, stream=True, forced_tool="refund_order")
+    job = Job(JobRequest(id="req-9", kind=JobKind.CHAT, body={}, stream=True, forced_tool="refund_order"))
     job.attempts.append(Attempt("gpu", 0.0))
     first = chunk(content='{"order')
     _as_forced_tool_call(first, job)

@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
-from ..dispatch.jobs import Job, JobFailed, JobKind, new_request_id
+from ..dispatch.jobs import Job, JobFailed, JobKind, JobRequest, new_request_id
 from ..dispatch.peer import HOP_HEADER
 from ..dispatch.quarantine import request_fingerprint
 from ..grammar_check import GrammarChecker
@@ -76,12 +76,13 @@ class Router:
             accepted = served | {service.model_info.path.name, "default"} | {
                 name for model in service.library for name in (*model.names(), model.path.name)}
             # Ollama's clients name models with a tag (GET /api/tags lists ":latest").
-            seeing = {name for model in service.library if model.sees_images
-                      for name in (*model.names(), model.path.name)}
+            # A model sees when its host loaded a projector (the runtime reads images).
+            seeing_models = [host.model for host in service.hosts.values() if host.projector is not None]
+            seeing = {name for model in seeing_models for name in (*model.names(), model.path.name)}
             names = ModelNames(service.model_id, served, accepted | {name + DEFAULT_TAG for name in accepted},
                                unknown_is_default=service.config.model.unknown_name == "default",
                                seeing=frozenset(seeing | {name + DEFAULT_TAG for name in seeing}),
-                               seeing_models=tuple(model.name for model in service.library if model.sees_images))
+                               seeing_models=tuple(model.name for model in seeing_models))
             self._names_for = (service.library, names)
         return self._names_for[1]
 
@@ -123,8 +124,10 @@ class Router:
             # What a client may ask of each model here, so it can adapt rather
             # than learn from a 400.
             model = (host or service.default_host).model
+            sees = (host.projector if host is not None else service.default_host.cpu_projector) is not None
             return {
-                "max_choices": bounds.MAX_N, "logprobs": service.supports_logprobs, "vision": False, "tools": True,
+                "max_choices": bounds.MAX_N, "logprobs": service.supports_logprobs, "vision": sees, "tools": True,
+                "input_modalities": ["text", "image"] if sees else ["text"],
                 "structured_output": ["json_object", "json_schema", "grammar"],
                 "context_length": max(model.gpu_n_ctx, model.cpu_n_ctx),
             }
@@ -164,8 +167,8 @@ class Router:
             translated = protocol.translate(body, JobKind.CHAT)
             checked = validate(translated.body, JobKind.CHAT, self.model_names, self.largest_context)
             await self._constrain(translated.body, checked)
-            job = Job(id=new_request_id(), kind=JobKind.CHAT, body=translated.body, stream=False,
-                      images=checked.images)
+            job = Job(JobRequest(id=new_request_id(), kind=JobKind.CHAT, body=translated.body, stream=False,
+                                 images=checked.images))
             host = self._host(translated.body.get("model"))
             await self.service.ensure_started(host)
             tokens = await self._count_prompt(job, host)
@@ -261,15 +264,16 @@ class Router:
         kind, body = translated.kind, translated.body
         host = self._host(body.get("model"))
         dispatcher = host.dispatcher
-        job = Job(id=request_id, kind=kind, body=body, stream=bool(body.get("stream")), force_cpu=routing.force_cpu,
-                  deadline_s=routing.deadline_s, prefer_gpu=routing.prefer_gpu, no_fallback=routing.no_fallback,
-                  forced_tool=checked.forced_tool, top_logprobs=checked.top_logprobs, images=checked.images,
-                  client=client_name(request.headers.get("x-client-name"), request.headers.get("user-agent")))
-        job.fingerprint = request_fingerprint(kind.value, body)
-        job.model = "" if host is self.service.default_host else host.name
-        # A request a peer forwarded is served here or refused, never sent on.
-        job.no_peer = HOP_HEADER.lower() in request.headers
-        job.idempotency_key = request.headers.get("idempotency-key")
+        job = Job(JobRequest(
+            id=request_id, kind=kind, body=body, stream=bool(body.get("stream")), force_cpu=routing.force_cpu,
+            deadline_s=routing.deadline_s, prefer_gpu=routing.prefer_gpu, no_fallback=routing.no_fallback,
+            forced_tool=checked.forced_tool, top_logprobs=checked.top_logprobs, images=checked.images,
+            client=client_name(request.headers.get("x-client-name"), request.headers.get("user-agent")),
+            fingerprint=request_fingerprint(kind.value, body),
+            model="" if host is self.service.default_host else host.name,
+            # A request a peer forwarded is served here or refused, never sent on.
+            from_peer=HOP_HEADER.lower() in request.headers,
+            idempotency_key=request.headers.get("idempotency-key")))
         # Registered before the first await, so a twin with the same id that
         # arrives while this one's prompt is counted finds it taken.
         if self.service.request_in_flight(request_id) or not dispatcher.register(job):
@@ -286,22 +290,23 @@ class Router:
                                   headers={**base_headers, **refusal.headers})
         try:
             await self.service.ensure_started(host)
-            job.prompt_tokens = await self._count_prompt(job, host)
+            prompt_tokens = await self._count_prompt(job, host)
         except BaseException as exc:
             dispatcher.unregister(job)
             if isinstance(exc, _Invalid):
                 return protocol.error(exc.status, exc.message, exc.code, param=exc.param, headers=base_headers)
             raise
-        job.max_tokens = dispatcher.token_limit(job.prompt_tokens, requested_limit(body),
-                                                job.kind is JobKind.CHAT or translated.fills_context)
+        max_tokens = dispatcher.token_limit(prompt_tokens, requested_limit(body),
+                                            job.kind is JobKind.CHAT or translated.fills_context)
         if translated.context_cap is not None:
-            room = translated.context_cap - job.prompt_tokens
+            room = translated.context_cap - prompt_tokens
             if room < 1:
                 dispatcher.unregister(job)
-                return protocol.error(400, f"the prompt is {job.prompt_tokens} tokens, which leaves no room for an "
+                return protocol.error(400, f"the prompt is {prompt_tokens} tokens, which leaves no room for an "
                                       f"answer within num_ctx {translated.context_cap}", "context_length_exceeded",
                                       param="options.num_ctx", headers=base_headers)
-            job.max_tokens = min(job.max_tokens, room)
+            max_tokens = min(max_tokens, room)
+        job.sized(prompt_tokens, max_tokens)
         # Every request sets how long its model stays loaded after it, as in
         # Ollama: its own keep_alive, or (None) the configured idle time.
         self.service.keep_alive(translated.keep_alive_s, host)

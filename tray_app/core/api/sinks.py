@@ -138,7 +138,7 @@ class QueueSink:
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
     def emit(self, event: dict[str, Any]) -> None:
-        self.job.committed = True
+        self.job.commit()
         self.queue.put_nowait(("event", event))
 
     def reset(self) -> None:

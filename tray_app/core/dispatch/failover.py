@@ -51,8 +51,8 @@ async def replay_after_gpu_failure(routing: Routing, job: Job, sink: Sink, failu
     await raise_if_crashed_by_input(routing, job, routing.gpu, failure)
     record_gpu_failure(routing, job, str(failure))
     if job.committed:
-        raise JobFailed(502, "gpu_worker_failed", f"the GPU worker failed after part of the answer was sent ({failure}); "
-                        "nothing was re-run. It is safe to retry this request.") from None
+        raise JobFailed(502, "gpu_worker_failed", f"the GPU worker failed after part of the answer was sent "
+                        f"({failure}); nothing was re-run. It is safe to retry this request.") from None
     if no_fallback:
         raise JobFailed(503, "gpu_worker_failed",
                         f"the GPU worker failed before any output ({failure}) and this request may not "
@@ -76,7 +76,7 @@ async def run_on_cpu(routing: Routing, job: Job, sink: Sink) -> None:
         record_completion(routing, job, await routing.cpu.run(job, sink))
     except WorkerFailure as failure:
         await raise_if_crashed_by_input(routing, job, routing.cpu, failure)
-        job.first_failure = job.first_failure or str(failure)
+        job.note_failure(str(failure))
         routing.cpu.report_failure(str(failure))
         routing.events.note("cpu_failure", id=job.id, reason=str(failure))
         raise JobFailed(502, "cpu_worker_failed", f"the CPU worker failed while serving this request ({failure}); "
@@ -100,8 +100,8 @@ async def run_on_peer(routing: Routing, job: Job, sink: Sink) -> Decision | None
         succeeded = True
     except PeerFailure as failure:
         peer.record_failure(failure)
-        job.first_failure = job.first_failure or f"peer {peer.name}: {failure}"
-        job.no_peer = True
+        job.note_failure(f"peer {peer.name}: {failure}")
+        job.peer_failed = True
         routing.events.note("peer_failure", id=job.id, peer=peer.name, reason=str(failure), committed=job.committed,
                             ran=failure.ran)
         if job.committed:
@@ -137,7 +137,7 @@ async def raise_if_crashed_by_input(routing: Routing, job: Job, backend: Backend
     if report is None:
         return
     detail = f"it crashed the {backend.path} model server ({report.signal_name})"
-    job.first_failure = job.first_failure or detail
+    job.note_failure(detail)
     routing.quarantine.add(job.fingerprint, detail)
     routing.events.note("request_crashed_worker", id=job.id, path=backend.path, signal=report.signal_name,
                         committed=job.committed)
@@ -156,11 +156,11 @@ def record_gpu_failure(routing: Routing, job: Job, reason: str) -> None:
         # We unloaded the worker under this request (it outran the drain
         # time of a give-back): not a GPU failure, for the breaker or anyone.
         reason = f"{reason}; the GPU model was unloaded under it ({resident.detail})"
-        job.first_failure = job.first_failure or reason
+        job.note_failure(reason)
         settle_gpu_probe(routing.breaker, job)
         routing.events.note("gpu_unloaded_under_request", id=job.id, committed=job.committed)
         return
-    job.first_failure = job.first_failure or reason
+    job.note_failure(reason)
     settle_gpu_probe(routing.breaker, job, failed=reason)
     routing.gpu.report_failure(reason)
     moved = routing.gpu.lane.redirect_waiting(f"the GPU worker failed: {reason}")

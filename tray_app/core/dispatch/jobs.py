@@ -7,6 +7,7 @@ replay, so the client, the logs and /status always talk about one thing.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import time
 import uuid
@@ -73,30 +74,19 @@ class Attempt:
                    for other in self.neighbours)
 
 
-@dataclass
-class Job:
+@dataclass(frozen=True)
+class JobRequest:
+    """What the client asked, fixed when the job is built: nothing changes it,
+    a replay included (the replay resends the same request)."""
+
     id: str
     kind: JobKind
     body: dict[str, Any]
     stream: bool
+    # The prompt's tokens and the answer's limit, from the model's own tokenizer
+    # (see Job.sized: the one step that fills them in, before admission).
     prompt_tokens: int = 0
     max_tokens: int = 0
-    created_at: float = field(default_factory=time.monotonic)
-    created_wall: float = field(default_factory=time.time)
-    state: JobState = JobState.ADMITTING
-    path: str | None = None
-    reason: Reason | None = None
-    reason_detail: str = ""
-    estimated_latency_s: float | None = None
-    queue_wait_s: float = 0.0
-    attempts: list[Attempt] = field(default_factory=list)
-    first_failure: str | None = None
-    replayed: bool = False
-    canceled: asyncio.Event = field(default_factory=asyncio.Event)
-    cancel_reason: str | None = None
-    # Set once a byte of the answer has been handed to the client: from then
-    # on the request can no longer be re-run anywhere.
-    committed: bool = False
     # The function a named tool_choice forces: the answer (constrained to its
     # arguments) goes back as a call of it (see api.openai_request.force_named_tool).
     forced_tool: str | None = None
@@ -107,10 +97,6 @@ class Job:
     images: int = 0
     # Who sent it (X-Client-Name or the User-Agent's product), for the tray.
     client: str | None = None
-    # This request is the circuit breaker's half-open probe of the GPU.
-    half_open_probe: bool = False
-    # Admission's verdict, once made.
-    decision: Decision | None = None
     # What the client asked of routing: X-Force-Path: cpu, X-Request-Timeout,
     # X-Prefer-Path: gpu (wait for a loading GPU), X-Fallback (None = the config's).
     force_cpu: bool = False
@@ -122,21 +108,105 @@ class Job:
     fingerprint: str = ""
     # The library model it is for (its name there); "" = the default model.
     model: str = ""
-    # The peer server it was sent to ([[peers]]), when it was.
-    peer: str | None = None
-    # Peers are out for this job: it came from a peer (X-Peer-Hop: one hop
-    # only, so two servers that are each other's peers can't bounce it), or
-    # a peer already failed it.
-    no_peer: bool = False
-    # This job is the half-open probe of its peer's breaker.
-    peer_probe: bool = False
-    # Where the failure that made this job a replay happened: "gpu" or "peer".
-    replayed_from: str = "gpu"
-    # The GPU's fault that made this job a replay: when and how (failover_time).
-    fault: Fault | None = None
+    # It came from a peer (X-Peer-Hop): one hop only, so two servers that are
+    # each other's peers can't bounce it.
+    from_peer: bool = False
     # The client's Idempotency-Key, handed on to a peer so a retry there
     # finds the first run's result.
     idempotency_key: str | None = None
+
+
+class _FromRequest:
+    """One of the request's fields, read on the Job; never written there."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, job: Job | None, owner: type | None = None) -> Any:
+        return self if job is None else getattr(job.request, self.name)
+
+    def __set__(self, job: Job, value: Any) -> None:
+        raise AttributeError(f"{self.name} is part of the job's request, fixed when the job was built")
+
+
+class Job:
+    """One accepted request: its fixed `request` and its life in the router.
+    The life (state, path, attempts, failures, replay) is written by the
+    dispatch package as the job moves (the dispatcher, failover and the
+    backend it runs on) and by its sink (`commit`), nowhere else."""
+
+    # The request's fields, read-only here (each its own descriptor: it learns its name).
+    id = _FromRequest()
+    kind = _FromRequest()
+    body = _FromRequest()
+    stream = _FromRequest()
+    prompt_tokens = _FromRequest()
+    max_tokens = _FromRequest()
+    forced_tool = _FromRequest()
+    top_logprobs = _FromRequest()
+    images = _FromRequest()
+    client = _FromRequest()
+    force_cpu = _FromRequest()
+    deadline_s = _FromRequest()
+    prefer_gpu = _FromRequest()
+    no_fallback = _FromRequest()
+    fingerprint = _FromRequest()
+    model = _FromRequest()
+    from_peer = _FromRequest()
+    idempotency_key = _FromRequest()
+
+    def __init__(self, request: JobRequest) -> None:
+        self.request = request
+        self.created_at = time.monotonic()
+        self.created_wall = time.time()
+        self.state = JobState.ADMITTING
+        self.path: str | None = None
+        self.reason: Reason | None = None
+        self.reason_detail = ""
+        self.estimated_latency_s: float | None = None
+        self.queue_wait_s = 0.0
+        self.attempts: list[Attempt] = []
+        self.first_failure: str | None = None
+        self.replayed = False
+        # Where the failure that made this job a replay happened: "gpu" or "peer".
+        self.replayed_from = "gpu"
+        self.canceled = asyncio.Event()
+        self.cancel_reason: str | None = None
+        # Set once a byte of the answer has been handed to the client: from then
+        # on the request can no longer be re-run anywhere.
+        self.committed = False
+        # This request is the circuit breaker's half-open probe of the GPU.
+        self.half_open_probe = False
+        # Admission's verdict, once made.
+        self.decision: Decision | None = None
+        # The peer server it was sent to ([[peers]]), when it was; and
+        # whether a peer already failed it (then peers are out for it).
+        self.peer: str | None = None
+        self.peer_failed = False
+        # This job is the half-open probe of its peer's breaker.
+        self.peer_probe = False
+        # The GPU's fault that made this job a replay: when and how (failover_time).
+        self.fault: Fault | None = None
+
+    def sized(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Fill in the request's size once its prompt is counted: the one
+        change a request gets, and only before admission decides on it."""
+        if self.state is not JobState.ADMITTING or self.decision is not None:
+            raise RuntimeError(f"job {self.id} is sized after its admission")
+        self.request = dataclasses.replace(self.request, prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+
+    @property
+    def no_peer(self) -> bool:
+        """Peers are out for this job: it came from one, or one failed it."""
+        return self.from_peer or self.peer_failed
+
+    def commit(self) -> None:
+        """A byte of the answer reached the client: nothing may re-run it now."""
+        self.committed = True
+
+    def note_failure(self, detail: str) -> None:
+        """Keep the first failure's detail: the one a client and /status are told."""
+        self.first_failure = self.first_failure or detail
 
     def cancel(self, why: str) -> None:
         if not self.canceled.is_set():
