@@ -30,6 +30,9 @@ PNG_B64 = base64.b64encode(PNG).decode()
 DATA_URI = f"data:image/png;base64,{PNG_B64}"
 IMAGE_TOKENS = image_tokens()
 MODEL = bundled_model_path().stem
+# A long prompt keeps the GPU busy before its first token, so the kill lands
+# there (the GPU's context is 1024 tokens: this, the image and the answer fit).
+SLOW_TEXT = "word " * 700 + "\nDescribe the picture."
 
 
 def model_folder(folder, *, projector: bool):
@@ -156,11 +159,11 @@ def test_a_model_without_a_projector_refuses_and_names_one_that_sees(seeing):
 
 
 def test_a_gpu_kill_before_the_first_byte_replays_the_image_on_the_cpu(fresh):
-    expected = text_prompt_tokens(fresh, "Kill test") + IMAGE_TOKENS
+    expected = text_prompt_tokens(fresh, SLOW_TEXT) + IMAGE_TOKENS
 
     def run():
         raw = openai_client(fresh).chat.completions.with_raw_response.create(
-            model=MODEL, messages=ask("Kill test", DATA_URI), max_tokens=4,
+            model=MODEL, messages=ask(SLOW_TEXT, DATA_URI), max_tokens=4,
             extra_headers={"X-Request-Id": "image-kill"})
         return raw.headers, raw.parse()
 
@@ -169,3 +172,54 @@ def test_a_gpu_kill_before_the_first_byte_replays_the_image_on_the_cpu(fresh):
     assert headers["x-route-reason"] == "gpu_failed_replayed"
     # The replay carried the image: the CPU worker counted its tokens too.
     assert reply.usage.prompt_tokens == expected
+
+
+def test_each_api_says_which_models_see(seeing):
+    models = {m["id"]: m["capabilities"] for m in seeing.http.get("/v1/models").json()["data"]}
+    assert (models[MODEL]["vision"], models[MODEL]["input_modalities"]) == (True, ["text", "image"])
+    assert (models["plain"]["vision"], models["plain"]["input_modalities"]) == (False, ["text"])
+    tags = {m["name"]: m["capabilities"] for m in seeing.http.get("/api/tags").json()["models"]}
+    assert tags[f"{MODEL}:latest"] == ["completion", "tools", "vision"]
+    assert tags["plain:latest"] == ["completion", "tools"]
+    assert "vision" in ollama.Client(host=seeing.url).show(MODEL).capabilities
+    assert "vision" not in seeing.http.post("/api/show", json={"model": "plain"}).json()["capabilities"]
+    assert seeing.http.get("/props").json()["modalities"]["vision"] is True
+    assert seeing.http.get("/props", params={"model": "plain"}).json()["modalities"]["vision"] is False
+
+
+@pytest.fixture(scope="module")
+def blind_cpu(tmp_path_factory):
+    """The projector beside the GPU's model only: the CPU fallback is the same
+    weights from a folder without one, so its worker can't read images."""
+    tmp = tmp_path_factory.mktemp("blind")
+    with running(tmp, image_config(tmp, cpu_sees=False)) as service:
+        yield service
+
+
+def test_a_cpu_that_cant_see_refuses_an_image_rather_than_answer_without_it(blind_cpu):
+    client = openai_client(blind_cpu)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model=MODEL, messages=ask("Look", DATA_URI), max_tokens=1,
+                                       extra_headers={"X-Force-Path": "cpu"})
+    assert refused.value.status_code == 503
+    assert "can't read" in refused.value.message and refused.value.response.headers.get("retry-after")
+    # Text still goes to that CPU worker.
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=ask("Look"), max_tokens=1, extra_headers={"X-Force-Path": "cpu"})
+    assert raw.headers["x-served-by"] == "cpu"
+
+
+def test_a_gpu_kill_with_a_blind_cpu_is_a_clear_error_not_a_text_only_answer(blind_cpu):
+    blind_cpu.reset()
+
+    def run():
+        response = httpx.post(f"{blind_cpu.url}/v1/chat/completions", timeout=120, headers={
+            "X-Request-Id": "blind-kill"}, json={"model": MODEL, "messages": ask(SLOW_TEXT, DATA_URI),
+                                                 "max_tokens": 4})
+        # The harness skips when the GPU answered; a refusal names the GPU as its path too.
+        answered_by = response.headers.get("x-served-by") if response.status_code == 200 else "none"
+        return {"x-served-by": answered_by}, response
+
+    headers, response = blind_cpu.kill_gpu_before_first_token("blind-kill", run)
+    assert response.status_code == 503
+    assert "can't read" in response.json()["error"]["message"]

@@ -134,8 +134,7 @@ def test_an_mmproj_entry_pairs_a_projector_with_a_configured_model(tmp_path, pro
     library = build_library(_config(tmp_path, mmproj=str(projector)))
     eyes = library.resolve("eyes")
     assert (eyes.mmproj, eyes.cpu_mmproj) == (projector, projector)
-    assert not library.default.sees_images
-    assert [m.name for m in library.seeing_models()] == ["eyes"]
+    assert eyes.sees_images and not library.default.sees_images
 
 
 def test_a_smaller_cpu_fallback_needs_its_own_projector(tmp_path, projector):

@@ -94,10 +94,6 @@ class Library:
             return self._by_name[name[: -len(OLLAMA_TAG)]]
         return next((m for m in self.models if m.path.name == name), None)
 
-    def seeing_models(self) -> list[LibraryModel]:
-        """The models that read images, for a refusal that names one."""
-        return [model for model in self.models if model.sees_images]
-
 
 def is_projector(path: Path) -> bool:
     return path.name.lower().startswith(PROJECTOR_PREFIX) and path.suffix.lower() == ".gguf"

@@ -435,7 +435,7 @@ class LlamaCppRoutes:
             "total_slots": library_model.slots,
             "model_alias": host.model_id,
             "model_path": host.model_info.path.name,
-            "modalities": {"vision": False, "video": False, "audio": False},
+            "modalities": {"vision": host.projector is not None, "video": False, "audio": False},
             "chat_template": counter.chat_template or "",
             "bos_token": counter.bos_token,
             "eos_token": counter.eos_token,

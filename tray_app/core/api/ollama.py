@@ -447,12 +447,18 @@ def model_details(info) -> dict[str, Any]:
             "parameter_size": parameter_size(info.parameter_count), "quantization_level": info.file_type}
 
 
-def model_entry(name: str, info) -> dict[str, Any]:
+def model_entry(name: str, info, sees_images: bool = False) -> dict[str, Any]:
     # The file as it was read at load (gguf_info.ModelInfo), not stat'ed
     # again: a model file deleted while the service runs must not turn the
     # whole list into an error.
     return {"name": name, "model": name, "modified_at": rfc3339(info.modified), "size": info.file_size,
-            "digest": model_digest(info.path, info.file_size, info.modified), "details": model_details(info)}
+            "digest": model_digest(info.path, info.file_size, info.modified), "details": model_details(info),
+            "capabilities": model_capabilities(sees_images)}
+
+
+def model_capabilities(sees_images: bool) -> list[str]:
+    """Ollama's capability names for a chat model here: vision with a projector."""
+    return ["completion", "tools", *(["vision"] if sees_images else [])]
 
 
 def model_info_fields(info, context_length: int) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from ..dispatch.jobs import JobFailed, JobKind, new_request_id
 from ..engine.worker import WorkerState
 from .ollama import (
     DEFAULT_TAG, OLLAMA_API_VERSION, OllamaChat, OllamaGenerate, check_model_field, error, model_details,
-    model_entry, model_info_fields, rfc3339,
+    model_capabilities, model_entry, model_info_fields, rfc3339,
 )
 from .openai_request import InvalidRequest
 from .embeddings import check_inputs, embed_for, embedding_path, json_off_the_loop
@@ -97,17 +97,19 @@ class OllamaRoutes:
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": OLLAMA_API_VERSION})
 
-    def _models(self) -> list[tuple[str, Any]]:
-        """(Ollama name, ModelInfo) of each model in the library, and the
-        default model's CPU fallback when it is another file."""
+    def _models(self) -> list[tuple[str, Any, bool]]:
+        """(Ollama name, ModelInfo, whether it reads images) of each model in
+        the library, and the default model's CPU fallback when it is another file."""
         service = self.service
-        models = [(host.model_id + DEFAULT_TAG, host.model_info) for host in service.hosts.values()]
+        models = [(host.model_id + DEFAULT_TAG, host.model_info, host.projector is not None)
+                  for host in service.hosts.values()]
         if service.fallback_info.path != service.model_info.path:
-            models.insert(1, (service.fallback_model_id + DEFAULT_TAG, service.fallback_info))
+            models.insert(1, (service.fallback_model_id + DEFAULT_TAG, service.fallback_info,
+                              service.default_host.cpu_projector is not None))
         return models
 
     async def tags(self, request: Request) -> Response:
-        return JSONResponse({"models": [model_entry(name, info) for name, info in self._models()]})
+        return JSONResponse({"models": [model_entry(*model) for model in self._models()]})
 
     async def ps(self, request: Request) -> Response:
         """The models loaded now, with what each holds: VRAM from the GPU
@@ -131,7 +133,7 @@ class OllamaRoutes:
             if expires_in is None:
                 continue
             name, info = host.model_id + DEFAULT_TAG, host.model_info
-            entry = model_entry(name, info)
+            entry = model_entry(name, info, host.projector is not None)
             entry.pop("modified_at")
             loaded.append({**entry, "size": int(vram + ram), "size_vram": int(vram),
                            "expires_at": rfc3339(time.time() + expires_in), "context_length": context})
@@ -144,14 +146,15 @@ class OllamaRoutes:
             return error(bad.status, bad.message)
         except ClientDisconnect:
             return Response(status_code=499)
-        found = [(n, info) for n, info in self._models() if name in (n, n[: -len(DEFAULT_TAG)], info.path.name)]
+        found = [model for model in self._models() if name in (model[0], model[0][: -len(DEFAULT_TAG)],
+                                                                model[1].path.name)]
         if not found and name == "default":
             found = self._models()[:1]
         if not found:
             return error(404, f"model {name!r} not found; GET /api/tags lists the models here")
-        _, info = found[0]
+        _, info, sees_images = found[0]
         service = self.service
-        capabilities = ["completion", "tools"]
+        capabilities = model_capabilities(sees_images)
         return JSONResponse({
             "license": "", "modelfile": f"# served by tray-app from {info.path.name}\nFROM {info.path}\n",
             "parameters": f"num_ctx {service.config.gpu.n_ctx}",
