@@ -1,5 +1,7 @@
+import ast
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -28,3 +30,38 @@ def fresh(service):
     """The shared service, back to a healthy baseline."""
     service.reset()
     return service
+
+
+def _marks_the_whole_module_integration(path: Path) -> bool:
+    """Whether the module's own `pytestmark` (one mark or a list) carries
+    pytest.mark.integration, read from its source without importing it."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return False
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            marks = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
+            return any(ast.unparse(mark) == "pytest.mark.integration" for mark in marks)
+    return False
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under `-m "not integration"`, a module whose every test is integration
+    is not imported at all: each of its tests would be deselected anyway, and
+    importing it (its clients, playwright, its fixtures' modules) is a good
+    part of what the quick run would spend on collection."""
+    if (config.getoption("markexpr", "").strip() == "not integration" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_") and _marks_the_whole_module_integration(collection_path)):
+        return True
+    return None
+
+
+@pytest.fixture(scope="session")
+def bundled_gguf():
+    """gguf-py's reader over the bundled model, built once a session: it parses
+    every field in Python (49k tokens, 49k merges), seconds each time."""
+    gguf = pytest.importorskip("gguf")
+    from tray_app.core.config import bundled_model_path
+
+    return gguf.GGUFReader(bundled_model_path())

@@ -16,7 +16,8 @@ import pytest
 from tests.harness import BASE_CONFIG, RunningService
 from tray_app.core.engine.worker import free_loopback_port
 
-pytestmark = pytest.mark.timeout(180)
+# The product run end to end: `tray-app models` and the service, in subprocesses.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 # A Vulkan build's answer on a 16 GiB AMD card; this machine's llama-server is a CPU build.
 VULKAN_DEVICES = ("ggml_vulkan: Found 1 Vulkan devices:\nAvailable devices:\n"
@@ -40,7 +41,6 @@ def test_models_cli_reads_the_gpu_through_llama_cpps_device_list(tmp_path: Path)
     assert headroom["vram_free_mib"] == 15360
 
 
-@pytest.mark.integration
 def test_the_service_says_what_each_reader_was_missing(tmp_path: Path) -> None:
     """No simulated device: the real service picks its reader at start. On this machine every
     reader comes up empty, and /status says why for each, llama.cpp's own list included."""

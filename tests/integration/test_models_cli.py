@@ -15,7 +15,9 @@ import pytest
 from tray_app.core.config import Config, bundled_model_path
 from tray_app.core.engine.worker import free_loopback_port
 
-pytestmark = pytest.mark.timeout(120)
+# Every test runs `tray-app models`, which asks the real llama-server for its
+# devices here (no NVML, no DRM card): a llama.cpp process.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 @pytest.fixture
@@ -133,7 +135,6 @@ def test_a_bad_config_exits_2_with_one_line(home):
     assert result.stderr.strip().splitlines() == ["tray-app: error: [gpu] n_ctx must be a whole number, got 'big'"]
 
 
-@pytest.mark.integration
 def test_live_headroom_comes_from_a_running_service(home, fresh):
     fresh.http.post("/admin/gpu", json={"simulated_pressure_mib": 300})
     status = fresh.status()
@@ -147,7 +148,6 @@ def test_live_headroom_comes_from_a_running_service(home, fresh):
     assert data["headroom"]["vram_reserve_mib"] == status["gpu"]["reserve_mib"]
 
 
-@pytest.mark.integration
 def test_an_explicit_simulated_gpu_overrides_a_running_service(home, fresh):
     data = json.loads(run_models(home, "--json", "--simulate-gpu-mib", "2048", url=fresh.url).stdout)
     assert data["headroom"]["source"] == "simulated" and data["headroom"]["vram_free_mib"] == 2048

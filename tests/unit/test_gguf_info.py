@@ -63,10 +63,10 @@ def test_smollm2_sizes(smollm2: ModelInfo) -> None:
     assert smollm2.weights_bytes < smollm2.file_size  # the rest is header and vocabulary
 
 
-def test_smollm2_matches_the_official_reader(smollm2: ModelInfo) -> None:
+def test_smollm2_matches_the_official_reader(smollm2: ModelInfo, bundled_gguf) -> None:
     # The header walker is our own (for speed); gguf.GGUFReader is the oracle.
-    gguf = pytest.importorskip("gguf")
-    reader = gguf.GGUFReader(SMOLLM2)
+    reader = bundled_gguf
+    assert Path(reader.data.filename) == SMOLLM2
     assert smollm2.weights_bytes == sum(int(tensor.n_bytes) for tensor in reader.tensors)
     assert smollm2.parameter_count == sum(int(tensor.n_elements) for tensor in reader.tensors)
     assert smollm2.n_vocab == len(reader.fields["tokenizer.ggml.tokens"].data)

@@ -101,11 +101,12 @@ async def test_a_child_that_crashes_is_a_refusal_and_is_replaced(tmp_path):
 
 
 async def test_a_child_that_hangs_is_killed_at_the_deadline(tmp_path):
-    checker = GrammarChecker(MODEL, timeout_s=1.0, python=stand_in_child(tmp_path, "time.sleep(600)"))
+    # The child never answers, so the verdict is the same at any deadline: a short one keeps the test quick.
+    checker = GrammarChecker(MODEL, timeout_s=0.25, python=stand_in_child(tmp_path, "time.sleep(600)"))
     try:
         first = await checker.check_grammar('root ::= "a"')
         pid_before = checker.pid
-        assert first.code == "grammar_too_complex" and "longer than 1 s" in first.problem
+        assert first.code == "grammar_too_complex" and "checking it took longer than" in first.problem
         assert pid_before is None  # the hung child was killed and forgotten
         # Not cached (a busy machine can be slow): asked again, a new child.
         await checker.check_grammar('root ::= "a"')
