@@ -1,10 +1,12 @@
 """One path a request can run on: its worker, its lane, its measured speed,
 and how a request is streamed through it.
 
-Everything that depends on talking to a llama.cpp server lives here: the
-proxy, SSE parsing, liveness while waiting, upstream-error classification and
-llama-cpp-python's quirks. The dispatcher decides *where* a request runs; a
-backend only runs it and says how it ended, by returning or raising:
+What is particular to a local llama.cpp server lives here: waiting for a
+starting worker, liveness while waiting, its error answers, a stream that
+ends without [DONE], llama-cpp-python's quirks. The stream itself (SSE, the
+deadlines, each event's shape) is upstream.py's, shared with the peers. The
+dispatcher decides *where* a request runs; a backend only runs it and says
+how it ended, by returning or raising:
 
 - Redirected: nothing ran, decide again (the GPU is no longer usable);
 - WorkerFailure: the worker broke (replace it; maybe replay elsewhere);
@@ -29,7 +31,7 @@ import httpx
 from ..engine.exits import ExitReport, is_input_crash, mentions_out_of_memory
 from ..engine.handle import WorkerHandle
 from ..engine.worker import WorkerState
-from .jobs import Attempt, Job, JobFailed, JobState, PathSpeed, WorkerFailure, WorkerRequestError
+from .jobs import Attempt, Job, JobFailed, PathSpeed, WorkerFailure, WorkerRequestError
 from .lanes import Lane, Redirected
 from .latency import BusySpeeds, mean_busy
 from .upstream import Sink, UpstreamRules, Waiter, canceled_error, stream_attempt, upstream_error_message, worker_body
@@ -116,10 +118,8 @@ class Backend:
         """Wait for a slot in the lane, then stream the job through the worker.
         `still_open` is asked once the slot is ours: a reason means redirect."""
         lane = self.lane
-        job.path = self.path
         place = lane.join(job.id, front=job.replayed and self.path == "cpu")
-        if place is not None:
-            job.state = JobState.QUEUED
+        job.joined_lane(self.path, queued=place is not None)
         self._on_change()
         acquire = asyncio.ensure_future(lane.wait(job.id, place) if place is not None else _no_wait())
         canceled = asyncio.ensure_future(job.canceled.wait())
@@ -137,12 +137,12 @@ class Backend:
                 await acquire
             lane.leave(job.id)
             raise canceled_error(job, f"while it waited in the {self.path} queue")
-        job.queue_wait_s = acquire.result()
+        job.got_slot(acquire.result())
         try:
             why_not = still_open()
             if why_not is not None:
                 raise Redirected(why_not)
-            job.state = JobState.RUNNING
+            job.running_on(self.path)
             self._on_change()
             return await self._stream(job, sink, still_open)
         except WorkerFailure:

@@ -136,7 +136,7 @@ class Dispatcher:
             # cancel, a client error, an unexpected exception) is given back;
             # success and GPU failure have already settled theirs.
             self._release_probe(job)
-            job.state = JobState.DONE
+            job.finished()
             self.unregister(job)
             self.events.changed()
 
@@ -269,11 +269,7 @@ class Dispatcher:
         return decision
 
     def _apply(self, job: Job, decision: Decision) -> None:
-        job.reason = decision.reason
-        job.reason_detail = decision.detail
-        job.decision = decision
-        if decision.estimated_latency_s is not None:
-            job.estimated_latency_s = decision.estimated_latency_s
+        job.decided(decision)
         self.recent.append({
             "t": round(time.time(), 3), "id": job.id, "route": decision.route.value,
             "reason": decision.reason.value, "detail": decision.detail,

@@ -18,7 +18,7 @@ from .admission import Decision, Reason
 from .backend import Backend
 from .breaker import CircuitBreaker
 from .failover_time import fault_of
-from .jobs import Attempt, Job, JobFailed, JobState, WorkerFailure
+from .jobs import Attempt, Job, JobFailed, WorkerFailure
 from .ledger import ExecutionLedger
 from .peer import PeerFailure, Peers
 from .ports import DispatchEvents, GpuResidency
@@ -59,7 +59,7 @@ async def replay_after_gpu_failure(routing: Routing, job: Job, sink: Sink, failu
                         "run on the CPU (X-Fallback: never); nothing was re-run. It is safe to retry it.",
                         retry_after_s=30.0) from None
     sink.reset()
-    job.replayed = True
+    job.to_replay("gpu")
     failed = job.attempts[-1] if job.attempts else None
     if failed is not None and failed.path == "gpu" and failed.ended_at is not None:
         job.fault = fault_of(failed, gave_back=gpu_was_given_back(routing))
@@ -90,7 +90,7 @@ async def run_on_peer(routing: Routing, job: Job, sink: Sink) -> Decision | None
     assert routing.peers is not None
     peer = routing.peers.get(job.peer)
     assert peer is not None
-    job.path, job.state = "peer", JobState.RUNNING
+    job.running_on("peer")
     routing.events.changed()
     succeeded = False
     try:
@@ -108,10 +108,10 @@ async def run_on_peer(routing: Routing, job: Job, sink: Sink) -> Decision | None
             raise JobFailed(502, "peer_failed", f"peer {peer.name} failed after part of the answer was sent "
                             f"({failure}); nothing was re-run. It is safe to retry this request.") from None
         sink.reset()
-        job.path, job.state = None, JobState.ADMITTING
+        job.back_to_admission()
         if failure.ran:
             # It may have begun there: this is the one re-run, on the CPU.
-            job.replayed, job.replayed_from = True, "peer"
+            job.to_replay("peer")
         decision = routing.assign_route(job)
         if not decision.accepted:
             raise JobFailed(decision.status, decision.reason.value,

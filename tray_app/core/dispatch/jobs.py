@@ -188,6 +188,38 @@ class Job:
         # The GPU's fault that made this job a replay: when and how (failover_time).
         self.fault: Fault | None = None
 
+    # ----- its life: each step one method, called from the dispatch package -----
+
+    def decided(self, decision: Decision) -> None:
+        """Admission's verdict, and the reason /status and the headers give."""
+        self.decision = decision
+        self.reason, self.reason_detail = decision.reason, decision.detail
+        if decision.estimated_latency_s is not None:
+            self.estimated_latency_s = decision.estimated_latency_s
+
+    def joined_lane(self, path: str, queued: bool) -> None:
+        """It joined a path's lane: with a slot at once, or queued for one."""
+        self.path = path
+        if queued:
+            self.state = JobState.QUEUED
+
+    def got_slot(self, queue_wait_s: float) -> None:
+        self.queue_wait_s = queue_wait_s
+
+    def running_on(self, path: str) -> None:
+        self.path, self.state = path, JobState.RUNNING
+
+    def to_replay(self, failed_on: str) -> None:
+        """A path failed it before any output: its one re-run comes next."""
+        self.replayed, self.replayed_from = True, failed_on
+
+    def back_to_admission(self) -> None:
+        """A peer gave it back unanswered: it is decided again here."""
+        self.path, self.state = None, JobState.ADMITTING
+
+    def finished(self) -> None:
+        self.state = JobState.DONE
+
     def sized(self, prompt_tokens: int, max_tokens: int) -> None:
         """Fill in the request's size once its prompt is counted: the one
         change a request gets, and only before admission decides on it."""
