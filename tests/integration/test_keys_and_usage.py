@@ -67,16 +67,20 @@ def bearer(key: str) -> dict[str, str]:
 
 
 def chat(service: RunningService, key: str, request_id: str | None = None, max_tokens: int = 4,
-         messages=HI, **extra) -> httpx.Response:
-    headers = {**bearer(key), **({"X-Request-Id": request_id} if request_id else {})}
+         messages=HI, headers: dict[str, str] | None = None, **extra) -> httpx.Response:
+    headers = {**bearer(key), **({"X-Request-Id": request_id} if request_id else {}), **(headers or {})}
     return httpx.post(f"{service.url}/v1/chat/completions", headers=headers, timeout=180,
                       json={"messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra})
 
 
 def hold(service: RunningService, pool, key: str, request_id: str):
-    """A request of `key` that stays in flight until the test cancels it."""
-    future = pool.submit(chat, service, key, request_id, 900, LONG, ignore_eos=True)
-    service.wait_for(lambda s: any(r["id"] == request_id for r in s["requests"]), what=f"{request_id} in flight")
+    """A request of `key` that stays in flight until the test cancels it: on
+    the CPU worker, whose context (2048) lets it run the longest."""
+    future = pool.submit(chat, service, key, request_id, 1900, LONG, {"X-Force-Path": "cpu"}, ignore_eos=True)
+    # Done instead of in flight is a refusal: say which, rather than time out.
+    service.wait_for(lambda s: future.done() or any(r["id"] == request_id for r in s["requests"]),
+                     what=f"{request_id} in flight")
+    assert not future.done(), f"{request_id} ended at once: {future.result().status_code} {future.result().text}"
     return future
 
 

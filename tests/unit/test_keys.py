@@ -84,3 +84,14 @@ def test_without_any_key_everyone_passes_as_nobody(store):
     # The first named key closes the door without a restart.
     store.add("phone")
     assert open_policy.key_required and open_policy.authenticate(None) == (False, None)
+
+
+def test_a_running_store_keeps_its_keys_when_the_file_is_broken_by_hand(store):
+    raw = store.add("phone")
+    running = KeyStore(store.path)
+    assert running.match(raw) is not None
+    store.path.write_text("{oops")
+    # Neither open to everyone nor refusing everyone over a typo.
+    assert running.match(raw) is not None and running.has_keys()
+    with pytest.raises(KeyProblem):
+        KeyStore(store.path).keys()  # the CLI, reading afresh, says what is wrong

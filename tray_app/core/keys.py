@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import secrets
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from .files import PRIVATE_FILE_MODE, write_atomically
+
+log = logging.getLogger(__name__)
 
 KEY_PREFIX = "tak_"
 SCOPES = ("inference", "admin")
@@ -101,6 +104,7 @@ class KeyStore:
         self.path = path or default_keys_path()
         self._keys: dict[str, ApiKey] = {}
         self._seen: tuple[int, int, int] | None = None
+        self._read_once = False
 
     def keys(self) -> dict[str, ApiKey]:
         self._refresh()
@@ -170,10 +174,21 @@ class KeyStore:
         if seen == self._seen:
             return
         try:
-            data = json.loads(self.path.read_text())
-        except ValueError as exc:
-            raise KeyProblem(f"{self.path} is not valid JSON ({exc}); fix or delete it") from None
-        self._keys, self._seen = parse_keys(data), seen
+            try:
+                data = json.loads(self.path.read_text())
+            except ValueError as exc:
+                raise KeyProblem(f"{self.path} is not valid JSON ({exc}); fix or delete it") from None
+            keys = parse_keys(data)
+        except KeyProblem as problem:
+            if not self._read_once:
+                raise
+            # A running service whose file was broken by hand keeps the keys
+            # it had: failing open would let everyone in, failing every
+            # request would take the service down over a typo.
+            log.error("%s; keeping the %d keys read before", problem, len(self._keys))
+            self._seen = seen
+            return
+        self._keys, self._seen, self._read_once = keys, seen, True
 
     def _write(self, keys: dict[str, ApiKey]) -> None:
         entries = [{**asdict(key), "models": list(key.models)} for key in keys.values()]
