@@ -223,3 +223,30 @@ def test_a_gpu_kill_with_a_blind_cpu_is_a_clear_error_not_a_text_only_answer(bli
     headers, response = blind_cpu.kill_gpu_before_first_token("blind-kill", run)
     assert response.status_code == 503
     assert "can't read" in response.json()["error"]["message"]
+
+
+def test_pull_fetches_the_projector_beside_the_model_and_the_library_pairs_them(tmp_path, monkeypatch):
+    import hashlib
+
+    from tests.fake_hub import FakeHub, HubFile, serve_hub
+    from tests.integration.test_pull import run_pull
+    from tray_app.core.config import Config
+    from tray_app.core.library import build_library
+
+    model = bundled_model_path().read_bytes()
+    write_tiny_projector(tmp_path / "p.gguf", text_width=576)
+    projector = (tmp_path / "p.gguf").read_bytes()
+    files = {("org/Vision-GGUF", "vision-pulled.gguf"): HubFile(model, hashlib.sha256(model).hexdigest()),
+             ("org/Vision-GGUF", "mmproj-vision-f16.gguf"): HubFile(projector, hashlib.sha256(projector).hexdigest()),
+             ("org/Vision-GGUF", "mmproj-vision-q8_0.gguf"): HubFile(b"GGUF", hashlib.sha256(b"GGUF").hexdigest())}
+    with serve_hub(FakeHub(files=files)) as hub:
+        done = run_pull(tmp_path, "org/Vision-GGUF/vision-pulled.gguf", "--hub", hub.url, "--simulate-gpu-mib",
+                        "8192")
+    assert done.returncode == 0, done.stderr
+    assert "vision projector" in done.stdout
+    folder = tmp_path / "data" / "tray-app" / "models" / "vision-pulled"
+    assert (folder / "mmproj-vision-f16.gguf").read_bytes() == projector
+    assert not (folder / "mmproj-vision-q8_0.gguf").exists()
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    pulled = build_library(Config()).resolve("vision-pulled")
+    assert (pulled.path, pulled.mmproj) == (folder / "vision-pulled.gguf", folder / "mmproj-vision-f16.gguf")

@@ -119,6 +119,9 @@ def test_a_projector_beside_a_model_pairs_with_it_and_is_not_a_model(tmp_path, p
     (tmp_path / "mmproj-llava-f16.gguf").write_bytes(projector.read_bytes())
     assert projector_beside(model) == tmp_path / "mmproj-llava-f16.gguf"
     assert gguf_files(tmp_path) == [model]
+    # A folder of several models says nothing of whose projector it is: none of them sees.
+    (tmp_path / "other.gguf").write_bytes(b"GGUF")
+    assert projector_beside(model) is None
 
 
 def _config(tmp_path: Path, **model_keys):

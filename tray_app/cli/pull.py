@@ -19,11 +19,12 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, TextIO
 
 from ..core.config import ConfigError, apply_overrides, load_config
 from ..core.download import (DEFAULT_HUB_URL, DEFAULT_REVISION, HUB_URL_ENV, PART_SUFFIX, TOKEN_ENV,
-                             DownloadError, ErrorKind, RemoteFile, download_model, format_bytes, lookup_remote_file,
+                             DownloadError, ErrorKind, RemoteFile, download_model, format_bytes, lookup_remote_files,
                              new_client, parse_model_ref, render_progress, rough_fit)
 from .models import read_headroom
 
@@ -130,13 +131,23 @@ def run_pull(args: argparse.Namespace) -> int:
     printer = ProgressPrinter(sys.stderr, tty=sys.stderr.isatty())
     try:
         with new_client() as client:
-            remote = lookup_remote_file(client, hub, ref, revision=args.revision, token=token)
+            remote, projector = lookup_remote_files(client, hub, ref, revision=args.revision, token=token)
             print(f"tray-app: {ref} at {args.revision}: {_describe_remote(remote)}", file=sys.stderr)
+            if projector is not None:
+                print(f"tray-app: its vision projector {projector.ref}: {_describe_remote(projector)}",
+                      file=sys.stderr)
+                # The library pairs a projector with the one model in its folder.
+                dest_dir = dest_dir / Path(ref.filename).stem
             _print_fit(remote, config, args)
             if args.check_only:
                 return 0
             result = download_model(hub, ref.repo, ref.file, dest_dir, revision=args.revision, token=token,
                                     progress=printer, client=client, verify=not args.no_verify, remote=remote)
+            if projector is not None:
+                printer.finish()
+                download_model(hub, ref.repo, projector.ref.file, dest_dir, revision=args.revision, token=token,
+                               progress=ProgressPrinter(sys.stderr, tty=sys.stderr.isatty()), client=client,
+                               verify=not args.no_verify, remote=projector)
     except DownloadError as exc:
         printer.finish()
         return _fail(str(exc), _exit_code(exc))
@@ -156,7 +167,8 @@ def run_pull(args: argparse.Namespace) -> int:
     rate = result.transferred / result.elapsed_s / (1024 * 1024) if result.elapsed_s > 0 else 0.0
     resumed = f", resumed after {format_bytes(result.resumed_from)}" if result.resumed_from else ""
     verified = "sha256 verified" if result.verified else "NOT verified: the hub publishes no sha256"
-    print(f"saved {result.path} ({format_bytes(result.size)}, {verified}{resumed}; "
+    sees = f" with its vision projector {projector.ref.filename} beside it" if projector is not None else ""
+    print(f"saved {result.path}{sees} ({format_bytes(result.size)}, {verified}{resumed}; "
           f"{format_bytes(result.transferred)} in {result.elapsed_s:.1f} s, {rate:.1f} MiB/s). "
           f"{_announce(config, args, name)}")
     return 0

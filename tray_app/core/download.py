@@ -418,6 +418,36 @@ def new_client(timeout_s: float = READ_TIMEOUT_S) -> httpx.Client:
 def lookup_remote_file(client: httpx.Client, hub: str, ref: ModelRef, *, revision: str = DEFAULT_REVISION,
                        token: str | None = None) -> RemoteFile:
     """The file's size and published SHA-256, from the hub's tree API."""
+    return remote_file_from_tree(list_folder(client, hub, ref, revision=revision, token=token), ref, revision)
+
+
+def lookup_remote_files(client: httpx.Client, hub: str, ref: ModelRef, *, revision: str = DEFAULT_REVISION,
+                        token: str | None = None) -> tuple[RemoteFile, RemoteFile | None]:
+    """The file, and the vision projector beside it in the repository (None
+    when there is none), from one listing of the file's folder."""
+    entries = list_folder(client, hub, ref, revision=revision, token=token)
+    return remote_file_from_tree(entries, ref, revision), projector_in_tree(entries, ref, revision)
+
+
+def projector_in_tree(entries: Iterable[Any], ref: ModelRef, revision: str) -> RemoteFile | None:
+    """The mmproj*.gguf in the model's folder of a listing: the f16 one when
+    there are several (the usual full-precision upload), else the first by
+    name; None when there is none."""
+    folder = PurePosixPath(ref.file).parent
+    names = sorted(str(entry["path"]) for entry in entries
+                   if isinstance(entry, Mapping) and isinstance(entry.get("path"), str)
+                   and entry.get("type", "file") == "file" and PurePosixPath(entry["path"]).parent == folder
+                   and PurePosixPath(entry["path"]).name.lower().startswith("mmproj")
+                   and entry["path"].lower().endswith(".gguf"))
+    if not names:
+        return None
+    chosen = next((name for name in names if "f16" in PurePosixPath(name).name.lower()), names[0])
+    return remote_file_from_tree(entries, make_ref(ref.repo, chosen), revision)
+
+
+def list_folder(client: httpx.Client, hub: str, ref: ModelRef, *, revision: str = DEFAULT_REVISION,
+                token: str | None = None) -> list[Any]:
+    """The hub's tree API listing of the folder that holds ref.file, every page."""
     url: str | None = tree_url(hub, ref, revision)
     entries: list[Any] = []
     for _ in range(MAX_TREE_PAGES):
@@ -440,7 +470,7 @@ def lookup_remote_file(client: httpx.Client, hub: str, ref: ModelRef, *, revisio
         entries.extend(page)
         # Large folders come in pages, linked as the GitHub API does.
         url = next_page_url(hub, str(response.url), response.links.get("next", {}).get("url"))
-    return remote_file_from_tree(entries, ref, revision)
+    return entries
 
 
 def sha256_of(path: Path, cancel: threading.Event | None = None) -> str:

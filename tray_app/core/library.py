@@ -100,12 +100,22 @@ def is_projector(path: Path) -> bool:
 
 
 def projector_beside(model_path: Path) -> Path | None:
-    """The mmproj*.gguf in the model file's folder (the first by name), or None."""
+    """The mmproj*.gguf in the model file's folder (the first by name), or
+    None. Only a folder that holds this one model pairs it: a projector is
+    made for one model, and in a folder of several nothing says for which."""
     folder = model_path.parent
     if not folder.is_dir():
         return None
-    found = sorted(path for path in folder.iterdir() if is_projector(path) and path.is_file())
-    return found[0] if found else None
+    files = [path for path in folder.iterdir() if path.suffix.lower() == ".gguf" and path.is_file()]
+    projectors = sorted(path for path in files if is_projector(path))
+    others = [path for path in files if not is_projector(path) and path.name != model_path.name
+              and not _is_later_split_part(path)]
+    return projectors[0] if projectors and not others else None
+
+
+def _is_later_split_part(path: Path) -> bool:
+    split = _LATER_SPLIT_PART.search(path.name)
+    return split is not None and split.group(1) != "00001"
 
 
 def gguf_files(folder: Path) -> list[Path]:
@@ -117,8 +127,7 @@ def gguf_files(folder: Path) -> list[Path]:
     for path in sorted(folder.rglob("*")):
         if path.suffix.lower() != ".gguf" or is_projector(path) or not path.is_file():
             continue
-        split = _LATER_SPLIT_PART.search(path.name)
-        if split is not None and split.group(1) != "00001":
+        if _is_later_split_part(path):
             continue
         found.append(path)
     return found
