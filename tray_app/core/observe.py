@@ -3,7 +3,8 @@ event log and degraded mode.
 
 The observer is advanced by the sampler's tick and by events (a request
 changed state, a worker changed state); reading it (`/status`, `/metrics`,
-the tray) never changes anything. That is why degraded mode starts and ends
+the tray) changes nothing but how often the sampler ticks (see
+sample_interval_s). That is why degraded mode starts and ends
 here, on an advance, and not inside a query.
 """
 
@@ -21,16 +22,36 @@ from .memory.telemetry import GpuReader, MemorySnapshot, TelemetryHistory, read_
 log = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL_S = 1.0
+# While nothing is in flight and nobody reads /status at the panel's rate,
+# memory is read this seldom: an idle service (and the tray around it)
+# should cost next to nothing. A request or a reader brings 1 s back within
+# a second.
+IDLE_SAMPLE_INTERVAL_S = 5.0
+# A /status read this recent means someone is looking (the panel and the web
+# page read every second; the tray alone, with its panel closed, every 5 s).
+LOOKED_AT_WITHIN_S = 2.5
+
+
+def sample_interval_s(*, in_flight: bool, last_look_age_s: float | None) -> float:
+    """How often memory is read now: every second while a request is in
+    flight or someone looks at the numbers, else every IDLE_SAMPLE_INTERVAL_S."""
+    if in_flight or (last_look_age_s is not None and last_look_age_s <= LOOKED_AT_WITHIN_S):
+        return SAMPLE_INTERVAL_S
+    return IDLE_SAMPLE_INTERVAL_S
 EVENT_LOG_SIZE = 100
 
 
 class Observer:
     def __init__(self, gpu_reader: GpuReader, worker_pids: Callable[[], list[int]],
                  degraded_cause: Callable[[], str | None],
-                 on_sample: Callable[[MemorySnapshot], None] = lambda snapshot: None) -> None:
+                 on_sample: Callable[[MemorySnapshot], None] = lambda snapshot: None,
+                 in_flight: Callable[[], bool] = lambda: True) -> None:
         self._gpu_reader = gpu_reader
         self._on_sample = on_sample
         self._worker_pids = worker_pids
+        self._in_flight = in_flight
+        # When /status was last built (time.monotonic): someone looking.
+        self._looked_at: float | None = None
         self._degraded_cause = degraded_cause
         self.history = TelemetryHistory()
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=EVENT_LOG_SIZE)
@@ -84,9 +105,21 @@ class Observer:
         if self._sampler is not None:
             self._sampler.cancel()
 
+    def looked_at(self) -> None:
+        """Someone read /status: keep the numbers fresh for them."""
+        self._looked_at = time.monotonic()
+
     async def _sample_forever(self) -> None:
+        last = time.monotonic()
         while True:
+            # Wakes every second (cheap) but reads memory only when due, so
+            # a request or a reader gets 1 s samples back within a second.
             await asyncio.sleep(SAMPLE_INTERVAL_S)
+            now = time.monotonic()
+            look_age = None if self._looked_at is None else now - self._looked_at
+            if now - last < sample_interval_s(in_flight=self._in_flight(), last_look_age_s=look_age) - 0.05:
+                continue
+            last = now
             try:
                 snapshot = await asyncio.to_thread(self.sample)
                 # Who holds the GPU's memory may have changed (a game started).

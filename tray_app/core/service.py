@@ -100,7 +100,8 @@ class Service:
                                                      self.gpu_reader.read, self.offload_support)
         # Kept for the hosts of models added later (rescan_models).
         self._gpu_runtime, self._gpu_missing_reason = gpu_runtime, gpu_missing_reason
-        self.observer = Observer(self.gpu_reader, self.worker_pids, self._degraded_cause, on_sample=self._on_sample)
+        self.observer = Observer(self.gpu_reader, self.worker_pids, self._degraded_cause, on_sample=self._on_sample,
+                                 in_flight=lambda: any(host.dispatcher.jobs for host in self.hosts.values()))
         # A GPU worker of ours that is up holds each RPC server's one client slot.
         self.rpc_health = RpcHealth(config.gpu.rpc_servers, in_use=lambda: self.default_host.gpu_loaded())
         self.metrics = ServiceMetrics(self.status)

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
-from PySide6.QtCore import QObject, QSocketNotifier, QTimer, QUrl, Signal
+from PySide6.QtCore import QEvent, QObject, QSocketNotifier, QTimer, QUrl, Signal
 from PySide6.QtGui import QAction, QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import QApplication, QMenu, QMessageBox, QSystemTrayIcon, QToolButton, QWidget
 
@@ -29,6 +29,7 @@ from . import viewmodel as vm
 from .client import ServiceClient
 from .host import ServiceHost, base_url_for
 from .icons import state_icon
+from .poll_rate import poll_interval_ms
 from .widgets import as_written
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class TrayController(QObject):
         self._settings = None
         self._logs = None
         self.model_check = None  # the BackgroundCall reading a chosen model file, while it runs
+        # The last /status (None: no answer), for how often to ask again.
+        self._rate_status: dict | None = None
 
         self._build_actions()
         if tray_available is None:
@@ -227,6 +230,7 @@ class TrayController(QObject):
             self._panel.buttons.insertWidget(self._panel.buttons.count() - 1, more)
             self._panel.host_starting = self._host_starting()
             self._panel.closed.connect(self.quit)
+            self._panel.installEventFilter(self)
         return self._panel
 
     def chat(self):
@@ -235,6 +239,7 @@ class TrayController(QObject):
             from .conversations import default_dir
 
             self._chat = ChatWindow(self.client, conversations_dir=default_dir())
+            self._chat.installEventFilter(self)
         return self._chat
 
     def logs(self):
@@ -419,9 +424,30 @@ class TrayController(QObject):
     def _host_starting(self) -> bool:
         return self.host is not None and self.host.starting
 
+    # ----- how often to poll ---------------------------------------------------------------
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        """The panel or the chat was shown or hidden: poll at the rate that
+        fits (Qt sends Show and Hide once isVisible() says the new state)."""
+        if event.type() in (QEvent.Type.Show, QEvent.Type.Hide):
+            self._update_poll_rate()
+        return False
+
+    def windows_open(self) -> bool:
+        return any(window is not None and window.isVisible() for window in (self._panel, self._chat))
+
+    def _update_poll_rate(self) -> None:
+        interval = poll_interval_ms(window_open=self.windows_open(), status=self._rate_status)
+        sooner = interval < self.client.interval_ms
+        self.client.set_interval_ms(interval)
+        if sooner and not self._quitting:
+            self.client.poll_now()  # a window just opened: fresh numbers now, not at the next slow tick
+
     def _on_status(self, status: dict) -> None:
         if self._quitting:
             return
+        self._rate_status = status
+        self._update_poll_rate()
         self.history.add(status)
         kind = vm.icon_kind(status)
         self._apply_state(kind, vm.tooltip_text(status, floor_mib=self.config.cpu.ram_floor_mib))
@@ -486,6 +512,8 @@ class TrayController(QObject):
     def _on_unreachable(self, message: str) -> None:
         if self._quitting:
             return
+        self._rate_status = None
+        self._update_poll_rate()
         starting = self._host_starting()
         error = (self.host.error if self.host is not None and self.host.error else None) or message
         self._apply_state(vm.STARTING if starting else vm.DOWN,

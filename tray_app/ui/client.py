@@ -86,6 +86,16 @@ class ServiceClient(QObject):
     def is_polling(self) -> bool:
         return self._timer.isActive()
 
+    @property
+    def interval_ms(self) -> int:
+        return self._timer.interval()
+
+    def set_interval_ms(self, interval_ms: int) -> None:
+        """Poll this often from now on (the tray slows down while nobody looks).
+        Unchanged, the timer runs on: setInterval would restart it."""
+        if self._timer.interval() != interval_ms:
+            self._timer.setInterval(interval_ms)
+
     def request(self, path: str, timeout_ms: int = COMMAND_TIMEOUT_MS) -> QNetworkRequest:
         request = QNetworkRequest(QUrl(self._base_url + path))
         request.setTransferTimeout(timeout_ms)

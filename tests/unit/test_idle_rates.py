@@ -1,0 +1,32 @@
+"""How often the tray polls and the service samples, with plain values:
+full rate while someone looks or something is in flight, seldom otherwise
+(issue 32, part 6)."""
+
+from tray_app.core.observe import IDLE_SAMPLE_INTERVAL_S, SAMPLE_INTERVAL_S, sample_interval_s
+from tray_app.ui.poll_rate import ACTIVE_POLL_MS, IDLE_POLL_MS, is_quiet, poll_interval_ms
+
+QUIET = {"service": {"healthy": True}, "degraded": {"active": False}, "requests": [],
+         "workers": [{"role": "gpu", "state": "ready"}, {"role": "cpu", "state": "stopped"}]}
+
+
+def test_the_tray_polls_seldom_only_when_no_window_is_open_and_nothing_moves():
+    assert poll_interval_ms(window_open=False, status=QUIET) == IDLE_POLL_MS == 5000
+    assert poll_interval_ms(window_open=True, status=QUIET) == ACTIVE_POLL_MS == 1000
+    assert poll_interval_ms(window_open=False, status=None) == ACTIVE_POLL_MS  # no answer yet
+
+
+def test_anything_in_flight_or_about_to_change_is_not_quiet():
+    assert is_quiet(QUIET)
+    assert not is_quiet({**QUIET, "requests": [{"id": "r", "state": "queued"}]})
+    assert not is_quiet({**QUIET, "degraded": {"active": True}})
+    assert not is_quiet({**QUIET, "service": {"healthy": False}})
+    assert not is_quiet({**QUIET, "workers": [{"role": "gpu", "state": "starting"}]})
+    assert not is_quiet(None)
+
+
+def test_the_service_samples_every_second_while_read_at_that_rate_or_serving():
+    assert sample_interval_s(in_flight=False, last_look_age_s=None) == IDLE_SAMPLE_INTERVAL_S == 5.0
+    assert sample_interval_s(in_flight=False, last_look_age_s=1.0) == SAMPLE_INTERVAL_S == 1.0
+    # The tray alone, its panel closed, reads every 5 s: that is nobody looking.
+    assert sample_interval_s(in_flight=False, last_look_age_s=4.9) == IDLE_SAMPLE_INTERVAL_S
+    assert sample_interval_s(in_flight=True, last_look_age_s=None) == SAMPLE_INTERVAL_S
