@@ -20,7 +20,8 @@ from tray_app.core.dispatch.admission import (
 from tray_app.core.engine.runtime import IMAGE_MAX_TOKENS, LaunchRequest, LlamaServerRuntime
 from tray_app.core.library import build_library, gguf_files, projector_beside
 from tray_app.core.memory import estimate
-from tray_app.core.memory.gguf_info import ModelFileError, read_paired_projector, read_projector_info
+from tray_app.core.config import bundled_model_path
+from tray_app.core.memory.gguf_info import ModelFileError, read_model_info, read_paired_projector, read_projector_info
 
 PNG = tiny_png()
 DATA_URI = "data:image/png;base64," + base64.b64encode(PNG).decode()
@@ -158,6 +159,15 @@ def test_the_estimate_counts_the_projector_where_it_runs(projector):
     # A fixed-size encoder (mlp) makes 16 tokens whatever the cap: the buffer is sized for 16.
     assert need.compute == estimate.projector_need(info, 0).compute
     assert need.compute < 1024 * 1024
+    text = estimate.WorkerSettings(n_ctx=2048, n_gpu_layers=0, logits_all=False)
+    info_text = read_model_info(bundled_model_path())
+    cpu = estimate.estimate_worker(info_text, text)
+    cpu_seeing = estimate.estimate_worker(info_text, replace(text, projector=info, image_max_tokens=IMAGE_MAX_TOKENS))
+    # The RSS the tiny projector added to the bundled llama-server: 5.4 to 7.1 MiB.
+    assert 7 * 1024 * 1024 < cpu_seeing.host.total - cpu.host.total < 10 * 1024 * 1024
+    gpu = replace(text, n_gpu_layers=-1)
+    gpu_seeing = estimate.estimate_worker(info_text, replace(gpu, projector=info))
+    assert gpu_seeing.gpu.total - estimate.estimate_worker(info_text, gpu).gpu.total == need.weights + need.compute
     dynamic = replace(info, projector_type="qwen2vl")
     assert estimate.image_tokens_bound(dynamic, IMAGE_MAX_TOKENS) == IMAGE_MAX_TOKENS
     assert estimate.projector_need(dynamic, IMAGE_MAX_TOKENS).compute > 100 * need.compute
