@@ -90,6 +90,11 @@ class HeadroomPanel(QWidget):
         _header_row(self.workers_grid, WORKER_COLUMNS, self._align)
         self.worker_cells: dict[int, list[QLabel]] = {}
         root.addWidget(workers)
+        # Failover time, once a replay has answered (issue 32).
+        self.failover_line = plain_label()
+        theme.set_muted_text(self.failover_line)
+        self.failover_line.hide()
+        root.addWidget(self.failover_line)
 
         # The library's models (issue 14), once there is more than one.
         self.models_box = QGroupBox("Models")
@@ -263,6 +268,9 @@ class HeadroomPanel(QWidget):
             block.set_bar(bar)
         self.ram_block.set_bar(vm.ram_bar(status, self.floor_mib))
         self._render_workers(vm.worker_rows(status))
+        failover = vm.failover_text(status)
+        self.failover_line.setVisible(failover is not None)
+        set_text(self.failover_line, failover or "")
         self._render_models(vm.model_views(status))
         samples = list(self.history.samples)
         # No GPU, no VRAM to chart: the chart would only say "no data".
