@@ -129,7 +129,7 @@ def test_responses_input_image(fresh):
     ("data:image/png;base64,@@not base64@@", "invalid_image", "not valid base64"),
     (f"data:image/png;base64,{base64.b64encode(b'just some text, no image').decode()}", "invalid_image",
      "not an image"),
-    ("https://example.com/cat.png", "remote_image_refused", "[server] allow_remote_images"),
+    ("https://example.com/cat.png", "remote_image_refused", "does not fetch images from URLs"),
 ])
 def test_a_bad_image_is_a_400_that_names_the_part(seeing, url, code, words):
     with pytest.raises(openai.BadRequestError) as refused:

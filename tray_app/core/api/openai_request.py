@@ -39,7 +39,6 @@ IMAGE_SIGNATURES = {
     b"GIF89a": "image/gif",
     b"BM": "image/bmp",
 }
-REMOTE_IMAGES_SETTING = "[server] allow_remote_images"
 
 
 @dataclass(frozen=True)
@@ -127,9 +126,11 @@ def image_data_uri(url: str, where: str) -> str:
     data:<type>;base64,<data>. Remote URLs are refused: the server would fetch
     whatever a client names, from wherever it can reach."""
     if url.startswith(("http://", "https://")):
-        raise InvalidRequest(400, f"{where} is a remote image URL; this server does not fetch images from URLs "
-                             f"({REMOTE_IMAGES_SETTING} is off). Send the image inline as a data: URI "
-                             "(data:image/png;base64,...)", "remote_image_refused", where)
+        # No setting turns fetching on yet: a server that fetches what a client
+        # names can be sent to addresses on the LAN that only it can reach.
+        raise InvalidRequest(400, f"{where} is a remote image URL; this server does not fetch images from URLs. "
+                             "Send the image inline as a data: URI (data:image/png;base64,...)",
+                             "remote_image_refused", where)
     header, comma, data = url.partition(",")
     if not url.startswith("data:") or not comma or not header.endswith(";base64"):
         raise InvalidRequest(400, f"{where} must be a base64 data: URI (data:image/png;base64,...)",
