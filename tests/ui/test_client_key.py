@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tray_app.core.api.security import API_KEY_ENV
+from tray_app.core.api.security import API_KEY_ENV, process_admin_key
 from tray_app.ui.client import ServiceClient
 
 
@@ -16,7 +16,8 @@ def sent_authorization(client: ServiceClient) -> bytes:
     ("from-env", "from-config", b"Bearer from-env"),
     (None, "from-config", b"Bearer from-config"),
     ("from-env", None, b"Bearer from-env"),
-    (None, None, b""),
+    # Neither: the tray's own key, which the service in this process takes as an admin's.
+    (None, None, f"Bearer {process_admin_key()}".encode()),
 ])
 def test_the_tray_resolves_the_key_as_the_service_does(qtbot, monkeypatch, environment, configured, expected):
     if environment is None:

@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from tray_app.core.api.security import AccessPolicy
+from tray_app.core.api.security import AccessPolicy, process_admin_key
 from tray_app.core.keys import KEY_PREFIX, KeyProblem, KeyStore, digest
 
 
@@ -31,15 +31,15 @@ def test_a_key_is_shown_once_and_stored_only_as_its_hash(store):
 
 def test_names_scopes_and_limits_are_checked(store):
     store.add("phone")
-    for bad in ("", "has space", "-dash-first", "x" * 65, "api_key"):
+    for bad in ("", "has space", "-dash-first", "x" * 65, "api_key", "tray", "Other"):
         with pytest.raises(KeyProblem):
             store.add(bad)
     with pytest.raises(KeyProblem, match="exists"):
         store.add("phone")
     with pytest.raises(KeyProblem, match="scope"):
-        store.add("other", "root")
+        store.add("someone", "root")
     with pytest.raises(KeyProblem, match="at least 1"):
-        store.add("other", max_concurrency=0)
+        store.add("someone", max_concurrency=0)
     with pytest.raises(KeyProblem, match="no key named 'ghost'"):
         store.revoke("ghost")
 
@@ -95,3 +95,11 @@ def test_a_running_store_keeps_its_keys_when_the_file_is_broken_by_hand(store):
     assert running.match(raw) is not None and running.has_keys()
     with pytest.raises(KeyProblem):
         KeyStore(store.path).keys()  # the CLI, reading afresh, says what is wrong
+
+
+def test_the_trays_own_key_is_an_admin_key_when_named_keys_close_the_port(store):
+    policy = AccessPolicy.build(api_key="", bound_host="127.0.0.1", allowed_hosts=(), cors_origins=(), keys=store)
+    store.add("phone")
+    passed, tray = policy.authenticate(f"Bearer {process_admin_key()}")
+    assert passed and tray is not None and tray.name == "tray" and tray.is_admin
+    assert policy.principal_named("tray") == tray

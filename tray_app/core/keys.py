@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .files import PRIVATE_FILE_MODE, write_atomically
+from .usage import OTHER
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,12 @@ KEYS_FILE = "keys.json"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # The old single [server] api_key (and TRAY_APP_API_KEY): an admin key under this name.
 LEGACY_KEY_NAME = "api_key"
+# The tray's own per-process key (api/security.py): an admin key under this name.
+TRAY_KEY_NAME = "tray"
+# Names a named key can't take: each is an admin's (a web session is
+# resolved by its key's name), or usage's bucket for names past its limit.
+_RESERVED = {LEGACY_KEY_NAME: "the key set in [server] api_key", TRAY_KEY_NAME: "the tray's own key",
+             OTHER: "usage's bucket for apps past its limit"}
 
 
 class KeyProblem(ValueError):
@@ -72,8 +79,8 @@ def name_problem(name: str) -> str | None:
     if not _NAME.fullmatch(name):
         return (f"key name {name!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter "
                 "or digit (it appears in /status, /metrics and logs)")
-    if name == LEGACY_KEY_NAME:
-        return f"{LEGACY_KEY_NAME!r} names the key set in [server] api_key; choose another name"
+    if name.lower() in _RESERVED:
+        return f"{name!r} names {_RESERVED[name.lower()]}; choose another name"
     return None
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from PySide6.QtCore import QByteArray, QObject, QTimer, QUrl, Signal
 from PySide6.QtNetwork import QNetworkAccessManager, QNetworkProxy, QNetworkReply, QNetworkRequest
 
-from ..core.api.security import bearer_header, effective_api_key
+from ..core.api.security import bearer_header, effective_api_key, process_admin_key
 from .viewmodel import error_message
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
@@ -48,7 +48,10 @@ class ServiceClient(QObject):
         self.nam = QNetworkAccessManager(self)
         self._base_url = ""
         self.set_base_url(base_url)
-        self._api_key = effective_api_key(api_key or "")
+        # Without a configured key, the tray's own (an admin key of this
+        # process): the service it runs here then serves it even when named
+        # keys close the port to everyone else.
+        self._api_key = effective_api_key(api_key or "") or process_admin_key()
         self._timer = QTimer(self)
         self._timer.setInterval(interval_ms)
         self._timer.timeout.connect(self.poll_now)

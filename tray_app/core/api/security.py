@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..http_basics import bearer_header, is_loopback
-from ..keys import LEGACY_KEY_NAME, ApiKey, KeyStore
+from ..keys import LEGACY_KEY_NAME, TRAY_KEY_NAME, ApiKey, KeyStore
 from .connections import CONNECTION_SCOPE_KEY, ClientConnection, ConnectionLedger, client_key, retry_after_header
 from .errors import error_body_for_path
 
@@ -32,7 +32,7 @@ API_KEY_ENV = "TRAY_APP_API_KEY"
 # too); the clients of our own port import them from here.
 __all__ = ["API_KEY_ENV", "CSRF_COOKIE", "CSRF_HEADER", "EXPOSED_HEADERS", "MAX_HEADER_BYTES", "PUBLIC_PATHS",
            "PRINCIPAL_SCOPE_KEY", "SESSION_COOKIE", "AccessGuard", "AccessPolicy", "WebSessions", "bearer_header",
-           "bind_problem", "effective_api_key", "host_name", "is_loopback", "principal_of"]
+           "bind_problem", "effective_api_key", "host_name", "is_loopback", "principal_of", "process_admin_key"]
 # Where the guard leaves the key a request was made with (an ApiKey), for the
 # routes: its name owns the request's jobs and its usage, its scope and limits
 # apply. Absent when the server needs no key: then everyone may do everything.
@@ -66,6 +66,17 @@ _CURL_DEFAULT_TYPES = frozenset({"application/x-www-form-urlencoded", "text/plai
 _LOCAL_ORIGIN = re.compile(r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]{1,5})?")
 EXPOSED_HEADERS = ("X-Request-Id", "X-Served-By", "X-Route-Reason", "X-Fallback-Model", "X-Peer",
                    "X-Estimated-Latency", "X-Queue-Wait", "Retry-After")
+
+
+# The tray's own key: made afresh by each process and never written or shown
+# anywhere. The tray runs its service in its own process, so its client
+# (ui/client.py) can send this when no [server] api_key is set, and stays an
+# admin when named keys close the port to everyone else.
+_PROCESS_ADMIN_KEY = "tak_tray_" + secrets.token_urlsafe(32)
+
+
+def process_admin_key() -> str:
+    return _PROCESS_ADMIN_KEY
 
 
 def principal_of(scope) -> ApiKey | None:
@@ -125,6 +136,8 @@ class AccessPolicy:
         key's sessions end with it."""
         if name == LEGACY_KEY_NAME:
             return self.legacy_key() if self.api_key else None
+        if name == TRAY_KEY_NAME:
+            return ApiKey(TRAY_KEY_NAME, "admin")
         return self.keys.get(name) if self.keys is not None else None
 
     def host_allowed(self, host_header: str | None) -> bool:
@@ -160,6 +173,8 @@ class AccessPolicy:
         # Constant time, so the key can't be guessed byte by byte from timings.
         if self.api_key and hmac.compare_digest(offered.encode(), self.api_key.encode()):
             return True, self.legacy_key()
+        if hmac.compare_digest(offered.encode(), _PROCESS_ADMIN_KEY.encode()):
+            return True, ApiKey(TRAY_KEY_NAME, "admin")
         named = self.keys.match(offered) if self.keys is not None else None
         return named is not None, named
 
