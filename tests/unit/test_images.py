@@ -60,6 +60,21 @@ def test_what_llama_cpp_cant_decode_is_refused(raw, code):
     assert (refused.value.code, refused.value.param) == (code, "messages[0].content[1]")
 
 
+@pytest.mark.parametrize(("raw", "words"), [
+    (PNG[:50], "cut off"),
+    (PNG[:-1] + b"\x00", "fails its checksum"),
+    (PNG[:-12], "ends before its last chunk"),
+    (b"\xff\xd8\xff\xe0" + bytes(20), "end-of-image marker"),
+    (b"GIF89a" + bytes(20), "trailer"),
+    (b"BM" + (5000).to_bytes(4, "little") + bytes(40), "says 5000 bytes"),
+])
+def test_a_cut_off_or_corrupt_image_is_refused_here_naming_the_part(raw, words):
+    with pytest.raises(InvalidRequest) as refused:
+        flatten_content(image_message("data:image/png;base64," + base64.b64encode(raw).decode()), SEES)
+    assert refused.value.code == "invalid_image" and refused.value.param == "messages[0].content[1]"
+    assert words in refused.value.message
+
+
 def test_an_image_over_the_bound_is_refused_before_it_is_decoded(monkeypatch):
     monkeypatch.setattr(openai_request, "MAX_IMAGE_BYTES", 30)
     with pytest.raises(InvalidRequest) as refused:

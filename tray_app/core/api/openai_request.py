@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +33,9 @@ TEXT_PART_TYPES = frozenset({"text", "input_text", "refusal"})
 # part from costing more than the request body limit already allows.
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 # What llama.cpp's image loader (stb_image) reads, by their first bytes.
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 IMAGE_SIGNATURES = {
-    b"\x89PNG\r\n\x1a\n": "image/png",
+    PNG_SIGNATURE: "image/png",
     b"\xff\xd8\xff": "image/jpeg",
     b"GIF87a": "image/gif",
     b"GIF89a": "image/gif",
@@ -160,15 +162,55 @@ def decode_image(data: str, where: str) -> bytes:
 
 
 def image_type(raw: bytes, where: str) -> str:
-    """The image's MIME type from its first bytes; a 400 for anything llama.cpp can't decode."""
+    """The image's MIME type from its first bytes, checked to be whole; a 400
+    for anything llama.cpp can't decode."""
     for signature, mime in IMAGE_SIGNATURES.items():
         if raw.startswith(signature):
+            problem = damage(raw, mime)
+            if problem is not None:
+                raise InvalidRequest(400, f"{where} is a damaged {mime.removeprefix('image/').upper()} ({problem}); "
+                                     "send the file again", "invalid_image", where)
             return mime
     if raw[:4] == b"RIFF" and raw[8:12] == b"WEBP":
         raise InvalidRequest(400, f"{where} is a WebP image, which llama.cpp can't decode; send PNG, JPEG, GIF "
                              "or BMP", "unsupported_image_format", where)
     raise InvalidRequest(400, f"{where} is not an image this server reads (PNG, JPEG, GIF or BMP)",
                          "invalid_image", where)
+
+
+def damage(raw: bytes, mime: str) -> str | None:
+    """Why an image is not whole (truncated, or corrupt where its format can
+    tell without decoding pixels), or None. Decoding is the worker's; this
+    catches a cut-off upload here, where the 400 can name the part, rather
+    than as llama-server's "Failed to load image" for the whole request."""
+    if mime == "image/png":
+        return _png_damage(raw)
+    end = raw.rstrip(b"\x00")
+    if mime == "image/jpeg":
+        return None if end.endswith(b"\xff\xd9") else "it ends before its end-of-image marker"
+    if mime == "image/gif":
+        return None if end.endswith(b";") else "it ends before its trailer"
+    declared = int.from_bytes(raw[2:6], "little")  # BMP: the file's size, in its header
+    return None if len(raw) >= declared >= 26 else f"its header says {declared} bytes, but it has {len(raw)}"
+
+
+def _png_damage(raw: bytes) -> str | None:
+    position = len(PNG_SIGNATURE)
+    first = True
+    while position + 12 <= len(raw):
+        length = int.from_bytes(raw[position:position + 4], "big")
+        kind = raw[position + 4:position + 8]
+        end = position + 12 + length
+        if end > len(raw):
+            return f"its {kind.decode('latin-1')!r} chunk is cut off"
+        if first and kind != b"IHDR":
+            return "it does not start with a header chunk"
+        if zlib.crc32(raw[position + 4:end - 4]) != int.from_bytes(raw[end - 4:end], "big"):
+            return f"its {kind.decode('latin-1')!r} chunk fails its checksum"
+        if kind == b"IEND":
+            return None
+        position, first = end, False
+    return "it ends before its last chunk"
 
 
 def _part_text(where: str, part: dict[str, Any]) -> str:
