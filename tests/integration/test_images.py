@@ -201,8 +201,9 @@ def test_a_cpu_that_cant_see_refuses_an_image_rather_than_answer_without_it(blin
     with pytest.raises(openai.APIStatusError) as refused:
         client.chat.completions.create(model=MODEL, messages=ask("Look", DATA_URI), max_tokens=1,
                                        extra_headers={"X-Force-Path": "cpu"})
-    assert refused.value.status_code == 503
+    assert (refused.value.status_code, refused.value.code) == (503, "cpu_cannot_read_images")
     assert "can't read" in refused.value.message and refused.value.response.headers.get("retry-after")
+    assert refused.value.response.headers["x-route-reason"] == "cpu_cannot_read_images"
     # Text still goes to that CPU worker.
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=ask("Look"), max_tokens=1, extra_headers={"X-Force-Path": "cpu"})
@@ -222,6 +223,7 @@ def test_a_gpu_kill_with_a_blind_cpu_is_a_clear_error_not_a_text_only_answer(bli
 
     headers, response = blind_cpu.kill_gpu_before_first_token("blind-kill", run)
     assert response.status_code == 503
+    assert response.json()["error"]["code"] == "cpu_cannot_read_images"
     assert "can't read" in response.json()["error"]["message"]
 
 

@@ -211,7 +211,8 @@ def test_an_image_the_cpu_cant_read_is_a_503_never_a_cpu_answer():
     down = replace(GPU, out=GpuOut(Reason.GPU_UNAVAILABLE, "breaker open"))
     for shape in (BLIND, replace(BLIND, is_replay=True), replace(BLIND, force_cpu=True)):
         decision = decide(shape, down if not shape.force_cpu else GPU, CPU)
-        assert (decision.route, decision.status) == (Route.REJECT, 503)
+        assert (decision.route, decision.status, decision.reason) == (Route.REJECT, 503,
+                                                                      Reason.CPU_CANNOT_READ_IMAGES)
         assert "can't read images" in decision.detail and decision.retry_after_s
     assert decide(BLIND, GPU, CPU).route is Route.GPU
 

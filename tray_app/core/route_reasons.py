@@ -17,6 +17,7 @@ ROUTE_REASONS = {
     "gpu_loading": "GPU model loading",
     "peer": "sent to a peer",
     "peer_failed_replayed": "peer failed, re-run on the CPU",
+    "cpu_cannot_read_images": "images need the GPU (the CPU has no projector)",
 }
 
 

@@ -43,6 +43,9 @@ class Reason(str, enum.Enum):
     DEADLINE_TOO_SHORT = "deadline_too_short"
     QUEUE_WAIT_TOO_LONG = "queue_wait_too_long"
     NO_WORKER = "no_worker"
+    # The request carries images, the GPU path can't take it, and the CPU
+    # worker has no projector: refused rather than answered without them.
+    CPU_CANNOT_READ_IMAGES = "cpu_cannot_read_images"
     # The local GPU can't take it (or the local CPU can't either) and a peer
     # server on the LAN does ([[peers]]; see offer_to_peer).
     PEER = "peer"
@@ -283,7 +286,8 @@ def decide(request: RequestShape, gpu: GpuView | None, cpu: CpuView) -> Decision
 def _to_cpu(request: RequestShape, cpu: CpuView, why: Reason, detail: str,
             gpu_back_in_s: float | None = None) -> Decision:
     if request.cpu_refusal is not None:
-        return Decision(Route.REJECT, why, f"the GPU path can't serve ({detail}) and {request.cpu_refusal}; "
+        return Decision(Route.REJECT, Reason.CPU_CANNOT_READ_IMAGES,
+                        f"the GPU path can't serve ({detail}) and {request.cpu_refusal}; "
                         "retry later", status=503,
                         retry_after_s=_retry_after(gpu_back_in_s if gpu_back_in_s is not None else 30.0))
     if request.no_fallback and not request.is_replay:

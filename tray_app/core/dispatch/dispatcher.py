@@ -375,7 +375,7 @@ class Dispatcher:
                 # a probe the fresh decision took goes back at once.
                 self._release_probe(job)
                 if self._cpu_refusal(job):
-                    decision = Decision(Route.REJECT, Reason.GPU_UNAVAILABLE,
+                    decision = Decision(Route.REJECT, Reason.CPU_CANNOT_READ_IMAGES,
                                         f"the GPU path closed while this request waited ({redirected.reason}) "
                                         f"and {self._cpu_refusal(job)}", status=503, retry_after_s=30.0)
                 elif self._no_fallback(job):
