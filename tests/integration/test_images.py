@@ -10,6 +10,7 @@ a 400 naming its part."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 
 import anthropic
@@ -54,10 +55,17 @@ def image_config(tmp, *, cpu_sees: bool) -> str:
             f'[[models]]\nname = "plain"\npath = "{plain}"\n')
 
 
+@contextlib.contextmanager
+def image_service(tmp_path_factory, name: str, *, cpu_sees: bool):
+    """A running service whose default model has the tiny projector (on both workers when cpu_sees)."""
+    tmp = tmp_path_factory.mktemp(name)
+    with running(tmp, image_config(tmp, cpu_sees=cpu_sees)) as service:
+        yield service
+
+
 @pytest.fixture(scope="module")
 def seeing(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("images")
-    with running(tmp, image_config(tmp, cpu_sees=True)) as service:
+    with image_service(tmp_path_factory, "images", cpu_sees=True) as service:
         yield service
 
 
@@ -191,8 +199,7 @@ def test_each_api_says_which_models_see(seeing):
 def blind_cpu(tmp_path_factory):
     """The projector beside the GPU's model only: the CPU fallback is the same
     weights from a folder without one, so its worker can't read images."""
-    tmp = tmp_path_factory.mktemp("blind")
-    with running(tmp, image_config(tmp, cpu_sees=False)) as service:
+    with image_service(tmp_path_factory, "blind", cpu_sees=False) as service:
         yield service
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 from typing import Any
@@ -81,6 +82,26 @@ def wait_status(qtbot, service, predicate, timeout_ms: int = 60_000, what: str =
     except Exception as exc:
         raise AssertionError(f"timed out waiting for {what}; last status: {seen.get('status')}") from exc
     return seen["status"]
+
+
+@contextlib.contextmanager
+def chat_window(qtbot, url: str, conversations_dir, **settings):
+    """A shown ChatWindow on the service at url, its answer stopped and its client closed after."""
+    from tray_app.ui.chat import ChatWindow
+    from tray_app.ui.client import ServiceClient
+
+    client = ServiceClient(url)
+    client.start()
+    window = ChatWindow(client, conversations_dir=conversations_dir, **settings)
+    qtbot.addWidget(window)
+    window.show()
+    try:
+        yield window
+    finally:
+        if window.busy:
+            window.stop()
+            qtbot.waitUntil(lambda: not window.busy, timeout=30_000)
+        client.stop()
 
 
 class Background:

@@ -11,25 +11,17 @@ from PySide6.QtCore import Qt
 from tray_app.ui.chat import ChatStream, ChatWindow
 from tray_app.ui.client import ServiceClient
 
-from .conftest import LONG_PROMPT, wait_status
+from .conftest import LONG_PROMPT, chat_window, wait_status
 
 WAIT_MS = 120_000
 
 
 @pytest.fixture
 def chat(qtbot, live, tmp_path):
-    client = ServiceClient(live.url)
-    client.start()
     # Greedy decoding: the answers, and so what the tests can say of them,
     # are the same on every run (a sampled answer was once two emoji long).
-    window = ChatWindow(client, max_tokens=48, temperature=0, conversations_dir=tmp_path / "conversations")
-    qtbot.addWidget(window)
-    window.show()
-    yield window
-    if window.busy:
-        window.stop()
-        qtbot.waitUntil(lambda: not window.busy, timeout=30_000)
-    client.stop()
+    with chat_window(qtbot, live.url, tmp_path / "conversations", max_tokens=48, temperature=0) as window:
+        yield window
 
 
 @pytest.mark.integration

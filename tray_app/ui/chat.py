@@ -18,14 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QByteArray, QEvent, QObject, QPoint, Qt, QTimer, QUrl, Signal
+from PySide6.QtCore import QBuffer, QByteArray, QEvent, QIODevice, QMimeData, QObject, QPoint, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import (
-    QAction, QCloseEvent, QDesktopServices, QKeyEvent, QKeySequence, QShortcut, QTextCursor, QTextDocument, QTextFrame,
+    QAction, QCloseEvent, QDesktopServices, QImage, QKeyEvent, QKeySequence, QShortcut, QTextCursor, QTextDocument,
+    QTextFrame,
 )
 from PySide6.QtNetwork import QNetworkReply, QNetworkRequest
 from PySide6.QtWidgets import (
-    QApplication, QComboBox, QHBoxLayout, QLabel, QMenu, QMessageBox, QPlainTextEdit, QPushButton, QTextBrowser,
-    QToolButton, QVBoxLayout, QWidget,
+    QApplication, QComboBox, QFileDialog, QHBoxLayout, QLabel, QMenu, QMessageBox, QPlainTextEdit, QPushButton,
+    QTextBrowser, QToolButton, QVBoxLayout, QWidget,
 )
 
 from . import colors
@@ -33,7 +34,7 @@ from . import markdown
 from . import theme
 from . import viewmodel as vm
 from .client import ServiceClient
-from .conversations import Conversation, ConversationStore
+from .conversations import Conversation, ConversationStore, image_bytes, image_data_uri, user_content
 from .icons import state_icon
 from .widgets import DegradedBanner, plain_label, as_written, set_text
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
@@ -252,16 +253,41 @@ class Turn:
     pending: bool = False
     route: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
+    images: list[str] = field(default_factory=list)  # a question's attached images, as data: URIs
 
-    def record(self) -> dict[str, str]:
+    def record(self) -> dict[str, Any]:
         """What a saved conversation keeps of it."""
-        return {"role": self.role, "text": self.text, "meta": self.meta, "error": self.error}
+        record: dict[str, Any] = {"role": self.role, "text": self.text, "meta": self.meta, "error": self.error}
+        return {**record, "images": list(self.images)} if self.images else record
+
+    @property
+    def question(self) -> dict[str, Any]:
+        """A question turn as the message that asks it."""
+        return {"role": "user", "content": user_content(self.text, self.images)}
+
+
+def png_bytes(image: QImage) -> bytes:
+    """A pasted image, encoded as PNG to send."""
+    buffer = QBuffer()
+    buffer.open(QIODevice.OpenModeFlag.WriteOnly)
+    image.save(buffer, "PNG")
+    return bytes(buffer.data())
 
 
 class _InputBox(QPlainTextEdit):
-    """Enter sends; Shift+Enter starts a new line."""
+    """Enter sends; Shift+Enter starts a new line. A pasted image is attached, not typed."""
 
     submit = Signal()
+    image_pasted = Signal(QImage)
+
+    def canInsertFromMimeData(self, source: QMimeData) -> bool:  # noqa: N802 - Qt name
+        return source.hasImage() or super().canInsertFromMimeData(source)
+
+    def insertFromMimeData(self, source: QMimeData) -> None:  # noqa: N802 - Qt name
+        if source.hasImage():
+            self.image_pasted.emit(QImage(source.imageData()))
+            return
+        super().insertFromMimeData(source)
 
     def keyPressEvent(self, event: QKeyEvent) -> None:  # noqa: N802 - Qt name
         if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not event.modifiers() & Qt.KeyboardModifier.ShiftModifier:
@@ -285,7 +311,9 @@ class ChatWindow(QWidget):
         # None: the server's default sampling.
         self.temperature = temperature
         self.turns: list[Turn] = []
-        self.history: list[dict[str, str]] = []
+        self.history: list[dict[str, Any]] = []
+        # Images attached to the next question (data: URIs), from the picker or a paste.
+        self.attachments: list[str] = []
         self.stream: ChatStream | None = None
         self.store = ConversationStore(conversations_dir) if conversations_dir is not None else None
         self.conversation = Conversation()
@@ -330,9 +358,24 @@ class ChatWindow(QWidget):
                                       "Esc stops an answer.")
         self.input.setFixedHeight(self.input.fontMetrics().lineSpacing() * 3 + 16)
         self.input.submit.connect(self.send)
+        self.input.image_pasted.connect(self._on_image_pasted)
         root.addWidget(self.input)
 
         row = QHBoxLayout()
+        self.attach_button = QPushButton("&Image…")
+        self.attach_button.setToolTip("Attach an image to the next question (or paste one into the box); "
+                                      "the model must have a vision projector")
+        self.attach_button.clicked.connect(self._pick_image)
+        row.addWidget(self.attach_button)
+        self.attachments_label = plain_label()
+        theme.set_muted_text(self.attachments_label)
+        row.addWidget(self.attachments_label)
+        self.remove_attachments_button = QToolButton()
+        self.remove_attachments_button.setText("✕")
+        self.remove_attachments_button.setToolTip("Remove the attached images")
+        self.remove_attachments_button.setAccessibleName("Remove the attached images")
+        self.remove_attachments_button.clicked.connect(self.clear_attachments)
+        row.addWidget(self.remove_attachments_button)
         # Which library model answers; shown once the service has more than one.
         self.model_picker = QComboBox()
         self.model_picker.setToolTip("The model that answers the next message")
@@ -378,6 +421,7 @@ class ChatWindow(QWidget):
         client.status_changed.connect(self._on_status)
         self._set_state(f"Talking to {client.api_url}")
         self._refresh_conversations()
+        self._show_attachments()
         self._update_buttons()
         self._render()
 
@@ -460,20 +504,59 @@ class ChatWindow(QWidget):
     def system_prompt(self) -> str:
         return self.system_edit.toPlainText().strip()
 
-    def messages(self) -> list[dict[str, str]]:
+    def messages(self) -> list[dict[str, Any]]:
         """What the next request sends: the system prompt, if any, then the conversation."""
         prompt = self.system_prompt()
         return ([{"role": "system", "content": prompt}] if prompt else []) + [dict(m) for m in self.history]
 
     def send(self, text: str | None = None) -> bool:
         text = (text if isinstance(text, str) else self.input.toPlainText()).strip()
-        if not text or self.busy:
+        if (not text and not self.attachments) or self.busy:
             return False
         self.input.clear()
-        self.history.append({"role": "user", "content": text})
-        self.turns.append(Turn("user", text))
+        question = Turn("user", text, images=self.attachments)
+        self.attachments = []
+        self._show_attachments()
+        self.history.append(question.question)
+        self.turns.append(question)
         self._ask()
         return True
+
+    def attach_image(self, raw: bytes) -> bool:
+        """Attach an image file's bytes to the next question; False (and the
+        reason on the state line) for what the service would refuse."""
+        try:
+            self.attachments.append(image_data_uri(raw))
+        except ValueError as refused:
+            self._set_state(f"Not attached: {refused}")
+            return False
+        self._show_attachments()
+        return True
+
+    def clear_attachments(self) -> None:
+        self.attachments = []
+        self._show_attachments()
+
+    def _show_attachments(self) -> None:
+        count = len(self.attachments)
+        self.attachments_label.setText(f"{count} image{'s' if count != 1 else ''} attached" if count else "")
+        self.remove_attachments_button.setVisible(bool(count))
+
+    def _pick_image(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Attach an image", "",
+                                              "Images (*.png *.jpg *.jpeg *.gif *.bmp);;All files (*)")
+        if not path:
+            return
+        try:
+            raw = Path(path).read_bytes()
+        except OSError as exc:
+            self._set_state(f"Could not read {Path(path).name}: {exc.strerror or exc}")
+            return
+        self.attach_image(raw)
+
+    def _on_image_pasted(self, image: QImage) -> None:
+        if not image.isNull():
+            self.attach_image(png_bytes(image))
 
     def can_regenerate(self) -> bool:
         return (not self.busy and len(self.turns) >= 2 and self.turns[-1].role == "assistant"
@@ -484,7 +567,7 @@ class ChatWindow(QWidget):
         if not self.can_regenerate():
             return False
         answer = self.turns.pop()
-        question = {"role": "user", "content": self.turns[-1].text}
+        question = self.turns[-1].question
         # The dropped answer is in the history if it said anything; a failed
         # one that said nothing took its question out (see _on_failed).
         if self.history[-2:] == [question, {"role": "assistant", "content": answer.text}]:
@@ -675,7 +758,8 @@ class ChatWindow(QWidget):
         self.save()  # the one left behind (its system prompt may have changed since its last answer)
         self.conversation = conversation
         self._saved = True
-        self.turns = [Turn(t["role"], t["text"], meta=t["meta"], error=t["error"]) for t in conversation.turns]
+        self.turns = [Turn(t["role"], t["text"], meta=t["meta"], error=t["error"], images=t.get("images", []))
+                      for t in conversation.turns]
         self.history = [dict(m) for m in conversation.messages if m["role"] != "system"]
         self.system_edit.setPlainText(conversation.system_prompt)
         if conversation.system_prompt.strip():
@@ -893,6 +977,11 @@ class ChatWindow(QWidget):
         # keeps its positions across a redraw (a route line update, a new turn).
         selected = self.transcript.textCursor()
         selection = (selected.anchor(), selected.position()) if keep_selection and selected.hasSelection() else None
+        document = self.transcript.document()
+        for index, turn in enumerate(self.turns):
+            for number, uri in enumerate(turn.images):
+                document.addResource(QTextDocument.ResourceType.ImageResource, QUrl(image_name(index, number)),
+                                     QImage.fromData(image_bytes(uri)))
         self.transcript.setHtml(render_html(self.turns, colors.chat_colors(theme.current_palette())))
         document = self.transcript.document()
         self._answer_end = self._find_answer_end() if self.turns and self.turns[-1] is self._answer else None
@@ -976,6 +1065,14 @@ ANSWER_END_MARK = "\u25ae"
 ANSWER_META_MARK = "\u2060"
 
 
+THUMBNAIL_PX = 96
+
+
+def image_name(turn: int, number: int) -> str:
+    """The transcript's name for a question's attached image."""
+    return f"chat-image:{turn}-{number}"
+
+
 def render_html(turns: list[Turn], palette: colors.ChatColors | None = None) -> str:
     """The transcript as HTML, in `palette` (by default the light theme's)."""
     c = palette or colors.chat_colors(colors.LIGHT)
@@ -986,13 +1083,16 @@ def render_html(turns: list[Turn], palette: colors.ChatColors | None = None) -> 
                 'Chat with the model behind this service.<br>Answers say which path served them and why.<br>'
                 'Right-click a message to copy it, or the code block under the pointer.</p>')
     parts = []
-    for turn in turns:
+    for index, turn in enumerate(turns):
         if turn.role == "user":
+            # The images as thumbnails, from the resources _render adds under these names.
+            images = "".join(f'<img src="{image_name(index, number)}" height="{THUMBNAIL_PX}"> '
+                             for number in range(len(turn.images)))
             parts.append(
                 '<table width="100%" cellspacing="0" cellpadding="0" style="margin-top:10px"><tr>'
                 '<td width="18%"></td>'
                 f'<td bgcolor="{css(c.user_bubble)}" style="padding:8px 10px; color:{css(c.user_text)}">'
-                f'{_text_html(turn.text)}</td></tr></table>')
+                f'{images + "<br>" if images and turn.text else images}{_text_html(turn.text)}</td></tr></table>')
         else:
             if turn.pending:
                 # Streamed as plain text, appended in place; drawn as Markdown once finished.

@@ -4,10 +4,15 @@ Files are written atomically (a crash leaves the old file or the new one)
 and owner-only, like the logs: they hold what the user typed. A file that
 is not one of ours, or is damaged, is skipped with a log line; it never
 stops the chat window from opening.
+
+A question may carry images: its turn keeps them as data: URIs ("images"),
+and its message is sent as OpenAI content parts, so a reopened conversation
+shows them and sends them again.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import re
@@ -19,6 +24,7 @@ from typing import Any
 
 import platformdirs
 
+from ..core.api.openai_request import InvalidRequest, MAX_IMAGE_BYTES, assemble_content, image_part, image_type
 from ..core.config import APP_NAME
 from ..core.files import PRIVATE_FILE_MODE, make_private_dir, write_atomically
 
@@ -143,8 +149,8 @@ def parse(data: Any, conversation_id: str) -> Conversation:
     prompt = data.get("system_prompt", "")
     if not isinstance(prompt, str):
         raise ValueError("system_prompt is not text")
-    turns = [_record(t, ROLES, "role", "text", ("meta", "error")) for t in _list(data, "turns")]
-    messages = [_record(m, MESSAGE_ROLES, "role", "content", ()) for m in _list(data, "messages")]
+    turns = [_turn(t) for t in _list(data, "turns")]
+    messages = [_message(m) for m in _list(data, "messages")]
     return Conversation(id=conversation_id, system_prompt=prompt, turns=turns, messages=messages,
                         created=_number(data, "created"), updated=_number(data, "updated"))
 
@@ -172,3 +178,52 @@ def _record(item: Any, roles: tuple[str, ...], role_key: str, text_key: str,
         value = item.get(key, "")
         record[key] = value if isinstance(value, str) else ""
     return record
+
+
+def _turn(item: Any) -> dict[str, Any]:
+    record: dict[str, Any] = _record(item, ROLES, "role", "text", ("meta", "error"))
+    images = item.get("images")
+    if images is not None:
+        if not isinstance(images, list) or not all(isinstance(i, str) and i.startswith("data:image/")
+                                                   for i in images):
+            raise ValueError("a turn's images are not data: URIs")
+        record["images"] = images
+    return record
+
+
+def _message(item: Any) -> dict[str, Any]:
+    if isinstance(item, dict) and isinstance(item.get("content"), list) and item.get("role") == "user":
+        for part in item["content"]:
+            image = part.get("image_url") if isinstance(part, dict) else None
+            if not (isinstance(part, dict) and (
+                    (part.get("type") == "text" and isinstance(part.get("text"), str))
+                    or (part.get("type") == "image_url" and isinstance(image, dict)
+                        and isinstance(image.get("url"), str) and image["url"].startswith("data:image/")))):
+                raise ValueError(f"not a content part: {str(part)[:80]}")
+        return {"role": "user", "content": item["content"]}
+    return _record(item, MESSAGE_ROLES, "role", "content", ())
+
+
+# ----- attached images ---------------------------------------------------------------------------
+
+
+def image_data_uri(raw: bytes) -> str:
+    """An image file's bytes as a data: URI to attach; ValueError saying why
+    when the service would refuse it (not an image it reads, damaged, too large)."""
+    if len(raw) > MAX_IMAGE_BYTES:
+        raise ValueError(f"the image is over the {MAX_IMAGE_BYTES // (1024 * 1024)} MiB limit")
+    try:
+        mime = image_type(raw, "the image")
+    except InvalidRequest as refused:
+        raise ValueError(refused.message) from None
+    return f"data:{mime};base64,{base64.b64encode(raw).decode()}"
+
+
+def image_bytes(data_uri: str) -> bytes:
+    """An attached image's bytes, for showing it."""
+    return base64.b64decode(data_uri.partition(",")[2])
+
+
+def user_content(text: str, images: list[str]) -> str | list[dict[str, Any]]:
+    """A question's content as the service takes it: text alone, or its images then its text."""
+    return assemble_content([image_part(uri) for uri in images] + ([{"type": "text", "text": text}] if text else []))
