@@ -11,6 +11,7 @@ import concurrent.futures
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 import httpx
@@ -317,6 +318,15 @@ def test_the_services_text_is_shown_as_text_never_as_markup(fresh, page):
     assert page.title() != "pwned"
 
 
+def test_usage_shows_what_an_app_sent_today_and_over_7_days(fresh, page):
+    app = f"usage-{uuid.uuid4().hex[:8]}"  # the usage file outlives a test; this name is this test's alone
+    assert chat(fresh, "web-usage", app, max_tokens=3).status_code == 200
+    page.goto(f"{fresh.url}/ui")
+    row = page.locator(f'#usage li[data-usage-name="{app}"]')
+    expect(row).to_contain_text(re.compile(r"today: 1 request \(GPU 1\) · \d+ tokens in · [1-3] out"))
+    expect(row).to_contain_text(re.compile(r"7 days: 1 request \(GPU 1\)"))
+
+
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
     service = RunningService(tmp_path_factory.mktemp("keyed"), BASE_CONFIG, env={"TRAY_APP_API_KEY": "web-page-key"})
@@ -354,6 +364,72 @@ def test_with_a_key_the_page_logs_in_and_every_change_needs_the_csrf_token(keyed
     page.get_by_role("button", name="Log out").click()
     expect(page.locator("#login")).to_be_visible()
     assert page.evaluate("fetch('/status').then(r => r.status)") == 401
+
+
+def log_in(page, service, key="web-page-key"):
+    page.goto(f"{service.url}/ui")
+    page.get_by_label("API key").fill(key)
+    page.get_by_role("button", name="Log in").click()
+    expect(page.locator("#state")).to_have_text("Serving on the GPU")
+
+
+def test_an_admin_adds_a_key_from_the_page_sees_it_once_and_revokes_it(keyed, page):
+    log_in(page, keyed)
+    keys = page.locator("#keys-section")
+    expect(keys).to_be_visible()
+    keys.get_by_label("App name").fill("bad name")
+    keys.get_by_role("button", name="Add key").click()
+    expect(page.locator("#keys-error")).to_contain_text("must be 1-64 letters")
+    keys.get_by_label("App name").fill("web-notes")
+    keys.get_by_label("Models").fill(keyed.status()["models"][0]["name"])
+    keys.get_by_role("button", name="Add key").click()
+    dialog = page.get_by_role("dialog", name="Key for web-notes")
+    expect(dialog).to_be_visible()
+    raw = dialog.get_by_label("Key").input_value()
+    assert raw.startswith("tak_")
+    assert httpx.get(f"{keyed.url}/v1/models", headers={"Authorization": f"Bearer {raw}"}).status_code == 200
+    assert httpx.post(f"{keyed.url}/admin/gpu", headers={"Authorization": f"Bearer {raw}"},
+                      json={"paused": True}).status_code == 403
+    page.keyboard.press("Escape")  # closes the dialog, and the raw key leaves the page
+    expect(dialog).to_be_hidden()
+    assert raw not in page.content()
+    row = page.locator('#keys li[data-key-name="web-notes"]')
+    expect(row).to_contain_text("inference · models: ")
+    row.get_by_role("button", name="Revoke web-notes").click()
+    question = page.get_by_role("dialog", name="Revoke web-notes?")
+    expect(question).to_be_visible()
+    page.keyboard.press("Escape")  # changed their mind: nothing is revoked
+    expect(question).to_be_hidden()
+    assert httpx.get(f"{keyed.url}/v1/models", headers={"Authorization": f"Bearer {raw}"}).status_code == 200
+    row.get_by_role("button", name="Revoke web-notes").click()
+    question.get_by_role("button", name="Revoke").click()
+    expect(row).to_have_count(0)
+    assert httpx.get(f"{keyed.url}/v1/models", headers={"Authorization": f"Bearer {raw}"}).status_code == 401
+
+
+def test_the_key_routes_check_every_field_and_only_an_admin_reaches_them(keyed):
+    http = keyed.http
+    for body, param in (({"name": 7}, "name"), ({"name": "api_key"}, "name"), ({"name": "x", "scope": "root"}, "scope"),
+                        ({"name": "x", "models": "all"}, "models"), ({"name": "x", "max_concurrency": 0},
+                                                                      "max_concurrency"),
+                        ({"name": "x", "max_concurrency": True}, "max_concurrency"), ({"name": "x", "owner": "me"},
+                                                                                         "owner")):
+        bad = http.post("/admin/keys", json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (body, bad.text)
+    made = http.post("/admin/keys", json={"name": "web-reader", "max_concurrency": 2})
+    assert made.status_code == 201 and made.json()["scope"] == "inference" and made.json()["key"].startswith("tak_")
+    try:
+        assert http.post("/admin/keys", json={"name": "web-reader"}).json()["error"]["code"] == "key_exists"
+        listed = http.get("/admin/keys").json()["keys"]
+        reader = next(k for k in listed if k["name"] == "web-reader")
+        assert reader["max_concurrency"] == 2 and "key" not in reader and "sha256" not in reader
+        as_reader = {"Authorization": f"Bearer {made.json()['key']}"}
+        assert httpx.get(f"{keyed.url}/admin/keys", headers=as_reader).status_code == 403
+        assert httpx.delete(f"{keyed.url}/admin/keys/web-reader", headers=as_reader).status_code == 403
+    finally:
+        assert http.delete("/admin/keys/web-reader").status_code == 200
+    gone = http.delete("/admin/keys/web-reader")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "key_not_found"
 
 
 def test_login_sets_a_session_cookie_and_changes_with_it_need_the_csrf_header(keyed):

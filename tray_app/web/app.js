@@ -20,6 +20,7 @@ const HISTORY_S = 300;  // the tray's "Last 5 minutes"
 // rather than drawing a straight line through minutes nobody measured.
 const GAP_S = 5;
 const LOG_LINES = 500;
+const RENDER_EVERY_MS = 100;
 const SVG = "http://www.w3.org/2000/svg";
 
 const $ = (id) => document.getElementById(id);
@@ -306,6 +307,28 @@ function recentLine(decision) {
   return parts.filter(Boolean).join(" · ");
 }
 
+// ----- usage, from /status's "usage" (core/usage.py) ----------------------------------------
+
+function count(value) { return (num(value) || 0).toLocaleString("en-US"); }
+
+function usageLine(period, counts) {
+  const paths = counts.paths || {};
+  const byPath = ["gpu", "cpu", "peer"].filter((path) => num((paths[path] || {}).requests))
+    .map((path) => `${ROUTE_NAMES[path]} ${count(paths[path].requests)}`);
+  const parts = [`${period}: ${count(counts.requests)} ${counts.requests === 1 ? "request" : "requests"}`
+    + (byPath.length ? ` (${byPath.join(", ")})` : ""),
+    `${count(counts.tokens_in)} tokens in`, `${count(counts.tokens_out)} out`];
+  for (const field of ["degraded", "refused", "cancelled"]) if (num(counts[field])) parts.push(`${count(counts[field])} ${field}`);
+  return parts.join(" · ");
+}
+
+// Busiest first over the week, so the apps that matter lead.
+function usageRows(usage) {
+  return Object.entries((usage || {}).by_name || {})
+    .map(([name, entry]) => ({name, today: entry.today || {}, week: entry.last_7_days || {}}))
+    .sort((a, b) => (num(b.week.requests) || 0) - (num(a.week.requests) || 0) || a.name.localeCompare(b.name));
+}
+
 // ----- talking to the service ---------------------------------------------------------
 
 function csrfToken() {
@@ -504,6 +527,22 @@ function renderLogWorkers(status) {
   if (roles.includes(chosen)) picker.value = chosen;
 }
 
+function renderUsage(status) {
+  $("usage-section").hidden = !status.usage;
+  if (!status.usage) return;
+  const rows = usageRows(status.usage);
+  $("usage-empty").hidden = rows.length > 0;
+  $("usage").replaceChildren(...rows.map((row) => {
+    const item = el("li");
+    item.dataset.usageName = row.name;
+    const text = el("span");
+    text.append(el("strong", row.name), el("span", usageLine("today", row.today), "detail"),
+      el("span", usageLine("7 days", row.week), "detail"));
+    item.append(text);
+    return item;
+  }));
+}
+
 function render(status) {
   $("state").textContent = stateTitle(status);
   renderBanner(status);
@@ -512,6 +551,7 @@ function render(status) {
   renderRequests(status);
   renderModels(status);
   renderRecent(status);
+  renderUsage(status);
   renderGpu(status);
   renderLogWorkers(status);
 }
@@ -527,6 +567,8 @@ async function showLogs(event) {
   const worker = $("logs-worker").value || "gpu";
   try {
     const response = await call("GET", `/admin/logs?worker=${encodeURIComponent(worker)}&lines=${LOG_LINES}`);
+    // An inference key's page has no log view.
+    $("logs-section").hidden = response.status === 403;
     if (!response.ok) {
       logLines = [];
       renderLogs(await errorText(response));
@@ -566,6 +608,7 @@ async function poll() {
     $("logout").hidden = !csrfToken();
     render(lastStatus);
     if (!logsShown) showLogs();
+    if (!keysLoaded) loadKeys();
   } catch (error) {
     if (error instanceof LoggedOut) { showLogin(); return; }
     $("state").textContent = `The service did not answer: ${error.message || error}`;
@@ -578,6 +621,8 @@ function showLogin() {
   pollTimer = null;
   $("panel").hidden = true;
   $("logout").hidden = true;
+  // The next login may hold another key: what it may read is asked again.
+  logsShown = keysLoaded = false;
   $("login").hidden = false;
   $("state").textContent = "Log in to see the service";
   $("login-key").focus();
@@ -711,6 +756,93 @@ function renderMarkdown(text) {
   return root;
 }
 
+// ----- keys, for an admin: /admin/keys (core/api/key_routes.py) ------------------------------
+
+let keysLoaded = false;
+
+function keyLine(key) {
+  const parts = [key.scope];
+  parts.push(key.models && key.models.length ? `models: ${key.models.join(", ")}` : "every model");
+  if (Number.isInteger(key.max_concurrency)) parts.push(`${key.max_concurrency} at once`);
+  if (num(key.created)) parts.push(`made ${new Date(key.created * 1000).toLocaleDateString("en-CA")}`);
+  return parts.join(" · ");
+}
+
+// Read when the page opens and after each change, not every poll: keys
+// change only here or from the command line.
+async function loadKeys() {
+  keysLoaded = true;
+  try {
+    const response = await call("GET", "/admin/keys");
+    // An inference key's page has no key controls to show.
+    if (response.status === 403 || response.status === 404) { $("keys-section").hidden = true; return; }
+    if (!response.ok) { $("keys-error").textContent = await errorText(response); return; }
+    renderKeys((await response.json()).keys || []);
+  } catch (error) {
+    if (error instanceof LoggedOut) showLogin(); else $("keys-error").textContent = String(error);
+  }
+}
+
+function renderKeys(keys) {
+  $("keys-section").hidden = false;
+  $("keys-empty").hidden = keys.length > 0;
+  $("keys").replaceChildren(...keys.map((key) => {
+    const row = el("li");
+    row.dataset.keyName = key.name;
+    const text = el("span");
+    text.append(el("strong", String(key.name)), el("span", keyLine(key), "detail"));
+    const buttons = el("span", undefined, "buttons");
+    const revoke = button("Revoke", () => askRevoke(String(key.name)), "secondary");
+    revoke.setAttribute("aria-label", `Revoke ${key.name}`);
+    buttons.append(revoke);
+    row.append(text, buttons);
+    return row;
+  }));
+}
+
+async function addKey(event) {
+  event.preventDefault();
+  $("keys-error").textContent = "";
+  const models = $("key-models").value.split(",").map((name) => name.trim()).filter(Boolean);
+  const limit = $("key-concurrency").value.trim();
+  const body = {name: $("key-name").value.trim(), scope: $("key-scope").value, models,
+    max_concurrency: limit === "" ? null : Number(limit)};
+  try {
+    const response = await call("POST", "/admin/keys", body);
+    if (!response.ok) { $("keys-error").textContent = await errorText(response); return; }
+    const made = await response.json();
+    $("key-add").reset();
+    $("key-made-name").textContent = made.name;
+    $("key-made-value").value = made.key;
+    $("key-made").showModal();
+    $("key-made-value").select();
+  } catch (error) {
+    if (error instanceof LoggedOut) showLogin(); else $("keys-error").textContent = String(error);
+  }
+  loadKeys();
+}
+
+function askRevoke(name) {
+  $("key-revoke-name").textContent = name;
+  $("key-revoke").dataset.keyName = name;
+  $("key-revoke").returnValue = "";
+  $("key-revoke").showModal();
+}
+
+async function revokeKey() {
+  const dialog = $("key-revoke");
+  if (dialog.returnValue !== "revoke") return;  // "Keep it", or Escape
+  $("keys-error").textContent = "";
+  try {
+    const response = await call("DELETE", `/admin/keys/${encodeURIComponent(dialog.dataset.keyName)}`);
+    if (!response.ok) $("keys-error").textContent = await errorText(response);
+  } catch (error) {
+    if (error instanceof LoggedOut) { showLogin(); return; }
+    $("keys-error").textContent = String(error);
+  }
+  loadKeys();
+}
+
 // ----- chat --------------------------------------------------------------------------------
 
 let chatAbort = null;
@@ -745,7 +877,7 @@ async function chat(event) {
     $("chat-route").textContent = routeLine(h.get("X-Served-By"), h.get("X-Route-Reason"), h.get("X-Fallback-Model"), h.get("X-Peer"));
     const reader = response.body.getReader();
     const decoder = new TextDecoder();
-    let pending = "", problem = "";
+    let pending = "", problem = "", shownAt = -Infinity;
     for (;;) {
       const {value, done} = await reader.read();
       if (done) break;
@@ -761,8 +893,14 @@ async function chat(event) {
         const delta = ((event.choices || [])[0] || {}).delta || {};
         if (typeof delta.content === "string") text += delta.content;
       }
-      showAnswer(text, problem);
+      // Each render parses the whole answer again: at most ten a second, so a
+      // long answer doesn't cost the page more than the model's speed.
+      if (performance.now() - shownAt >= RENDER_EVERY_MS) {
+        showAnswer(text, problem);
+        shownAt = performance.now();
+      }
     }
+    showAnswer(text, problem);
   } catch (error) {
     if (error instanceof LoggedOut) showLogin();
     else if (error.name === "AbortError") showAnswer(text, "Stopped.");
@@ -789,6 +927,10 @@ document.addEventListener("DOMContentLoaded", () => {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) { event.preventDefault(); $("chat").requestSubmit(); }
   });
   $("logs-form").addEventListener("submit", showLogs);
+  $("key-add").addEventListener("submit", addKey);
+  $("key-revoke").addEventListener("close", revokeKey);
+  // The raw key leaves the page once its dialog is closed.
+  $("key-made").addEventListener("close", () => { $("key-made-value").value = ""; });
   $("logs-worker").addEventListener("change", () => showLogs());
   $("logs-filter").addEventListener("input", () => renderLogs());
   // Escape stops a streaming answer; a dialog closes itself on Escape.

@@ -41,6 +41,7 @@ from .ollama import DEFAULT_TAG
 from .llamacpp import LlamaCppRoutes
 from .ollama_routes import OllamaRoutes
 from .web_page import web_page, worker_logs
+from .key_routes import key_routes
 from .protocol import Protocol, Translated
 from .responses import ResponsesRoutes
 from .service_routes import ServiceRoutes
@@ -544,6 +545,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         HttpRoute("/admin/models/{name:path}", admin.model, methods=["POST"]),
         HttpRoute("/admin/library/rescan", admin.rescan, methods=["POST"]),
         HttpRoute("/admin/logs", worker_logs(service), methods=["GET"]),
+        *key_routes(),
         # Ollama's API (see ollama.py), for apps that speak only it.
         HttpRoute("/api/chat", ollama.chat, methods=["POST"]),
         HttpRoute("/api/generate", ollama.generate, methods=["POST"]),
