@@ -3,10 +3,13 @@ against the real service on the real small model (issue 15)."""
 
 from __future__ import annotations
 
+import base64
 import json
 
 import anthropic
 import pytest
+
+from tests.tiny_projector import tiny_png
 
 pytestmark = pytest.mark.integration
 
@@ -89,7 +92,8 @@ def test_errors_come_in_anthropics_shape(fresh, client, model):
     assert unknown.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError) as bad:
         client.messages.create(model=model, max_tokens=8, messages=[{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}])
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(tiny_png()).decode()}}]}])
     assert bad.value.body["error"]["type"] == "invalid_request_error" and "vision" in bad.value.body["error"]["message"]
     for body, field in (({"model": model, "messages": HELLO}, "max_tokens"),
                         ({"model": model, "max_tokens": 8}, "messages"),
