@@ -8,6 +8,7 @@ browser download is never used. Without a chromium binary the tests skip.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import shutil
@@ -294,16 +295,26 @@ def test_give_the_gpu_back_and_use_it_again(fresh, page):
     assert fresh.status()["gpu"]["residency"]["state"] in ("loading", "loaded")
 
 
+def bound_the_answers(page, max_tokens=40):
+    """The page asks for no limit, and the tiny model sometimes rambles to
+    its context's end, minutes on a busy machine: the test's requests carry
+    a limit, added on their way out; the answer still streams from the service."""
+    def add_limit(route):
+        route.continue_(post_data=json.dumps({**json.loads(route.request.post_data or "{}"), "max_tokens": max_tokens}))
+    page.route("**/v1/chat/completions", add_limit)
+
+
 def test_chat_streams_an_answer_with_its_route_line(fresh, page):
+    bound_the_answers(page)
     page.goto(f"{fresh.url}/ui")
     expect(page.locator("#chat-model option")).not_to_have_count(0)
     page.get_by_label("Message").fill("Say hello.")
     page.get_by_role("button", name="Send").press("Enter")  # by keyboard, as a real button takes it
     expect(page.locator("#chat-route")).to_have_text("served by GPU · admitted")
     expect(page.locator("#chat-answer")).not_to_be_empty()
-    # The stream's end re-enables Send (a generous deadline: the answer runs
-    # to the model's stop on a busy machine).
+    # The stream's end re-enables Send.
     expect(page.get_by_role("button", name="Send")).to_be_enabled(timeout=120_000)
+    expect(page.get_by_role("button", name="Stop")).to_be_hidden()
 
 
 def test_the_services_text_is_shown_as_text_never_as_markup(fresh, page):
