@@ -34,9 +34,13 @@ import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+# The GPU model must fit with room to spare: with the default 1 GiB reserve
+# its worker no longer leaves that much free on 2 GiB, and the service gives
+# the GPU away at once (nothing would be measured with it loaded).
 CONFIG = """
 [gpu]
 simulate_mib = 2048
+reserve_mib = 256
 [worker]
 stop_timeout_s = 3
 """

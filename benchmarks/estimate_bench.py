@@ -1,0 +1,175 @@
+"""How close the latency estimate (X-Estimated-Latency) comes to the actual
+time, on both paths. Prints numbers; asserts nothing.
+
+    .venv/bin/python benchmarks/estimate_bench.py [--rounds 2] [--warm 1]
+
+The real service on the tiny model, with its simulated GPU (4 slots) and a
+CPU worker with 2 slots. Each mix is sent at once, every request writing
+all of its max_tokens (ignore_eos), so its actual time is what the
+estimate promises:
+
+- cpu: 8 requests forced onto the CPU (X-Force-Path: cpu), 100 tokens each
+  (the case issue 32 measured at 0.38-0.68 of the actual time);
+- cpu-mixed: 8 CPU requests of 40 to 160 tokens, short and long prompts;
+- gpu-mixed: 12 requests on the simulated GPU's 4 slots, 40 to 160 tokens.
+
+Warm-up rounds (not counted) let each path measure its speed per number of
+busy slots. A request's ratio is estimate / actual (1.0 = exact; the target
+is 0.75-1.25); actual runs from the client's send to its last byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.harness import RunningService  # noqa: E402
+
+CONFIG = """
+[gpu]
+simulate_mib = 8192
+n_ctx = 4096
+max_concurrency = 4
+queue_limit = 64
+reserve_mib = 256
+first_token_timeout_s = 300
+token_timeout_s = 120
+yield_to_other_apps = false
+idle_unload_s = 0
+[cpu]
+n_ctx = 4096
+max_concurrency = 2
+queue_limit = 64
+ram_floor_mib = 256
+[server]
+queue_timeout_s = 600
+"""
+SHORT_PROMPT = "Write a story about a lighthouse keeper."
+LONG_PROMPT = "Summarise this: " + "the tide came in and the lamp was lit again. " * 30
+
+
+@dataclass(frozen=True)
+class Sent:
+    max_tokens: int
+    prompt: str
+    force_cpu: bool
+
+
+@dataclass(frozen=True)
+class Measured:
+    mix: str
+    index: int
+    sent: Sent
+    served_by: str
+    estimate_s: float | None
+    actual_s: float
+
+    @property
+    def ratio(self) -> float | None:
+        return self.estimate_s / self.actual_s if self.estimate_s is not None else None
+
+
+MIXES: dict[str, list[Sent]] = {
+    "cpu": [Sent(100, SHORT_PROMPT, True)] * 8,
+    "cpu-mixed": [Sent(tokens, LONG_PROMPT if i % 3 == 0 else SHORT_PROMPT, True)
+                  for i, tokens in enumerate((40, 160, 100, 60, 120, 80, 160, 40))],
+    "gpu-mixed": [Sent(tokens, LONG_PROMPT if i % 4 == 0 else SHORT_PROMPT, False)
+                  for i, tokens in enumerate((40, 160, 100, 60, 120, 80, 160, 40, 100, 140, 60, 120))],
+}
+
+
+async def one(client: httpx.AsyncClient, mix: str, index: int, sent: Sent) -> Measured:
+    headers = {"X-Force-Path": "cpu"} if sent.force_cpu else {}
+    started = time.perf_counter()
+    response = await client.post("/v1/chat/completions", headers=headers, json={
+        "messages": [{"role": "user", "content": sent.prompt}], "max_tokens": sent.max_tokens,
+        "temperature": 0, "ignore_eos": True})
+    actual = time.perf_counter() - started
+    response.raise_for_status()
+    estimate = response.headers.get("x-estimated-latency")
+    return Measured(mix, index, sent, response.headers.get("x-served-by", "?"),
+                    float(estimate) if estimate not in (None, "unknown") else None, actual)
+
+
+async def send_mix(url: str, mix: str) -> list[Measured]:
+    sent = MIXES[mix]
+    async with httpx.AsyncClient(base_url=url, timeout=600,
+                                 limits=httpx.Limits(max_connections=len(sent))) as client:
+        # One at a time into the service, a millisecond apart, so the order
+        # of arrival (and so each one's place in the queue) is the list's.
+        tasks = []
+        for index, request in enumerate(sent):
+            tasks.append(asyncio.create_task(one(client, mix, index, request)))
+            await asyncio.sleep(0.001)
+        return list(await asyncio.gather(*tasks))
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def summary(rows: list[Measured]) -> str:
+    ratios = [r.ratio for r in rows if r.ratio is not None]
+    if not ratios:
+        return "no estimates"
+    # The worst decile: the tenth of the requests whose estimate is furthest off.
+    off = sorted(ratios, key=lambda ratio: max(ratio, 1 / ratio) if ratio > 0 else float("inf"))
+    worst = off[-max(1, len(off) // 10):]
+    within = sum(0.75 <= ratio <= 1.25 for ratio in ratios)
+    return (f"median {statistics.median(ratios):.2f}, p10 {quantile(ratios, 0.1):.2f}, "
+            f"p90 {quantile(ratios, 0.9):.2f}, worst decile {min(worst):.2f}..{max(worst):.2f}; "
+            f"{within}/{len(ratios)} within 0.75-1.25")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warm", type=int, default=1, help="warm-up rounds of every mix, not counted")
+    parser.add_argument("--mix", action="append", choices=sorted(MIXES), help="only these mixes (repeatable)")
+    args = parser.parse_args()
+    mixes = args.mix or list(MIXES)
+
+    with tempfile.TemporaryDirectory(prefix="estimate_bench_") as tmp:
+        service = RunningService(Path(tmp), CONFIG)
+        try:
+            service.wait_ready()
+            for _ in range(args.warm):
+                for mix in mixes:
+                    asyncio.run(send_mix(service.url, mix))
+            rows: list[Measured] = []
+            for _ in range(args.rounds):
+                for mix in mixes:
+                    rows.extend(asyncio.run(send_mix(service.url, mix)))
+            print(f"{'mix':10} {'#':>2} {'path':4} {'max_tok':>7} {'prompt':6} {'estimate s':>10} "
+                  f"{'actual s':>8} {'ratio':>6}")
+            for row in rows:
+                estimate = f"{row.estimate_s:10.2f}" if row.estimate_s is not None else f"{'-':>10}"
+                ratio = f"{row.ratio:6.2f}" if row.ratio is not None else f"{'-':>6}"
+                print(f"{row.mix:10} {row.index:2} {row.served_by:4} {row.sent.max_tokens:7} "
+                      f"{'long' if row.sent.prompt is LONG_PROMPT else 'short':6} {estimate} "
+                      f"{row.actual_s:8.2f} {ratio}")
+            print("== estimate / actual ==")
+            for mix in mixes:
+                print(f"  {mix:10} {summary([r for r in rows if r.mix == mix])}")
+            for path in ("cpu", "gpu"):
+                print(f"  {path + ' path':10} {summary([r for r in rows if r.served_by == path])}")
+            speeds = service.status().get("speeds", {})
+            print(f"speeds: {speeds}")
+        finally:
+            service.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
