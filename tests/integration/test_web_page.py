@@ -418,6 +418,20 @@ def test_an_admin_adds_a_key_from_the_page_sees_it_once_and_revokes_it(keyed, pa
     assert httpx.get(f"{keyed.url}/v1/models", headers={"Authorization": f"Bearer {raw}"}).status_code == 401
 
 
+def test_an_inference_keys_page_shows_the_service_without_the_admin_controls(keyed, page):
+    made = keyed.http.post("/admin/keys", json={"name": "web-phone-app"})
+    assert made.status_code == 201
+    try:
+        log_in(page, keyed, made.json()["key"])
+        expect(page.locator("#models li")).not_to_have_count(0)
+        expect(page.locator("body")).to_have_class("not-admin")
+        for hidden in ("#give-back", "#models button", "#keys-section", "#logs-section"):
+            expect(page.locator(hidden).first).to_be_hidden()
+        expect(page.locator("#chat-send")).to_be_visible()
+    finally:
+        assert keyed.http.delete("/admin/keys/web-phone-app").status_code == 200
+
+
 def test_the_key_routes_check_every_field_and_only_an_admin_reaches_them(keyed):
     http = keyed.http
     for body, param in (({"name": 7}, "name"), ({"name": "api_key"}, "name"), ({"name": "x", "scope": "root"}, "scope"),

@@ -469,10 +469,10 @@ function renderModels(status) {
     row.append(el("span", `${view.name}${view.isDefault ? " (default)" : ""}: ${view.where}, ${view.memory}`));
     const buttons = el("span", undefined, "buttons");
     const path = `/admin/models/${encodeURIComponent(view.name)}`;
-    const load = button("Load", () => act("POST", path, {loaded: true}));
+    const load = button("Load", () => act("POST", path, {loaded: true}), "admin-only");
     load.disabled = !view.canLoad;
     load.setAttribute("aria-label", `Load ${view.name}`);
-    const unload = button("Unload", () => act("POST", path, {loaded: false}), "secondary");
+    const unload = button("Unload", () => act("POST", path, {loaded: false}), "secondary admin-only");
     unload.disabled = !view.canUnload;
     unload.setAttribute("aria-label", `Unload ${view.name}`);
     buttons.append(load, unload);
@@ -774,7 +774,8 @@ async function loadKeys() {
   keysLoaded = true;
   try {
     const response = await call("GET", "/admin/keys");
-    // An inference key's page has no key controls to show.
+    // An inference key's page: no key controls, and no admin buttons it would be refused.
+    document.body.classList.toggle("not-admin", response.status === 403);
     if (response.status === 403 || response.status === 404) { $("keys-section").hidden = true; return; }
     if (!response.ok) { $("keys-error").textContent = await errorText(response); return; }
     renderKeys((await response.json()).keys || []);
