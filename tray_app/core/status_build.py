@@ -27,7 +27,7 @@ from .rpc import RpcHealth
 from .status_contract import (BreakerStatus, DecisionRecord, DegradedStatus, EmbeddingsStatus, EngineStatus, Event,
                               FailoverStatus,
                               GpuStatus, LaneStatus, ModelSummary, PeerStatus, RamStatus, RequestStatus,
-                              ResidencyStatus, RpcServerStatus, RpcSplit, Speeds, Status, WorkerStatus)
+                              RpcServerStatus, RpcSplit, Speeds, Status, WorkerStatus)
 
 MIB = 1024 * 1024
 
@@ -136,7 +136,7 @@ def gpu_status(service: StatusSource) -> GpuStatus:
     if service.simulated is not None:
         gpu["pressure_mib"] = service.simulated.pressure_mib
         gpu["simulated_device_dir"] = str(service.simulated.others_dir)
-    gpu["residency"] = cast(ResidencyStatus, host.sharing.status()) if host.sharing is not None else None
+    gpu["residency"] = host.sharing.status() if host.sharing is not None else None
     gpu["rpc_servers"] = cast(list[RpcServerStatus], service.rpc_health.status())
     gpu["rpc_split"] = rpc_split(host)  # the local GPU's share admission charges
     return gpu

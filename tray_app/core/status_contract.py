@@ -18,6 +18,7 @@ annotations` here: Python 3.11's TypedDict sees NotRequired only in evaluated
 annotations.
 """
 
+import functools
 import types
 import typing
 from typing import Any, Literal, NotRequired, TypedDict, Union
@@ -483,7 +484,7 @@ def _check(value: object, kind: Any, where: str) -> list[str]:
 def _check_typeddict(value: object, kind: Any, where: str) -> list[str]:
     if not isinstance(value, dict):
         return [f"{where}: {_name(value)}, expected an object ({kind.__name__})"]
-    hints = typing.get_type_hints(kind)
+    hints = _hints(kind)
     problems = [f"{where}.{key}: missing" for key in sorted(kind.__required_keys__) if key not in value]
     for key, element in value.items():
         if key in hints:
@@ -491,6 +492,12 @@ def _check_typeddict(value: object, kind: Any, where: str) -> list[str]:
         elif kind not in _OPEN:
             problems.append(f"{where}.{key}: not in the contract ({kind.__name__})")
     return problems
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(kind: Any) -> dict[str, Any]:
+    # Evaluated once per TypedDict: the drill's monitor checks every sample.
+    return typing.get_type_hints(kind)
 
 
 def _check_scalar(value: object, kind: Any, where: str) -> list[str]:

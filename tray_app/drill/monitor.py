@@ -20,6 +20,7 @@ import httpx
 
 from ..core.api.security import bearer_header
 from ..core.dispatch.admission import GPU_OUT_REASONS
+from ..core.status_contract import Status, validate_status
 from .client import DrillClock
 
 GPU_OUT_REASON_CODES = frozenset(reason.value for reason in GPU_OUT_REASONS)
@@ -60,7 +61,7 @@ class StatusMonitor:
         self.decisions: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.failed_samples = 0
-        self.last_status: dict[str, Any] | None = None
+        self.last_status: Status | None = None
         self._seen_decisions: set[str] = set()
         self._seen_events: set[str] = set()
 
@@ -87,67 +88,75 @@ class StatusMonitor:
         try:
             status = self._http.get("/status").json()
         except (httpx.HTTPError, ValueError) as exc:
-            with self._lock:
-                self.failed_samples += 1
-                # A sample with no "cpu_gpu_out" breaks degraded intervals (see stats).
-                self.samples.append({"t": t, "error": f"{type(exc).__name__}: {exc}"})
+            self._failed(t, f"{type(exc).__name__}: {exc}")
+            return None
+        # An error body, or another version's shape: read as a failed sample, not half-read.
+        problems = validate_status(status)
+        if problems:
+            self._failed(t, f"not a /status this drill reads: {problems[0]}")
             return None
         with self._lock:
             self.last_status = status
             sample = self._digest(t, status)
             self.samples.append(sample)
             self._follow_requests(t, status)
-            self._collect(status.get("recent_decisions") or (), self.decisions, self._seen_decisions)
-            self._collect(status.get("events") or (), self.events, self._seen_events)
+            self._collect(status["recent_decisions"], self.decisions, self._seen_decisions)
+            self._collect(status["events"], self.events, self._seen_events)
         return sample
 
+    def _failed(self, t: float, error: str) -> None:
+        with self._lock:
+            self.failed_samples += 1
+            # A sample with no "cpu_gpu_out" breaks degraded intervals (see stats).
+            self.samples.append({"t": t, "error": error})
+
     @staticmethod
-    def _digest(t: float, status: dict[str, Any]) -> dict[str, Any]:
-        requests = status.get("requests") or []
+    def _digest(t: float, status: Status) -> dict[str, Any]:
+        requests = status["requests"]
         cpu_gpu_out = sorted(r["id"] for r in requests
-                             if r.get("path") == "cpu" and r.get("state") in ("queued", "running")
-                             and r.get("reason") in GPU_OUT_REASON_CODES)
-        workers = {w["role"]: w for w in status.get("workers") or ()}
-        gpu_worker = workers.get("gpu") or {}
-        queues = status.get("queues") or {}
-        gpu = status.get("gpu") or {}
-        degraded = status.get("degraded") or {}
+                             if r["path"] == "cpu" and r["state"] in ("queued", "running")
+                             and r["reason"] in GPU_OUT_REASON_CODES)
+        gpu_worker = next((w for w in status["workers"] if w["role"] == "gpu"), None)
+        queues = status["queues"]
+        gpu = status["gpu"]
+        degraded = status["degraded"]
+        last_exit = gpu_worker["last_exit"] if gpu_worker is not None else None
         return {
             "t": t,
-            "degraded_active": bool(degraded.get("active")),
-            "degraded_reason": degraded.get("reason"),
+            "degraded_active": degraded["active"],
+            "degraded_reason": degraded["reason"],
             "cpu_gpu_out": bool(cpu_gpu_out),
             "cpu_gpu_out_ids": cpu_gpu_out,
             "in_flight": len(requests),
-            "ram_available_mib": (status.get("ram") or {}).get("available_mib"),
-            "gpu_free_mib": gpu.get("free_mib"),
-            "gpu_path_out": gpu.get("path_out_reason"),
-            "pressure_mib": gpu.get("pressure_mib"),
-            "breaker": (status.get("breaker") or {}).get("state"),
-            "gpu_worker_state": gpu_worker.get("state"),
-            "gpu_worker_pid": gpu_worker.get("pid"),
-            "gpu_worker_last_exit": (gpu_worker.get("last_exit") or {}).get("kind"),
-            "queue_oldest_s": {name: q.get("oldest_age_s") for name, q in queues.items()},
-            "queue_depth": {name: q.get("depth") for name, q in queues.items()},
-            "gpu_recovery_s": status.get("gpu_recovery_s"),
+            "ram_available_mib": status["ram"]["available_mib"],
+            "gpu_free_mib": gpu["free_mib"],
+            "gpu_path_out": gpu["path_out_reason"],
+            "pressure_mib": gpu.get("pressure_mib"),  # a simulated device only
+            "breaker": status["breaker"]["state"],
+            "gpu_worker_state": gpu_worker["state"] if gpu_worker is not None else None,
+            "gpu_worker_pid": gpu_worker["pid"] if gpu_worker is not None else None,
+            "gpu_worker_last_exit": last_exit["kind"] if last_exit is not None else None,
+            "queue_oldest_s": {"gpu": queues["gpu"]["oldest_age_s"], "cpu": queues["cpu"]["oldest_age_s"]},
+            "queue_depth": {"gpu": queues["gpu"]["depth"], "cpu": queues["cpu"]["depth"]},
+            "gpu_recovery_s": status["gpu_recovery_s"],
         }
 
-    def _follow_requests(self, t: float, status: dict[str, Any]) -> None:
-        for request in status.get("requests") or ():
+    def _follow_requests(self, t: float, status: Status) -> None:
+        for request in status["requests"]:
             trace = self.traces.get(request["id"])
             if trace is None:
                 trace = self.traces[request["id"]] = RequestTrace(first_seen_s=t)
-            running = request.get("state") == "running"
-            if running and request.get("path") == "gpu" and trace.gpu_running_s is None:
+            running = request["state"] == "running"
+            if running and request["path"] == "gpu" and trace.gpu_running_s is None:
                 trace.gpu_running_s = t
-            if running and request.get("path") == "cpu" and trace.cpu_running_s is None:
+            if running and request["path"] == "cpu" and trace.cpu_running_s is None:
                 trace.cpu_running_s = t
-            trace.first_failure = trace.first_failure or request.get("first_failure")
-            trace.replayed = trace.replayed or bool(request.get("replayed"))
-            attempts = request.get("attempts") or []
+            trace.first_failure = trace.first_failure or request["first_failure"]
+            trace.replayed = trace.replayed or request["replayed"]
+            attempts = request["attempts"]
             if len(attempts) >= len(trace.attempts):
-                trace.attempts = attempts
-            completed = sum(1 for a in attempts if a.get("outcome") == "completed")
+                trace.attempts = [dict(a) for a in attempts]
+            completed = sum(1 for a in attempts if a["outcome"] == "completed")
             trace.max_completed_attempts = max(trace.max_completed_attempts, completed)
 
     @staticmethod

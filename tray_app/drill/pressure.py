@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import httpx
 
 from ..core.api.security import bearer_header
+from ..core.status_contract import GpuStatus, Status
 from .ballast import Ballast, library as ballast_library
 
 MIB = 1024 * 1024
@@ -57,10 +58,10 @@ class SimulatedPressure:
     def __init__(self, url: str, api_key: str = "") -> None:
         self._http = httpx.Client(base_url=url, headers=bearer_header(api_key), timeout=10.0)
 
-    def _gpu(self) -> dict[str, Any]:
+    def _gpu(self) -> GpuStatus:
         return self._http.get("/status").json()["gpu"]
 
-    def _set(self, mib: float) -> dict[str, Any]:
+    def _set(self, mib: float) -> GpuStatus:
         response = self._http.post("/admin/gpu", json={"simulated_pressure_mib": round(max(0.0, mib), 1)})
         response.raise_for_status()
         return response.json()["gpu"]
@@ -100,7 +101,7 @@ class RealGpuPressure:
     kind = "real"
     starve_before_kill = False
 
-    def __init__(self, url: str, status: dict[str, Any], workdir: Path) -> None:
+    def __init__(self, url: str, status: Status, workdir: Path) -> None:
         from ..core.memory.gguf_info import read_model_info
         from ..core.memory.telemetry import NvmlGpuReader
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from ..core.status_contract import ModelSummary, RequestStatus, Status
 from . import plan as plans, stats
 from .agent import (
     FORCE_TOOL, ORDER_IDS, TOOLS, AgentRun, ToolLedger, check_tool_call, first_turn_messages, second_turn_messages,
@@ -68,7 +69,7 @@ REQUESTS_WHILE_HELD = 2
 
 
 class Drill:
-    def __init__(self, target: Target, initial_status: dict[str, Any], plan: plans.DrillPlan, *,
+    def __init__(self, target: Target, initial_status: Status, plan: plans.DrillPlan, *,
                  progress: Progress, phases: set[int] | None = None) -> None:
         self.target = target
         self.plan = plan
@@ -90,10 +91,10 @@ class Drill:
         self.sizer: PromptSizer | None = None
         self.started_wall = time.time()
         self.duration_s = 0.0
-        workers = {w["role"]: w for w in initial_status.get("workers") or ()}
-        self.gpu_cap = (workers.get("gpu") or {}).get("n_ctx")
-        self.cpu_cap = (workers.get("cpu") or {}).get("n_ctx")
-        self.reserve_mib = (initial_status.get("gpu") or {}).get("reserve_mib") or 0
+        workers = {w["role"]: w for w in initial_status["workers"]}
+        self.gpu_cap = workers["gpu"]["n_ctx"] if "gpu" in workers else None
+        self.cpu_cap = workers["cpu"]["n_ctx"] if "cpu" in workers else None
+        self.reserve_mib = initial_status["gpu"]["reserve_mib"]
 
     # ----- the run ------------------------------------------------------------------
 
@@ -146,9 +147,9 @@ class Drill:
                         "exceeds the GPU profile but fits in RAM")
         if number == 6 and not has_gpu_path:
             return "the service has no GPU worker"
-        if number == 10 and has_gpu_path and not (self.initial_status.get("gpu") or {}).get("residency"):
+        if number == 10 and has_gpu_path and self.initial_status["gpu"]["residency"] is None:
             return "the service does not report GPU residency (an older version)"
-        if number == 11 and len(self.initial_status.get("models") or ()) < 2:
+        if number == 11 and len(self.initial_status["models"]) < 2:
             return "the service has one model (the drill's own service has two)"
         if number == 11 and not has_gpu_path:
             return "the service has no GPU worker"
@@ -191,18 +192,18 @@ class Drill:
                  on_token: Callable[[int], None] | None = None) -> Future:
         return pool.submit(self.client.send, record, body, on_token)
 
-    def _ours(self, status: dict[str, Any]) -> list[dict[str, Any]]:
-        return [r for r in status.get("requests") or () if r["id"].startswith(self.run_tag)]
+    def _ours(self, status: Status) -> list[RequestStatus]:
+        return [r for r in status["requests"] if r["id"].startswith(self.run_tag)]
 
     def _wait_running(self, request_id: str, path: str, min_tokens: int = 0, timeout: float = STATUS_WAIT_S) -> dict:
-        def running(status: dict[str, Any]) -> bool:
+        def running(status: Status) -> bool:
             return any(r["id"] == request_id and r["path"] == path and r["state"] == "running"
                        and r["attempts"] and r["attempts"][-1]["tokens"] >= min_tokens
-                       for r in status.get("requests") or ())
+                       for r in status["requests"])
         return self.client.wait_status(running, timeout, interval=0.02, what=f"{request_id} running on the {path}")
 
-    def _request_in(self, status: dict[str, Any], request_id: str) -> dict[str, Any] | None:
-        return next((r for r in status.get("requests") or () if r["id"] == request_id), None)
+    def _request_in(self, status: Status, request_id: str) -> RequestStatus | None:
+        return next((r for r in status["requests"] if r["id"] == request_id), None)
 
     @staticmethod
     def _answered(record: RequestRecord) -> bool:
@@ -211,11 +212,15 @@ class Drill:
             saw_error_event=record.saw_error_event, body_ok=record.body_ok, error_code=record.error_code,
             transport_error=record.transport_error) == "answer"
 
-    def _kill_gpu(self, phase: PhaseResult, status: dict[str, Any], sig: signal.Signals, request_id: str | None,
+    def _request_state(self, status: Status, request_id: str) -> str | None:
+        request = self._request_in(status, request_id)
+        return request["state"] if request is not None else None
+
+    def _kill_gpu(self, phase: PhaseResult, status: Status, sig: signal.Signals, request_id: str | None,
                   what: str) -> dict[str, Any]:
         assert isinstance(self.target, OwnService)
         request = self._request_in(status, request_id) if request_id else None
-        attempts = (request or {}).get("attempts") or [{}]
+        attempts = request["attempts"] if request is not None else []
         pid = self.target.kill_gpu_worker(status, sig)
         at = round(self.clock.now(), 3)
         fault = {
@@ -223,7 +228,7 @@ class Drill:
             # For a kill the fault is over at once; the GPU recovery time runs from here.
             "at_s": at, "cleared_s": at,
             # As /status last showed them, a moment before the kill landed.
-            "gpu_tokens_at_kill": attempts[-1].get("tokens"),
+            "gpu_tokens_at_kill": attempts[-1]["tokens"] if attempts else None,
         }
         self.faults.append(fault)
         self.progress.note(f"fault: {what} ({sig.name}, pid {pid})")
@@ -236,7 +241,7 @@ class Drill:
         if self.target.can_inject and self.target.pressure is not None:
             self.target.pressure.release()
 
-        def calm(status: dict[str, Any]) -> bool:
+        def calm(status: Status) -> bool:
             if not self.target.can_inject:
                 return not self._ours(status)  # a live service's health is not ours to wait for
             return (all(w["state"] == "ready" for w in status["workers"])
@@ -318,7 +323,7 @@ class Drill:
         # X-Force-Path: cpu puts them all on the CPU lane without touching the
         # service's settings, so this runs live too: one blocker per CPU slot
         # (llama-server decodes several at once), then the ones that must wait.
-        slots = int(((self.client.status().get("engine") or {}).get("slots") or {}).get("cpu", 1))
+        slots = self.client.status()["engine"]["slots"]["cpu"]
         with ThreadPoolExecutor(slots + self.plan.queued_cancels) as pool:
             blockers = [self._record(phase, f"CPU lane blocker #{n + 1}", max_tokens=BLOCKER_TOKENS, forced_cpu=True)
                         for n in range(slots)]
@@ -330,10 +335,11 @@ class Drill:
                                       forced_cpu=True, expect="canceled")
                 queued_done = self._send_in(pool, queued, self._chat(SHORT_PROMPTS[i % len(SHORT_PROMPTS)]))
                 status = self.client.wait_status(
-                    lambda s, queued_id=queued.id: (self._request_in(s, queued_id) or {}).get("state") == "queued",
+                    lambda s, queued_id=queued.id: self._request_state(s, queued_id) == "queued",
                     STATUS_WAIT_S,
                     interval=0.05, what=f"{queued.id} waiting in the CPU queue")
-                position = (self._request_in(status, queued.id) or {}).get("queue_position")
+                request = self._request_in(status, queued.id)
+                position = request["queue_position"] if request is not None else None
                 cancel = self.client.cancel(queued.id)
                 state_was = cancel.json().get("state_was") if cancel.status_code == 200 else None
                 queued_done.result()
@@ -510,7 +516,7 @@ class Drill:
             taken = pressure.squeeze_to_spare(spare, self.reserve_mib) if (pressure and spare is not None) else {}
             if pressure is not None and pressure.kind == "real":
                 time.sleep(1.2)  # the service reads NVML once a second
-            free = (self.client.status().get("gpu") or {}).get("free_mib")
+            free = self.client.status()["gpu"]["free_mib"]
             label = "no pressure" if spare is None else f"{spare:g} MiB spare"
             short = self._send(self._record(phase, f"step {number} ({label}): short", stream=True,
                                             prompt_key="vram-short"), self._chat(SHORT_PROMPTS[3]))
@@ -553,10 +559,11 @@ class Drill:
         pressure = self.target.pressure
         status = self.client.status()
         worker = gpu_worker(status)
-        need = float(worker.get("estimated_vram_mib") or 0.0)
-        for process in (status.get("gpu") or {}).get("devices", [{}])[0].get("processes", []):
-            if process.get("pid") == worker.get("pid") and process.get("used_mib"):
-                need = max(need, float(process["used_mib"]))
+        need = worker["estimated_vram_mib"]
+        devices = status["gpu"]["devices"]
+        for process in devices[0]["processes"] if devices else ():
+            if process["pid"] == worker["pid"] and process["used_mib"]:
+                need = max(need, process["used_mib"])
         phase.data["gpu_worker_need_mib"] = need
         # A prompt that takes a moment to read, so the worker dies before its first token.
         prompt = self.sizer.message(self.gpu_cap - OVER_CAP_MAX_TOKENS - 24, OVER_CAP_QUESTIONS[2])
@@ -578,9 +585,9 @@ class Drill:
                     f"{fault['gpu_tokens_at_kill']}")
         status = self.client.wait_status(
             lambda s: s["breaker"]["state"] == "open"
-            and (gpu_worker(s).get("last_exit") or {}).get("kind") == "out_of_memory",
+            and (gpu_worker(s)["last_exit"] or {}).get("kind") == "out_of_memory",
             STATUS_WAIT_S, interval=0.05, what="the GPU restart failing out of memory and the breaker open")
-        last_exit = gpu_worker(status).get("last_exit") or {}
+        last_exit = gpu_worker(status)["last_exit"] or {}
         phase.check("the restart failed with an out-of-memory exit and the breaker opened", True,
                     f"last exit: {last_exit.get('description')}; evidence: {str(last_exit.get('evidence'))[:160]}")
         phase.data["oom_exit"] = last_exit
@@ -596,7 +603,7 @@ class Drill:
         pressure.release()
         fault["cleared_s"] = round(self.clock.now(), 3)
         status = self.client.wait_status(
-            lambda s: gpu_worker(s).get("state") == "ready" and s["breaker"]["state"] == "half_open",
+            lambda s: gpu_worker(s)["state"] == "ready" and s["breaker"]["state"] == "half_open",
             RECOVERY_WAIT_S, interval=0.05, what="GPU worker back and the breaker half-open")
         probe = self._send(self._record(phase, "first request after the memory came back (probe)", max_tokens=8),
                            self._chat(SHORT_PROMPTS[1]))
@@ -604,13 +611,13 @@ class Drill:
         phase.check("the probe ran on the GPU and closed the breaker",
                     probe.served_by == "gpu" and status["breaker"]["state"] == "closed",
                     f"probe {probe.served_by}/{probe.route_reason}; breaker {status['breaker']['state']}; "
-                    f"service's gpu_recovery_s {status.get('gpu_recovery_s')}")
+                    f"service's gpu_recovery_s {status['gpu_recovery_s']}")
 
     def _wait_vram_back(self, need_mib: float) -> None:
         """Real GPU: the killed worker's memory shows up as free again."""
-        before = (self.client.status().get("gpu") or {}).get("free_mib") or 0.0
+        before = self.client.status()["gpu"]["free_mib"] or 0.0
         try:
-            self.client.wait_status(lambda s: ((s.get("gpu") or {}).get("free_mib") or 0.0) >= before + 0.75 * need_mib,
+            self.client.wait_status(lambda s: (s["gpu"]["free_mib"] or 0.0) >= before + 0.75 * need_mib,
                                     15.0, interval=0.1, what="the killed worker's VRAM to come back")
         except DrillTimeout:
             pass  # NVML lagging is not the drill's business; the holder is sized from what it reads
@@ -728,7 +735,7 @@ class Drill:
         unanswered = [r.id for r in normal if not self._answered(r)]
         phase.check("every request around it was answered", not unanswered,
                     f"{len(normal) - len(unanswered)}/{len(normal)}" + (f"; not: {unanswered}" if unanswered else ""))
-        after = self.client.wait_status(lambda s: gpu_worker(s).get("state") == "ready", RECOVERY_WAIT_S,
+        after = self.client.wait_status(lambda s: gpu_worker(s)["state"] == "ready", RECOVERY_WAIT_S,
                                         interval=0.1, what="GPU worker back")
         cpu_after = next(w for w in after["workers"] if w["role"] == "cpu")
         restarts = gpu_worker(after)["restarts"] - gpu_before["restarts"]
@@ -849,7 +856,7 @@ class Drill:
         result: dict[str, Any] = {"second_model": second}
         phase.data["second_model"] = result
 
-        def model(status: dict[str, Any], name: str) -> dict[str, Any]:
+        def model(status: Status, name: str) -> ModelSummary:
             return next(m for m in status["models"] if m["name"] == name)
 
         app: OtherApp | None = None

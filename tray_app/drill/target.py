@@ -23,6 +23,7 @@ import httpx
 from ..core.api.security import bearer_header, effective_api_key
 from ..core.config import bundled_model_path, parse_config_text
 from ..core.engine.worker import free_loopback_port
+from ..core.status_contract import Status, WorkerStatus
 from . import plan as plans
 from .pressure import Pressure, RealGpuPressure, SimulatedPressure
 
@@ -64,7 +65,7 @@ class Target:
     can_inject: bool = False
     pressure: Pressure | None = None
 
-    def start(self) -> dict[str, Any]:
+    def start(self) -> Status:
         raise NotImplementedError
 
     def stop(self) -> None:
@@ -82,7 +83,7 @@ class LiveService(Target):
         self.description = f"live service at {self.url} (no faults injected)"
         self.simulated = False
 
-    def start(self) -> dict[str, Any]:
+    def start(self) -> Status:
         try:
             status = httpx.get(f"{self.url}/status", headers=bearer_header(self.api_key), timeout=10.0).json()
         except (httpx.HTTPError, ValueError) as exc:
@@ -110,7 +111,7 @@ class OwnService(Target):
         self._log_path = workdir / "service.log"
         self._log = None
 
-    def start(self) -> dict[str, Any]:
+    def start(self) -> Status:
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "config.toml"
         config.write_text(self.config_text)
@@ -133,7 +134,7 @@ class OwnService(Target):
                          else RealGpuPressure(self.url, status, self.workdir))
         return status
 
-    def _wait_ready(self) -> dict[str, Any]:
+    def _wait_ready(self) -> Status:
         deadline = time.monotonic() + READY_TIMEOUT_S
         with httpx.Client(base_url=self.url, headers=bearer_header(self.api_key), timeout=5.0) as http:
             while time.monotonic() < deadline:
@@ -149,7 +150,7 @@ class OwnService(Target):
                 time.sleep(0.2)
         raise TargetError(f"the service was not ready within {READY_TIMEOUT_S:g} s:\n{self.log_tail()}")
 
-    def kill_gpu_worker(self, status: dict[str, Any], sig: signal.Signals) -> int:
+    def kill_gpu_worker(self, status: Status, sig: signal.Signals) -> int:
         pid = gpu_worker(status)["pid"]
         if not pid:
             raise TargetError("the GPU worker has no process to kill")
@@ -176,8 +177,12 @@ class OwnService(Target):
             return ""
 
 
-def gpu_worker(status: dict[str, Any]) -> dict[str, Any]:
-    return next((w for w in status.get("workers") or () if w["role"] == "gpu"), {})
+def gpu_worker(status: Status) -> WorkerStatus:
+    """The GPU worker's line; the phases that ask for it are skipped on a service without one."""
+    found = next((w for w in status["workers"] if w["role"] == "gpu"), None)
+    if found is None:
+        raise TargetError("the service has no GPU worker")
+    return found
 
 
 class TargetError(Exception):

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.memory.telemetry import hold_simulated_vram
+from ..core.status_contract import Status
 
 MIB = 1024 * 1024
 
@@ -72,7 +73,7 @@ def allocate_real(mib: float) -> Any:
     return block
 
 
-def crowding_mib(status: dict[str, Any]) -> float:
+def crowding_mib(status: Status) -> float:
     """How much another app must take so the loaded GPU worker can no longer
     keep the reserve: all that is free with the worker loaded, less half the
     reserve. /status's reading can be a second old and miss a worker that
@@ -80,8 +81,8 @@ def crowding_mib(status: dict[str, Any]) -> float:
     gpu = status["gpu"]
     worker = next(w for w in status["workers"] if w["role"] == "gpu")
     free = gpu["free_mib"] or 0.0
-    if worker["state"] == "ready" and gpu.get("total_mib"):
-        free = min(free, gpu["total_mib"] - (worker.get("estimated_vram_mib") or 0.0))
+    if worker["state"] == "ready" and gpu["total_mib"]:
+        free = min(free, gpu["total_mib"] - worker["estimated_vram_mib"])
     return max(1.0, free - gpu["reserve_mib"] / 2)
 
 

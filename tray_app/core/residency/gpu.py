@@ -19,6 +19,7 @@ from ..dispatch.admission import GpuOut, Reason
 from ..dispatch.backend import Backend
 from ..engine.worker import WorkerState
 from ..memory.telemetry import GpuReading, MemorySnapshot
+from ..status_contract import ResidencyStatus
 from .policy import Action, DeviceView, Hold, HoldKind, Residency
 
 log = logging.getLogger(__name__)
@@ -344,7 +345,7 @@ class GpuSharing:
             return "loading"
         return self._worker.state.value
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> ResidencyStatus:
         hold = self.residency.hold
         policy = self.residency.policy
         out = self.gpu_out()
