@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import json
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
@@ -25,6 +26,7 @@ from ..dispatch.peer import HOP_HEADER
 from ..dispatch.quarantine import request_fingerprint
 from ..grammar_check import GrammarChecker
 from ..host import ModelHost
+from ..keys import ApiKey
 from ..service import Service
 from ..status_build import model_summary
 from ..usage import Outcome, UsageStore
@@ -33,7 +35,7 @@ from .embeddings import openai_embeddings
 from .errors import error_response_for_path
 from .admin_routes import AdminRoutes
 from .idempotency import IdempotencyStore
-from .key_access import KeyAccess, Refusal, usage_name
+from .key_access import KeyAccess, Refusal, model_allowed, usage_name
 from .security import principal_of
 from .openai_request import InvalidRequest, text_only
 from .anthropic import AnthropicMessages
@@ -53,6 +55,11 @@ from .sinks import AggregatingSink, QueueSink, RecordedStream
 from . import degraded_note
 
 _Invalid = InvalidRequest
+
+# The key of the request a llama.cpp tokenizer route is answering: the
+# route's model lookup (Router.tokenizer_host, called by llamacpp.py) is
+# given a model name, not the request.
+_TOKENIZING_KEY: ContextVar[ApiKey | None] = ContextVar("tokenizing_key", default=None)
 
 
 class Router:
@@ -119,6 +126,11 @@ class Router:
         listed = [(host.model_id, host) for host in hosts]
         if service.fallback_model_id not in {name for name, _ in listed}:
             listed.insert(1, (service.fallback_model_id, None))
+        # A key limited to some models sees those only (the fallback file is
+        # the default model's, as a request naming it is).
+        principal = principal_of(request.scope)
+        listed = [(name, host) for name, host in listed
+                  if model_allowed(principal, host or service.default_host)]
         created = int(service.started_at)
 
         def capabilities(host: ModelHost | None) -> dict[str, Any]:
@@ -171,13 +183,56 @@ class Router:
             job = Job(JobRequest(id=new_request_id(), kind=JobKind.CHAT, body=translated.body, stream=False,
                                  images=checked.images))
             host = self._host(translated.body.get("model"))
-            await self.service.ensure_started(host)
-            tokens = await self._count_prompt(job, host)
+            with self.access.holding(request, host):
+                await self.service.ensure_started(host)
+                tokens = await self._count_prompt(job, host)
         except _Invalid as bad:
             return protocol.error(bad.status, bad.message, bad.code, param=bad.param)
+        except Refusal as refusal:
+            return protocol.error(refusal.status, refusal.message, refusal.code, headers=refusal.headers)
         except ClientDisconnect:
             return Response(status_code=499)
         return JSONResponse({"input_tokens": tokens})
+
+    def tokenizer_route(self, handler):
+        """A llama.cpp tokenizer route (/tokenize, /detokenize,
+        /apply-template, /props) under the request's key: a slot of its
+        concurrency while it runs, and the model it names checked by
+        tokenizer_host."""
+        async def route(request: Request) -> Response:
+            try:
+                with self.access.holding(request):
+                    token = _TOKENIZING_KEY.set(principal_of(request.scope))
+                    try:
+                        return await handler(request)
+                    finally:
+                        _TOKENIZING_KEY.reset(token)
+            except Refusal as refusal:
+                answer = error_response_for_path(request.url.path, refusal.status, refusal.message, refusal.code)
+                answer.headers.update(refusal.headers)
+                return answer
+        return route
+
+    def tokenizer_host(self, model: Any) -> ModelHost:
+        """The host of a tokenizer route's model, if the request's key may use it."""
+        try:
+            return self.access.usable_host(_TOKENIZING_KEY.get(), self._host(model))
+        except Refusal as refusal:
+            raise _Invalid(refusal.status, refusal.message, refusal.code) from None
+
+    def listing_route(self, handler):
+        """An Ollama route listing models ({"models": [{"name": ...}]}:
+        /api/tags, /api/ps) with only those the request's key may use."""
+        async def route(request: Request) -> Response:
+            answer = await handler(request)
+            principal = principal_of(request.scope)
+            if principal is None or not principal.models or answer.status_code != 200:
+                return answer
+            listed = json.loads(answer.body)
+            listed["models"] = [entry for entry in listed["models"]
+                                if model_allowed(principal, self._host(entry["name"]))]
+            return JSONResponse(listed)
+        return route
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.complete(request, JobKind.CHAT)
@@ -186,7 +241,8 @@ class Router:
         return await self.complete(request, JobKind.COMPLETION)
 
     async def embeddings(self, request: Request) -> Response:
-        # Its own worker and lane (core.embeddings): not through the dispatcher.
+        # Its own worker and lane (core.embeddings): not through the dispatcher;
+        # the key's limits and usage through embed_for (request.app.state.key_access).
         return await openai_embeddings(self.service, self.model_names, request)
 
     async def complete(self, request: Request, kind: JobKind, protocol: Protocol | None = None) -> Response:
@@ -485,7 +541,7 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> None:
 
 def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
     router = Router(service)
-    info = ServiceRoutes(service, router.access.usage)
+    info = ServiceRoutes(service, router.access)
     admin = AdminRoutes(service, router.access, lambda: router.model_names)
     service.metrics.count_usage(router.access.usage.book)
 
@@ -504,7 +560,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
 
     ollama = OllamaRoutes(service, router.complete, lambda: router.model_names, router.largest_context)
     responses = ResponsesRoutes(router.complete, router.largest_context)
-    llamacpp = LlamaCppRoutes(service, router.complete, lambda: router.model_names, router._host,
+    llamacpp = LlamaCppRoutes(service, router.complete, lambda: router.model_names, router.tokenizer_host,
                               router.largest_context)
     routes = [
         HttpRoute("/", ollama.root, methods=["GET", "HEAD"]),
@@ -533,10 +589,10 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
             HttpRoute(f"{prefix}/responses/{{response_id}}", responses.delete, methods=["DELETE"]))),
         # llama.cpp's own server routes (see llamacpp.py), for apps built on llama-server.
         HttpRoute("/completion", llamacpp.completion, methods=["POST"]),
-        HttpRoute("/tokenize", llamacpp.tokenize, methods=["POST"]),
-        HttpRoute("/detokenize", llamacpp.detokenize, methods=["POST"]),
-        HttpRoute("/apply-template", llamacpp.apply_template, methods=["POST"]),
-        HttpRoute("/props", llamacpp.props, methods=["GET"]),
+        HttpRoute("/tokenize", router.tokenizer_route(llamacpp.tokenize), methods=["POST"]),
+        HttpRoute("/detokenize", router.tokenizer_route(llamacpp.detokenize), methods=["POST"]),
+        HttpRoute("/apply-template", router.tokenizer_route(llamacpp.apply_template), methods=["POST"]),
+        HttpRoute("/props", router.tokenizer_route(llamacpp.props), methods=["GET"]),
         # The web page (web_page.py); POST /ui/login is answered by the access guard.
         HttpRoute("/ui", web_page, methods=["GET", "HEAD"]),
         HttpRoute("/ui/{name}", web_page, methods=["GET", "HEAD"]),
@@ -551,8 +607,8 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         HttpRoute("/api/generate", ollama.generate, methods=["POST"]),
         HttpRoute("/api/embed", ollama.embed, methods=["POST"]),
         HttpRoute("/api/embeddings", ollama.embeddings, methods=["POST"]),
-        HttpRoute("/api/tags", ollama.tags, methods=["GET"]),
-        HttpRoute("/api/ps", ollama.ps, methods=["GET"]),
+        HttpRoute("/api/tags", router.listing_route(ollama.tags), methods=["GET"]),
+        HttpRoute("/api/ps", router.listing_route(ollama.ps), methods=["GET"]),
         HttpRoute("/api/show", ollama.show, methods=["POST"]),
         HttpRoute("/api/version", ollama.version, methods=["GET"]),
     ]
@@ -560,6 +616,8 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         404: _not_found, 405: _method_not_allowed, 500: _internal_error,
     })
     app.state.service = service
+    # The embedding routes (embeddings.py's embed_for) put each request under its key's limits and usage.
+    app.state.key_access = router.access
     return app
 
 

@@ -217,21 +217,26 @@ async def embed_for(request: Request, path: EmbeddingPath, texts: list[str], cou
                     deadline_s: float | None) -> EmbeddingResult | None:
     """Embed for a client, every protocol's way: None if the client went away
     first (its slot or queue place goes to the next one at once). Raises
-    JobFailed."""
-    work = asyncio.create_task(path.embed(texts, request_id=request_id, deadline_s=deadline_s))
-    watcher = asyncio.create_task(_disconnected(request))
-    try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            work.cancel()
-            await asyncio.wait({work})
-            return None
-        result = work.result()
-    finally:
-        watcher.cancel()
-    if not result.prompt_tokens:
-        # The worker did not say: our own count, which includes a BOS per input.
-        result = EmbeddingResult(result.vectors, counted, result.model)
+    JobFailed, also when the request's key may not use the model that embeds
+    (the default model's file) or is at its concurrency (api/key_access.py,
+    which counts the embedding in the key's usage)."""
+    access = request.app.state.key_access
+    with access.embedding(request, access.service.default_host) as counted_as_used:
+        work = asyncio.create_task(path.embed(texts, request_id=request_id, deadline_s=deadline_s))
+        watcher = asyncio.create_task(_disconnected(request))
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()
+                await asyncio.wait({work})
+                return None
+            result = work.result()
+        finally:
+            watcher.cancel()
+        if not result.prompt_tokens:
+            # The worker did not say: our own count, which includes a BOS per input.
+            result = EmbeddingResult(result.vectors, counted, result.model)
+        counted_as_used(result)
     return result
 
 

@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+import math
+import time
+from collections import Counter, OrderedDict
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from starlette.requests import Request
 
 from ..dispatch.jobs import Job, JobFailed
+from ..embeddings import EmbeddingResult
 from ..keys import ApiKey
 from ..usage import Outcome, UsageStore
+from .requests import client_name
 from .security import principal_of
 
 if TYPE_CHECKING:
@@ -25,11 +31,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A key at its concurrency limit is told to come back in this long: its
-# requests end at the model's pace, which nobody can promise; a second is
-# what OpenAI's clients back off by at first anyway.
+# A key at its concurrency limit is told to come back when the first of its
+# requests is expected to end (admission's estimate, from its start); with
+# no estimate, or one already overdue, in this long: a second is what
+# OpenAI's clients back off by at first anyway.
 CONCURRENCY_RETRY_AFTER_S = 1
 UNKNOWN_CLIENT = "unknown"
+# Request ids remembered with their key after the request ended, so an
+# inference key still finds its own among /status's recent decisions and
+# events (20 of each): a few hundred is plenty, and bounded.
+RECENT_OWNERS = 512
 
 
 class Refusal(Exception):
@@ -39,6 +50,12 @@ class Refusal(Exception):
     def __init__(self, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.headers = status, message, code, headers or {}
+
+    def as_failure(self) -> JobFailed:
+        """The refusal as a JobFailed, for routes that answer failures in their protocol's way."""
+        retry_after = self.headers.get("Retry-After")
+        return JobFailed(self.status, self.code, self.message,
+                         retry_after_s=float(retry_after) if retry_after is not None else None)
 
 
 def usage_name(principal: ApiKey | None, client: str | None) -> str:
@@ -54,6 +71,57 @@ def model_allowed(principal: ApiKey | None, host: "ModelHost") -> bool:
         return True
     names = {host.model_id, host.name, *host.model.names()}
     return any(name in names for name in principal.models)
+
+
+def model_refusal(principal: ApiKey | None, host: "ModelHost") -> Refusal | None:
+    if model_allowed(principal, host):
+        return None
+    assert principal is not None
+    # 404 as OpenAI ("does not exist or you do not have access to it"),
+    # Anthropic and Ollama answer a model a key can't use: the client's
+    # handling of an unusable model name applies.
+    return Refusal(404, f"the key {principal.name!r} may not use the model {host.model_id!r}; it may use: "
+                   f"{', '.join(principal.models)}", "model_not_found")
+
+
+def retry_after_s(expected_ends: Iterable[float | None], now: float) -> int:
+    """Whole seconds until the soonest of a key's running requests is
+    expected to end (each given as a monotonic time, None = unknown); one
+    second when none is known or all are overdue."""
+    ahead = [end - now for end in expected_ends if end is not None and end > now]
+    return max(CONCURRENCY_RETRY_AFTER_S, math.ceil(min(ahead))) if ahead else CONCURRENCY_RETRY_AFTER_S
+
+
+def expected_end(job: Job) -> float | None:
+    """When admission expects `job` to end (job.created_at's clock), if it estimated."""
+    return job.created_at + job.estimated_latency_s if job.estimated_latency_s is not None else None
+
+
+def visible_status(status: dict[str, Any], viewer: str, owns: Callable[[str], bool]) -> dict[str, Any]:
+    """/status as an inference key `viewer` sees it: its own requests (ids,
+    app names, prompts' sizes) and its own usage; another key's requests
+    show only in the counts (queues, models' in_flight), and the events
+    keep their kind but not another key's request id. An admin sees all."""
+    seen = dict(status)
+    seen["requests"] = [entry for entry in status["requests"] if owns(entry["id"])]
+    seen["recent_decisions"] = [entry for entry in status["recent_decisions"] if owns(entry["id"])]
+    seen["events"] = [event if "id" not in event or owns(event["id"])
+                      else {key: value for key, value in event.items() if key != "id"} for event in status["events"]]
+    usage = status.get("usage")
+    if usage is not None:
+        def own(by_name: dict[str, Any]) -> dict[str, Any]:
+            return {name: counts for name, counts in by_name.items() if name == viewer}
+        seen["usage"] = {**usage, "by_name": own(usage["by_name"]),
+                         "days": [{**day, "by_name": own(day["by_name"])} for day in usage["days"]]}
+    return seen
+
+
+def visible_metrics(text: str, viewer: str) -> str:
+    """/metrics as an inference key sees it: the usage series of its own
+    key only (key names are [A-Za-z0-9._-], so the label needs no escaping)."""
+    own = f'key="{viewer}"'
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not line.startswith("tray_app_usage_") or own in line)
 
 
 def outcome_of(job: Job, failure: JobFailed | None) -> Outcome:
@@ -77,6 +145,10 @@ class KeyAccess:
         # request id -> (its job, the key name that owns it); an entry lives
         # while its job is registered with a dispatcher, no longer.
         self._owners: dict[str, tuple[Job, str]] = {}
+        # Key name -> its slots held by work that is no dispatcher's job.
+        self._leases: Counter[str] = Counter()
+        # Request id -> key name, the last RECENT_OWNERS requests admitted.
+        self._recent_owners: OrderedDict[str, str] = OrderedDict()
         self._saving: asyncio.Future | None = None
 
     # ----- limits ---------------------------------------------------------------
@@ -89,22 +161,68 @@ class KeyAccess:
         principal = principal_of(request.scope)
         if principal is None:
             return
-        if not model_allowed(principal, host):
-            # 404 as OpenAI ("does not exist or you do not have access to
-            # it"), Anthropic and Ollama answer a model a key can't use: the
-            # client's handling of an unusable model name applies.
-            raise Refusal(404, f"the key {principal.name!r} may not use the model {host.model_id!r}; it may use: "
-                          f"{', '.join(principal.models)}", "model_not_found")
-        running = self.running(principal.name)
-        if principal.max_concurrency is not None and running >= principal.max_concurrency:
-            raise Refusal(429, f"the key {principal.name!r} has {running} requests in flight, its limit "
-                          f"(max concurrency {principal.max_concurrency}); retry when one finishes",
-                          "key_concurrency_limit", {"Retry-After": str(CONCURRENCY_RETRY_AFTER_S)})
+        self._check(principal, host)
         self._prune()
         self._owners[job.id] = (job, principal.name)
+        self._remember(job.id, principal.name)
+
+    @contextmanager
+    def holding(self, request: Request, host: "ModelHost | None" = None) -> Iterator[None]:
+        """A slot of the key's concurrency for work that is no dispatcher's
+        job (tokenizing), and the check that the key may use `host`'s model
+        (None: no model to check). Raises Refusal."""
+        holder = self._take(principal_of(request.scope), host)
+        try:
+            yield
+        finally:
+            self._release(holder)
+
+    def _take(self, principal: ApiKey | None, host: "ModelHost | None") -> str | None:
+        """Take one of the key's slots (a Refusal if it may not); its name, to release."""
+        if principal is None:
+            return None
+        self._check(principal, host)
+        self._leases[principal.name] += 1
+        return principal.name
+
+    def _release(self, holder: str | None) -> None:
+        if holder is not None:
+            self._leases[holder] -= 1
+
+    def _check(self, principal: ApiKey, host: "ModelHost | None") -> None:
+        refusal = model_refusal(principal, host) if host is not None else None
+        if refusal is not None:
+            raise refusal
+        running = self.running(principal.name)
+        if principal.max_concurrency is not None and running >= principal.max_concurrency:
+            # On Job.created_at's clock.
+            ends = [expected_end(job) for job, owner in self._owners.values()
+                    if owner == principal.name and self._live(job)]
+            wait_s = retry_after_s(ends, time.monotonic())
+            raise Refusal(429, f"the key {principal.name!r} has {running} requests in flight, its limit "
+                          f"(max concurrency {principal.max_concurrency}); retry when one finishes",
+                          "key_concurrency_limit", {"Retry-After": str(wait_s)})
 
     def running(self, name: str) -> int:
-        return sum(1 for job, owner in self._owners.values() if owner == name and self._live(job))
+        jobs = sum(1 for job, owner in self._owners.values() if owner == name and self._live(job))
+        return jobs + self._leases[name]
+
+    def usable_host(self, principal: ApiKey | None, host: "ModelHost") -> "ModelHost":
+        """`host`, or a Refusal when `principal` may not use its model."""
+        refusal = model_refusal(principal, host)
+        if refusal is not None:
+            raise refusal
+        return host
+
+    def owns(self, name: str, request_id: str) -> bool:
+        """Whether `request_id` (running, or among the recently ended) was `name`'s."""
+        return self._recent_owners.get(request_id) == name
+
+    def _remember(self, request_id: str, name: str) -> None:
+        self._recent_owners[request_id] = name
+        self._recent_owners.move_to_end(request_id)
+        while len(self._recent_owners) > RECENT_OWNERS:
+            self._recent_owners.popitem(last=False)
 
     def owner_of(self, request_id: str) -> str | None:
         entry = self._owners.get(request_id)
@@ -141,6 +259,25 @@ class KeyAccess:
             raise
         finally:
             self.count(name, outcome_of(job, failure))
+
+    @contextmanager
+    def embedding(self, request: Request, host: "ModelHost") -> Iterator[Callable[[EmbeddingResult], None]]:
+        """An embedding request, every protocol's: the key's model and
+        concurrency checked (raises JobFailed, the embedding routes' way of
+        refusing), then `done(result)` counts it as usage on the CPU path,
+        where the embedding worker runs, with its prompt tokens."""
+        principal = principal_of(request.scope)
+        name = usage_name(principal, client_name(request.headers.get("x-client-name"),
+                                                 request.headers.get("user-agent")))
+        try:
+            holder = self._take(principal, host)
+        except Refusal as refusal:
+            self.count(name, Outcome(refused=True))
+            raise refusal.as_failure() from None
+        try:
+            yield lambda result: self.count(name, Outcome(path="cpu", tokens_in=result.prompt_tokens))
+        finally:
+            self._release(holder)
 
     def count(self, name: str, outcome: Outcome) -> None:
         if self.usage.record(name, outcome) and (self._saving is None or self._saving.done()):

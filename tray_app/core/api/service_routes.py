@@ -1,5 +1,8 @@
 """Routes about the service itself: /health (for monitors, no key),
-/status (with the usage per key), /metrics and /openapi.json."""
+/status (with the usage per key), /metrics and /openapi.json. An inference
+key reads /status and /metrics with other keys' requests and usage left
+out (key_access.visible_status): their ids would let it follow, or cancel
+by guessing, another app's activity."""
 
 from __future__ import annotations
 
@@ -8,15 +11,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..service import Service
-from ..usage import UsageStore
+from .key_access import KeyAccess, visible_metrics, visible_status
 from .openapi import build_openapi
 from .requests import MAX_MESSAGES
+from .security import principal_of
 
 
 class ServiceRoutes:
-    def __init__(self, service: Service, usage: UsageStore) -> None:
+    def __init__(self, service: Service, access: KeyAccess) -> None:
         self.service = service
-        self.usage = usage
+        self.access = access
 
     async def health(self, request: Request) -> Response:
         ok, reason = self.service.health()
@@ -25,10 +29,19 @@ class ServiceRoutes:
     async def status(self, request: Request) -> Response:
         # The usage is the HTTP app's (it counts requests as they end), so it
         # joins the service's snapshot here.
-        return JSONResponse({**self.service.status(), "usage": self.usage.snapshot()})
+        status = {**self.service.status(), "usage": self.access.usage.snapshot()}
+        principal = principal_of(request.scope)
+        if principal is not None and not principal.is_admin:
+            status = visible_status(status, principal.name, lambda request_id: self.access.owns(principal.name,
+                                                                                               request_id))
+        return JSONResponse(status)
 
     async def metrics(self, request: Request) -> Response:
-        return Response(self.service.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+        text = self.service.metrics.render()
+        principal = principal_of(request.scope)
+        if principal is not None and not principal.is_admin:
+            text = visible_metrics(text.decode(), principal.name).encode()
+        return Response(text, media_type=PROMETHEUS_CONTENT_TYPE)
 
     async def openapi(self, request: Request) -> Response:
         config = self.service.config
