@@ -1,4 +1,5 @@
-"""The settings dialog: model paths, context caps, reserve, port, GPU layers.
+"""The settings dialog: model paths, context caps, reserve, port, GPU layers,
+and the service's API keys (added and revoked at once, not on Save).
 
 Each value is checked with the core's own rules (apply_overrides, and
 read_model_info for model files) on a worker thread, since reading a model
@@ -10,24 +11,28 @@ config to whoever restarts the service.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import shiboken6
 from PySide6.QtCore import QEvent, Qt, Signal
+from PySide6.QtGui import QFontDatabase, QGuiApplication
 from PySide6.QtWidgets import (
-    QAbstractSpinBox, QCheckBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QLineEdit,
-    QPushButton, QSpinBox, QVBoxLayout, QWidget,
+    QAbstractSpinBox, QCheckBox, QComboBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout,
+    QHBoxLayout, QHeaderView, QLabel, QLineEdit, QMessageBox, QPushButton, QSpinBox, QTabWidget, QTreeWidget,
+    QTreeWidgetItem, QVBoxLayout, QWidget,
 )
 
 from ..core.config import Config, ConfigError, apply_overrides, default_config_path, load_config, save_config
+from ..core.keys import ApiKey, KeyProblem, KeyStore
 from . import colors
 from . import theme
 from . import viewmodel as vm
 from .background import BackgroundCall
 from .icons import state_icon
-from .widgets import plain_label
+from .widgets import as_written, plain_label
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
 GGUF_FILTER = "GGUF models (*.gguf);;All files (*)"
@@ -53,7 +58,8 @@ class SettingsDialog(QDialog):
     # Once a save() has been checked: True if it saved (or had nothing to save), False if not.
     save_finished = Signal(bool)
 
-    def __init__(self, config: Config, *, can_apply: bool = True, parent: QWidget | None = None) -> None:
+    def __init__(self, config: Config, *, can_apply: bool = True, keys: KeyStore | None = None,
+                 parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.config = config
         # The check of the values save() was called with, while it runs.
@@ -61,7 +67,14 @@ class SettingsDialog(QDialog):
         self.setWindowTitle("tray-app: settings")
         self.setWindowIcon(state_icon(vm.GPU))
         self.setMinimumWidth(620)
-        root = QVBoxLayout(self)
+        outer = QVBoxLayout(self)
+        # Two tabs: the service's settings (saved with Save, then a restart)
+        # and its API keys (changed at once), so neither squeezes the other
+        # on a short screen.
+        self.tabs = QTabWidget()
+        outer.addWidget(self.tabs)
+        service_tab = QWidget()
+        root = QVBoxLayout(service_tab)
         root.setSpacing(10)
         form = QFormLayout()
         form.setLabelAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignTop)
@@ -126,12 +139,16 @@ class SettingsDialog(QDialog):
         self.note.setWordWrap(True)
         theme.set_muted_text(self.note)
         root.addWidget(self.note)
+        root.addStretch(1)
+        self.tabs.addTab(service_tab, "&Service")
+        self.keys = KeysSection(keys or KeyStore(), self)
+        self.tabs.addTab(self.keys, "API &keys")
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
         self.save_button = buttons.button(QDialogButtonBox.StandardButton.Save)
         self.save_button.setText("&Save and restart" if can_apply else "&Save")
         buttons.accepted.connect(self.save)
         buttons.rejected.connect(self.reject)
-        root.addWidget(buttons)
+        outer.addWidget(buttons)
 
     def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt name
         super().changeEvent(event)
@@ -255,3 +272,259 @@ def _text_of(edit: QLineEdit | QSpinBox | QCheckBox) -> str:
     if isinstance(edit, QCheckBox):
         return "true" if edit.isChecked() else "false"
     return edit.text()
+
+
+# ----- API keys ---------------------------------------------------------------------------------
+# The named keys of this computer's service (core/keys.py), managed here as
+# `tray-app keys` does from a shell: the tray's service runs in this process
+# and reads the same keys file (re-read on its mtime), so a key added or
+# revoked here counts on the service's next request, without Save.
+
+NO_LIMIT_TEXT = "no limit"
+MODELS_COLUMN = 2
+# Room between columns sized to their contents: without it a long name runs into its scope.
+COLUMN_GAP_PX = 18
+
+
+def key_rows(keys: Iterable[ApiKey]) -> list[tuple[str, str, str, str, str]]:
+    """(name, scope, models, limit, created) of each key, by name, as the table shows them."""
+    rows = []
+    for key in sorted(keys, key=lambda key: key.name.lower()):
+        models = ", ".join(key.models) if key.models else "every model"
+        limit = f"{key.max_concurrency} at once" if key.max_concurrency is not None else NO_LIMIT_TEXT
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(key.created)) if key.created else "unknown"
+        rows.append((key.name, key.scope, models, limit, created))
+    return rows
+
+
+def models_from_text(text: str) -> tuple[str, ...]:
+    """The models field: names separated by commas; empty for every model."""
+    return tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+
+
+class AddKeyDialog(QDialog):
+    """Name, scope, models and concurrency of a new key. The section adds it
+    when this is accepted, and shows a problem here (it stays open) if the
+    key store refuses it."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("tray-app: add an API key")
+        form = QFormLayout(self)
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.ExpandingFieldsGrow)
+        self.name = QLineEdit()
+        self.name.setObjectName("key_name")
+        self.name.setPlaceholderText("the app's name, e.g. open-webui")
+        self.scope = QComboBox()
+        self.scope.setObjectName("key_scope")
+        self.scope.addItem("inference: uses the API", "inference")
+        self.scope.addItem("admin: also the controls (GPU, models, restart, others' cancel)", "admin")
+        self.models = QLineEdit()
+        self.models.setObjectName("key_models")
+        self.models.setPlaceholderText("every model")
+        self.models.setToolTip("The models this key may use, as /v1/models names them, separated by commas; "
+                               "empty: every model")
+        self.limit = QSpinBox()
+        self.limit.setObjectName("key_limit")
+        self.limit.setRange(0, 1024)
+        self.limit.setSpecialValueText(NO_LIMIT_TEXT)  # 0
+        self.error = plain_label()  # quotes the name that was typed
+        self.error.setObjectName("key_error")
+        self.error.setWordWrap(True)
+        theme.set_text_color(self.error, colors.status_color("error", theme.current_palette().window))
+        self.error.hide()
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        buttons.button(QDialogButtonBox.StandardButton.Ok).setText("&Add key")
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        for label, field in (("&Name", self.name), ("&Scope", self.scope), ("&Models", self.models),
+                             ("Max &concurrent requests", self.limit)):
+            title = QLabel(label)
+            title.setBuddy(field)
+            form.addRow(title, field)
+            if field is self.models:
+                hint = QLabel("Names as /v1/models lists them, separated by commas; empty: every model")
+                theme.set_muted_text(hint)
+                form.addRow("", hint)
+        form.addRow(self.error)
+        form.addRow(buttons)
+        self.name.textEdited.connect(lambda _text: self.error.hide())
+
+    def values(self) -> tuple[str, str, tuple[str, ...], int | None]:
+        """(name, scope, models, max_concurrency) as the key store takes them."""
+        limit = self.limit.value()
+        return self.name.text().strip(), self.scope.currentData(), models_from_text(self.models.text()), limit or None
+
+    def show_error(self, message: str) -> None:
+        self.error.setText(message)
+        self.error.show()
+        self.name.setFocus()
+
+
+class NewKeyDialog(QDialog):
+    """A new key, shown this once: only its hash is kept."""
+
+    def __init__(self, name: str, raw_key: str, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("tray-app: new API key")
+        layout = QVBoxLayout(self)
+        note = plain_label(f"The key for {name!r}. Copy it into the app now: only its hash is stored, so it "
+                           "can't be shown again (revoke it and add a new one if it is lost).")
+        note.setWordWrap(True)
+        layout.addWidget(note)
+        line = QHBoxLayout()
+        self.key = QLineEdit(raw_key)
+        self.key.setObjectName("new_key")
+        self.key.setReadOnly(True)
+        self.key.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
+        self.key.setMinimumWidth(self.key.fontMetrics().horizontalAdvance(raw_key) + 24)
+        self.key.selectAll()
+        self.copy_button = QPushButton("&Copy")
+        self.copy_button.setObjectName("copy_key")
+        self.copy_button.clicked.connect(self.copy)
+        line.addWidget(self.key, 1)
+        line.addWidget(self.copy_button)
+        layout.addLayout(line)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
+        buttons.rejected.connect(self.reject)
+        layout.addWidget(buttons)
+
+    def copy(self) -> None:
+        QGuiApplication.clipboard().setText(self.key.text())
+        self.copy_button.setText("Copied")
+
+
+class KeysSection(QWidget):
+    """The keys table with Add and Revoke (the settings' "API keys" tab).
+    Dialogs open without blocking (open(), not exec()); each is kept on the
+    section while it is up."""
+
+    changed = Signal()  # a key was added or revoked
+
+    def __init__(self, store: KeyStore, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.store = store
+        self.add_dialog: AddKeyDialog | None = None
+        self.new_key_dialog: NewKeyDialog | None = None
+        self.confirm_revoke: QMessageBox | None = None
+        layout = QVBoxLayout(self)
+        about = QLabel("A key per app: an inference key uses the API, an admin key also the controls. "
+                       "Changes here take effect at once; the service reads the same keys file.")
+        about.setWordWrap(True)
+        theme.set_muted_text(about)
+        layout.addWidget(about)
+        self.table = QTreeWidget()
+        self.table.setObjectName("keys_table")
+        self.table.setHeaderLabels(["Name", "Scope", "Models", "Limit", "Created"])
+        self.table.setRootIsDecorated(False)
+        self.table.setUniformRowHeights(True)
+        self.table.setAllColumnsShowFocus(True)
+        self.table.header().setStretchLastSection(False)
+        self.table.header().setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
+        self.table.header().setSectionResizeMode(MODELS_COLUMN, QHeaderView.ResizeMode.Stretch)
+        self.table.setMinimumHeight(self.table.fontMetrics().height() * 7)
+        self.table.itemSelectionChanged.connect(self._selection_changed)
+        layout.addWidget(self.table)
+        self.problem = plain_label()  # the keys file's own words when it is broken
+        self.problem.setObjectName("keys_problem")
+        self.problem.setWordWrap(True)
+        theme.set_text_color(self.problem, colors.status_color("error", theme.current_palette().window))
+        self.problem.hide()
+        layout.addWidget(self.problem)
+        buttons = QHBoxLayout()
+        self.add_button = QPushButton("&Add key…")
+        self.add_button.setObjectName("add_key")
+        self.add_button.clicked.connect(self.start_add)
+        self.revoke_button = QPushButton("&Revoke…")
+        self.revoke_button.setObjectName("revoke_key")
+        self.revoke_button.clicked.connect(self.start_revoke)
+        buttons.addWidget(self.add_button)
+        buttons.addWidget(self.revoke_button)
+        buttons.addStretch(1)
+        layout.addLayout(buttons)
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.table.clear()
+        try:
+            keys = self.store.keys().values()
+        except KeyProblem as problem:
+            self.problem.setText(f"The keys file can't be read: {problem}")
+            self.problem.show()
+            self.add_button.setEnabled(False)
+            keys = []
+        else:
+            self.problem.hide()
+            self.add_button.setEnabled(True)
+        for row in key_rows(keys):
+            item = QTreeWidgetItem(list(row))
+            item.setToolTip(2, as_written(row[2]))
+            self.table.addTopLevelItem(item)
+        if not self.table.topLevelItemCount():
+            placeholder = QTreeWidgetItem(["No keys yet", "", "", "", ""])
+            placeholder.setFlags(Qt.ItemFlag.NoItemFlags)
+            self.table.addTopLevelItem(placeholder)
+        for column in range(self.table.columnCount()):
+            if column != MODELS_COLUMN:
+                self.table.resizeColumnToContents(column)
+                self.table.setColumnWidth(column, self.table.columnWidth(column) + COLUMN_GAP_PX)
+        self._selection_changed()
+
+    def selected_name(self) -> str | None:
+        items = self.table.selectedItems()
+        return items[0].text(0) if items else None
+
+    def _selection_changed(self) -> None:
+        self.revoke_button.setEnabled(self.selected_name() is not None)
+
+    # ----- add ---------------------------------------------------------------------------------
+
+    def start_add(self) -> None:
+        dialog = AddKeyDialog(self)
+        dialog.accepted.connect(self._add)
+        self.add_dialog = dialog
+        dialog.open()
+
+    def _add(self) -> None:
+        dialog = self.add_dialog
+        assert dialog is not None
+        name, scope, models, limit = dialog.values()
+        try:
+            raw = self.store.add(name, scope, models, limit)
+        except KeyProblem as problem:
+            dialog.show_error(str(problem))
+            dialog.open()  # accepted closed it: again, with the problem shown
+            return
+        self.add_dialog = None
+        self.refresh()
+        self.changed.emit()
+        self.new_key_dialog = NewKeyDialog(name, raw, self)
+        self.new_key_dialog.open()
+
+    # ----- revoke ------------------------------------------------------------------------------
+
+    def start_revoke(self) -> None:
+        name = self.selected_name()
+        if name is None:
+            return
+        box = QMessageBox(QMessageBox.Icon.Warning, "tray-app: revoke an API key",
+                          as_written(f"Revoke the key {name!r}? Apps using it are refused from their next "
+                                     "request; this can't be undone."),
+                          QMessageBox.StandardButton.Cancel, self)
+        revoke = box.addButton("&Revoke", QMessageBox.ButtonRole.DestructiveRole)
+        box.setDefaultButton(QMessageBox.StandardButton.Cancel)
+        box.buttonClicked.connect(lambda button: self._revoke(name) if button is revoke else None)
+        self.confirm_revoke = box
+        box.open()
+
+    def _revoke(self, name: str) -> None:
+        self.confirm_revoke = None
+        try:
+            self.store.revoke(name)
+        except KeyProblem as problem:  # revoked meanwhile, from a shell or the web page
+            self.refresh()
+            self.problem.setText(str(problem))
+            self.problem.show()
+            return
+        self.refresh()
+        self.changed.emit()
