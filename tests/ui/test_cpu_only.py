@@ -12,6 +12,7 @@ import copy
 import httpx
 import pytest
 
+from tests.status_sample import conforming
 from tray_app.cli.status_text import render_status
 from tray_app.core.config import Config
 from tray_app.ui import viewmodel as vm
@@ -35,7 +36,7 @@ NO_GPU = {
     "engine": {"runtime": "llama-server", "version": "llama-server (built with llama-cpp-python 0.3.36)",
                "configured": "llama-server", "fallback_reason": None, "slots": {"gpu": 4, "cpu": 2}},
     "gpu": {"available": False, "simulated": False, "total_mib": None, "free_mib": None, "used_mib": None,
-            "reason": NVML_MISSING, "devices": [], "reserve_mib": 1024,
+            "reason": NVML_MISSING, "devices": [], "path": "none", "reserve_mib": 1024,
             "path_out_reason": f"no usable GPU: {NVML_MISSING}; serving CPU-only",
             "offload_supported": False,
             "offload_message": "llama-cpp-python was built without GPU offload (CPU-only); reinstall with "
@@ -134,12 +135,12 @@ def test_the_icon_menu_panel_and_notices_agree(qtbot, fed_controller) -> None:  
 
 
 def test_tray_app_status_says_the_same() -> None:
-    text = render_status(NO_GPU)
+    text = render_status(conforming(NO_GPU))
     assert "healthy: True (serving on the CPU)" in text
     assert f"GPU:       none: No usable GPU: {NVML_MISSING.removesuffix('; running CPU-only')}" in text
     assert f"           If this machine has a GPU, rebuild for it with {REBUILD}" in text
     assert "DEGRADED" not in text and "degraded" not in text and "GPU path:  out" not in text
-    failed = render_status(gpu_worker_failed())
+    failed = render_status(conforming(gpu_worker_failed()))
     assert "DEGRADED:  CPU serving SmolLM2" in failed and "GPU path:  out: the GPU worker is failed" in failed
 
 
@@ -156,8 +157,9 @@ def test_a_real_service_without_a_gpu_is_calm_and_its_headers_stay_truthful(qtbo
         status = service.status()
         if any(w["role"] == "gpu" for w in status["workers"]):
             pytest.skip("this machine has a GPU path")
-        # /status says the CPU serves, and why; so does each answer.
-        assert status["gpu"]["path_out_reason"] and status["degraded"]["reason"]
+        # /status says the CPU serves, and why (once: "CPU-only" is not said twice); so does each answer.
+        assert status["gpu"]["path"] == "none" and status["gpu"]["path_out_reason"].count("CPU-only") == 1
+        assert status["degraded"]["reason"]
         answer = service.http.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4})
         assert answer.status_code == 200 and answer.headers["x-served-by"] == "cpu"
