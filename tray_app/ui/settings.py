@@ -491,7 +491,7 @@ class KeysSection(QWidget):
         name, scope, models, limit = dialog.values()
         try:
             raw = self.store.add(name, scope, models, limit)
-        except KeyProblem as problem:
+        except (KeyProblem, OSError) as problem:  # OSError: the keys file can't be written
             dialog.show_error(str(problem))
             dialog.open()  # accepted closed it: again, with the problem shown
             return
@@ -521,7 +521,7 @@ class KeysSection(QWidget):
         self.confirm_revoke = None
         try:
             self.store.revoke(name)
-        except KeyProblem as problem:  # revoked meanwhile, from a shell or the web page
+        except (KeyProblem, OSError) as problem:  # revoked meanwhile (a shell, the web page), or not writable
             self.refresh()
             self.problem.setText(str(problem))
             self.problem.show()
