@@ -17,6 +17,7 @@ import httpx
 
 from ..core.api.security import bearer_header
 from ..core.http_basics import sse_lines
+from ..core.status_contract import Status, validate_status
 from .records import RequestRecord
 
 # Seconds without a byte before the client gives up on a request. Generous:
@@ -55,8 +56,16 @@ class DrillClient:
 
     # ----- plain calls -------------------------------------------------------------
 
-    def status(self, timeout: float = 10.0) -> dict[str, Any]:
-        return self.http.get("/status", timeout=timeout).json()
+    def status(self, timeout: float = 10.0) -> Status:
+        """/status, checked against the contract here at the edge, so the
+        phases read its always-present keys with [...]; an error body or
+        another version's shape raises StatusUnreadable naming the mismatch."""
+        response = self.http.get("/status", timeout=timeout)
+        data = response.json()
+        problem = status_problem(data)
+        if problem:
+            raise StatusUnreadable(f"/status answered {response.status_code}, {problem}")
+        return data
 
     def admin_gpu(self, body: dict[str, Any]) -> dict[str, Any]:
         response = self.http.post("/admin/gpu", json=body, timeout=10.0)
@@ -70,19 +79,24 @@ class DrillClient:
     def cancel(self, request_id: str) -> httpx.Response:
         return self.http.delete(f"/v1/requests/{request_id}", timeout=10.0)
 
-    def wait_status(self, predicate: Callable[[dict[str, Any]], bool], timeout: float, interval: float = 0.05,
-                    what: str = "condition") -> dict[str, Any]:
+    def wait_status(self, predicate: Callable[[Status], bool], timeout: float, interval: float = 0.05,
+                    what: str = "condition") -> Status:
+        """The first /status that satisfies `predicate`. A /status that can't
+        be read counts as not yet (a restarting service), and the timeout says
+        why the last one couldn't."""
         deadline = time.monotonic() + timeout
-        last: dict[str, Any] | None = None
+        unreadable = ""
         while time.monotonic() < deadline:
             try:
                 last = self.status()
-            except (httpx.HTTPError, ValueError):
-                last = None
-            if last is not None and predicate(last):
-                return last
+            except (httpx.HTTPError, ValueError, StatusUnreadable) as exc:
+                unreadable = f"; the last /status: {type(exc).__name__}: {exc}"
+            else:
+                unreadable = ""
+                if predicate(last):
+                    return last
             time.sleep(interval)
-        raise DrillTimeout(f"timed out after {timeout:g} s waiting for {what}")
+        raise DrillTimeout(f"timed out after {timeout:g} s waiting for {what}{unreadable}")
 
     # ----- completions ----------------------------------------------------------------
 
@@ -206,6 +220,17 @@ class DrillClient:
 
 class DrillTimeout(Exception):
     """The service did not reach a state the drill waited for."""
+
+
+class StatusUnreadable(Exception):
+    """/status answered, but not in the shape this drill reads (an error
+    body, another version's service)."""
+
+
+def status_problem(data: object) -> str | None:
+    """Why `data` is not a /status this drill reads, in one sentence; None when it conforms."""
+    problems = validate_status(data)
+    return f"not a /status this drill reads: {problems[0]}" if problems else None
 
 
 def _token_of(event: dict[str, Any], kind: str, calls: dict[int, dict[str, Any]]) -> str | None:

@@ -73,7 +73,7 @@ def run_drill(args: argparse.Namespace) -> int:
     from .target import LiveService, OwnService, TargetError, detect_device
 
     try:
-        phases = _parse_phases(args.phases, {number for number, _, _ in PHASES})
+        phases = _parse_phases(args.phases, {phase.number for phase in PHASES})
     except ValueError as exc:
         print(f"tray-app drill: error: {exc}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN

@@ -20,8 +20,8 @@ import httpx
 
 from ..core.api.security import bearer_header
 from ..core.dispatch.admission import GPU_OUT_REASONS
-from ..core.status_contract import Status, validate_status
-from .client import DrillClock
+from ..core.status_contract import Status
+from .client import DrillClock, status_problem
 
 GPU_OUT_REASON_CODES = frozenset(reason.value for reason in GPU_OUT_REASONS)
 SAMPLE_INTERVAL_S = 0.15
@@ -91,9 +91,9 @@ class StatusMonitor:
             self._failed(t, f"{type(exc).__name__}: {exc}")
             return None
         # An error body, or another version's shape: read as a failed sample, not half-read.
-        problems = validate_status(status)
-        if problems:
-            self._failed(t, f"not a /status this drill reads: {problems[0]}")
+        problem = status_problem(status)
+        if problem:
+            self._failed(t, problem)
             return None
         with self._lock:
             self.last_status = status
