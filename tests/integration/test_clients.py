@@ -133,12 +133,12 @@ def test_bad_logprobs_fields_are_400s_naming_the_field(fresh, body, param):
     assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
-def test_n_over_one_is_refused_and_said_in_the_model_list(fresh, client):
+def test_n_over_the_bound_is_refused_and_said_in_the_model_list(fresh, client):
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model="default", max_tokens=4, messages=HELLO, n=2)
+        client.chat.completions.create(model="default", max_tokens=4, messages=HELLO, n=5)
     assert "max_choices" in refused.value.body["message"]
     listed = fresh.http.get("/v1/models").json()["data"][0]
-    assert listed["capabilities"]["max_choices"] == 1
+    assert listed["capabilities"]["max_choices"] == 4
 
 
 def test_an_unknown_reasoning_format_is_a_400_not_a_worker_failure(fresh):
@@ -153,7 +153,7 @@ def test_routes_without_v1_serve_the_same(fresh):
         assert answer.choices[0].message.content is not None
         assert bare.completions.create(model="default", prompt="Once", max_tokens=3).choices[0].text is not None
         assert [m.id for m in bare.models.list()] == [m["id"] for m in fresh.http.get("/v1/models").json()["data"]]
-    refused = fresh.http.post("/chat/completions", json={"messages": HELLO, "n": 2})
+    refused = fresh.http.post("/chat/completions", json={"messages": HELLO, "n": 5})
     assert refused.status_code == 400
 
 

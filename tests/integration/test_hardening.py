@@ -108,7 +108,7 @@ def test_a_page_on_this_machine_passes_its_preflight_without_configuration(harde
 @pytest.mark.parametrize("body, code", [
     ({"messages": [{"role": "user", "content": "x"}] * 1025}, "too_many_messages"),
     ({**HI, "max_tokens": 100000}, "max_tokens_too_large"),
-    ({**HI, "n": 2}, "invalid_value"),
+    ({**HI, "n": 5}, "invalid_value"),
 ])
 def test_each_request_limit_names_itself(hardened, body, code):
     response = hardened.http.post("/v1/chat/completions", json=body)

@@ -64,8 +64,11 @@ SAMPLING = {
 TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 TOKENS = Range(True, 1)
 
-# Choices per request: the workers generate one.
-MAX_N = 1
+# Choices per request (n). llama-server runs a request's choices as parallel
+# slots and refuses n above its --parallel; 4 is its default slot count, and
+# a bound keeps one request from taking a whole lane. A path with fewer slots
+# than n refuses the request with a capacity error (Backend.run).
+MAX_N = 4
 N = Range(True, 1, MAX_N)
 
 # logprobs: OpenAI's bounds. Chat: top_logprobs alternatives per token (with

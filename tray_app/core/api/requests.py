@@ -179,10 +179,10 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
             raise _Invalid(400, f"'{field}' is {value}; the limit is {largest_context}, the largest context "
                            "this server offers", "max_tokens_too_large", field)
     n = body.get("n", 1)
-    if n is not None and bounds.N.problem(n):
-        raise _Invalid(400, f"'n' must be {bounds.MAX_N}: this server generates one choice per request "
-                       "(capabilities.max_choices in GET /v1/models); send several requests instead",
-                       "invalid_value", "n")
+    problem = bounds.N.problem(n) if n is not None else None
+    if problem:
+        raise _Invalid(400, f"'n' {problem}: this server runs at most {bounds.MAX_N} choices per request, "
+                       "as parallel slots (capabilities.max_choices in GET /v1/models)", "invalid_value", "n")
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise _Invalid(400, "'stream' must be true or false", "invalid_type", "stream")

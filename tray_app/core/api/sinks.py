@@ -26,67 +26,31 @@ class AggregatingSink:
     def reset(self) -> None:
         self.events.clear()
 
-    def chat_response(self, job: Job) -> dict[str, Any]:
-        content: list[str] = []
-        reasoning: list[str] = []
-        tool_calls: dict[int, dict[str, Any]] = {}
-        logprobs: list[Any] | None = None
-        finish_reason = None
+    def _by_choice(self) -> tuple[int, dict[int, list[dict[str, Any]]]]:
+        """The stream's choice parts grouped by their index (a request with
+        n > 1 interleaves its choices), and the last event's created time."""
+        parts: dict[int, list[dict[str, Any]]] = {}
         created = int(time.time())
         for event in self.events:
             created = event.get("created", created)
             for choice in event.get("choices") or ():
-                if isinstance(choice.get("logprobs"), dict):
-                    logprobs = (logprobs or []) + list(choice["logprobs"].get("content") or ())
-                delta = choice.get("delta") or {}
-                if delta.get("content"):
-                    content.append(delta["content"])
-                if delta.get("reasoning_content"):
-                    reasoning.append(delta["reasoning_content"])
-                for call in delta.get("tool_calls") or ():
-                    slot = tool_calls.setdefault(call.get("index", 0), {
-                        "id": call.get("id"), "type": "function", "function": {"name": "", "arguments": ""}})
-                    function = call.get("function") or {}
-                    slot["id"] = slot["id"] or call.get("id")
-                    slot["function"]["name"] += function.get("name") or ""
-                    slot["function"]["arguments"] += function.get("arguments") or ""
-                if choice.get("finish_reason"):
-                    finish_reason = choice["finish_reason"]
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) if content or not tool_calls else None}
-        if reasoning:
-            # Where llama-server (and DeepSeek's API) put a thinking model's reasoning.
-            message["reasoning_content"] = "".join(reasoning)
-        if tool_calls:
-            message["tool_calls"] = [tool_calls[i] for i in sorted(tool_calls)]
+                index = choice.get("index", 0)
+                parts.setdefault(index if isinstance(index, int) else 0, []).append(choice)
+        return created, parts
+
+    def chat_response(self, job: Job) -> dict[str, Any]:
+        created, parts = self._by_choice()
         return self._response(job, "chat.completion", created,
-                              {"index": 0, "message": message,
-                               "logprobs": {"content": logprobs} if logprobs is not None else None,
-                               "finish_reason": finish_reason})
+                              [_chat_choice(index, parts.get(index, [])) for index in range(job.choices)])
 
     def completion_response(self, job: Job) -> dict[str, Any]:
-        text: list[str] = []
-        # llama-server's shape (lists per token under "content"), each list
-        # joined across chunks.
-        logprobs: dict[str, list[Any]] | None = None
-        finish_reason = None
-        created = int(time.time())
-        for event in self.events:
-            created = event.get("created", created)
-            for choice in event.get("choices") or ():
-                text.append(choice.get("text") or "")
-                if isinstance(choice.get("logprobs"), dict):
-                    logprobs = logprobs or {}
-                    for key, values in choice["logprobs"].items():
-                        if isinstance(values, list):
-                            logprobs.setdefault(key, []).extend(values)
-                if choice.get("finish_reason"):
-                    finish_reason = choice["finish_reason"]
+        created, parts = self._by_choice()
         return self._response(job, "text_completion", created,
-                              {"index": 0, "text": "".join(text), "logprobs": logprobs, "finish_reason": finish_reason})
+                              [_completion_choice(index, parts.get(index, [])) for index in range(job.choices)])
 
-    def _response(self, job: Job, kind: str, created: int, choice: dict[str, Any]) -> dict[str, Any]:
+    def _response(self, job: Job, kind: str, created: int, choices: list[dict[str, Any]]) -> dict[str, Any]:
         """The envelope both response objects share; usage is the last (the only
-        completed) attempt's."""
+        completed) attempt's, every choice's tokens summed."""
         completion_tokens = job.tokens_out
         return {
             "id": response_id(job),
@@ -94,7 +58,7 @@ class AggregatingSink:
             "created": created,
             "model": self._model(job),
             "system_fingerprint": self._fingerprint(),
-            "choices": [choice],
+            "choices": choices,
             "usage": _usage(job.prompt_tokens, completion_tokens),
         }
 
@@ -103,6 +67,59 @@ class AggregatingSink:
 
     def _fingerprint(self) -> str | None:
         return self.events[0].get("system_fingerprint") if self.events else None
+
+
+def _chat_choice(index: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One chat choice, joined from its streamed parts."""
+    content: list[str] = []
+    reasoning: list[str] = []
+    tool_calls: dict[int, dict[str, Any]] = {}
+    logprobs: list[Any] | None = None
+    finish_reason = None
+    for choice in parts:
+        if isinstance(choice.get("logprobs"), dict):
+            logprobs = (logprobs or []) + list(choice["logprobs"].get("content") or ())
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            content.append(delta["content"])
+        if delta.get("reasoning_content"):
+            reasoning.append(delta["reasoning_content"])
+        for call in delta.get("tool_calls") or ():
+            slot = tool_calls.setdefault(call.get("index", 0), {
+                "id": call.get("id"), "type": "function", "function": {"name": "", "arguments": ""}})
+            function = call.get("function") or {}
+            slot["id"] = slot["id"] or call.get("id")
+            slot["function"]["name"] += function.get("name") or ""
+            slot["function"]["arguments"] += function.get("arguments") or ""
+        if choice.get("finish_reason"):
+            finish_reason = choice["finish_reason"]
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(content) if content or not tool_calls else None}
+    if reasoning:
+        # Where llama-server (and DeepSeek's API) put a thinking model's reasoning.
+        message["reasoning_content"] = "".join(reasoning)
+    if tool_calls:
+        message["tool_calls"] = [tool_calls[i] for i in sorted(tool_calls)]
+    return {"index": index, "message": message, "logprobs": {"content": logprobs} if logprobs is not None else None,
+            "finish_reason": finish_reason}
+
+
+def _completion_choice(index: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One completion choice, joined from its streamed parts."""
+    text: list[str] = []
+    # llama-server's shape (lists per token under "content"), each list
+    # joined across chunks.
+    logprobs: dict[str, list[Any]] | None = None
+    finish_reason = None
+    for choice in parts:
+        text.append(choice.get("text") or "")
+        if isinstance(choice.get("logprobs"), dict):
+            logprobs = logprobs or {}
+            for key, values in choice["logprobs"].items():
+                if isinstance(values, list):
+                    logprobs.setdefault(key, []).extend(values)
+        if choice.get("finish_reason"):
+            finish_reason = choice["finish_reason"]
+    return {"index": index, "text": "".join(text), "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def wants_usage(body: dict[str, Any]) -> bool:

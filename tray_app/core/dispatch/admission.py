@@ -136,10 +136,12 @@ class LaneState:
     concurrency: int
     queued: int
     queue_limit: int
+    # Slots the request being decided needs: one per answer (OpenAI's n).
+    slots_wanted: int = 1
 
     @property
     def has_free_slot(self) -> bool:
-        return self.running < self.concurrency
+        return self.running + self.slots_wanted <= self.concurrency
 
     @property
     def has_queue_room(self) -> bool:

@@ -118,7 +118,16 @@ class Backend:
         """Wait for a slot in the lane, then stream the job through the worker.
         `still_open` is asked once the slot is ours: a reason means redirect."""
         lane = self.lane
-        place = lane.join(job.id, front=job.replayed and self.path == "cpu")
+        if job.choices > lane.concurrency:
+            # llama-server refuses n above its slot count, and the choices run
+            # at once or not at all: a path with fewer slots (the CPU, after
+            # the GPU failed) can't serve this request. Nothing ran yet.
+            job.refused_by(self.path)
+            raise JobFailed(503, "too_many_choices",
+                            f"n={job.choices} needs {job.choices} parallel slots and the {self.path.upper()} path "
+                            f"has {lane.concurrency}; retry later or ask for n <= {lane.concurrency}",
+                            retry_after_s=30.0, param="n")
+        place = lane.join(job.id, front=job.replayed and self.path == "cpu", slots=job.choices)
         job.joined_lane(self.path, queued=place is not None)
         self._on_change()
         acquire = asyncio.ensure_future(lane.wait(job.id, place) if place is not None else _no_wait())

@@ -19,7 +19,7 @@ def backlog_s(backend: Backend, jobs: Mapping[str, Job]) -> float:
     work ahead (running and queued) played forward on its slots at the
     speed each number of busy slots gets. 0 while a slot is free."""
     lane = backend.lane
-    if len(lane.running_ids) < lane.concurrency and not lane.waiting_ids:
+    if lane.busy_slots < lane.concurrency and not lane.waiting_ids:
         return 0.0
     return estimate(path_load(backend, jobs), Work(0, 0)).wait_s
 
@@ -28,17 +28,19 @@ def path_load(backend: Backend, jobs: Mapping[str, Job], not_before_s: float = 0
     """A path's slots and the work on them and in its queue, for the
     latency estimate. A request's work is counted at its expected length,
     not its limit: a chat without max_tokens may fill its context, but few
-    do. One that has already run long is expected to run as long again."""
-    def remaining(job_id: str) -> Work | None:
+    do. One that has already run long is expected to run as long again.
+    A request with n choices is n answers, one per slot it holds."""
+    def remaining(job_id: str) -> list[Work]:
         job = jobs.get(job_id)
         if job is None:
-            return None
-        done = job.tokens_out if job.state is JobState.RUNNING else 0
+            return []
+        # The job's tokens are all its choices' together.
+        done = (job.tokens_out if job.state is JobState.RUNNING else 0) // job.choices
         expected = min(job.max_tokens, max(EXPECTED_ANSWER_TOKENS, 2 * done))
-        return Work(job.prompt_tokens if done == 0 else 0, max(0, expected - done))
+        return [Work(job.prompt_tokens if done == 0 else 0, max(0, expected - done))] * job.choices
 
     lane = backend.lane
-    running = tuple(work for work in map(remaining, lane.running_ids) if work is not None)
-    queued = tuple(work for work in map(remaining, lane.waiting_ids) if work is not None)
+    running = tuple(work for job_id in lane.running_ids for work in remaining(job_id))
+    queued = tuple(work for job_id in lane.waiting_ids for work in remaining(job_id))
     speeds = backend.busy_speeds.curve(backend.speed.tokens_per_s, backend.speed.prompt_tokens_per_s)
     return PathLoad(lane.concurrency, running, queued, speeds, not_before_s)

@@ -280,11 +280,12 @@ class Dispatcher:
         if self.gpu is None:
             return None
         return GpuView(
-            lane=self.gpu.lane.state(self.limits.gpu_n_ctx),
+            lane=self.gpu.lane.state(self.limits.gpu_n_ctx, job.choices),
             out=self.gpu_out(),
             free_vram_mib=self._memory().gpu.free_mib,
             reserve_mib=self.limits.reserve_mib,
-            request_vram_mib=self._costs.gpu_mib(job.prompt_tokens + job.max_tokens),
+            # Each choice is its own slot with its own KV cache (--no-kv-unified).
+            request_vram_mib=self._costs.gpu_mib(job.choices * (job.prompt_tokens + job.max_tokens)),
             backlog_s=backlog_s(self.gpu, self.jobs),
             load=path_load(self.gpu, self.jobs),
         )
@@ -292,12 +293,12 @@ class Dispatcher:
     def _cpu_view(self, job: Job) -> CpuView:
         worker = self.cpu.worker
         return CpuView(
-            lane=self.cpu.lane.state(self.limits.cpu_n_ctx),
+            lane=self.cpu.lane.state(self.limits.cpu_n_ctx, job.choices),
             can_serve=self.cpu.can_queue(),
             out_reason=worker.gave_up or worker.unhealthy_reason,
             host_available_mib=self._memory().host.available_mib,
             ram_floor_mib=self.limits.ram_floor_mib,
-            request_ram_mib=self._costs.cpu_mib(job.prompt_tokens + job.max_tokens),
+            request_ram_mib=self._costs.cpu_mib(job.choices * (job.prompt_tokens + job.max_tokens)),
             tokens_per_s=self.cpu.speed.tokens_per_s,
             prompt_tokens_per_s=self.cpu.speed.prompt_tokens_per_s,
             # A CPU worker that loads on demand, or is restarting, answers after its load.

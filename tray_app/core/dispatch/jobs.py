@@ -203,6 +203,10 @@ class Job:
         if queued:
             self.state = JobState.QUEUED
 
+    def refused_by(self, path: str) -> None:
+        """A path refused it before it joined the lane: the answer (an error) is that path's."""
+        self.path = path
+
     def got_slot(self, queue_wait_s: float) -> None:
         self.queue_wait_s = queue_wait_s
 
@@ -226,6 +230,14 @@ class Job:
         if self.state is not JobState.ADMITTING or self.decision is not None:
             raise RuntimeError(f"job {self.id} is sized after its admission")
         self.request = dataclasses.replace(self.request, prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+
+    @property
+    def choices(self) -> int:
+        """How many answers the request asks for (OpenAI's `n`, checked by the
+        API): llama-server runs each in its own slot, so the job holds that
+        many slots in its lane and its estimate counts that many answers."""
+        n = self.body.get("n")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
     @property
     def no_peer(self) -> bool:

@@ -1,5 +1,9 @@
 """A lane: the slots and the bounded FIFO queue in front of one worker.
 
+A request holds one slot per answer it asks for (OpenAI's `n`): llama-server
+runs each choice in its own slot. The queue is strictly first in, first out,
+so a request waiting for several slots is not overtaken by smaller ones.
+
 Slots are handed over directly: when a request releases its slot, the first
 waiter is marked running before it even wakes, so nobody can sneak in between.
 All methods run on the event loop thread; no locks are needed.
@@ -29,6 +33,7 @@ class _Waiter:
     request_id: str
     enqueued_at: float
     future: asyncio.Future = field(repr=False)
+    slots: int = 1
 
 
 class Lane:
@@ -37,16 +42,22 @@ class Lane:
         self.concurrency = concurrency
         self.queue_limit = queue_limit
         self._clock = clock
-        self._running: dict[str, float] = {}
+        # Slots held, by request id.
+        self._running: dict[str, int] = {}
         self._waiting: collections.deque[_Waiter] = collections.deque()
         # When a request last gave its slot back (the clock's time): the
         # start of an idle spell, which a sampler may never see busy.
         self.last_released_at: float | None = None
 
-    def state(self, context_cap: int) -> LaneState:
+    @property
+    def busy_slots(self) -> int:
+        return sum(self._running.values())
+
+    def state(self, context_cap: int, slots_wanted: int = 1) -> LaneState:
+        """The lane as admission sees it, for a request that needs `slots_wanted` slots."""
         return LaneState(
-            context_cap=context_cap, running=len(self._running), concurrency=self.concurrency,
-            queued=len(self._waiting), queue_limit=self.queue_limit,
+            context_cap=context_cap, running=self.busy_slots, concurrency=self.concurrency,
+            queued=len(self._waiting), queue_limit=self.queue_limit, slots_wanted=slots_wanted,
         )
 
     @property
@@ -67,18 +78,21 @@ class Lane:
     def oldest_wait_s(self) -> float:
         return round(self._clock() - self._waiting[0].enqueued_at, 3) if self._waiting else 0.0
 
-    def join(self, request_id: str, front: bool = False) -> asyncio.Future | None:
+    def join(self, request_id: str, front: bool = False, slots: int = 1) -> asyncio.Future | None:
         """Take a free slot now (None), or take a place in the queue and get a
         future that resolves when a slot is handed over. Synchronous, so the
         queue never shows a request as waiting without a place.
 
         `front` puts a replayed request ahead of new arrivals: it was accepted
-        earlier and has already waited once.
+        earlier and has already waited once. `slots` more than the lane has
+        would wait forever: the caller refuses such a request first.
         """
-        if len(self._running) < self.concurrency and not self._waiting:
-            self._running[request_id] = self._clock()
+        if slots > self.concurrency:
+            raise ValueError(f"{slots} slots asked of the {self.name} lane, which has {self.concurrency}")
+        if self.busy_slots + slots <= self.concurrency and not self._waiting:
+            self._running[request_id] = slots
             return None
-        waiter = _Waiter(request_id, self._clock(), asyncio.get_running_loop().create_future())
+        waiter = _Waiter(request_id, self._clock(), asyncio.get_running_loop().create_future(), slots)
         if front:
             self._waiting.appendleft(waiter)
         else:
@@ -100,9 +114,9 @@ class Lane:
             raise
         return round(self._clock() - enqueued_at, 3)
 
-    async def acquire(self, request_id: str, front: bool = False) -> float:
-        """Take a slot, waiting in the queue if needed; returns seconds waited."""
-        place = self.join(request_id, front)
+    async def acquire(self, request_id: str, front: bool = False, slots: int = 1) -> float:
+        """Take `slots` slots, waiting in the queue if needed; returns seconds waited."""
+        place = self.join(request_id, front, slots)
         return 0.0 if place is None else await self.wait(request_id, place)
 
     def release(self, request_id: str) -> None:
@@ -112,11 +126,16 @@ class Lane:
         self._hand_over()
 
     def _hand_over(self) -> None:
-        while self._waiting and len(self._running) < self.concurrency:
-            waiter = self._waiting.popleft()
+        while self._waiting:
+            waiter = self._waiting[0]
             if waiter.future.done():
+                self._waiting.popleft()
                 continue
-            self._running[waiter.request_id] = self._clock()
+            if self.busy_slots + waiter.slots > self.concurrency:
+                # The head waits for enough slots; nobody behind it goes first.
+                return
+            self._waiting.popleft()
+            self._running[waiter.request_id] = waiter.slots
             waiter.future.set_result(None)
 
     def leave(self, request_id: str) -> None:
@@ -148,7 +167,7 @@ class Lane:
 
     def snapshot(self) -> dict:
         return {
-            "running": len(self._running),
+            "running": self.busy_slots,
             "concurrency": self.concurrency,
             "depth": len(self._waiting),
             "limit": self.queue_limit,
