@@ -156,3 +156,25 @@ def test_optional_keys_may_be_absent_and_open_events_may_carry_their_own(real_st
 
 def test_the_sample_that_reader_tests_start_from_conforms():
     assert validate_status(sample_status()) == []
+
+
+async def test_recent_decisions_name_the_client_and_model_of_every_model_newest_last(tmp_path, monkeypatch):
+    isolate_user_folders(monkeypatch, tmp_path)
+    model_file = bundled_model_path()
+    second = tmp_path / "second.gguf"
+    second.symlink_to(model_file)
+    config = BASE_CONFIG + f'\n[[models]]\nname = "second"\npath = "{second}"\nidle_unload_s = 0\n'
+    async with in_process_service(tmp_path, config) as rig:
+        default = rig.service.model_id
+        for model, app_name in ((default, "notes-app"), ("second", "editor"), (default, None)):
+            headers = {"X-Client-Name": app_name} if app_name else {"User-Agent": "curl/8.5"}
+            body = {"model": model, "messages": HI, "max_tokens": 4}
+            answer = await rig.client.post("/v1/chat/completions", json=body, headers=headers)
+            assert answer.status_code == 200, answer.text
+        status = await conforms(rig)
+    seen = [(d["model"], d["client"]) for d in status["recent_decisions"]]
+    # Chronological like the event log (the web page and the drill read it so),
+    # the second model's decision among the default's.
+    assert seen == [(default, "notes-app"), ("second", "editor"), (default, "curl/8.5")]
+    times = [d["t"] for d in status["recent_decisions"]]
+    assert times == sorted(times)

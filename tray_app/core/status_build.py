@@ -34,6 +34,10 @@ MIB = 1024 * 1024
 # What a "typical" new request is, for the latency estimates /status shows.
 TYPICAL_PROMPT_TOKENS = 64
 
+# Decisions /status lists, of all models together: the tray and the web page
+# show a screenful, and the drill polls faster than 20 decisions arrive.
+RECENT_DECISIONS_SHOWN = 20
+
 # /status has both queues even when there is no GPU worker.
 NO_LANE: LaneStatus = {"running": 0, "concurrency": 0, "depth": 0, "limit": 0, "oldest_age_s": 0.0}
 
@@ -83,7 +87,7 @@ def build_status(service: StatusSource) -> Status:
                    "cpu": cast(LaneStatus, dispatcher.cpu.lane.snapshot())},
         "degraded": host_degraded(host),
         "requests": [cast(RequestStatus, r) for h in hosts for r in h.dispatcher.request_status()],
-        "recent_decisions": cast(list[DecisionRecord], list(dispatcher.recent)[-20:]),
+        "recent_decisions": recent_decisions(hosts),
         "speeds": cast(Speeds, {path: {"tokens_per_s": round(b.speed.tokens_per_s, 2), "samples": b.speed.samples}
                                 for path, b in backends.items()}),
         "gpu_recovery_s": host.gpu_recovery_s,
@@ -96,6 +100,16 @@ def build_status(service: StatusSource) -> Status:
         "peers": cast(list[PeerStatus], service.peers.status()),
         "failover": cast(FailoverStatus, service.observer.failovers.snapshot()),
     }
+
+
+def recent_decisions(hosts: list[ModelHost]) -> list[DecisionRecord]:
+    """Every model's latest decisions, each with its model's name, oldest
+    first like the event log (the web page and the drill read them so): the
+    newest RECENT_DECISIONS_SHOWN of all of them."""
+    merged = [cast(DecisionRecord, {**record, "model": host.model_id})
+              for host in hosts for record in list(host.dispatcher.recent)[-RECENT_DECISIONS_SHOWN:]]
+    merged.sort(key=lambda record: record["t"])  # stable: a tie keeps the hosts' order
+    return merged[-RECENT_DECISIONS_SHOWN:]
 
 
 def health(host: ModelHost) -> tuple[bool, str]:

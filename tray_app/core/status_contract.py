@@ -264,11 +264,15 @@ class RequestStatus(TypedDict):
 
 
 class DecisionRecord(TypedDict):
+    """One admission decision, on any model (`/status["recent_decisions"]`)."""
+
     t: float
     id: str
     route: str
     reason: str
     detail: str | None
+    client: str | None  # who sent it (X-Client-Name, else the User-Agent's product); None: unnamed
+    model: str | None  # the library model it was for
 
 
 class PathSpeedStatus(TypedDict):
@@ -417,7 +421,7 @@ class Status(TypedDict):
     queues: Queues
     degraded: DegradedStatus
     requests: list[RequestStatus]
-    recent_decisions: list[DecisionRecord]
+    recent_decisions: list[DecisionRecord]  # every model's, oldest first, the newest 20 (status_build)
     speeds: Speeds
     gpu_recovery_s: float | None
     accounting: Accounting

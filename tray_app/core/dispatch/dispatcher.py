@@ -272,7 +272,7 @@ class Dispatcher:
         job.decided(decision)
         self.recent.append({
             "t": round(time.time(), 3), "id": job.id, "route": decision.route.value,
-            "reason": decision.reason.value, "detail": decision.detail,
+            "reason": decision.reason.value, "detail": decision.detail, "client": job.client,
         })
         self.events.decided(job, decision)
 
