@@ -16,7 +16,8 @@ from PySide6.QtCore import QByteArray, QObject, QTimer, QUrl, Signal
 from PySide6.QtNetwork import QNetworkAccessManager, QNetworkProxy, QNetworkReply, QNetworkRequest
 
 from ..core.api.security import bearer_header, effective_api_key, process_admin_key
-from .viewmodel import error_message
+from ..core.status_contract import Status, validate_status
+from .viewmodel import error_message, shape_mismatch_text
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,11 @@ class ServiceClient(QObject):
         self._timer.timeout.connect(self.poll_now)
         self._inflight: QNetworkReply | None = None
         self._commands: dict[QNetworkReply, tuple[str, Callback | None]] = {}
-        self.last_status: dict[str, Any] | None = None
+        self.last_status: Status | None = None
         self.last_error: str | None = None
+        # The last /status broke the contract (another version's service):
+        # the panel says so instead of reading it.
+        self.shape_mismatch = False
 
     # ----- setup -------------------------------------------------------------------------
 
@@ -140,13 +144,22 @@ class ServiceClient(QObject):
         if not isinstance(status, dict):
             self._set_unreachable("GET /status answered something that is not a JSON object")
             return
+        # Checked here, at the edge, so every reader past this point may read
+        # the contract's always-present keys with [...] and never meets a
+        # renamed one as a None or a KeyError in a Qt slot.
+        problems = validate_status(status)
+        if problems:
+            self._set_unreachable(shape_mismatch_text(self._base_url, problems), shape_mismatch=True)
+            return
         self.last_status = status
         self.last_error = None
+        self.shape_mismatch = False
         self.status_changed.emit(status)
 
-    def _set_unreachable(self, message: str) -> None:
+    def _set_unreachable(self, message: str, *, shape_mismatch: bool = False) -> None:
         self.last_status = None
         self.last_error = message
+        self.shape_mismatch = shape_mismatch
         self.unreachable.emit(message)
 
     # ----- commands ----------------------------------------------------------------------

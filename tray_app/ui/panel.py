@@ -244,7 +244,7 @@ class HeadroomPanel(QWidget):
     def _render_unreachable(self, message: str) -> None:
         self._last_status = None
         kind = vm.STARTING if self.host_starting else vm.DOWN
-        self.header.set_state(kind, message)
+        self.header.set_state(kind, message, vm.SHAPE_MISMATCH_TITLE if self.client.shape_mismatch else None)
         self.banner.set_banner(None)
         set_text(self.footer, self.footer_note.text() or self.client.base_url)
 

@@ -27,7 +27,7 @@ from .banner import (  # noqa: F401
     cpu_idle, new_request_wait_text, degraded_banner, serving_peers,
 )
 from .tray import (  # noqa: F401
-    IDLE_TITLE, state_title, state_detail, tooltip_text,
+    IDLE_TITLE, state_title, state_detail, tooltip_text, SHAPE_MISMATCH_TITLE, shape_mismatch_text,
 )
 from .usage import (  # noqa: F401
     FAULT_WORDS, failover_text,

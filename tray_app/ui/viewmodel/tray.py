@@ -102,3 +102,16 @@ def tooltip_text(status: Mapping[str, Any] | None, *, error: str | None = None,
         lines.append((status.get("service") or {}).get("health_reason") or "")
     lines.append(engine_notice(status) or "")
     return "\n".join(line for line in lines if line)
+
+
+# The panel's title when /status breaks the contract: the tray and the
+# service are of different versions (or something else answers the port).
+SHAPE_MISMATCH_TITLE = "A service of another version"
+
+
+def shape_mismatch_text(base_url: str, problems: list[str]) -> str:
+    """The line under that title: where, and the first difference the
+    contract check found (the rest counted), so a bug report can name it."""
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return (f"The service at {base_url} answers /status in a shape this tray does not know: "
+            f"{problems[0]}{more}. Update the tray and the service to the same version.")
