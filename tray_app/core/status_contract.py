@@ -302,6 +302,43 @@ class FailoverStatus(TypedDict):
     by_fault: dict[str, FailoverFaultStatus]
 
 
+class UsagePathCounts(TypedDict):
+    requests: int
+    tokens_in: int
+    tokens_out: int
+
+
+class UsageCounts(TypedDict):
+    """One name's counts over a period (core/usage.py's empty_counts)."""
+
+    requests: int
+    tokens_in: int
+    tokens_out: int
+    degraded: int  # answered by the CPU fallback or a peer instead of the GPU
+    refused: int
+    cancelled: int
+    paths: dict[str, UsagePathCounts]  # "gpu" | "cpu" | "peer"
+
+
+class UsageEntry(TypedDict):
+    today: UsageCounts
+    last_7_days: UsageCounts  # today included
+
+
+class UsageDay(TypedDict):
+    day: str  # ISO date
+    by_name: dict[str, UsageCounts]
+
+
+class UsageStatus(TypedDict):
+    """Per API key's name (or app name without keys): what it used, today and
+    over the last 7 days, and each day's (oldest first)."""
+
+    today: str  # ISO date
+    by_name: dict[str, UsageEntry]
+    days: list[UsageDay]
+
+
 class Accounting(TypedDict):
     completed_executions: int
     duplicate_executions: int
@@ -432,7 +469,7 @@ class Status(TypedDict):
     peers: list[PeerStatus]
     # Per API key's name: requests and tokens today and this week. The HTTP
     # app's /status adds it (core/usage.py's book); Service.status() has none.
-    usage: NotRequired[dict[str, Any]]
+    usage: NotRequired[UsageStatus]
     # Failover time (core/dispatch/failover_time.py); Service.status() always has it.
     failover: NotRequired[FailoverStatus]
 

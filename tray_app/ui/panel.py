@@ -23,6 +23,7 @@ from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
 WORKER_COLUMNS = ("Worker", "State", "PID", "RSS", "Est. VRAM", "Est. RAM", "Context", "Restarts")
 MODEL_COLUMNS = ("Model", "Where", "Memory", "In flight")
+USAGE_COLUMNS = ("Key or app", "Today", "Last 7 days")
 MODEL_PLACE_STATE = {"on the GPU": "ready", "on the CPU": "ready", "loading": "starting"}
 # The status hue of a worker's state; any state not listed is trouble.
 WORKER_STATE_STATUS = {"ready": "ok", "starting": "info", "stopping": "info"}
@@ -95,6 +96,20 @@ class HeadroomPanel(QWidget):
         theme.set_muted_text(self.failover_line)
         self.failover_line.hide()
         root.addWidget(self.failover_line)
+
+        # Who used the service (status["usage"]), once anyone has.
+        self.usage_box = QGroupBox("Usage")
+        self.usage_grid = QGridLayout(self.usage_box)
+        self.usage_grid.setHorizontalSpacing(14)
+        self.usage_grid.setVerticalSpacing(4)
+        _header_row(self.usage_grid, USAGE_COLUMNS)
+        self.usage_grid.setColumnStretch(len(USAGE_COLUMNS), 0)
+        self.usage_grid.setColumnStretch(0, 1)
+        self.usage_cells: list[list[QLabel]] = []
+        self.usage_more = plain_label()
+        theme.set_muted_text(self.usage_more)
+        self.usage_box.setVisible(False)
+        root.addWidget(self.usage_box)
 
         # The library's models (issue 14), once there is more than one.
         self.models_box = QGroupBox("Models")
@@ -271,6 +286,7 @@ class HeadroomPanel(QWidget):
         failover = vm.failover_text(status)
         self.failover_line.setVisible(failover is not None)
         set_text(self.failover_line, failover or "")
+        self._render_usage(vm.usage_view(status))
         self._render_models(vm.model_views(status))
         samples = list(self.history.samples)
         # No GPU, no VRAM to chart: the chart would only say "no data".
@@ -279,6 +295,29 @@ class HeadroomPanel(QWidget):
         self.ram_chart.set_samples(samples)
         model = (status.get("service") or {}).get("model") or ""
         set_text(self.footer, self.footer_note.text() or f"{model} · {self.client.api_url}")
+
+    def _render_usage(self, view: vm.UsageView | None) -> None:
+        self.usage_box.setVisible(view is not None)
+        rows = view.rows if view is not None else ()
+        while len(self.usage_cells) < len(rows):
+            row = len(self.usage_cells) + 1
+            cells = [ElidedLabel() if column == 0 else plain_label() for column in range(len(USAGE_COLUMNS))]
+            for column, label in enumerate(cells):
+                self.usage_grid.addWidget(label, row, column)
+            self.usage_cells.append(cells)
+        for index, cells in enumerate(self.usage_cells):
+            usage = rows[index] if index < len(rows) else None
+            for label in cells:
+                label.setVisible(usage is not None)
+            if usage is not None:
+                cells[0].set_full_text(usage.name)
+                set_text(cells[1], usage.today)
+                set_text(cells[2], usage.week)
+        # Below the last row: the grid keeps the rows it made, hidden or not.
+        self.usage_grid.addWidget(self.usage_more, len(self.usage_cells) + 1, 0, 1, len(USAGE_COLUMNS))
+        more = view.more if view is not None else 0
+        set_text(self.usage_more, f"and {more} more (the web page lists them all)" if more else "")
+        self.usage_more.setVisible(bool(more))
 
     def _render_models(self, views: list[vm.ModelView]) -> None:
         self.models_box.setVisible(len(views) > 1)

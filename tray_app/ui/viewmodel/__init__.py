@@ -30,7 +30,7 @@ from .tray import (  # noqa: F401
     IDLE_TITLE, state_title, state_detail, tooltip_text, SHAPE_MISMATCH_TITLE, shape_mismatch_text,
 )
 from .usage import (  # noqa: F401
-    FAULT_WORDS, failover_text,
+    FAULT_WORDS, failover_text, MAX_USAGE_ROWS, UsageRow, UsageView, fmt_count, usage_counts_text, usage_view,
 )
 from .chat import (  # noqa: F401
     route_line, DONE, SseParser, delta_text, error_message,
