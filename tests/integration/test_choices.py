@@ -147,3 +147,15 @@ def test_a_gpu_death_with_more_choices_than_cpu_slots_is_a_capacity_error(fresh)
     assert error["code"] == "too_many_choices" and error["param"] == "n"
     assert f"n={CPU_SLOTS + 1}" in error["message"] and f"CPU path has {CPU_SLOTS}" in error["message"]
     assert fresh.status()["accounting"]["completed_executions"] == before["completed_executions"]
+
+
+def test_the_openai_stream_helper_reads_every_choice(fresh, client):
+    # A short answer that ends by itself: the helper refuses a final
+    # completion cut off at its limit (LengthFinishReasonError).
+    with client.chat.completions.stream(model="default", n=3, max_tokens=200, temperature=0,
+                                        messages=[{"role": "user", "content": "Say hello."}]) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    assert [(c.index, c.message.role) for c in final.choices] == [(0, "assistant"), (1, "assistant"), (2, "assistant")]
+    assert all(c.message.content and c.finish_reason == "stop" for c in final.choices)

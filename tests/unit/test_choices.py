@@ -3,6 +3,7 @@
 the JSON answer keeps each choice apart."""
 
 import asyncio
+import json
 from dataclasses import replace
 
 import pytest
@@ -11,6 +12,7 @@ from tray_app.core.api.sinks import AggregatingSink
 from tray_app.core.dispatch.admission import CpuView, GpuView, LaneState, RequestShape, Route, decide
 from tray_app.core.dispatch.jobs import Attempt, Job, JobKind, JobRequest
 from tray_app.core.dispatch.lanes import Lane
+from tray_app.core.dispatch.upstream import relay_answer, shape_event
 
 
 async def test_a_request_with_n_choices_holds_n_slots():
@@ -87,3 +89,43 @@ def test_a_completion_answer_has_one_text_per_choice():
         sink.emit({"choices": [{"index": index, "text": text, "finish_reason": None}]})
     assert [(c["index"], c["text"]) for c in sink.completion_response(job)["choices"]] == [
         (0, "aa"), (1, "b"), (2, "c")]
+
+
+async def test_a_chat_stream_opens_every_choice_in_order_before_any_output():
+    # llama-server's order: the role of choice 0 only, then the choices interleaved.
+    events = [{"index": 0, "delta": {"role": "assistant", "content": None}}, {"index": 1, "delta": {"content": "x"}},
+              {"index": 0, "delta": {"content": "a"}}]
+    wire = "".join(f'data: {json.dumps({"choices": [choice]})}\n\n' for choice in events) + "data: [DONE]\n\n"
+
+    class Answer:
+        async def aiter_bytes(self):
+            yield wire.encode()
+
+    async def wait(awaitable):
+        try:
+            return await awaitable
+        except StopAsyncIteration:
+            return None
+
+    job = _job(JobKind.CHAT, 2)
+    sink = AggregatingSink()
+    assert await relay_answer(Answer(), job, Attempt("gpu", 0.0), sink, wait, fail=pytest.fail, model="m",
+                              fingerprint="f", clock=lambda: 0.0)
+    opening, *rest = sink.events
+    assert [(c["index"], c["delta"]["role"]) for c in opening["choices"]] == [(0, "assistant"), (1, "assistant")]
+    # No choice is given its role twice (the openai package would join "assistantassistant").
+    assert not any("role" in c["delta"] for event in rest for c in event["choices"])
+    assert [c["message"]["content"] for c in sink.chat_response(job)["choices"]] == ["a", "x"]
+
+
+def test_a_forced_tool_names_each_choices_call_once_with_its_own_id():
+    job = Job(JobRequest(id="req-t", kind=JobKind.CHAT, body={"messages": [], "n": 2}, stream=True,
+                         forced_tool="refund"))
+    named: set[tuple[int, int]] = set()
+    calls = []
+    for index, text in [(0, '{"a'), (1, '{"b'), (0, '":1}'), (1, '":2}')]:
+        event = {"choices": [{"index": index, "delta": {"content": text}, "finish_reason": None}]}
+        shape_event(event, job, named, model="m", fingerprint="f")
+        calls.append((index, event["choices"][0]["delta"]["tool_calls"][0]))
+    assert [(index, call.get("id"), call["function"].get("name")) for index, call in calls] == [
+        (0, "call_req-t", "refund"), (1, "call_req-t_1", "refund"), (0, None, None), (1, None, None)]

@@ -3,8 +3,8 @@ client: pure helpers, tested with plain dicts."""
 
 from __future__ import annotations
 
-from tray_app.core.dispatch.upstream import _as_forced_tool_call, _carries_token, _trim_logprobs, worker_body
-from tray_app.core.dispatch.jobs import Attempt, Job, JobKind, JobRequest
+from tray_app.core.dispatch.upstream import _carries_token, _trim_logprobs, shape_event, worker_body
+from tray_app.core.dispatch.jobs import Job, JobKind, JobRequest
 
 
 def chunk(**delta) -> dict:
@@ -36,14 +36,13 @@ def test_the_worker_is_asked_for_at_least_one_alternative():
 
 def test_a_forced_tool_answer_streams_as_one_call_named_once():
     job = Job(JobRequest(id="req-9", kind=JobKind.CHAT, body={}, stream=True, forced_tool="refund_order"))
-    job.attempts.append(Attempt("gpu", 0.0))
+    named: set[tuple[int, int]] = set()
     first = chunk(content='{"order')
-    _as_forced_tool_call(first, job)
-    job.attempts[-1].tokens = 1
+    shape_event(first, job, named, model="m", fingerprint="f")
     second = chunk(content='_id": "A"}')
-    _as_forced_tool_call(second, job)
+    shape_event(second, job, named, model="m", fingerprint="f")
     last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
-    _as_forced_tool_call(last, job)
+    shape_event(last, job, named, model="m", fingerprint="f")
     (call,) = first["choices"][0]["delta"]["tool_calls"]
     assert call == {"index": 0, "id": "call_req-9", "type": "function",
                     "function": {"name": "refund_order", "arguments": '{"order'}}

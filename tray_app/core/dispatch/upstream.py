@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn, Protocol
 import httpx
 
 from ..http_basics import SseLineTooLong, aiter_sse_lines
-from .jobs import Attempt, Job, JobFailed, WorkerFailure
+from .jobs import Attempt, Job, JobFailed, JobKind, WorkerFailure
 
 # How often a request that waits on an upstream asks whether it can still
 # make progress at all (see Worker.liveness_problem).
@@ -156,6 +156,8 @@ async def relay_answer(response: httpx.Response, job: Job, attempt: Attempt, sin
     cancel; `fail(what)` raises the caller's failure for a bad or error
     event. Returns whether the stream ended with [DONE]."""
     named_tool_calls: set[tuple[int, int]] = set()
+    # A chat with several choices opens them all, in order, before any output.
+    opened = job.kind is not JobKind.CHAT or job.choices == 1
     lines = sse_lines(response)
     while True:
         line = await wait(lines.__anext__())
@@ -187,6 +189,9 @@ async def relay_answer(response: httpx.Response, job: Job, attempt: Attempt, sin
             attempt.last_token_at = clock()
             if attempt.first_token_at is None:
                 attempt.first_token_at = attempt.last_token_at
+        if not opened:
+            sink.emit(_opening_event(event, job.choices))
+            opened = True
         sink.emit(event)
 
 
@@ -202,6 +207,9 @@ def shape_event(event: dict[str, Any], job: Job, named_tool_calls: set[tuple[int
     event.pop("usage", None)
     _trim_logprobs(event, job.top_logprobs)
     _reasoning_as_reasoning_content(event)
+    if job.choices > 1:
+        # The opening event said each choice's role (see _opening_event).
+        _drop_roles(event)
     if job.forced_tool is not None:
         _as_forced_tool_call(event, job)
     carries = _carries_token(event)
@@ -289,22 +297,37 @@ def _reasoning_as_reasoning_content(event: dict[str, Any]) -> None:
 
 def _as_forced_tool_call(event: dict[str, Any], job: Job) -> None:
     """The constrained answer to a named tool_choice, as OpenAI streams a
-    call: the arguments in fragments, the id and name in the first one only,
-    and finish_reason "tool_calls". The id comes from the request id, so a
-    replay names the call the same."""
+    call: the arguments in fragments, the id and name with each (the first
+    one of each choice keeps them: _drop_repeated_tool_names), and
+    finish_reason "tool_calls". The id comes from the request id (and the
+    choice's index after the first), so a replay names the call the same."""
     for choice in event.get("choices") or ():
         delta = choice.get("delta")
         if delta is None:
             continue
         text = delta.pop("content", None)
         if text:
-            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
-            if job.attempts and job.attempts[-1].tokens == 0:
-                call.update(id=f"call_{job.id}", type="function")
-                call["function"]["name"] = job.forced_tool
-            delta["tool_calls"] = [call]
+            index = choice.get("index", 0)
+            delta["tool_calls"] = [{"index": 0, "id": f"call_{job.id}" + (f"_{index}" if index else ""),
+                                    "type": "function", "function": {"name": job.forced_tool, "arguments": text}}]
         if choice.get("finish_reason") == "stop":
             choice["finish_reason"] = "tool_calls"
+
+
+def _opening_event(first: dict[str, Any], choices: int) -> dict[str, Any]:
+    """The chunk that opens every choice of a chat, in index order, as
+    OpenAI's stream does: llama-server says the role of choice 0 only, and
+    clients (the openai package's stream helper) build their list of
+    choices from the order each index first appears."""
+    return {**first, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None} for index in range(choices)]}
+
+
+def _drop_roles(event: dict[str, Any]) -> None:
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            delta.pop("role", None)
 
 
 def _drop_repeated_tool_names(event: dict[str, Any], named: set[tuple[int, int]]) -> None:
