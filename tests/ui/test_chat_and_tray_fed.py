@@ -120,7 +120,7 @@ def test_the_answer_line_says_time_left_then_overdue_on_each_poll(qtbot, chat) -
 
 
 def test_each_poll_rewrites_the_answer_line_in_place_not_the_transcript(qtbot, chat, monkeypatch) -> None:
-    from tray_app.ui import chat as chat_module
+    from tray_app.ui import chat as chat_module, chat_transcript
 
     monkeypatch.setattr(chat_module.ChatStream, "start", lambda self: None)  # the test plays the service
     chat.send("hello?")
@@ -129,8 +129,8 @@ def test_each_poll_rewrites_the_answer_line_in_place_not_the_transcript(qtbot, c
     chat._on_delta("Once upon a time")
     qtbot.waitUntil(lambda: "Once upon a time" in chat.transcript.toPlainText())
     drawn: list[int] = []
-    real = chat_module.render_html
-    monkeypatch.setattr(chat_module, "render_html", lambda *args: drawn.append(1) or real(*args))
+    real = chat_transcript.render_html
+    monkeypatch.setattr(chat_transcript, "render_html", lambda *args: drawn.append(1) or real(*args))
     for age in (8.0, 9.0, 10.0):
         chat.client.status_changed.emit(with_cpu_requests({"id": own, "age_s": age, "estimated_latency_s": 30.0}))
         qtbot.wait(80)  # past the 50 ms a scheduled redraw waits
@@ -263,7 +263,7 @@ def test_streaming_appends_in_place_and_keeps_a_selection(qtbot, chat, monkeypat
                         lambda text: (set_html_calls.append(text), real_set_html(text))[-1])
     for chunk in (" upon", " a time,\nthere", " was a sea."):
         chat._on_delta(chunk)
-        qtbot.waitUntil(lambda: not chat._render_pending)
+        qtbot.waitUntil(lambda: not chat.transcript.render_pending)
     assert "Once upon a time,\u2028there was a sea.\u25ae" in document.toPlainText().replace("\n", "\u2028")
     assert set_html_calls == []
     appended_end = document.find("sea.")
