@@ -8,6 +8,8 @@ from dataclasses import replace
 
 import pytest
 
+from tray_app.core.api.llamacpp import translate_completion
+from tray_app.core.api.openai_request import InvalidRequest
 from tray_app.core.api.sinks import AggregatingSink
 from tray_app.core.dispatch.admission import CpuView, GpuView, LaneState, RequestShape, Route, decide
 from tray_app.core.dispatch.jobs import Attempt, Job, JobKind, JobRequest
@@ -129,3 +131,11 @@ def test_a_forced_tool_names_each_choices_call_once_with_its_own_id():
         calls.append((index, event["choices"][0]["delta"]["tool_calls"][0]))
     assert [(index, call.get("id"), call["function"].get("name")) for index, call in calls] == [
         (0, "call_req-t", "refund"), (1, "call_req-t_1", "refund"), (0, None, None), (1, None, None)]
+
+
+def test_llama_cpps_own_completion_route_refuses_several_choices():
+    # Its answer has one `content`: two choices would be interleaved into it.
+    with pytest.raises(InvalidRequest) as refused:
+        translate_completion({"prompt": "x", "n": 2}, 1024)
+    assert refused.value.param == "n" and "/v1/completions" in refused.value.message
+    assert "n" not in translate_completion({"prompt": "x", "n": 1}, 1024)

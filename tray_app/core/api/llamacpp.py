@@ -142,6 +142,11 @@ def translate_completion(body: dict[str, Any], largest_context: int) -> dict[str
             del out[field]
     if not isinstance(body.get("prompt"), str):
         raise _Invalid(400, "'prompt' is required: a string, or a list of token ids", "missing_field", "prompt")
+    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
+        # The native answer has one content: several choices would be mixed into it.
+        raise _Invalid(400, "'n': this route answers one completion; send n to /v1/completions for several",
+                       "unsupported_parameter", "n")
+    out.pop("n", None)
     if body.get("multimodal_data") is not None:
         raise _Invalid(400, "'multimodal_data': the models here have no vision; send text only",
                        "unsupported_parameter", "multimodal_data")
