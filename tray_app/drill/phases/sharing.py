@@ -82,7 +82,7 @@ def other_app_takes_vram(drill: DrillSession, phase: PhaseResult) -> None:
     worker must finish or replay what runs, send new work to the CPU,
     unload and really release its VRAM, then reload once the memory has
     stayed free, with nothing lost or run twice."""
-    from .vram_hog import OtherApp, crowding_mib
+    from ..vram_hog import OtherApp, crowding_mib
 
     before = drill.client.status()
     yielding_before = before["gpu"]["residency"]["yield_to_other_apps"]
@@ -169,7 +169,7 @@ def second_model(drill: DrillSession, phase: PhaseResult) -> None:
     and another app holding enough VRAM that both can't fit, a request
     for the default model unloads the idle second one to make room.
     Nothing is lost or run twice."""
-    from .vram_hog import OtherApp
+    from ..vram_hog import OtherApp
 
     before = drill.client.status()
     default = before["service"]["model"]
