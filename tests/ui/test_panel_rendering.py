@@ -7,6 +7,7 @@ import copy
 
 from PySide6.QtCore import Qt
 
+from tests.status_sample import conforming
 from tray_app.ui import viewmodel as vm
 from tray_app.ui.client import ServiceClient
 from tray_app.ui.panel import HeadroomPanel
@@ -25,7 +26,7 @@ def two_gpus_one_worker_down() -> dict:
     status["workers"][0].update(state="unhealthy", restarts=3,
                                 last_exit={"kind": "out_of_memory", "description": "CUDA out of memory"})
     status["degraded"].update(active=True, reason="the GPU worker is unhealthy: CUDA out of memory", since=1.0)
-    return status
+    return conforming(status)
 
 
 def no_gpu() -> dict:
@@ -35,7 +36,7 @@ def no_gpu() -> dict:
                      "path_out_reason": "no usable GPU: NVML: driver not loaded; serving CPU-only"}
     status["workers"] = status["workers"][1:]
     status["degraded"].update(active=True, reason="no usable GPU: NVML: driver not loaded; serving CPU-only")
-    return status
+    return conforming(status)
 
 
 def test_panel_follows_devices_and_workers_coming_and_going(qtbot) -> None:

@@ -8,10 +8,12 @@ import time
 
 import pytest
 
+from tests.status_sample import conforming
 from tray_app.core.config import Config, bundled_model_path
 from tray_app.ui import viewmodel as vm
 
-READY = {
+# A whole /status (tests/status_sample.py's) with what these tests are about written out.
+READY = conforming({
     "service": {"model": "SmolLM2", "healthy": True, "health_reason": "the GPU path can serve", "gpu_paused": False},
     "workers": [
         {"role": "gpu", "state": "ready", "pid": 11, "n_ctx": 4096, "rss_mib": 280.5, "estimated_vram_mib": 832.9,
@@ -24,7 +26,7 @@ READY = {
             "devices": [{"index": 0, "name": "Simulated GPU", "total_mib": 2048.0, "used_mib": 832.9,
                          "free_mib": 1215.1}]},
     "ram": {"total_mib": 24105.6, "available_mib": 22045.3, "swap_total_mib": 0.0, "swap_used_mib": 0.0,
-            "rss_mib_by_pid": {"11": 280.6, "12": 235.5}},
+            "rss_mib_by_pid": {"11": 280.6, "12": 235.5}, "floor_mib": 1024.0},
     "breaker": {"state": "closed"},
     "queues": {"gpu": {"running": 0, "concurrency": 1, "depth": 0, "limit": 2, "oldest_age_s": 0.0},
                "cpu": {"running": 0, "concurrency": 1, "depth": 0, "limit": 8, "oldest_age_s": 0.0}},
@@ -32,7 +34,7 @@ READY = {
                  "fallback_equivalent": True, "fallback_detail": "same model file on both paths",
                  "estimated_latency_s": 25.92, "cpu_context_cap": 2048, "cpu_queue_depth": 0},
     "requests": [],
-}
+})
 
 
 def status(**changes) -> dict:
@@ -151,8 +153,8 @@ def test_vram_bar_without_a_gpu_reading() -> None:
 
 def test_one_bar_per_device() -> None:
     data = status()
-    data["gpu"]["devices"].append({"index": 1, "name": "Second", "total_mib": 8192.0, "used_mib": 192.0,
-                                   "free_mib": 8000.0})
+    data = conforming({**data, "gpu": {**data["gpu"], "devices": [*data["gpu"]["devices"], {
+        "index": 1, "name": "Second", "total_mib": 8192.0, "used_mib": 192.0, "free_mib": 8000.0}]}})
     bars = vm.vram_bars(data)
     assert [b.title for b in bars] == ["VRAM · Simulated GPU (GPU 0)", "VRAM · Second (GPU 1)"]
     assert [s.key for s in bars[1].segments] == ["used", "free"]
@@ -171,7 +173,8 @@ def test_ram_floor_prefers_the_service_value() -> None:
     data = status()
     data["ram"]["floor_mib"] = 2048
     assert vm.ram_floor_mib(data, 1024) == 2048
-    assert vm.ram_floor_mib(READY, 1024) == 1024
+    # The config's value stands in only while there is no status to read.
+    assert vm.ram_floor_mib(None, 512) == 512
 
 
 def test_tooltip_gives_headroom_numbers() -> None:
@@ -445,11 +448,12 @@ def test_interruption_warning_counts_what_a_restart_would_stop() -> None:
 
 
 def test_an_engine_fallback_is_said_in_the_panel_and_the_tooltip():
-    status = {"service": {"healthy": True, "health_reason": "the GPU path can serve"},
-              "workers": [{"role": "gpu", "state": "ready"}, {"role": "cpu", "state": "ready"}],
-              "gpu": {"available": True}, "degraded": {"active": False},
-              "engine": {"runtime": "llama-cpp-python", "configured": "llama-server",
-                         "fallback_reason": "llama-server is not installed beside llama-cpp-python"}}
+    status = conforming({
+        "service": {"healthy": True, "health_reason": "the GPU path can serve"},
+        "workers": [{"role": "gpu", "state": "ready"}, {"role": "cpu", "state": "ready"}],
+        "gpu": {"available": True}, "degraded": {"active": False},
+        "engine": {"runtime": "llama-cpp-python", "configured": "llama-server",
+                   "fallback_reason": "llama-server is not installed beside llama-cpp-python"}})
     assert "Engine: llama-cpp-python instead of llama-server" in vm.state_detail(status)
     assert "not installed" in vm.tooltip_text(status)
     status["engine"]["fallback_reason"] = None
@@ -457,10 +461,10 @@ def test_an_engine_fallback_is_said_in_the_panel_and_the_tooltip():
 
 
 def test_the_tray_menu_says_the_headroom_in_one_line():
-    status = {"gpu": {"available": True, "free_mib": 945.0, "reserve_mib": 512.0},
-              "ram": {"available_mib": 23040.0, "floor_mib": 1024.0}}
+    status = conforming({"gpu": {"available": True, "free_mib": 945.0, "reserve_mib": 512.0},
+                         "ram": {"available_mib": 23040.0, "floor_mib": 1024.0}})
     assert vm.menu_headroom_text(status) == "VRAM 433 MiB headroom · RAM 21.5 GiB headroom"
-    status["gpu"] = {"available": False, "reason": "no NVIDIA driver"}
+    status["gpu"].update(available=False, reason="no NVIDIA driver")
     assert vm.menu_headroom_text(status).startswith("VRAM: no GPU · RAM")
     assert vm.menu_headroom_text(None) == "Memory: no reading yet"
 
@@ -472,15 +476,16 @@ def test_a_banner_row_names_the_client_that_sent_the_request():
 
 
 def test_the_vram_bar_names_the_other_apps_largest_first_without_our_workers():
-    processes = [{"pid": 11, "used_mib": 300.0, "name": "steam"}, {"pid": 12, "used_mib": 412.0, "name": "firefox"},
+    processes: list = [{"pid": 11, "used_mib": 300.0, "name": "steam"}, {"pid": 12, "used_mib": 412.0, "name": "firefox"},
                  {"pid": 99, "used_mib": 1103.0, "name": "llama-server"}, {"pid": 13, "used_mib": None, "name": None},
                  *({"pid": 20 + i, "used_mib": 10.0, "name": f"app{i}"} for i in range(3))]
     assert vm.other_apps_text(processes, {99}) == \
         "Other apps: firefox 412 MiB · steam 300 MiB · app0 10 MiB · app1 10 MiB · 2 more"
-    assert vm.other_apps_text([{"pid": 99, "used_mib": 5.0}], {99}) == ""
-    status = {"gpu": {"available": True, "reserve_mib": 512.0, "devices": [
+    assert vm.other_apps_text([{"pid": 99, "used_mib": 5.0, "name": None}], {99}) == ""
+    status = conforming({"gpu": {"available": True, "reserve_mib": 512.0, "devices": [
         {"index": 0, "name": "RTX", "total_mib": 8192.0, "used_mib": 2000.0, "free_mib": 6192.0,
-         "processes": processes[:3]}]}, "workers": [{"role": "gpu", "pid": 99, "estimated_vram_mib": 1103.0}]}
+         "processes": processes[:3]}]}, "workers": [{"role": "gpu", "pid": 99, "estimated_vram_mib": 1103.0}],
+        "peers": []})
     assert vm.vram_bars(status)[0].apps == "Other apps: firefox 412 MiB · steam 300 MiB"
 
 
@@ -491,7 +496,7 @@ def with_residency(state: str, **fields) -> dict:
     data = status()
     residency = {"state": state, "text": None, "since": 1_700_000_000.0, "load_eta_s": 3.0, "last_load_s": None,
                  **fields}
-    data["gpu"]["residency"] = residency
+    data["gpu"]["residency"] = {**data["gpu"]["residency"], **residency}  # the sample's, changed
     if state in ("given_away", "given_back_by_user", "loading"):
         reason = fields.get("text") or state
         data["gpu"]["path_out_reason"] = reason
@@ -517,7 +522,7 @@ def test_a_gpu_given_to_a_game_names_the_game_and_offers_it_back() -> None:
     assert vm.give_back_label(given) == "Use the GPU &again"
     assert vm.give_back_label(with_residency("given_back_by_user")) == "Use the GPU &again"
     assert vm.residency_text(with_residency("loaded")) is None
-    assert vm.residency_text(READY) is None and vm.residency_state(READY) is None
+    assert vm.residency_text(READY) is None and vm.residency_state(READY) == "loaded"
     assert vm.residency_text(with_residency("loading")) == "GPU: loading the model (about 3.0 s)"
 
 
@@ -586,9 +591,10 @@ def test_the_chat_banner_shows_its_own_request_on_a_peer() -> None:
 
 
 def test_peers_text_says_each_peers_health() -> None:
-    peers = [{"name": "desk", "healthy": True, "latency_ms": 2.1, "served": 3},
-             {"name": "attic", "healthy": False, "problem": "it refused our API key (HTTP 401)"},
-             {"name": "old", "healthy": False, "problem": None, "breaker": {"state": "open"}}]
+    peers = conforming({"peers": [
+        {"name": "desk", "healthy": True, "latency_ms": 2.1, "served": 3},
+        {"name": "attic", "healthy": False, "problem": "it refused our API key (HTTP 401)"},
+        {"name": "old", "healthy": False, "problem": None, "breaker": {"state": "open"}}]})["peers"]
     assert vm.peers_text(peers) == ("Peers: desk healthy, 2.1 ms, 3 served · attic: it refused our API key "
                                     "(HTTP 401) · old: breaker open")
     assert vm.peers_text([]) == ""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
+from ...core.status_contract import GpuProcessStatus, PeerStatus, Status
 from .formatting import as_number, fmt_mib, fmt_seconds
 from .state import cpu_only, workers_by_role
 
@@ -44,36 +45,37 @@ def known_total(value: Any) -> float | None:
     return total if total is not None and total > 0 else None
 
 
-def vram_bars(status: Mapping[str, Any]) -> list[Bar]:
+def vram_bars(status: Status) -> list[Bar]:
     """One bar per GPU device: [GPU worker | other use | reserve | free].
 
     The reserve is kept out of the free memory of the device the GPU worker
     runs on (the first one); when free memory is below the reserve, the part
     that is missing shows as `short`.
     """
-    gpu = status.get("gpu") or {}
-    simulated = bool(gpu.get("simulated"))
-    if not gpu.get("available"):
+    gpu = status["gpu"]
+    simulated = gpu["simulated"]
+    if not gpu["available"]:
         if cpu_only(status) is not None:
             return []  # no GPU to show; the state above says why
         # The bar says it in two words; the reason (a driver's error text, often
         # long) wraps on the line under it instead of being cut off inside.
         return [Bar("VRAM", None, (), "no GPU reading", note="unavailable",
-                    warning=f"no GPU reading: {gpu.get('reason') or 'unknown'}")]
-    reserve = as_number(gpu.get("reserve_mib")) or 0.0
+                    warning=f"no GPU reading: {gpu['reason'] or 'unknown'}")]
+    reserve = gpu["reserve_mib"]
     worker = workers_by_role(status).get("gpu")
-    worker_mib = as_number((worker or {}).get("estimated_vram_mib")) if worker and worker.get("pid") else 0.0
-    devices = gpu.get("devices") or [{
-        "index": 0, "name": "GPU", "total_mib": gpu.get("total_mib"),
-        "used_mib": gpu.get("used_mib"), "free_mib": gpu.get("free_mib"),
+    worker_mib = worker["estimated_vram_mib"] if worker is not None and worker["pid"] else 0.0
+    # A reading of the whole (a simulated device's, say) without a device list is one device.
+    devices: list[Mapping[str, Any]] = list(gpu["devices"]) or [{
+        "index": 0, "name": "GPU", "total_mib": gpu["total_mib"],
+        "used_mib": gpu["used_mib"], "free_mib": gpu["free_mib"], "processes": [],
     }]
     bars = []
     for position, device in enumerate(devices):
-        total = known_total(device.get("total_mib"))
-        free = as_number(device.get("free_mib"))
-        used = as_number(device.get("used_mib"))
-        name = device.get("name") or f"GPU {device.get('index', position)}"
-        title = f"VRAM · {name}" + (f" (GPU {device.get('index')})" if len(devices) > 1 else "")
+        total = known_total(device["total_mib"])
+        free = as_number(device["free_mib"])
+        used = as_number(device["used_mib"])
+        name = device["name"] or f"GPU {device['index']}"
+        title = f"VRAM · {name}" + (f" (GPU {device['index']})" if len(devices) > 1 else "")
         note = "simulated" if simulated else ""
         if total is None or free is None:
             bars.append(Bar(title, total, (), "free VRAM unknown", note=note or "unknown"))
@@ -81,15 +83,15 @@ def vram_bars(status: Mapping[str, Any]) -> list[Bar]:
         if used is None:
             used = _clamp(total - free)
         if position == 0:
-            segments, warning = _headroom_segments("GPU worker (est.)", worker_mib or 0.0, used,
+            segments, warning = _headroom_segments("GPU worker (est.)", worker_mib, used,
                                                    "reserve", reserve, free, "free VRAM")
         else:
             segments, warning = [Segment("used", "used", used), Segment("free", "free", free)], ""
         caption = f"{fmt_mib(free, total)} free of {fmt_mib(total)}"
-        apps = other_apps_text(device.get("processes") or (), _worker_pids(status))
+        apps = other_apps_text(device["processes"], _worker_pids(status))
         if position == 0:
-            apps = "\n".join(line for line in (apps, rpc_servers_text(gpu.get("rpc_servers") or ()),
-                                                peers_text(status.get("peers") or ())) if line)
+            apps = "\n".join(line for line in (apps, rpc_servers_text(gpu["rpc_servers"]),
+                                                peers_text(status["peers"])) if line)
         bars.append(Bar(title, total, tuple(segments), caption, note=note, warning=warning, apps=apps))
     return bars
 
@@ -133,21 +135,20 @@ def rpc_servers_text(servers: Any) -> str:
     return "\n".join(lines)
 
 
-def peers_text(peers: Any) -> str:
+def peers_text(peers: Iterable[PeerStatus]) -> str:
     """'Peers: desk healthy, 2.1 ms, 3 served · attic: it refused our API key ...'."""
     parts = []
     for peer in peers:
-        if not isinstance(peer, Mapping):
-            continue
-        if peer.get("healthy"):
-            state = "healthy" + (f", {peer['latency_ms']:g} ms" if peer.get("latency_ms") is not None else "")
-            if peer.get("served"):
+        if peer["healthy"]:
+            latency = peer["latency_ms"]
+            state = "healthy" + (f", {latency:g} ms" if latency is not None else "")
+            if peer["served"]:
                 state += f", {peer['served']} served"
-            parts.append(f"{peer.get('name')} {state}")
+            parts.append(f"{peer['name']} {state}")
             continue
-        breaker = (peer.get("breaker") or {}).get("state")
-        state = peer.get("problem") or (f"breaker {breaker}" if breaker and breaker != "closed" else "not healthy")
-        parts.append(f"{peer.get('name')}: {state}")
+        breaker = peer["breaker"]["state"]
+        state = peer["problem"] or (f"breaker {breaker}" if breaker != "closed" else "not healthy")
+        parts.append(f"{peer['name']}: {state}")
     return "Peers: " + " · ".join(parts) if parts else ""
 
 
@@ -155,15 +156,14 @@ def peers_text(peers: Any) -> str:
 MAX_APPS_SHOWN = 4
 
 
-def _worker_pids(status: Mapping[str, Any]) -> set[int]:
-    return {w["pid"] for w in status.get("workers") or () if isinstance(w.get("pid"), int)}
+def _worker_pids(status: Status) -> set[int]:
+    return {w["pid"] for w in status["workers"] if w["pid"] is not None}
 
 
-def other_apps_text(processes: Any, ours: set[int]) -> str:
+def other_apps_text(processes: Iterable[GpuProcessStatus], ours: set[int]) -> str:
     """'Other apps: firefox 412 MiB · steam 300 MiB · 2 more', largest first,
     like nvitop: who holds the VRAM our workers can't have."""
-    apps = sorted(((p.get("name") or f"pid {p.get('pid')}", as_number(p.get("used_mib")))
-                   for p in processes if isinstance(p, Mapping) and p.get("pid") not in ours),
+    apps = sorted(((p["name"] or f"pid {p['pid']}", p["used_mib"]) for p in processes if p["pid"] not in ours),
                   key=lambda app: -(app[1] or 0.0))
     if not apps:
         return ""
@@ -188,30 +188,24 @@ def _headroom_segments(worker_label: str, worker_mib: float, used: float, kept_l
             Segment("free", "headroom", 0.0)], warning
 
 
-def ram_floor_mib(status: Mapping[str, Any], fallback: float | None = None) -> float | None:
-    """The CPU path's RAM floor: from /status when the service reports it,
-    else what the local config says."""
-    ram = status.get("ram") or {}
-    for key in ("floor_mib", "ram_floor_mib"):
-        value = as_number(ram.get(key))
-        if value is not None:
-            return value
-    return fallback
+def ram_floor_mib(status: Status | None, fallback: float | None = None) -> float | None:
+    """The CPU path's RAM floor: the service's; the local config's
+    (`fallback`) only while there is no status to read."""
+    return status["ram"]["floor_mib"] if status is not None else fallback
 
 
-def ram_bar(status: Mapping[str, Any], floor_mib: float | None = None) -> Bar:
+def ram_bar(status: Status, floor_mib: float | None = None) -> Bar:
     """[workers' RSS | other use | floor | free] of host RAM."""
-    ram = status.get("ram") or {}
-    total = as_number(ram.get("total_mib"))
-    available = as_number(ram.get("available_mib"))
+    ram = status["ram"]
+    total, available = ram["total_mib"], ram["available_mib"]
     if total is None or available is None:
         return Bar("RAM", total, (), "RAM unknown", note="unknown")
     floor = ram_floor_mib(status, floor_mib) or 0.0
-    rss = sum(as_number(v) or 0.0 for v in (ram.get("rss_mib_by_pid") or {}).values())
+    rss = sum(v or 0.0 for v in ram["rss_mib_by_pid"].values())
     used = _clamp(total - available)
     segments, warning = _headroom_segments("workers (RSS)", rss, used, "floor", floor, available, "available RAM")
     caption = f"{fmt_mib(available, total)} available of {fmt_mib(total)}"
-    swap = as_number(ram.get("swap_used_mib"))
+    swap = ram["swap_used_mib"]
     if swap:
         caption += f" · swap in use {fmt_mib(swap)}"
     return Bar("RAM · host", total, tuple(segments), caption, warning=warning)
@@ -225,21 +219,20 @@ def headroom_text(free: float, kept: float, kept_label: str) -> str:
     return f"0 MiB headroom ({fmt_mib(kept - free)} short of the {kept_label})"
 
 
-def menu_headroom_text(status: Mapping[str, Any] | None, floor_mib: float | None = None) -> str:
+def menu_headroom_text(status: Status | None, floor_mib: float | None = None) -> str:
     """One line for the tray menu, under the state: what fits right now.
     Not every tray host shows tooltips, so the menu says it too."""
     if not status:
         return "Memory: no reading yet"
-    gpu = status.get("gpu") or {}
-    free, reserve = as_number(gpu.get("free_mib")), as_number(gpu.get("reserve_mib")) or 0.0
-    if not gpu.get("available"):
+    gpu = status["gpu"]
+    free, reserve = gpu["free_mib"], gpu["reserve_mib"]
+    if not gpu["available"]:
         vram = "VRAM: no GPU"
     elif free is None:
         vram = "VRAM: unknown"
     else:
         vram = f"VRAM {headroom_text(free, reserve, 'reserve')}"
-    ram = status.get("ram") or {}
-    available = as_number(ram.get("available_mib"))
+    available = status["ram"]["available_mib"]
     floor = ram_floor_mib(status, floor_mib) or 0.0
     ram_text = "RAM unknown" if available is None else f"RAM {headroom_text(available, floor, 'floor')}"
     return f"{vram} · {ram_text}"

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
 
-from .formatting import as_number, fmt_mib, humanize_reason, reason_in_words
-from .state import BUSY_TITLE, CPU, DEGRADED, DOWN, GPU, STATE_TITLES, cpu_only_text, engine_notice, icon_kind, is_busy_overflow, residency_of, residency_state
+from ...core.status_contract import Status
+from .formatting import fmt_mib, humanize_reason, reason_in_words
+from .state import (BUSY_TITLE, CPU, DEGRADED, DOWN, GPU, STATE_TITLES, cpu_only_text, engine_notice, icon_kind,
+                    is_busy_overflow, residency_of)
 from .memory import headroom_text, known_total, ram_floor_mib
 from .banner import cpu_serving, degraded_title, serving_peers, who_serves
 
@@ -14,7 +15,7 @@ from .banner import cpu_serving, degraded_title, serving_peers, who_serves
 IDLE_TITLE = "Idle: the GPU model is unloaded"
 
 
-def state_title(status: Mapping[str, Any] | None, *, host_starting: bool = False) -> str:
+def state_title(status: Status | None, *, host_starting: bool = False) -> str:
     """The state in a few words; a busy GPU's overflow is not called degraded."""
     peers = serving_peers(status)
     if is_busy_overflow(status):
@@ -25,14 +26,15 @@ def state_title(status: Mapping[str, Any] | None, *, host_starting: bool = False
     if kind == CPU and peers:
         # A machine without a GPU path that lends work to another's: say who answers.
         return "No GPU here: " + who_serves(status, peers)
-    if kind == GPU and residency_state(status) == "unloaded_idle":
+    residency = residency_of(status)
+    if kind == GPU and residency is not None and residency["state"] == "unloaded_idle":
         # Unloaded to make room for another library model (its name is the hold's "app").
-        made_room_for = residency_of(status).get("app")
+        made_room_for = residency["app"]
         return f"The GPU model is unloaded for {made_room_for}" if made_room_for else IDLE_TITLE
     return STATE_TITLES[kind]
 
 
-def state_detail(status: Mapping[str, Any] | None, error: str | None = None) -> str:
+def state_detail(status: Status | None, error: str | None = None) -> str:
     """One line under the state title: why the state is what it is."""
     if status is None:
         return error or "the service is not answering"
@@ -40,7 +42,6 @@ def state_detail(status: Mapping[str, Any] | None, error: str | None = None) -> 
     if kind == DEGRADED and is_busy_overflow(status):
         return "The GPU is busy; the CPU takes the overflow."
     if kind == DEGRADED:
-        degraded = status.get("degraded") or {}
         # The model is named in the banner below, where a long name is elided
         # to fit; here it would widen the window.
         text = "The CPU worker answers with the fallback model"
@@ -49,18 +50,18 @@ def state_detail(status: Mapping[str, Any] | None, error: str | None = None) -> 
             on_cpu = cpu_serving(status)
             named = f"peer {', '.join(peers)} (another machine)"
             text = f"The CPU worker and {named} answer" if on_cpu else f"{named[0].upper()}{named[1:]} answers"
-        since = as_number(degraded.get("since"))
+        since = status["degraded"]["since"]
         if since:
             text += " since " + time.strftime("%H:%M:%S", time.localtime(since))
         return text + "; details below."
-    detail = humanize_reason((status.get("service") or {}).get("health_reason") or "")
+    detail = humanize_reason(status["service"]["health_reason"])
     if kind == CPU:
         detail = cpu_only_text(status) or detail
     notice = engine_notice(status)
     return f"{detail}. {notice}" if notice and detail else (notice or detail)
 
 
-def tooltip_text(status: Mapping[str, Any] | None, *, error: str | None = None,
+def tooltip_text(status: Status | None, *, error: str | None = None,
                  host_starting: bool = False, floor_mib: float | None = None) -> str:
     kind = icon_kind(status, host_starting=host_starting)
     state = state_title(status, host_starting=host_starting)
@@ -71,35 +72,34 @@ def tooltip_text(status: Mapping[str, Any] | None, *, error: str | None = None,
     if status is None:
         return f"{title}\n{error or ('starting the service' if host_starting else 'the service is not answering')}"
     lines = [title]
-    gpu = status.get("gpu") or {}
-    if gpu.get("available"):
-        free, total = as_number(gpu.get("free_mib")), known_total(gpu.get("total_mib"))
-        reserve = as_number(gpu.get("reserve_mib")) or 0.0
-        sim = " (simulated)" if gpu.get("simulated") else ""
+    gpu = status["gpu"]
+    if gpu["available"]:
+        free, total = gpu["free_mib"], known_total(gpu["total_mib"])
+        reserve = gpu["reserve_mib"]
+        sim = " (simulated)" if gpu["simulated"] else ""
         if free is not None and total is not None:
             lines.append(f"VRAM{sim}: {headroom_text(free, reserve, 'reserve')} "
                          f"({fmt_mib(free, total)} free of {fmt_mib(total)}, {fmt_mib(reserve)} reserved)")
         else:
             lines.append(f"VRAM{sim}: unknown")
     elif kind != CPU:  # there, the reason is the state's own line
-        lines.append(f"VRAM: no GPU ({gpu.get('reason') or 'unknown'})")
-    ram = status.get("ram") or {}
-    available, total = as_number(ram.get("available_mib")), as_number(ram.get("total_mib"))
+        lines.append(f"VRAM: no GPU ({gpu['reason'] or 'unknown'})")
+    available, ram_total = status["ram"]["available_mib"], status["ram"]["total_mib"]
     floor = ram_floor_mib(status, floor_mib)
-    if available is not None and total is not None:
+    if available is not None and ram_total is not None:
         if floor:
             lines.append(f"RAM: {headroom_text(available, floor, 'floor')} "
-                         f"({fmt_mib(available, total)} available of {fmt_mib(total)}, {fmt_mib(floor)} floor)")
+                         f"({fmt_mib(available, ram_total)} available of {fmt_mib(ram_total)}, {fmt_mib(floor)} floor)")
         else:
-            lines.append(f"RAM: {fmt_mib(available)} available of {fmt_mib(total)}")
+            lines.append(f"RAM: {fmt_mib(available)} available of {fmt_mib(ram_total)}")
     if kind == DEGRADED:
-        reason = (status.get("degraded") or {}).get("reason")
+        reason = status["degraded"]["reason"]
         if reason:
             lines.append(f"Why: {reason_in_words(reason)}")
     elif kind == CPU:
         lines[1:1] = (cpu_only_text(status) or "").split("\n")
     elif kind == DOWN:
-        lines.append((status.get("service") or {}).get("health_reason") or "")
+        lines.append(status["service"]["health_reason"])
     lines.append(engine_notice(status) or "")
     return "\n".join(line for line in lines if line)
 
