@@ -38,7 +38,7 @@ def image_message(url: str = DATA_URI) -> list[dict]:
 
 def test_an_image_part_stays_a_part_and_its_text_is_counted_apart():
     messages = image_message()
-    assert flatten_content(messages, SEES) == 1
+    assert flatten_content(messages, SEES).count == 1
     assert messages[0]["content"] == [{"type": "text", "text": "look"},
                                       {"type": "image_url", "image_url": {"url": DATA_URI}}]
     assert text_only(messages) == [{"role": "user", "content": "look"}]
@@ -46,7 +46,7 @@ def test_an_image_part_stays_a_part_and_its_text_is_counted_apart():
 
 def test_a_message_without_images_is_still_one_string():
     messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    assert flatten_content(messages, SEES) == 0
+    assert flatten_content(messages, SEES).count == 0
     assert messages[0]["content"] == "a\nb"
 
 
@@ -95,8 +95,9 @@ def test_a_model_without_vision_names_the_ones_that_see():
 def test_ollama_images_become_parts_before_the_text():
     body = ollama.OllamaChat(4096).translate({"model": "m", "messages": [
         {"role": "user", "content": "what?", "images": [base64.b64encode(PNG).decode()]}]}, None).body
-    assert body["messages"][0]["content"] == [{"type": "image_url", "image_url": {"url": DATA_URI}},
-                                              {"type": "text", "text": "what?"}]
+    assert body["messages"][0]["content"] == [
+        {"type": "image_url", "image_url": {"url": DATA_URI}, openai_request.PART_NAME: "messages[0].images[0]"},
+        {"type": "text", "text": "what?"}]
 
 
 def test_an_anthropic_image_block_becomes_a_part():
@@ -104,7 +105,8 @@ def test_an_anthropic_image_block_becomes_a_part():
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                      "data": base64.b64encode(PNG).decode()}},
         {"type": "text", "text": "what?"}]}]}, 4096)
-    assert body["messages"][0]["content"][0] == {"type": "image_url", "image_url": {"url": DATA_URI}}
+    assert body["messages"][0]["content"][0] == {"type": "image_url", "image_url": {"url": DATA_URI},
+                                                 openai_request.PART_NAME: "messages.0.content.0"}
 
 
 # ----- the library and the projector file -----------------------------------------------------

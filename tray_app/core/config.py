@@ -65,6 +65,13 @@ class ServerConfig:
     # with one short reasoning note saying so, for every request; a request's
     # X-Degraded-Note: on|off overrides it. Off: it changes what clients see.
     degraded_note: bool = False
+    # Fetch http(s) image URLs that clients send (api/remote_images.py). Off:
+    # the server would fetch whatever a client names, so such a URL is a 400.
+    allow_remote_images: bool = False
+    # Host names whose images may be fetched from private or loopback
+    # addresses (a camera or NAS on the LAN); every other host must resolve
+    # to public addresses only. Exact names, as they appear in the URL.
+    remote_image_hosts: tuple[str, ...] = ()
 
 
 REASONING_FIELDS = ("reasoning_content", "reasoning", "both")

@@ -79,7 +79,7 @@ def _convert_message(index: int, message: Any) -> list[dict[str, Any]]:
         if kind == "text" and isinstance(block.get("text"), str):
             parts.append({"type": "text", "text": block["text"]})
         elif kind == "image" and role == "user":
-            parts.append(image_part(_image_uri(block.get("source"), at)))
+            parts.append(image_part(_image_uri(block.get("source"), at), at))
         elif kind == "document":
             raise _Invalid(400, f"{at}: document blocks are not read here; send the text", "unsupported_parameter",
                            at)

@@ -45,6 +45,7 @@ from .ollama_routes import OllamaRoutes
 from .web_page import web_page, worker_logs
 from .key_routes import key_routes
 from .protocol import Protocol, Translated
+from .remote_images import RemoteImageFetcher
 from .responses import ResponsesRoutes
 from .service_routes import ServiceRoutes
 from .requests import (
@@ -73,6 +74,7 @@ class Router:
         self.openai = Protocol()
         self.openai.reasoning_field = service.config.server.reasoning_field
         self._grammars: GrammarChecker | None = None
+        self.remote_images = RemoteImageFetcher.from_config(service.config.server)
 
     @property
     def model_names(self) -> ModelNames:
@@ -178,7 +180,9 @@ class Router:
             body = await read_json_object(request)
             body.setdefault("max_tokens", 1)  # not part of this route's body
             translated = protocol.translate(body, JobKind.CHAT)
-            checked = validate(translated.body, JobKind.CHAT, self.model_names, self.largest_context)
+            checked = validate(translated.body, JobKind.CHAT, self.model_names, self.largest_context,
+                               remote_images=self.remote_images.allowed)
+            await self.remote_images.fetch_into(translated.body, checked.remote_images)
             await self._constrain(translated.body, checked)
             job = Job(JobRequest(id=new_request_id(), kind=JobKind.CHAT, body=translated.body, stream=False,
                                  images=checked.images))
@@ -260,7 +264,9 @@ class Router:
             if translated.load_only:
                 return self._load_only(translated, protocol)
             checked = validate(body, kind, self.model_names, self.largest_context,
-                               logprobs=self.service.supports_logprobs)
+                               logprobs=self.service.supports_logprobs, remote_images=self.remote_images.allowed)
+            # Before admission and the fingerprint: the body carries the bytes, so a replay never fetches.
+            await self.remote_images.fetch_into(body, checked.remote_images)
             await self._constrain(body, checked)
             routing = routing_headers(request)
             request.state.degraded_note = degraded_note.wanted(request.headers.get(degraded_note.NOTE_HEADER),

@@ -190,7 +190,7 @@ def _with_images(text: str, images: Any, where: str) -> str | list[dict[str, Any
         if not isinstance(image, str):
             raise _Invalid(400, f"'{where}[{number}]' must be a base64 string", "invalid_image",
                            f"{where}[{number}]")
-        parts.append(image_part(base64_image_uri(image, f"{where}[{number}]")))
+        parts.append(image_part(base64_image_uri(image, f"{where}[{number}]"), f"{where}[{number}]"))
     return assemble_content(parts + ([{"type": "text", "text": text}] if text else []))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llama_cpp.llama_grammar import JSON_GBNF
@@ -50,12 +50,42 @@ class Vision:
     model: str                        # its name, for messages
     sees: bool = False                # it has a projector
     seeing_models: tuple[str, ...] = ()  # the library's models that do, for a refusal that names one
+    # [server] allow_remote_images: an http(s) image URL stays in the body
+    # for the router to fetch (remote_images.py); off, it is a 400.
+    remote_images: bool = False
 
 
-def flatten_content(messages: list[dict[str, Any]], vision: Vision) -> int:
+# Where an image part came from in the client's own request (Ollama's
+# messages[0].images[1], Anthropic's messages.0.content.1, Responses'
+# input[0].content[1]): set by a protocol's translation so that a refusal
+# during validation names the part as its client numbers it. flatten_content
+# rebuilds every part without it, so it never reaches a worker.
+PART_NAME = "_client_part"
+
+
+@dataclass(frozen=True)
+class RemoteImage:
+    """An http(s) image URL left in a checked body for the router to fetch."""
+
+    message: int   # the index of its message in the OpenAI body
+    part: int      # the index of its part in that message's content
+    where: str     # the part's name in the client's request, for a 400
+    url: str
+
+
+@dataclass
+class ImageParts:
+    """What flatten_content found: the images, and those still to fetch."""
+
+    count: int = 0
+    remote: list[RemoteImage] = field(default_factory=list)
+
+
+def flatten_content(messages: list[dict[str, Any]], vision: Vision) -> ImageParts:
     """Every message's content as one string, in place; a message with images
     as a list of text and image_url parts, each image checked and rewritten as
-    a base64 data: URI. Returns the number of images.
+    a base64 data: URI (a remote one, where allowed, left for the router to
+    fetch). Returns the images found.
 
     The OpenAI chat API allows a string, a list of typed parts, or null (an
     assistant turn that only called tools). Chat templates and the worker
@@ -64,21 +94,35 @@ def flatten_content(messages: list[dict[str, Any]], vision: Vision) -> int:
     llama-server takes images as image_url parts and puts its media marker
     where each was, so those messages keep their parts.
     """
-    images = 0
+    found = ImageParts()
     for index, message in enumerate(messages):
         content = message.get("content")
         if content is None:
             message["content"] = ""
         elif isinstance(content, list):
             parts = [_part(index, number, part, vision) for number, part in enumerate(content)]
-            images += sum(1 for part in parts if part["type"] == "image_url")
+            for number, part in enumerate(parts):
+                if part["type"] != "image_url":
+                    continue
+                found.count += 1
+                url = part["image_url"]["url"]
+                if is_remote(url):
+                    found.remote.append(RemoteImage(index, number, _client_name(content[number], index, number), url))
             message["content"] = assemble_content(parts)
-    return images
+    return found
 
 
-def image_part(url: str) -> dict[str, Any]:
-    """An OpenAI image part, as llama-server takes it."""
-    return {"type": "image_url", "image_url": {"url": url}}
+def image_part(url: str, where: str | None = None) -> dict[str, Any]:
+    """An OpenAI image part, as llama-server takes it; `where` is the part's
+    name in a translated client's request (PART_NAME)."""
+    part: dict[str, Any] = {"type": "image_url", "image_url": {"url": url}}
+    if where is not None:
+        part[PART_NAME] = where
+    return part
+
+
+def is_remote(url: str) -> bool:
+    return url.startswith(("http://", "https://"))
 
 
 def assemble_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
@@ -95,8 +139,14 @@ def text_only(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if isinstance(message.get("content"), list) else message for message in messages]
 
 
+def _client_name(part: Any, index: int, number: int) -> str:
+    """The part's name as its client numbers it (PART_NAME), else OpenAI's."""
+    named = part.get(PART_NAME) if isinstance(part, dict) else None
+    return named if isinstance(named, str) else f"messages[{index}].content[{number}]"
+
+
 def _part(index: int, number: int, part: Any, vision: Vision) -> dict[str, Any]:
-    where = f"messages[{index}].content[{number}]"
+    where = _client_name(part, index, number)
     if not isinstance(part, dict) or not isinstance(part.get("type"), str):
         raise InvalidRequest(400, f"{where} must be an object with a string 'type'", "invalid_type", where)
     if part["type"] in IMAGE_PART_TYPES:
@@ -107,6 +157,12 @@ def _part(index: int, number: int, part: Any, vision: Vision) -> dict[str, Any]:
         if not isinstance(url, str):
             raise InvalidRequest(400, f"{where} needs 'image_url': {{\"url\": \"data:image/png;base64,...\"}}",
                                  "invalid_image", where)
+        if is_remote(url):
+            if not vision.remote_images:
+                raise InvalidRequest(400, f"{where} is a remote image URL, and this server does not fetch images "
+                                     "from URLs ([server] allow_remote_images is off). Send the image inline as a "
+                                     "data: URI (data:image/png;base64,...)", "remote_image_refused", where)
+            return image_part(url)  # fetched and checked by the router before admission (remote_images.py)
         return image_part(image_data_uri(url, where))
     return {"type": "text", "text": _part_text(where, part)}
 
@@ -125,14 +181,11 @@ def refuse_without_vision(vision: Vision, where: str) -> None:
 
 def image_data_uri(url: str, where: str) -> str:
     """A data: URI checked to hold one image of a format llama.cpp decodes, as
-    data:<type>;base64,<data>. Remote URLs are refused: the server would fetch
-    whatever a client names, from wherever it can reach."""
-    if url.startswith(("http://", "https://")):
-        # No setting turns fetching on yet: a server that fetches what a client
-        # names can be sent to addresses on the LAN that only it can reach.
-        raise InvalidRequest(400, f"{where} is a remote image URL; this server does not fetch images from URLs. "
-                             "Send the image inline as a data: URI (data:image/png;base64,...)",
-                             "remote_image_refused", where)
+    data:<type>;base64,<data>. A remote (http(s)) URL is returned as it is:
+    whether it may be fetched is [server] allow_remote_images's, decided in
+    flatten_content, and the router fetches it (remote_images.py)."""
+    if is_remote(url):
+        return url
     header, comma, data = url.partition(",")
     if not url.startswith("data:") or not comma or not header.endswith(";base64"):
         raise InvalidRequest(400, f"{where} must be a base64 data: URI (data:image/png;base64,...)",
@@ -143,6 +196,11 @@ def image_data_uri(url: str, where: str) -> str:
 def base64_image_uri(data: str, where: str) -> str:
     """Base64 image bytes (Ollama's images[] items) as a checked data: URI, its type read from the bytes."""
     return "data:{};base64,{}".format(image_type(decode_image(data, where), where), "".join(data.split()))
+
+
+def image_bytes_uri(raw: bytes, where: str) -> str:
+    """Image bytes (a fetched remote image) as a checked data: URI, as if the client had sent it inline."""
+    return f"data:{image_type(raw, where)};base64,{base64.b64encode(raw).decode()}"
 
 
 def decode_image(data: str, where: str) -> bytes:

@@ -15,7 +15,8 @@ from starlette.requests import Request
 
 from ..dispatch.jobs import JobKind
 from . import bounds, reasoning
-from .openai_request import Constraint, InvalidRequest, Vision, constrain_output, flatten_content, force_named_tool
+from .openai_request import (Constraint, InvalidRequest, RemoteImage, Vision, constrain_output, flatten_content,
+                             force_named_tool)
 
 _Invalid = InvalidRequest
 
@@ -31,11 +32,11 @@ class ModelNames:
     seeing: frozenset[str] = frozenset()
     seeing_models: tuple[str, ...] = ()
 
-    def vision(self, model: Any) -> Vision:
+    def vision(self, model: Any, remote_images: bool = False) -> Vision:
         """What the model a request names can do with images."""
         named = model if isinstance(model, str) and model in self.accepted else None
         return Vision(named or self.main, sees=(named or "default") in self.seeing,
-                      seeing_models=self.seeing_models)
+                      seeing_models=self.seeing_models, remote_images=remote_images)
 
 
 MAX_MESSAGES = 1024
@@ -106,6 +107,8 @@ class Checked:
     # tool_choice); the router turns it into the body's grammar off the loop.
     constraint: Constraint | None = None
     images: int = 0  # image parts: only a worker with a projector can run the request
+    # http(s) image URLs the router fetches before admission ([server] allow_remote_images).
+    remote_images: tuple[RemoteImage, ...] = ()
 
     @property
     def forced_tool(self) -> str | None:
@@ -131,7 +134,7 @@ ROUTER_OWNED_FIELDS = {
 
 
 def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_context: int, *,
-             logprobs: bool = False) -> Checked:
+             logprobs: bool = False, remote_images: bool = False) -> Checked:
     """Check a chat or completion body field by field, in place turning
     what clients send into what a worker runs (content parts, structured
     output). Raises InvalidRequest naming the field."""
@@ -139,7 +142,7 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
         if field in body:
             raise _Invalid(400, f"'{field}' is not accepted here: {instead}", "unsupported_parameter", field)
     check_model(body.get("model"), models)
-    images = 0
+    images, remote = 0, ()
     if kind is JobKind.CHAT:
         messages = body.get("messages")
         if messages is None:
@@ -160,7 +163,8 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
             if content is not None and not isinstance(content, (str, list)):
                 raise _Invalid(400, f"messages[{index}].content must be a string or a list of parts",
                                "invalid_type", f"messages[{index}].content")
-        images = flatten_content(messages, models.vision(body.get("model")))
+        found = flatten_content(messages, models.vision(body.get("model"), remote_images))
+        images, remote = found.count, tuple(found.remote)
     else:
         prompt = body.get("prompt")
         if prompt is None:
@@ -197,7 +201,7 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
     if kind is JobKind.CHAT:
         constraint = force_named_tool(body, constraint)
         reasoning.apply_to_chat(body, min(requested_limit(body) or largest_context, largest_context))
-    return Checked(top_logprobs=top_logprobs, constraint=constraint, images=images)
+    return Checked(top_logprobs=top_logprobs, constraint=constraint, images=images, remote_images=remote)
 
 
 def _check_logprobs(body: dict[str, Any], kind: JobKind, supported: bool) -> int | None:

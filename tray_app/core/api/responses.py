@@ -149,7 +149,7 @@ def _text_parts(content: Any, where: str, kinds: frozenset[str]) -> str | list[d
             if not isinstance(url, str):
                 raise _Invalid(400, f"'{at}' needs 'image_url' as a data: URI (a file_id can't be read here)",
                                "invalid_image", at)
-            parts.append(image_part(image_data_uri(url, at)))
+            parts.append(image_part(image_data_uri(url, at), at))
             continue
         if kind in IMAGE_PART_TYPES or kind in ("input_file", "input_audio"):
             raise _Invalid(400, f"'{at}' is {kind!r}, which is not read here; send the text instead",

@@ -1,0 +1,250 @@
+"""Remote image URLs ([server] allow_remote_images): which addresses the
+server refuses to fetch from, and the bounds on a fetch (size, deadline,
+redirects), against a real HTTP server in this process.
+
+That server listens on loopback, which the fetcher refuses, so the tests
+reach it the way a deployment would reach a LAN camera: a resolver seam names
+its host (images.test) and remote_image_hosts trusts it; the tests that check
+refusals leave it untrusted."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from tests.tiny_projector import tiny_png
+from tray_app.core.api.anthropic import translate_messages
+from tray_app.core.api.ollama import OllamaChat, OllamaGenerate
+from tray_app.core.api.openai_request import InvalidRequest, RemoteImage
+from tray_app.core.api.remote_images import RemoteImageFetcher, refused_address
+from tray_app.core.api.requests import ModelNames, validate
+from tray_app.core.api.responses import translate_request
+from tray_app.core.dispatch.jobs import JobKind
+
+PNG = tiny_png()
+HOST = "images.test"
+WHERE = "messages[0].content[1]"
+
+Route = Callable[[asyncio.StreamWriter], Awaitable[None]]
+
+
+@pytest.mark.parametrize("address", [
+    "127.0.0.1", "127.8.9.10", "10.1.2.3", "172.16.0.1", "192.168.1.20", "169.254.169.254", "0.0.0.0",
+    "224.0.0.251", "100.64.0.1", "::1", "::", "fe80::1%eth0", "fc00::1", "fd12:3456::1", "ff02::1",
+    "::ffff:127.0.0.1", "::ffff:192.168.0.1", "2002:7f00:1::1",
+])
+def test_addresses_on_the_lan_or_the_server_itself_are_refused(address):
+    assert refused_address(address) is not None
+
+
+@pytest.mark.parametrize("address", ["93.184.215.14", "2606:4700:4700::1111", "::ffff:93.184.215.14"])
+def test_public_addresses_pass(address):
+    assert refused_address(address) is None
+
+
+class ImageServer:
+    """An HTTP server on loopback whose paths each answer as a test says."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, Route] = {}
+        self.requests: list[str] = []
+        self.port = 0
+
+    def url(self, path: str, host: str = HOST) -> str:
+        return f"http://{host}:{self.port}{path}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            head = await reader.readuntil(b"\r\n\r\n")
+            path = head.split(b" ")[1].decode()
+            self.requests.append(path)
+            await self.routes[path](writer)
+        writer.close()
+
+
+@pytest.fixture
+async def server():
+    image_server = ImageServer()
+    listening = await asyncio.start_server(image_server._serve, "127.0.0.1", 0)
+    image_server.port = listening.sockets[0].getsockname()[1]
+    async with listening:
+        yield image_server
+        listening.close()
+
+
+def answer(body: bytes, status: str = "200 OK", headers: str = "") -> Route:
+    async def route(writer: asyncio.StreamWriter) -> None:
+        writer.write(f"HTTP/1.1 {status}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n{headers}\r\n"
+                     .encode() + body)
+        await writer.drain()
+    return route
+
+
+def redirect(location: str) -> Route:
+    return answer(b"", "302 Found", f"Location: {location}\r\n")
+
+
+def endless(chunk: bytes, pause_s: float, headers: str = "") -> Route:
+    """A body with no declared length that never ends."""
+    async def route(writer: asyncio.StreamWriter) -> None:
+        writer.write(f"HTTP/1.1 200 OK\r\nConnection: close\r\n{headers}\r\n".encode())
+        while True:
+            writer.write(chunk)
+            await writer.drain()
+            await asyncio.sleep(pause_s)
+    return route
+
+
+async def to_loopback(host: str, port: int) -> list[str]:
+    """The resolver seam: every name resolves to loopback, where the test server is."""
+    return ["127.0.0.1"]
+
+
+def fetcher(trusted: bool = True, **bounds) -> RemoteImageFetcher:
+    return RemoteImageFetcher(allowed=True, trusted_hosts=frozenset({HOST}) if trusted else frozenset(),
+                              resolver=to_loopback, **bounds)
+
+
+async def refusal(fetch: RemoteImageFetcher, url: str) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as refused:
+        await fetch.fetch(url, WHERE)
+    assert refused.value.status == 400 and refused.value.param == WHERE and WHERE in refused.value.message
+    return refused.value
+
+
+async def test_a_trusted_host_is_fetched_into_the_body_as_a_data_uri(server):
+    server.routes["/cat.png"] = answer(PNG)
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what?"},
+                                                      {"type": "image_url", "image_url": {"url": "x"}}]}]}
+    await fetcher().fetch_into(body, (RemoteImage(0, 1, WHERE, server.url("/cat.png")),))
+    assert body["messages"][0]["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
+
+
+async def test_a_name_resolving_to_loopback_is_refused_before_any_request(server):
+    server.routes["/cat.png"] = answer(PNG)
+    refused = await refusal(fetcher(trusted=False), server.url("/cat.png"))
+    assert refused.code == "remote_image_address_refused" and "127.0.0.1 is a loopback address" in refused.message
+    assert server.requests == []
+
+
+async def test_each_redirect_is_checked_again(server):
+    # The trusted host sends the fetch on to another name that resolves to loopback.
+    server.routes["/cat.png"] = redirect(server.url("/inner.png", host="elsewhere.test"))
+    server.routes["/inner.png"] = answer(PNG)
+    refused = await refusal(fetcher(), server.url("/cat.png"))
+    assert refused.code == "remote_image_address_refused" and "elsewhere.test" in refused.message
+    assert server.requests == ["/cat.png"]
+
+
+async def test_more_than_three_redirects_are_refused(server):
+    for hop in range(4):
+        server.routes[f"/{hop}"] = redirect(f"/{hop + 1}")
+    server.routes["/4"] = answer(PNG)
+    assert await fetcher().fetch(server.url("/1"), WHERE) == PNG  # three redirects: fetched
+    refused = await refusal(fetcher(), server.url("/0"))
+    assert refused.code == "remote_image_refused" and "more than 3" in refused.message
+
+
+async def test_a_redirect_to_another_scheme_is_refused(server):
+    server.routes["/cat.png"] = redirect("file:///etc/passwd")
+    refused = await refusal(fetcher(), server.url("/cat.png"))
+    assert refused.code == "remote_image_refused" and "not http(s)" in refused.message
+
+
+async def test_a_declared_size_over_the_cap_is_refused_without_reading(server):
+    server.routes["/big.png"] = answer(b"x" * 2000)
+    refused = await refusal(fetcher(max_bytes=1000), server.url("/big.png"))
+    assert refused.code == "image_too_large"
+
+
+async def test_an_endless_body_is_read_up_to_the_cap_and_no_further(server):
+    # No length declared and no end: only stopping at the cap ends the fetch
+    # (the deadline is far off, and its refusal would carry another code).
+    server.routes["/big.png"] = endless(b"x" * 4096, pause_s=0)
+    refused = await refusal(fetcher(max_bytes=100_000, deadline_s=60), server.url("/big.png"))
+    assert refused.code == "image_too_large"
+
+
+async def test_a_trickling_server_meets_the_deadline(server):
+    server.routes["/slow.png"] = endless(b"x", pause_s=0.05)
+    refused = await refusal(fetcher(deadline_s=0.5), server.url("/slow.png"))
+    assert refused.code == "remote_image_timeout" and "0.5 s" in refused.message
+
+
+async def test_an_http_error_names_its_status(server):
+    server.routes["/gone.png"] = answer(b"not here", "404 Not Found")
+    refused = await refusal(fetcher(), server.url("/gone.png"))
+    assert refused.code == "remote_image_http_error" and "HTTP 404" in refused.message
+
+
+async def test_fetched_bytes_that_are_no_image_are_refused_like_an_inline_one(server):
+    server.routes["/page.html"] = answer(b"<html>hello</html>")
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    with pytest.raises(InvalidRequest) as refused:
+        await fetcher().fetch_into(body, (RemoteImage(0, 0, WHERE, server.url("/page.html")),))
+    assert refused.value.code == "invalid_image" and refused.value.param == WHERE
+
+
+# ----- refusals name the part as the client numbers it ------------------------------------------
+
+BLIND = ModelNames("m", frozenset({"m"}), frozenset({"m"}))
+SEEING = ModelNames("m", frozenset({"m"}), frozenset({"m"}), seeing=frozenset({"m"}), seeing_models=("m",))
+PNG_B64 = base64.b64encode(PNG).decode()
+REMOTE = "https://example.com/cat.png"
+
+
+def refused_by_validation(body: dict, models: ModelNames = BLIND, *, remote_images: bool = False) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as refused:
+        validate(body, JobKind.CHAT, models, 4096, remote_images=remote_images)
+    return refused.value
+
+
+@pytest.mark.parametrize("translate, where", [
+    (lambda: OllamaChat(4096).translate({"model": "m", "messages": [
+        {"role": "user", "content": "what?", "images": [PNG_B64, PNG_B64]}]}, JobKind.CHAT).body,
+     "messages[0].images[0]"),
+    (lambda: OllamaGenerate(4096).translate({"model": "m", "system": "be brief", "prompt": "what?",
+                                             "images": [PNG_B64]}, JobKind.CHAT).body, "images[0]"),
+    (lambda: translate_messages({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_B64}}]}]}, 4096),
+     "messages.0.content.1"),
+    (lambda: translate_request({"model": "m", "instructions": "be brief", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "what?"},
+        {"type": "input_image", "image_url": f"data:image/png;base64,{PNG_B64}"}]}]}, 4096, [])[0],
+     "input[0].content[1]"),
+])
+def test_a_blind_models_refusal_names_the_part_by_the_clients_numbering(translate, where):
+    refused = refused_by_validation(translate())
+    assert refused.code == "model_has_no_vision" and refused.param == where and refused.message.startswith(where)
+
+
+@pytest.mark.parametrize("translate, where", [
+    (lambda: {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what?"}, {"type": "image_url", "image_url": {"url": REMOTE}}]}]},
+     "messages[0].content[1]"),
+    (lambda: translate_messages({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what?"}, {"type": "image", "source": {"type": "url", "url": REMOTE}}]}]}, 4096),
+     "messages.0.content.1"),
+    (lambda: translate_request({"model": "m", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "what?"}, {"type": "input_image", "image_url": REMOTE}]}]}, 4096, [])[0],
+     "input[0].content[1]"),
+])
+def test_a_remote_url_is_refused_naming_the_part_and_the_setting_while_it_is_off(translate, where):
+    refused = refused_by_validation(translate(), SEEING)
+    assert refused.code == "remote_image_refused" and refused.param == where
+    assert "allow_remote_images" in refused.message
+
+
+def test_a_remote_url_is_left_for_the_router_to_fetch_while_it_is_on():
+    body = translate_messages({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what?"}, {"type": "image", "source": {"type": "url", "url": REMOTE}}]}]}, 4096)
+    checked = validate(body, JobKind.CHAT, SEEING, 4096, remote_images=True)
+    assert checked.images == 1
+    assert checked.remote_images == (RemoteImage(0, 1, "messages.0.content.1", REMOTE),)
+    # What reaches a worker carries no client-side name.
+    assert body["messages"][0]["content"][1] == {"type": "image_url", "image_url": {"url": REMOTE}}

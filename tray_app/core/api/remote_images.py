@@ -1,0 +1,187 @@
+"""Remote image URLs, fetched by the router for a client ([server] allow_remote_images).
+
+A server that fetches what a client names can be pointed at what only it can
+reach: its own loopback ports, the LAN, a cloud metadata address. So every
+connection (the first and each redirect's) goes to an address checked after
+DNS resolution, and the check and the connection use the same address, so a
+name that resolves differently the second time (DNS rebinding) gains
+nothing. A host in [server] remote_image_hosts skips the address check: a
+camera or NAS on the LAN is the usual reason to turn fetching on at home.
+
+The fetch runs in the router before admission, never in a worker: the bytes
+go through the same image check as an inline data: URI and replace the URL
+in the body as one, so the worker never fetches, and a replay on the CPU
+sends the same bytes without fetching again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urljoin, urlsplit
+
+import httpcore
+import httpx
+
+from .openai_request import MAX_IMAGE_BYTES, InvalidRequest, RemoteImage, image_bytes_uri
+
+FETCH_DEADLINE_S = 10.0  # the whole fetch: DNS, connections, redirects, the body
+MAX_REDIRECTS = 3
+
+# (host, port) -> the addresses it resolves to. The seam lets tests name a
+# host that "resolves" to loopback without a DNS server.
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def system_resolver(host: str, port: int) -> list[str]:
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [info[4][0] for info in infos]
+
+
+def refused_address(address: str) -> str | None:
+    """Why the server must not connect to this address for a client, or None."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone (fe80::1%eth0) is not part of it
+    if isinstance(ip, ipaddress.IPv6Address):
+        # ::ffff:127.0.0.1 and 2002:7f00:1:: reach IPv4's loopback: judge the IPv4 address they carry.
+        ip = ip.ipv4_mapped or ip.sixtofour or ip
+    for refused, name in ((ip.is_unspecified, "unspecified"), (ip.is_loopback, "loopback"),
+                          (ip.is_link_local, "link-local"), (ip.is_multicast, "multicast"),
+                          (ip.is_private, "private")):
+        if refused:
+            return f"{address} is a {name} address"
+    if not ip.is_global:  # shared (100.64/10), reserved and documentation ranges
+        return f"{address} is not a public address"
+    return None
+
+
+class Refused(Exception):
+    """A fetch the server won't make or finish; the message says why."""
+
+    def __init__(self, why: str, code: str) -> None:
+        super().__init__(why)
+        self.why, self.code = why, code
+
+
+class _CheckedNetwork(httpcore.AsyncNetworkBackend):
+    """httpcore's network, connecting only to checked addresses: every TCP
+    connection (redirects included) resolves its host here and connects to
+    the address it checked. TLS still verifies the certificate against the
+    host name, which httpcore passes separately."""
+
+    def __init__(self, resolver: Resolver, trusted_hosts: frozenset[str]) -> None:
+        self._inner = httpcore.AnyIOBackend()
+        self._resolver = resolver
+        self._trusted_hosts = trusted_hosts
+
+    async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                          local_address: str | None = None, socket_options: Any = None) -> httpcore.AsyncNetworkStream:
+        try:
+            addresses = await self._resolver(host, port)
+        except OSError as error:
+            raise Refused(f"its host {host} does not resolve ({error})", "remote_image_unreachable") from None
+        if not addresses:
+            raise Refused(f"its host {host} does not resolve", "remote_image_unreachable")
+        if host.lower() not in self._trusted_hosts:
+            for candidate in addresses:
+                # Every address, not only the first: a name may list a public
+                # and a private one and let the OS pick.
+                why = refused_address(candidate)
+                if why is not None:
+                    raise Refused(f"its host {host} resolves to {why}; the server does not fetch from the LAN or "
+                                  "itself for a client (a trusted host goes in [server] remote_image_hosts)",
+                                  "remote_image_address_refused")
+        address = addresses[0]
+        return await self._inner.connect_tcp(address, port, timeout=timeout, local_address=local_address,
+                                             socket_options=socket_options)
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None,
+                                  socket_options: Any = None) -> httpcore.AsyncNetworkStream:
+        raise Refused("a Unix socket is not a remote image", "remote_image_address_refused")
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+def _checked_transport(resolver: Resolver, trusted_hosts: frozenset[str]) -> httpx.AsyncHTTPTransport:
+    transport = httpx.AsyncHTTPTransport()
+    # httpx takes no network backend, so its pool is replaced by one with the
+    # checked network; the transport's request mapping is kept as it is.
+    transport._pool = httpcore.AsyncConnectionPool(ssl_context=httpx.create_ssl_context(),
+                                                   network_backend=_CheckedNetwork(resolver, trusted_hosts))
+    return transport
+
+
+@dataclass(frozen=True)
+class RemoteImageFetcher:
+    """Fetches clients' remote image URLs under the server's bounds."""
+
+    allowed: bool = False
+    trusted_hosts: frozenset[str] = frozenset()
+    resolver: Resolver = system_resolver
+    deadline_s: float = FETCH_DEADLINE_S
+    max_bytes: int = MAX_IMAGE_BYTES
+
+    @classmethod
+    def from_config(cls, server: Any) -> RemoteImageFetcher:
+        return cls(allowed=server.allow_remote_images,
+                   trusted_hosts=frozenset(host.lower() for host in server.remote_image_hosts))
+
+    async def fetch_into(self, body: dict[str, Any], remote: tuple[RemoteImage, ...]) -> None:
+        """Each remote image in a checked body fetched, checked and put in its
+        place as a data: URI; a 400 naming the first part that fails."""
+        for image in remote:
+            raw = await self.fetch(image.url, image.where)
+            body["messages"][image.message]["content"][image.part]["image_url"]["url"] = \
+                image_bytes_uri(raw, image.where)
+
+    async def fetch(self, url: str, where: str) -> bytes:
+        """The bytes at url, or a 400 naming the part and why."""
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                return await self._fetch(url)
+        except TimeoutError:
+            why, code = f"it did not arrive within {self.deadline_s:g} s", "remote_image_timeout"
+        except Refused as refused:
+            why, code = refused.why, refused.code
+        except httpx.HTTPError as error:
+            why, code = f"it could not be fetched ({type(error).__name__}: {error})", "remote_image_unreachable"
+        raise InvalidRequest(400, f"{where}: the image at {_shown(url)} was not fetched: {why}", code, where)
+
+    async def _fetch(self, url: str) -> bytes:
+        transport = _checked_transport(self.resolver, self.trusted_hosts)
+        # trust_env off: a proxy from the environment would make the
+        # connection the check never sees.
+        async with httpx.AsyncClient(transport=transport, trust_env=False, follow_redirects=False) as client:
+            for _ in range(MAX_REDIRECTS + 1):
+                if urlsplit(url).scheme not in ("http", "https"):
+                    raise Refused(f"it redirects to {_shown(url)}, which is not http(s)", "remote_image_refused")
+                async with client.stream("GET", url, headers={"Accept": "image/*", "Accept-Encoding": "identity"}) as response:
+                    if response.is_redirect:
+                        url = urljoin(url, response.headers.get("location", ""))
+                        continue
+                    if response.status_code >= 400:
+                        raise Refused(f"its server answered HTTP {response.status_code}", "remote_image_http_error")
+                    return await self._read_bounded(response)
+            raise Refused(f"it redirects more than {MAX_REDIRECTS} times", "remote_image_refused")
+
+    async def _read_bounded(self, response: httpx.Response) -> bytes:
+        too_large = Refused(f"it is over the {self.max_bytes / (1024 * 1024):g} MiB limit for one image",
+                            "image_too_large")
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            raise too_large
+        received = bytearray()
+        async for chunk in response.aiter_bytes():
+            received += chunk
+            if len(received) > self.max_bytes:
+                raise too_large  # stop reading: the connection closes with the stream
+        return bytes(received)
+
+
+def _shown(url: str) -> str:
+    """The URL for a message, shortened: a client may send a long one."""
+    return url if len(url) <= 200 else url[:200] + "..."
