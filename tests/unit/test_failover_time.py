@@ -32,3 +32,14 @@ def test_the_snapshot_has_the_last_value_and_medians_overall_and_per_fault():
         "by_fault": {"crash": {"count": 3, "last_s": 0.5, "p50_s": 0.5},
                      "hang": {"count": 1, "last_s": 21.0, "p50_s": 21.0}},
     }
+
+
+def test_the_drill_report_gives_failover_time_per_fault():
+    from tray_app.drill.report import failover_by_fault
+
+    events = [{"kind": "failover", "fault": "crash", "seconds": 0.5, "id": "a"},
+              {"kind": "replay", "id": "a"},
+              {"kind": "failover", "fault": "crash", "seconds": 0.3, "id": "b"},
+              {"kind": "failover", "fault": "hang", "seconds": 21.0, "id": "c"}]
+    assert failover_by_fault(events) == {"crash": {"n": 2, "p50_s": 0.3, "max_s": 0.5},
+                                         "hang": {"n": 1, "p50_s": 21.0, "max_s": 21.0}}

@@ -82,6 +82,9 @@ def summary_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
                                           + (f"; service's gpu_recovery_s: {service[-1]} s" if service else "")))
     else:
         rows.append(("GPU recovery time", "n/a (no fault injected)"))
+    for fault, failover in (n.get("failover_by_fault") or {}).items():
+        rows.append((f"failover after a {fault.replace('_', '-')}",
+                     f"first CPU token p50 {_s(failover['p50_s'])}, max {_s(failover['max_s'])} (n={failover['n']})"))
     degraded = n["degraded"]
     rows.append(("degraded status visible", f"{degraded['visible_intervals']}/{len(degraded['intervals'])} intervals, "
                                             f"{degraded['samples_in_intervals']} samples; "

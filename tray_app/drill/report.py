@@ -140,6 +140,7 @@ def build_report(*, records: Sequence[dict[str, Any]], phases: Sequence[dict[str
         "oldest_queue_age_s": oldest,
         "min_available_ram_mib": min_ram,
         "gpu_recovery": recoveries,
+        "failover_by_fault": failover_by_fault(monitor.get("events") or ()),
         "degraded": {
             "intervals": intervals,
             "visible_intervals": sum(1 for i in intervals if i["visible"]),
@@ -168,6 +169,17 @@ def build_report(*, records: Sequence[dict[str, Any]], phases: Sequence[dict[str
         "samples": {"fields": list(SAMPLE_FIELDS), "rows": [_sample_row(s) for s in samples]},
         "service_events": list(monitor.get("events") or ()),
     }
+
+
+def failover_by_fault(events: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The service's failover times (its "failover" events: a GPU fault to
+    the replay's first token on the CPU), per kind of fault."""
+    times: dict[str, list[float]] = {}
+    for event in events:
+        if event.get("kind") == "failover" and isinstance(event.get("seconds"), (int, float)):
+            times.setdefault(str(event.get("fault")), []).append(float(event["seconds"]))
+    return {fault: {"n": len(values), "p50_s": stats.percentile(values, 50), "max_s": max(values)}
+            for fault, values in sorted(times.items())}
 
 
 def _sample_row(sample: Mapping[str, Any]) -> list[Any]:
