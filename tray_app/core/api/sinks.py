@@ -4,13 +4,12 @@ JSON clients, or relayed as SSE, recorded for Idempotency-Key replays."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any, AsyncIterator
 
 from starlette.responses import StreamingResponse
 
-from ..dispatch.upstream import response_id
+from ..dispatch.upstream import response_id, sse_bytes
 from ..dispatch.jobs import Job, JobKind
 
 
@@ -162,8 +161,8 @@ class QueueSink:
         assert not self.job.committed, "a committed stream can't be reset"
 
 
-def sse(payload: Any) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+# One SSE event's bytes; a relayed plain delta's were made on the fast path (upstream.PlainDeltas).
+sse = sse_bytes
 
 
 class RecordedStream(StreamingResponse):

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn, Protocol
 
 import httpx
 
-from ..http_basics import SseLineTooLong, aiter_sse_lines
+from ..http_basics import SseLineSplitter, SseLineTooLong, aiter_sse_lines
 from .jobs import Attempt, Job, JobFailed, JobKind, WorkerFailure
 
 # How often a request that waits on an upstream asks whether it can still
@@ -147,52 +147,181 @@ async def sse_lines(response: Any) -> AsyncIterator[str]:
         raise httpx.RemoteProtocolError(str(exc)) from None
 
 
+class WireEvent(dict):
+    """A shaped event that also carries its OpenAI SSE bytes, made without
+    json.dumps by the relay's fast path (PlainDeltas): sinks.sse sends
+    `wire` as it is. Every other reader sees an ordinary dict."""
+
+    __slots__ = ("wire",)
+
+
+class PlainDeltas:
+    """The relay's fast path for the event nearly every token is: a plain
+    content delta of one choice, as llama-server writes it. Such an event
+    is recognised on its raw text, with no full parse and no shaping, and
+    its bytes for an OpenAI client are a template learned from the
+    attempt's first one, which the slow path (json.loads, shape_event,
+    json.dumps) shaped and which the template must reproduce byte for byte
+    before it is used. Anything else (a role, a finish, usage, reasoning,
+    tool calls, logprobs, another key order, an upstream whose id or model
+    changes) doesn't match the template and goes the slow path."""
+
+    HEAD = '{"choices":[{"finish_reason":null,"index":0,"delta":{"content":"'
+    # Can't occur inside the content's JSON string: a quote there is escaped.
+    MID = '"}}],"created":'
+
+    def __init__(self) -> None:
+        # The upstream's text after the created time, and ours in its place.
+        self._their_tail: str | None = None
+        self._our_tail = b""
+        self._rest: dict[str, Any] = {}
+
+    def learn(self, line: str, shaped: dict[str, Any]) -> None:
+        """Learn the template from a line the slow path shaped into
+        `shaped`, if this line is a plain delta and the template gives
+        exactly the bytes the slow path would send."""
+        parts = self._split(line)
+        if parts is None or list(shaped)[:2] != ["choices", "created"]:
+            return
+        _, created, their_tail = parts
+        wire = sse_bytes(shaped)
+        prefix = f"data: {self.HEAD}".encode()
+        tail_at = wire.find(f"{self.MID}{created}".encode(), len(prefix))
+        if not wire.startswith(prefix) or tail_at < 0:
+            return
+        self._their_tail = their_tail
+        self._our_tail = wire[tail_at + len(self.MID) + len(created):]
+        self._rest = {key: value for key, value in shaped.items() if key not in ("choices", "created")}
+        made = self.shape(line)
+        if made is None or made.wire != wire or made != shaped:
+            self._their_tail = None
+
+    def shape(self, line: str) -> WireEvent | None:
+        """The shaped event for `line` (the text after "data:"), or None
+        when it is not a plain delta of the learned form."""
+        if self._their_tail is None:
+            return None
+        parts = self._split(line)
+        if parts is None or parts[2] != self._their_tail:
+            return None
+        text, created, _ = parts
+        event = WireEvent(choices=[{"finish_reason": None, "index": 0, "delta": {"content": text}}],
+                          created=int(created))
+        event.update(self._rest)
+        event.wire = b"".join((b"data: ", _HEAD_BYTES, _encode_string(text).encode(), _MID_BYTES, created.encode(),
+                               self._our_tail))
+        return event
+
+    def _split(self, line: str) -> tuple[str, str, str] | None:
+        """(content, created digits, the text after them) of a plain delta, else None."""
+        if not line.startswith(self.HEAD):
+            return None
+        end = line.find(self.MID, len(self.HEAD))
+        if end < 0:
+            return None
+        try:
+            text, after = _scan_string(line, len(self.HEAD))
+        except ValueError:
+            return None
+        if after != end + 1:
+            return None
+        digits_at = end + len(self.MID)
+        digits_end = digits_at
+        while digits_end < len(line) and line[digits_end].isdigit():
+            digits_end += 1
+        created = line[digits_at:digits_end]
+        # As json.dumps writes the number back: no sign, no leading zero, no fraction.
+        if not created or (created[0] == "0" and len(created) > 1) or line[digits_end:digits_end + 1] != ",":
+            return None
+        return text, created, line[digits_end:]
+
+
+_HEAD_BYTES = PlainDeltas.HEAD[:-1].encode()
+_MID_BYTES = PlainDeltas.MID[1:].encode()
+# The C string scanner and encoder json itself uses: the same escapes json.dumps writes.
+_scan_string = json.decoder.scanstring
+_encode_string = json.encoder.encode_basestring_ascii
+
+
 async def relay_answer(response: httpx.Response, job: Job, attempt: Attempt, sink: Sink,
                        wait: Callable[[Any], Awaitable[Any]], *, fail: Callable[[str], NoReturn], model: str,
                        fingerprint: str, clock: Callable[[], float]) -> bool:
     """Relay an upstream's streamed answer (a worker's or a peer's) to the
     sink, each event shaped as this server's, counting the tokens on the
-    attempt. `wait` awaits each next line under the caller's deadlines and
-    cancel; `fail(what)` raises the caller's failure for a bad or error
-    event. Returns whether the stream ended with [DONE]."""
+    attempt. `wait` awaits each next chunk of bytes under the caller's
+    deadlines and cancel (one wait per chunk, however many lines it holds);
+    `fail(what)` raises the caller's failure for a bad or error event.
+    Returns whether the stream ended with [DONE]."""
     named_tool_calls: set[tuple[int, int]] = set()
     # A chat with several choices opens them all, in order, before any output.
     opened = job.kind is not JobKind.CHAT or job.choices == 1
-    lines = sse_lines(response)
+    # Only a chat of one choice with nothing to rewrite inside its deltas takes the fast path.
+    fast = PlainDeltas() if (job.kind is JobKind.CHAT and job.choices == 1 and job.forced_tool is None
+                             and job.top_logprobs is None) else None
+    splitter = SseLineSplitter(MAX_SSE_LINE_BYTES)
+    chunks = response.aiter_bytes()
     while True:
-        line = await wait(lines.__anext__())
-        if line is None:
-            return False
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return True
+        chunk = await wait(chunks.__anext__())
         try:
-            event = json.loads(data)
-        except ValueError:
-            fail("sent an event that is not JSON")
-        if not isinstance(event, dict):
-            fail("sent an event that is not a JSON object")
-        if "error" in event:
-            fail(f"reported an error: {event['error']}")
-        choices = event.get("choices")
-        if not choices:
-            # llama-server's own usage chunk: the sink writes the usage of
-            # the whole request (one execution) itself.
-            continue
-        if not isinstance(choices, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("delta", {}), dict) for c in choices):
-            fail("sent an event whose choices are not OpenAI's shape")
-        if shape_event(event, job, named_tool_calls, model=model, fingerprint=fingerprint):
-            attempt.tokens += 1
-            attempt.last_token_at = clock()
-            if attempt.first_token_at is None:
-                attempt.first_token_at = attempt.last_token_at
-        if not opened:
-            sink.emit(_opening_event(event, job.choices))
-            opened = True
-        sink.emit(event)
+            lines = splitter.feed(chunk) if chunk is not None else splitter.finish()
+        except SseLineTooLong as exc:
+            raise httpx.RemoteProtocolError(str(exc)) from None
+        for line in lines:
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return True
+            event = fast.shape(data) if fast is not None else None
+            if event is not None:
+                carries = bool(event["choices"][0]["delta"]["content"])
+            else:
+                event = _parsed_event(data, fail)
+                if event is None:
+                    continue
+                carries = shape_event(event, job, named_tool_calls, model=model, fingerprint=fingerprint)
+                if fast is not None and opened:
+                    fast.learn(data, event)
+            if carries:
+                attempt.tokens += 1
+                attempt.last_token_at = clock()
+                if attempt.first_token_at is None:
+                    attempt.first_token_at = attempt.last_token_at
+            if not opened:
+                sink.emit(_opening_event(event, job.choices))
+                opened = True
+            sink.emit(event)
+        if chunk is None:
+            return False
+
+
+def _parsed_event(data: str, fail: Callable[[str], NoReturn]) -> dict[str, Any] | None:
+    """One event's JSON, checked; None for an event the client doesn't get."""
+    try:
+        event = json.loads(data)
+    except ValueError:
+        fail("sent an event that is not JSON")
+    if not isinstance(event, dict):
+        fail("sent an event that is not a JSON object")
+    if "error" in event:
+        fail(f"reported an error: {event['error']}")
+    choices = event.get("choices")
+    if not choices:
+        # llama-server's own usage chunk: the sink writes the usage of
+        # the whole request (one execution) itself.
+        return None
+    if not isinstance(choices, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("delta", {}), dict) for c in choices):
+        fail("sent an event whose choices are not OpenAI's shape")
+    return event
+
+
+def sse_bytes(payload: Any) -> bytes:
+    """One SSE event, as every OpenAI stream here writes it (compact JSON);
+    a WireEvent's bytes as they are."""
+    if type(payload) is WireEvent:
+        return payload.wire
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
 def shape_event(event: dict[str, Any], job: Job, named_tool_calls: set[tuple[int, int]], *, model: str,
