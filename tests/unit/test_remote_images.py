@@ -155,7 +155,7 @@ async def test_a_redirect_to_another_scheme_is_refused(server):
     assert refused.code == "remote_image_refused" and "not http(s)" in refused.message
 
 
-async def test_a_declared_size_over_the_cap_is_refused_without_reading(server):
+async def test_a_body_over_the_cap_is_refused(server):
     server.routes["/big.png"] = answer(b"x" * 2000)
     refused = await refusal(fetcher(max_bytes=1000), server.url("/big.png"))
     assert refused.code == "image_too_large"
@@ -167,6 +167,18 @@ async def test_an_endless_body_is_read_up_to_the_cap_and_no_further(server):
     server.routes["/big.png"] = endless(b"x" * 4096, pause_s=0)
     refused = await refusal(fetcher(max_bytes=100_000, deadline_s=60), server.url("/big.png"))
     assert refused.code == "image_too_large"
+
+
+async def test_a_requests_remote_images_share_one_byte_budget(server):
+    server.routes["/cat.png"] = answer(PNG)
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
+                                                      {"type": "image_url", "image_url": {"url": "x"}}]}]}
+    images = (RemoteImage(0, 0, "messages[0].content[0]", server.url("/cat.png")),
+              RemoteImage(0, 1, WHERE, server.url("/cat.png")))
+    await fetcher(max_bytes=2 * len(PNG)).fetch_into(body, images)  # both fit
+    with pytest.raises(InvalidRequest) as refused:
+        await fetcher(max_bytes=2 * len(PNG) - 1).fetch_into(body, images)
+    assert refused.value.code == "image_too_large" and refused.value.param == WHERE
 
 
 async def test_a_trickling_server_meets_the_deadline(server):

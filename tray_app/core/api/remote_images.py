@@ -29,7 +29,7 @@ import httpx
 
 from .openai_request import MAX_IMAGE_BYTES, InvalidRequest, RemoteImage, image_bytes_uri
 
-FETCH_DEADLINE_S = 10.0  # the whole fetch: DNS, connections, redirects, the body
+FETCH_DEADLINE_S = 10.0  # a request's fetches in all: DNS, connections, redirects, the bodies
 MAX_REDIRECTS = 3
 
 # (host, port) -> the addresses it resolves to. The seam lets tests name a
@@ -132,26 +132,34 @@ class RemoteImageFetcher:
 
     async def fetch_into(self, body: dict[str, Any], remote: tuple[RemoteImage, ...]) -> None:
         """Each remote image in a checked body fetched, checked and put in its
-        place as a data: URI; a 400 naming the first part that fails."""
+        place as a data: URI; a 400 naming the first part that fails.
+
+        The request's images share one deadline and one byte budget, so a
+        body that lists many URLs can't multiply what a fetch may cost."""
+        until = asyncio.get_running_loop().time() + self.deadline_s
+        room = self.max_bytes
         for image in remote:
-            raw = await self.fetch(image.url, image.where)
+            raw = await self.fetch(image.url, image.where, until=until, room=room)
+            room -= len(raw)
             body["messages"][image.message]["content"][image.part]["image_url"]["url"] = \
                 image_bytes_uri(raw, image.where)
 
-    async def fetch(self, url: str, where: str) -> bytes:
+    async def fetch(self, url: str, where: str, *, until: float | None = None, room: int | None = None) -> bytes:
         """The bytes at url, or a 400 naming the part and why."""
+        until = asyncio.get_running_loop().time() + self.deadline_s if until is None else until
         try:
-            async with asyncio.timeout(self.deadline_s):
-                return await self._fetch(url)
+            async with asyncio.timeout_at(until):
+                return await self._fetch(url, self.max_bytes if room is None else room)
         except TimeoutError:
-            why, code = f"it did not arrive within {self.deadline_s:g} s", "remote_image_timeout"
+            why, code = (f"it did not arrive within the {self.deadline_s:g} s a request's remote images have",
+                         "remote_image_timeout")
         except Refused as refused:
             why, code = refused.why, refused.code
         except httpx.HTTPError as error:
             why, code = f"it could not be fetched ({type(error).__name__}: {error})", "remote_image_unreachable"
         raise InvalidRequest(400, f"{where}: the image at {_shown(url)} was not fetched: {why}", code, where)
 
-    async def _fetch(self, url: str) -> bytes:
+    async def _fetch(self, url: str, room: int) -> bytes:
         transport = _checked_transport(self.resolver, self.trusted_hosts)
         # trust_env off: a proxy from the environment would make the
         # connection the check never sees.
@@ -159,25 +167,27 @@ class RemoteImageFetcher:
             for _ in range(MAX_REDIRECTS + 1):
                 if urlsplit(url).scheme not in ("http", "https"):
                     raise Refused(f"it redirects to {_shown(url)}, which is not http(s)", "remote_image_refused")
-                async with client.stream("GET", url, headers={"Accept": "image/*", "Accept-Encoding": "identity"}) as response:
+                # identity: the byte bound holds for what is read, not for what a compressed body expands to.
+                headers = {"Accept": "image/*", "Accept-Encoding": "identity"}
+                async with client.stream("GET", url, headers=headers) as response:
                     if response.is_redirect:
                         url = urljoin(url, response.headers.get("location", ""))
                         continue
                     if response.status_code >= 400:
                         raise Refused(f"its server answered HTTP {response.status_code}", "remote_image_http_error")
-                    return await self._read_bounded(response)
+                    return await self._read_bounded(response, room)
             raise Refused(f"it redirects more than {MAX_REDIRECTS} times", "remote_image_refused")
 
-    async def _read_bounded(self, response: httpx.Response) -> bytes:
-        too_large = Refused(f"it is over the {self.max_bytes / (1024 * 1024):g} MiB limit for one image",
-                            "image_too_large")
+    async def _read_bounded(self, response: httpx.Response, room: int) -> bytes:
+        too_large = Refused(f"it is over the {self.max_bytes / (1024 * 1024):g} MiB limit for a request's remote "
+                            "images", "image_too_large")
         declared = response.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_bytes:
+        if declared.isdigit() and int(declared) > room:
             raise too_large
         received = bytearray()
         async for chunk in response.aiter_bytes():
             received += chunk
-            if len(received) > self.max_bytes:
+            if len(received) > room:
                 raise too_large  # stop reading: the connection closes with the stream
         return bytes(received)
 

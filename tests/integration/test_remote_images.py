@@ -1,0 +1,111 @@
+"""Remote image URLs on a real router and a real worker with the tiny projector.
+
+The image is served by an HTTP server in this process. It listens on
+loopback, which the router refuses to fetch from for a client, so the
+service trusts it by name ([server] remote_image_hosts = ["127.0.0.1"]), as a
+home user would list a camera on the LAN; "localhost", the same address
+under a name that is not listed, stays refused."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import openai
+import pytest
+
+from tests.harness import RunningService, running
+from tests.integration.test_images import IMAGE_TOKENS, MODEL, PNG, ask, image_config, openai_client, \
+    text_prompt_tokens
+
+pytestmark = pytest.mark.integration
+
+FETCHING = '[server]\nallow_remote_images = true\nremote_image_hosts = ["127.0.0.1"]\n'
+
+
+class ImageServer:
+    """Serves PNG at /cat.png and counts the requests it gets."""
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+        served = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                served.requests.append(self.path)
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(PNG)))
+                self.end_headers()
+                self.wfile.write(PNG)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self._server.server_address[1]
+
+    def url(self, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.port}/cat.png"
+
+    @contextlib.contextmanager
+    def serving(self):
+        thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._server.shutdown()
+            self._server.server_close()
+
+
+@pytest.fixture(scope="module")
+def images():
+    with ImageServer().serving() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def fetching(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("remote-images")
+    with running(tmp, image_config(tmp, cpu_sees=True) + FETCHING, roles=("gpu",)) as service:
+        yield service
+
+
+def test_a_remote_image_from_a_trusted_host_is_fetched_once_and_run(fetching, images):
+    images.requests.clear()
+    reply = openai_client(fetching).chat.completions.create(
+        model=MODEL, messages=ask("What is in the picture?", images.url()), max_tokens=2)
+    # The worker ran the fetched image: its 16 tokens are in the prompt.
+    assert reply.usage.prompt_tokens == text_prompt_tokens(fetching, "What is in the picture?") + IMAGE_TOKENS
+    assert images.requests == ["/cat.png"]
+
+
+def test_the_same_address_under_an_unlisted_name_is_refused(fetching, images):
+    images.requests.clear()
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client(fetching).chat.completions.create(
+            model=MODEL, messages=ask("What is in the picture?", images.url("localhost")), max_tokens=2)
+    error = refused.value.body
+    assert error["code"] == "remote_image_address_refused" and error["param"] == "messages[0].content[1]"
+    assert "loopback" in error["message"]
+    assert images.requests == []
+
+
+def test_with_the_setting_off_a_remote_image_is_a_400_naming_the_setting(tmp_path_factory, images):
+    tmp = tmp_path_factory.mktemp("remote-images-off")
+    images.requests.clear()
+    # The refusal comes before admission: no worker needs to be ready for it.
+    service = RunningService(tmp, image_config(tmp, cpu_sees=True))
+    try:
+        service.wait_ready(roles=())
+        with pytest.raises(openai.BadRequestError) as refused:
+            openai_client(service).chat.completions.create(
+                model=MODEL, messages=ask("What is in the picture?", images.url()), max_tokens=2)
+    finally:
+        service.stop()
+    error = refused.value.body
+    assert error["code"] == "remote_image_refused" and error["param"] == "messages[0].content[1]"
+    assert "allow_remote_images" in error["message"]
+    assert images.requests == []
