@@ -109,7 +109,10 @@ class _CheckedNetwork(httpcore.AsyncNetworkBackend):
 def _checked_transport(resolver: Resolver, trusted_hosts: frozenset[str]) -> httpx.AsyncHTTPTransport:
     transport = httpx.AsyncHTTPTransport()
     # httpx takes no network backend, so its pool is replaced by one with the
-    # checked network; the transport's request mapping is kept as it is.
+    # checked network; the transport's request mapping is kept as it is. If an
+    # httpx upgrade renames the pool, fail loudly rather than fetch unchecked.
+    if not isinstance(getattr(transport, "_pool", None), httpcore.AsyncConnectionPool):
+        raise RuntimeError("httpx's transport has no httpcore pool to replace: remote images can't be fetched safely")
     transport._pool = httpcore.AsyncConnectionPool(ssl_context=httpx.create_ssl_context(),
                                                    network_backend=_CheckedNetwork(resolver, trusted_hosts))
     return transport
