@@ -14,9 +14,10 @@ from tray_app.ui.app import TrayController
 from tray_app.ui.chat import ChatWindow
 from tray_app.ui.client import ServiceClient
 
+from tests.status_sample import conforming
 from tray_app.ui import viewmodel as vm
 
-from .test_viewmodel import READY, busy_overflow, paused
+from .test_viewmodel import READY, busy_overflow, paused, whole_request, whole_requests
 
 
 @pytest.fixture
@@ -75,13 +76,16 @@ def fed_controller(dead_url, monkeypatch):
 
 
 def feed(controller: TrayController, status: dict) -> None:
+    """A status as the client hands it on: whole (the client checked it against the contract)."""
+    status = conforming(status)
     controller.client.last_status = status
     controller.client.status_changed.emit(status)
 
 
 def with_cpu_requests(*requests: dict) -> dict:
     status = paused()
-    status["requests"] = [{"state": "running", "path": "cpu", "reason": "forced_cpu", **r} for r in requests]
+    status["requests"] = whole_requests([{"state": "running", "path": "cpu", "reason": "forced_cpu", **r}
+                                         for r in requests])
     return status
 
 
@@ -166,7 +170,7 @@ def test_a_burst_overflowing_a_busy_gpu_posts_no_notices(qtbot, dead_url) -> Non
 
 def test_restart_with_requests_running_asks_and_no_keeps_them(qtbot, fed_controller, asked) -> None:
     status = with_cpu_requests({"id": "a", "age_s": 2.0})
-    status["requests"].append({"id": "b", "state": "queued", "path": "cpu", "queue_position": 1})
+    status["requests"].append(whole_request({"id": "b", "state": "queued", "path": "cpu", "queue_position": 1}))
     feed(fed_controller, status)
     fed_controller.restart_action.trigger()
     assert asked == ["1 running and 1 queued requests are in the service. Restarting the workers now will stop "

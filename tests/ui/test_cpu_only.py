@@ -27,8 +27,9 @@ NVML_MISSING = ("NVIDIA management library (libnvidia-ml / nvml.dll) not found (
                 "Not Found); running CPU-only")
 
 # /status of `tray-app serve` on a machine without an NVIDIA GPU and with the
-# CPU-only build, as this repository's own test machine answers it (trimmed).
-NO_GPU = {
+# CPU-only build, as this repository's own test machine answers it (trimmed,
+# and completed from the sample /status).
+NO_GPU = conforming({
     "service": {"model": "SmolLM2-135M-Instruct.Q4_1", "healthy": True, "gpu_paused": False,
                 "health_reason": f"the CPU path can serve (degraded: no usable GPU: {NVML_MISSING}; serving CPU-only)"},
     "workers": [{"role": "cpu", "state": "ready", "pid": 28155, "n_ctx": 2048, "rss_mib": 219.1, "restarts": 0,
@@ -52,14 +53,14 @@ NO_GPU = {
                  "cpu_queue_depth": 0, "peers": [], "peer_latency_s": {}},
     "speeds": {"cpu": {"tokens_per_s": 10.0, "samples": 0}},
     "requests": [],
-}
+})
 REBUILD = "bash packaging/install.sh --backend vulkan"
 
 
 def no_gpu(**gpu) -> dict:
     status = copy.deepcopy(NO_GPU)
     status["gpu"].update(gpu)
-    return status
+    return conforming(status)
 
 
 def gpu_worker_failed() -> dict:
@@ -88,6 +89,7 @@ def test_the_view_model_calls_no_gpu_path_serving_on_the_cpu_with_the_reason_and
     lent = copy.deepcopy(NO_GPU)
     lent["degraded"]["peers"] = ["desk"]
     lent["requests"] = [{"id": "a", "state": "running", "path": "peer", "peer": "desk", "reason": "peer"}]
+    lent = conforming(lent)
     assert vm.icon_kind(lent) == vm.CPU and vm.state_title(lent) == "No GPU here: peer desk is serving"
     # Still degraded where a GPU path exists and fails.
     assert vm.icon_kind(gpu_worker_failed()) == vm.DEGRADED and vm.degraded_banner(gpu_worker_failed()) is not None

@@ -10,6 +10,7 @@ from PySide6.QtWidgets import QMenu
 
 from tests.harness import BASE_CONFIG, running
 from tray_app.core.config import bundled_model_path
+from tests.status_sample import conforming
 from tray_app.ui import viewmodel as vm
 from tray_app.ui.chat import ChatWindow
 from tray_app.ui.client import ServiceClient
@@ -154,12 +155,12 @@ def test_the_download_dialog_checks_fit_downloads_and_the_model_is_served(qtbot,
 
 
 def test_a_model_unloaded_for_another_says_for_which() -> None:
-    status = {"service": {"healthy": True}, "gpu": {"available": True, "residency": {
+    status = conforming({"service": {"healthy": True}, "gpu": {"available": True, "residency": {
         "state": "unloaded_idle", "text": "GPU unloaded for coder", "app": "coder", "since": None}},
-        "degraded": {"active": False}, "workers": [{"role": "gpu", "state": "stopped"}, {"role": "cpu", "state": "ready"}]}
+        "degraded": {"active": False}, "workers": [{"role": "gpu", "state": "stopped"}, {"role": "cpu", "state": "ready"}]})
     assert vm.residency_text(status) == "GPU: unloaded for coder"
-    idle = {**status, "gpu": {"available": True, "residency": {"state": "unloaded_idle", "text": "GPU unloaded (idle)",
-                                                               "app": None, "since": None}}}
+    idle = conforming({**status, "gpu": {"available": True, "residency": {
+        "state": "unloaded_idle", "text": "GPU unloaded (idle)", "app": None, "since": None}}})
     assert vm.residency_text(idle) == "GPU: unloaded (idle)"
     assert vm.state_title(status) == "The GPU model is unloaded for coder"
     assert vm.state_title(idle) == vm.IDLE_TITLE

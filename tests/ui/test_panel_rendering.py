@@ -12,7 +12,7 @@ from tray_app.ui import viewmodel as vm
 from tray_app.ui.client import ServiceClient
 from tray_app.ui.panel import HeadroomPanel
 
-from .test_viewmodel import READY, paused
+from .test_viewmodel import READY, paused, whole_request, whole_requests
 
 
 def two_gpus_one_worker_down() -> dict:
@@ -68,9 +68,9 @@ def test_panel_follows_devices_and_workers_coming_and_going(qtbot) -> None:
 
 def degraded_with_cpu_requests(count: int) -> dict:
     status = paused()
-    status["requests"] = [
+    status["requests"] = whole_requests([
         {"id": f"queued-{n}", "state": "queued", "path": "cpu", "reason": "forced_cpu", "queue_position": n,
-         "age_s": 1.0, "estimated_latency_s": 20.0} for n in range(1, count + 1)]
+         "age_s": 1.0, "estimated_latency_s": 20.0} for n in range(1, count + 1)])
     status["degraded"]["cpu_queue_depth"] = count
     return status
 
@@ -152,8 +152,8 @@ def test_a_failed_cancel_stays_in_the_footer_for_a_few_seconds(qtbot, monkeypatc
 def test_a_finished_request_row_is_gone_at_once_and_a_peer_row_can_be_canceled(qtbot) -> None:
     status = degraded_with_cpu_requests(2)
     status["degraded"]["peers"] = ["desk"]
-    status["requests"].insert(0, {"id": "away", "state": "running", "path": "peer", "peer": "desk",
-                                  "reason": "peer", "age_s": 1.0})
+    status["requests"].insert(0, whole_request({"id": "away", "state": "running", "path": "peer", "peer": "desk",
+                                  "reason": "peer", "age_s": 1.0}))
     panel = fed_panel(qtbot, status)
     assert panel.banner.title.text() == "Degraded mode: the CPU and peer desk are serving"
     dropped = panel.banner.cancel_button("queued-2").parentWidget()

@@ -12,6 +12,8 @@ from PySide6.QtWidgets import QLabel, QWidget
 from tray_app.ui.chat import ChatWindow
 from tray_app.ui.client import ServiceClient
 
+from tests.status_sample import conforming
+
 from .test_chat_and_tray_fed import dead_url, fed_controller, feed  # noqa: F401 - fixtures, shared
 from .test_panel_rendering import fed_panel
 from .test_viewmodel import paused
@@ -33,7 +35,7 @@ def hostile_status() -> dict:
     second = {"name": f"second {HOSTILE}", "aliases": [], "source": "folder", "location": "unloaded", "gpu": "unloaded",
               "cpu": "unloaded", "in_flight": 0, "estimated_vram_mib": 10.0, "estimated_ram_mib": 10.0}
     status["models"] = [{**second, "name": f"model {HOSTILE}", "source": "default"}, second]
-    return status
+    return conforming(status)
 
 
 def labels_showing(root: QWidget, text: str) -> list[QLabel]:

@@ -45,7 +45,16 @@ def status(**changes) -> dict:
         for key in keys[:-1]:
             node = node[key]
         node[keys[-1]] = value
-    return data
+    return conforming(data)
+
+
+def whole_requests(rows: list[dict]) -> list[dict]:
+    """/status requests a test writes in part, each completed from a whole one."""
+    return conforming({"requests": rows})["requests"]
+
+
+def whole_request(row: dict) -> dict:
+    return whole_requests([row])[0]
 
 
 def paused() -> dict:
@@ -198,13 +207,13 @@ def test_no_banner_when_serving_on_the_gpu() -> None:
 
 def test_panel_banner_lists_the_running_cpu_request_before_the_queue() -> None:
     data = paused()
-    data["requests"] = [
+    data["requests"] = whole_requests([
         {"id": "long", "state": "running", "path": "cpu", "reason": "forced_cpu", "age_s": 3.0,
          "estimated_latency_s": 30.2, "queue_position": None},
         {"id": "short", "state": "queued", "path": "cpu", "reason": "forced_cpu", "age_s": 1.0,
          "estimated_latency_s": 31.9, "queue_position": 1},
         {"id": "gpu-one", "state": "running", "path": "gpu", "reason": "admitted", "age_s": 1.0},
-    ]
+    ])
     data["degraded"]["cpu_queue_depth"] = 1
     banner = vm.degraded_banner(data)
     assert banner is not None
@@ -220,11 +229,11 @@ def test_panel_banner_lists_the_running_cpu_request_before_the_queue() -> None:
 
 def test_chat_banner_is_about_its_own_request() -> None:
     data = paused()
-    data["requests"] = [
+    data["requests"] = whole_requests([
         {"id": "other", "state": "running", "path": "cpu", "reason": "forced_cpu", "estimated_latency_s": 30.0},
         {"id": "mine", "state": "queued", "path": "cpu", "reason": "forced_cpu", "detail": "paused",
          "estimated_latency_s": 12.6, "queue_position": 2},
-    ]
+    ])
     banner = vm.degraded_banner(data, own_request_id="mine")
     assert banner is not None
     assert [r.id for r in banner.requests] == ["mine"]
@@ -235,8 +244,8 @@ def test_chat_banner_is_about_its_own_request() -> None:
 
 def test_chat_banner_shows_for_a_cpu_answer_outside_degraded_mode() -> None:
     data = status()
-    data["requests"] = [{"id": "mine", "state": "running", "path": "cpu", "reason": "gpu_context_cap",
-                         "detail": "prompt is over the GPU context cap", "estimated_latency_s": 5.0}]
+    data["requests"] = whole_requests([{"id": "mine", "state": "running", "path": "cpu", "reason": "gpu_context_cap",
+                         "detail": "prompt is over the GPU context cap", "estimated_latency_s": 5.0}])
     banner = vm.degraded_banner(data, own_request_id="mine")
     assert banner is not None and banner.reason.startswith("Over the GPU context cap")
     assert vm.degraded_banner(data) is None  # the panel only shows degraded mode
@@ -244,8 +253,8 @@ def test_chat_banner_shows_for_a_cpu_answer_outside_degraded_mode() -> None:
 
 def test_idle_chat_banner_lists_no_other_clients_requests() -> None:
     data = paused()
-    data["requests"] = [{"id": "other", "state": "running", "path": "cpu", "reason": "forced_cpu",
-                         "age_s": 2.0, "estimated_latency_s": 30.0}]
+    data["requests"] = whole_requests([{"id": "other", "state": "running", "path": "cpu", "reason": "forced_cpu",
+                         "age_s": 2.0, "estimated_latency_s": 30.0}])
     idle_chat = vm.degraded_banner(data, own_request_id=None, only_own=True)
     assert idle_chat is not None and idle_chat.requests == () and idle_chat.more == 0
     just_sent = vm.degraded_banner(data, own_request_id="mine-not-in-status-yet", only_own=True)
@@ -260,17 +269,17 @@ def test_rows_say_time_left_or_overdue_from_the_latest_poll() -> None:
     assert vm.time_left_text({**request, "age_s": 42.0}) == "overdue by 12 s"
     assert vm.time_left_text({**request, "estimated_latency_s": None}) == ""
     data = paused()
-    data["requests"] = [request]
+    data["requests"] = whole_requests([request])
     first = vm.degraded_banner(data).requests[0].text
-    data["requests"] = [{**request, "age_s": 42.0}]
+    data["requests"] = whole_requests([{**request, "age_s": 42.0}])
     later = vm.degraded_banner(data).requests[0].text
     assert "about 22 s left" in first and "overdue by 12 s" in later
 
 
 def test_banner_lists_three_requests_then_a_count() -> None:
     data = paused()
-    data["requests"] = [{"id": f"q{n}", "state": "queued", "path": "cpu", "reason": "forced_cpu",
-                         "queue_position": n, "age_s": 1.0, "estimated_latency_s": 20.0} for n in range(1, 9)]
+    data["requests"] = whole_requests([{"id": f"q{n}", "state": "queued", "path": "cpu", "reason": "forced_cpu",
+                         "queue_position": n, "age_s": 1.0, "estimated_latency_s": 20.0} for n in range(1, 9)])
     banner = vm.degraded_banner(data)
     assert [r.id for r in banner.requests] == ["q1", "q2", "q3"]
     assert banner.more == 5
@@ -362,8 +371,8 @@ def test_notifier_ignores_blips_and_stays_quiet_for_a_minute() -> None:
 def busy_overflow() -> dict:
     data = status()
     data["degraded"].update(active=True, reason="gpu_busy: the GPU queue is full", since=1.0)
-    data["requests"] = [{"id": "overflow", "state": "running", "path": "cpu", "reason": "gpu_busy",
-                         "detail": "the GPU queue is full", "age_s": 1.0, "estimated_latency_s": 9.0}]
+    data["requests"] = whole_requests([{"id": "overflow", "state": "running", "path": "cpu", "reason": "gpu_busy",
+                         "detail": "the GPU queue is full", "age_s": 1.0, "estimated_latency_s": 9.0}])
     return data
 
 
@@ -470,7 +479,7 @@ def test_the_tray_menu_says_the_headroom_in_one_line():
 
 
 def test_a_banner_row_names_the_client_that_sent_the_request():
-    row = {"id": "req-1", "client": "Open WebUI", "state": "running", "path": "cpu", "age_s": 3.0}
+    row = whole_request({"id": "req-1", "client": "Open WebUI", "state": "running", "path": "cpu", "age_s": 3.0})
     assert vm.request_line(row).startswith("Open WebUI · running on the CPU")
     assert vm.request_line({**row, "client": None}).startswith("req-1 · ")
 
@@ -567,8 +576,8 @@ def test_the_banner_names_the_peer_that_serves_and_lists_its_request() -> None:
     data = paused()
     data["degraded"]["model"] = "SmolLM2"
     data["degraded"]["peers"] = ["desk"]
-    data["requests"] = [{"id": "away", "state": "running", "path": "peer", "peer": "desk", "reason": "peer",
-                         "age_s": 2.0, "estimated_latency_s": 3.0}]
+    data["requests"] = whole_requests([{"id": "away", "state": "running", "path": "peer", "peer": "desk", "reason": "peer",
+                         "age_s": 2.0, "estimated_latency_s": 3.0}])
     banner = vm.degraded_banner(data)
     assert banner.title == "Degraded mode: peer desk is serving"
     assert banner.model == "SmolLM2 on peer desk"
@@ -576,7 +585,7 @@ def test_the_banner_names_the_peer_that_serves_and_lists_its_request() -> None:
     data["degraded"]["peer_latency_s"] = {"desk": 2.4}
     assert vm.degraded_banner(data).latency == "a new request starts at once · on peer desk about 2.4 s"
     assert banner.requests[0].text.startswith("away · running on peer desk")
-    data["requests"].append({"id": "here", "state": "running", "path": "cpu", "reason": "forced_cpu", "age_s": 1.0})
+    data["requests"].append(whole_request({"id": "here", "state": "running", "path": "cpu", "reason": "forced_cpu", "age_s": 1.0}))
     banner = vm.degraded_banner(data)
     assert banner.title == "Degraded mode: the CPU and peer desk are serving"
     assert banner.model == "SmolLM2 on peer desk · SmolLM2 on the CPU"
@@ -584,8 +593,8 @@ def test_the_banner_names_the_peer_that_serves_and_lists_its_request() -> None:
 
 def test_the_chat_banner_shows_its_own_request_on_a_peer() -> None:
     data = status()
-    data["requests"] = [{"id": "mine", "state": "running", "path": "peer", "peer": "desk", "reason": "peer",
-                         "detail": "GPU busy; peer desk takes it before the local CPU"}]
+    data["requests"] = whole_requests([{"id": "mine", "state": "running", "path": "peer", "peer": "desk", "reason": "peer",
+                         "detail": "GPU busy; peer desk takes it before the local CPU"}])
     banner = vm.degraded_banner(data, own_request_id="mine", only_own=True)
     assert banner is not None and banner.requests[0].text.startswith("Your request · running on peer desk")
 
@@ -611,10 +620,10 @@ def test_route_reasons_for_peers_are_in_words() -> None:
 def test_the_header_says_a_peer_serves_and_not_the_cpu() -> None:
     data = paused()
     data["degraded"]["peers"] = ["desk"]
-    data["requests"] = [{"id": "away", "state": "running", "path": "peer", "peer": "desk", "reason": "peer"}]
+    data["requests"] = whole_requests([{"id": "away", "state": "running", "path": "peer", "peer": "desk", "reason": "peer"}])
     assert vm.state_title(data) == "Degraded: peer desk is serving"
     assert vm.state_detail(data).startswith("Peer desk (another machine) answers since")
-    data["requests"].append({"id": "here", "state": "running", "path": "cpu", "reason": "forced_cpu"})
+    data["requests"].append(whole_request({"id": "here", "state": "running", "path": "cpu", "reason": "forced_cpu"}))
     assert vm.state_title(data) == "Degraded: the CPU and peer desk are serving"
     assert vm.state_detail(data).startswith("The CPU worker and peer desk (another machine) answer since")
     assert vm.state_title(paused()) == vm.STATE_TITLES[vm.DEGRADED]

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
-
-from .formatting import as_number, fmt_seconds, humanize_reason
+from ...core.status_contract import RequestStatus, Status
+from .formatting import fmt_seconds, humanize_reason
 from .state import BUSY_TITLE, cpu_only, is_busy_overflow
 
 
@@ -33,13 +32,13 @@ class Banner:
     more: int = 0   # requests not listed in `requests`
 
 
-def time_left_text(request: Mapping[str, Any]) -> str:
+def time_left_text(request: RequestStatus) -> str:
     """'about 12 s left' or 'overdue by 4 s', from the admission estimate and
     the request's age now; '' when the service gave no estimate."""
-    estimate, age = as_number(request.get("estimated_latency_s")), as_number(request.get("age_s"))
+    estimate = request["estimated_latency_s"]
     if estimate is None:
         return ""
-    left = estimate - (age or 0.0)
+    left = estimate - request["age_s"]
     if left >= 0.5:
         return f"about {fmt_seconds(left)} left"
     if left > -0.5:
@@ -47,25 +46,24 @@ def time_left_text(request: Mapping[str, Any]) -> str:
     return f"overdue by {fmt_seconds(-left)}"
 
 
-def request_line(request: Mapping[str, Any], *, own: bool = False) -> str:
-    state = request.get("state")
-    position = request.get("queue_position")
+def request_line(request: RequestStatus, *, own: bool = False) -> str:
+    state, path = request["state"], request["path"]
+    position = request["queue_position"]
     if state == "queued" and position:
-        where = f"{_ordinal(position)} in the CPU queue" if request.get("path") == "cpu" else f"{_ordinal(position)} in the GPU queue"
-    elif state == "running" and request.get("path") == "peer":
-        where = f"running on peer {request.get('peer') or '?'}"
+        where = f"{_ordinal(position)} in the {'CPU' if path == 'cpu' else 'GPU'} queue"
+    elif state == "running" and path == "peer":
+        where = f"running on peer {request['peer'] or '?'}"
     elif state == "running":
-        where = f"running on the {str(request.get('path') or '?').upper()}"
+        where = f"running on the {(path or '?').upper()}"
     else:
-        where = str(state or "?")
+        where = state
     # Named by its client (X-Client-Name, else the User-Agent) where known.
-    parts = ["Your request" if own else str(request.get("client") or request.get("id")), where]
+    parts = ["Your request" if own else request["client"] or request["id"], where]
     left = time_left_text(request)
     if left:
         parts.append(left)
-    age = as_number(request.get("age_s"))
-    if age is not None and not own:
-        parts.append(f"{fmt_seconds(age)} old")
+    if not own:
+        parts.append(f"{fmt_seconds(request['age_s'])} old")
     return " · ".join(parts)
 
 
@@ -74,23 +72,22 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def cpu_requests(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+def cpu_requests(status: Status) -> list[RequestStatus]:
     """Requests on the CPU path, as a queue reads: the running ones (oldest
     first), then the waiting ones by position. Past the rows shown, the
     banner counts the rest, so what is being served is never the hidden one."""
-    found = [r for r in status.get("requests") or () if r.get("path") in ("cpu", "peer")
-             and r.get("state") in ("queued", "running")]
-    return sorted(found, key=lambda r: (r.get("state") == "queued", r.get("queue_position") or 0, -(r.get("age_s") or 0)))
+    found = [r for r in status["requests"] if r["path"] in ("cpu", "peer") and r["state"] in ("queued", "running")]
+    return sorted(found, key=lambda r: (r["state"] == "queued", r["queue_position"] or 0, -r["age_s"]))
 
 
-def interruption_warning(status: Mapping[str, Any] | None, action: str) -> str | None:
+def interruption_warning(status: Status | None, action: str) -> str | None:
     """The question to ask before `action` (e.g. "Restart the workers") stops
     the requests the last /status shows, or None when nothing would be
     interrupted: an idle service restarts without a dialog."""
-    requests = list((status or {}).get("requests") or ())
+    requests = status["requests"] if status is not None else []
     if not requests:
         return None
-    running = sum(1 for r in requests if r.get("state") == "running")
+    running = sum(1 for r in requests if r["state"] == "running")
     queued = len(requests) - running  # a request not yet running waits in a queue
     counts = [f"{n} {state}" for n, state in ((running, "running"), (queued, "queued")) if n]
     noun = "request is" if len(requests) == 1 else "requests are"
@@ -99,39 +96,35 @@ def interruption_warning(status: Mapping[str, Any] | None, action: str) -> str |
             f"{action} now will stop {them}; the clients get an error. Continue?")
 
 
-def cpu_idle(status: Mapping[str, Any]) -> bool:
+def cpu_idle(status: Status) -> bool:
     """The CPU path has a free slot and nobody waiting: a new request starts at once."""
-    if any(r.get("path") == "cpu" for r in cpu_requests(status)):
+    if any(r["path"] == "cpu" for r in cpu_requests(status)):
         return False
-    queue = (status.get("queues") or {}).get("cpu") or {}
-    running, slots, depth = (as_number(queue.get(key)) for key in ("running", "concurrency", "depth"))
-    return running is not None and slots is not None and running < slots and not depth
+    queue = status["queues"]["cpu"]
+    return queue["running"] < queue["concurrency"] and not queue["depth"]
 
 
-def new_request_wait_text(status: Mapping[str, Any]) -> str:
+def new_request_wait_text(status: Status) -> str:
     """What a new request on the CPU can expect. The service's estimate is
     the whole answer of a typical request (queue included); said as a wait it
     read as a 26-second queue on an idle machine."""
-    degraded = status.get("degraded") or {}
-    latency_s = as_number(degraded.get("estimated_latency_s"))
-    measured = as_number(((status.get("speeds") or {}).get("cpu") or {}).get("samples"))
+    degraded = status["degraded"]
+    latency_s = degraded["estimated_latency_s"]
+    measured = status["speeds"]["cpu"]["samples"]
     if cpu_idle(status):
         text = "a new request starts at once"
-        if latency_s is not None and measured:
+        if measured:
             # Before the first answer the CPU's speed is a guess: say nothing of it.
             text += f"; a typical answer takes about {fmt_seconds(latency_s)}"
-    elif latency_s is not None:
-        text = f"a new request would be answered in about {fmt_seconds(latency_s)}, queue included"
     else:
-        text = ""
+        text = f"a new request would be answered in about {fmt_seconds(latency_s)}, queue included"
     # A peer serving now answers in its own time, measured on its answers.
-    for name, peer_s in (degraded.get("peer_latency_s") or {}).items():
-        peer_s = as_number(peer_s)
+    for name, peer_s in degraded["peer_latency_s"].items():
         text += f" · on peer {name} about {fmt_seconds(peer_s)}" if peer_s is not None else ""
     return text
 
 
-def degraded_banner(status: Mapping[str, Any] | None, *, own_request_id: str | None = None,
+def degraded_banner(status: Status | None, *, own_request_id: str | None = None,
                     only_own: bool = False) -> Banner | None:
     """The banner's content, or None when there is nothing to warn about.
 
@@ -143,39 +136,35 @@ def degraded_banner(status: Mapping[str, Any] | None, *, own_request_id: str | N
     if status is None or cpu_only(status) is not None:
         # Without a GPU path the CPU is not a fallback: nothing to warn about.
         return None
-    degraded = status.get("degraded") or {}
-    requests = {r.get("id"): r for r in status.get("requests") or ()}
+    degraded = status["degraded"]
+    requests = {r["id"]: r for r in status["requests"]}
     own = requests.get(own_request_id) if own_request_id else None
-    own_on_cpu = own is not None and own.get("path") in ("cpu", "peer")
-    if not degraded.get("active") and not own_on_cpu:
+    own_on_cpu = own is not None and own["path"] in ("cpu", "peer")
+    if not degraded["active"] and not own_on_cpu:
         return None
-    reason = degraded.get("reason") or (own or {}).get("detail") or "the GPU path can't take this request"
-    if own_on_cpu and not degraded.get("active"):
-        reason = f"{own.get('reason')}: {own.get('detail')}"
-    model = str(degraded.get("fallback_model") or "unknown")
+    reason = degraded["reason"] or (own["detail"] if own is not None else None) or "the GPU path can't take this request"
+    if own is not None and own_on_cpu and not degraded["active"]:
+        reason = f"{own['reason']}: {own['detail']}"
+    model = degraded["fallback_model"] or "unknown"
     warning = ""
-    if degraded.get("fallback_equivalent") is False:
+    if not degraded["fallback_equivalent"]:
         model += " (a different model)"
-        warning = f"Answers may differ from the GPU model: {degraded.get('fallback_detail')}"
+        warning = f"Answers may differ from the GPU model: {degraded['fallback_detail']}"
     # Peers serving now are named: the answers come from another machine.
     peers = serving_peers(status)
     if peers:
-        on_peers = f"{degraded.get('model') or 'the model'} on peer {', '.join(peers)}"
+        on_peers = f"{degraded['model'] or 'the model'} on peer {', '.join(peers)}"
         model = f"{on_peers} · {model} on the CPU" if cpu_serving(status) else on_peers
-    cap = degraded.get("cpu_context_cap")
-    queues = (status.get("queues") or {}).get("cpu") or {}
-    depth = degraded.get("cpu_queue_depth", queues.get("depth", 0))
-    limit = queues.get("limit")
-    limits = f"context up to {cap:,} tokens" if isinstance(cap, int) else "context cap unknown"
-    if own is not None and own.get("state") == "queued" and own.get("queue_position"):
+    limits = f"context up to {degraded['cpu_context_cap']:,} tokens"
+    if own is not None and own["state"] == "queued" and own["queue_position"]:
         limits += f" · you are {_ordinal(own['queue_position'])} in the queue"
     else:
-        limits += f" · {depth} waiting" + (f" (limit {limit})" if limit is not None else "")
+        limits += f" · {degraded['cpu_queue_depth']} waiting (limit {status['queues']['cpu']['limit']})"
     if only_own or own_request_id is not None:
         listed = [own] if own is not None else []
     else:
         listed = cpu_requests(status)
-    rows = tuple(BannerRequest(str(r.get("id")), request_line(r, own=r is own)) for r in listed[:MAX_BANNER_ROWS])
+    rows = tuple(BannerRequest(r["id"], request_line(r, own=r is own)) for r in listed[:MAX_BANNER_ROWS])
     return Banner(
         title=degraded_title(status, peers),
         reason=humanize_reason(reason), model=model, limits=limits, latency=new_request_wait_text(status) or "unknown",
@@ -183,16 +172,16 @@ def degraded_banner(status: Mapping[str, Any] | None, *, own_request_id: str | N
     )
 
 
-def serving_peers(status: Mapping[str, Any] | None) -> list[str]:
+def serving_peers(status: Status | None) -> list[str]:
     """The peers serving the default model's requests now (degraded.peers)."""
-    return [str(name) for name in ((status or {}).get("degraded") or {}).get("peers") or ()]
+    return list(status["degraded"]["peers"]) if status is not None else []
 
 
-def cpu_serving(status: Mapping[str, Any]) -> bool:
-    return any(r.get("path") == "cpu" for r in cpu_requests(status))
+def cpu_serving(status: Status) -> bool:
+    return any(r["path"] == "cpu" for r in cpu_requests(status))
 
 
-def who_serves(status: Mapping[str, Any], peers: list[str], verb: str = "serving") -> str:
+def who_serves(status: Status, peers: list[str], verb: str = "serving") -> str:
     """'the CPU is serving', 'peer desk is serving', 'the CPU and peer desk are serving'."""
     if not peers:
         return f"the CPU is {verb}"
@@ -203,7 +192,7 @@ def who_serves(status: Mapping[str, Any], peers: list[str], verb: str = "serving
     return f"{named} {'are' if plural else 'is'} {verb}"
 
 
-def degraded_title(status: Mapping[str, Any], peers: list[str]) -> str:
+def degraded_title(status: Status, peers: list[str]) -> str:
     if is_busy_overflow(status):
         return BUSY_TITLE if not peers else f"Busy: {who_serves(status, peers, 'taking')} the GPU's overflow"
     return "Degraded mode: " + who_serves(status, peers)

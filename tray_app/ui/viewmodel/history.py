@@ -5,9 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Mapping
-
-from .formatting import as_number
+from ...core.status_contract import Status
 from .memory import known_total
 
 
@@ -29,18 +27,17 @@ class History:
         self._clock = clock
         self.samples: deque[Sample] = deque()
 
-    def add(self, status: Mapping[str, Any], now: float | None = None) -> Sample:
+    def add(self, status: Status, now: float | None = None) -> Sample:
         now = self._clock() if now is None else now
-        gpu = status.get("gpu") or {}
-        ram = status.get("ram") or {}
-        available = bool(gpu.get("available"))
+        gpu, ram = status["gpu"], status["ram"]
+        available = gpu["available"]
         sample = Sample(
             t=now,
-            vram_free_mib=as_number(gpu.get("free_mib")) if available else None,
-            vram_total_mib=known_total(gpu.get("total_mib")) if available else None,
-            vram_reserve_mib=as_number(gpu.get("reserve_mib")),
-            ram_available_mib=as_number(ram.get("available_mib")),
-            ram_total_mib=as_number(ram.get("total_mib")),
+            vram_free_mib=gpu["free_mib"] if available else None,
+            vram_total_mib=known_total(gpu["total_mib"]) if available else None,
+            vram_reserve_mib=gpu["reserve_mib"],
+            ram_available_mib=ram["available_mib"],
+            ram_total_mib=ram["total_mib"],
         )
         self.samples.append(sample)
         while self.samples and self.samples[0].t < now - self.window_s:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
-
-from .formatting import MENU_NAME_CHARS, as_number, elide_middle, fmt_mib
+from ...core.status_contract import Status
+from .formatting import MENU_NAME_CHARS, elide_middle, fmt_mib
 
 
 @dataclass
@@ -21,20 +20,20 @@ class WorkerRow:
     last_exit: str = ""
 
 
-def worker_rows(status: Mapping[str, Any]) -> list[WorkerRow]:
+def worker_rows(status: Status) -> list[WorkerRow]:
     rows = []
-    for w in status.get("workers") or ():
-        last_exit = w.get("last_exit") or {}
+    for w in status["workers"]:
+        last_exit = w["last_exit"]
         rows.append(WorkerRow(
-            role=str(w.get("role", "?")).upper(),
-            state=str(w.get("state", "?")),
-            pid=str(w.get("pid") or "-"),
-            rss=fmt_mib(as_number(w.get("rss_mib"))) if w.get("rss_mib") is not None else "-",
-            vram=fmt_mib(as_number(w.get("estimated_vram_mib"))) if as_number(w.get("estimated_vram_mib")) else "-",
-            ram=fmt_mib(as_number(w.get("estimated_ram_mib"))) if as_number(w.get("estimated_ram_mib")) else "-",
-            ctx=f"{w.get('n_ctx'):,}" if isinstance(w.get("n_ctx"), int) else "-",
-            restarts=str(w.get("restarts", 0)),
-            last_exit=str(last_exit.get("description") or last_exit.get("kind") or "") if last_exit else "",
+            role=w["role"].upper(),
+            state=w["state"],
+            pid=str(w["pid"] or "-"),
+            rss=fmt_mib(w["rss_mib"]) if w["rss_mib"] is not None else "-",
+            vram=fmt_mib(w["estimated_vram_mib"]) if w["estimated_vram_mib"] else "-",
+            ram=fmt_mib(w["estimated_ram_mib"]) if w["estimated_ram_mib"] else "-",
+            ctx=f"{w['n_ctx']:,}",
+            restarts=str(w["restarts"]),
+            last_exit=(last_exit["description"] or last_exit["kind"]) if last_exit is not None else "",
         ))
     return rows
 
@@ -59,11 +58,10 @@ class ModelView:
         return f"{elide_middle(self.name, MENU_NAME_CHARS)}{default}: {self.where}, {self.memory}"
 
 
-def model_views(status: Mapping[str, Any] | None) -> list[ModelView]:
+def model_views(status: Status | None) -> list[ModelView]:
     views = []
-    for model in (status or {}).get("models") or ():
-        location = str(model.get("location") or "unloaded")
-        gpu = str(model.get("gpu") or "")
+    for model in status["models"] if status is not None else ():
+        location, gpu = model["location"], model["gpu"]
         if gpu == "loaded":
             where = "on the GPU"
         elif "cpu" in location.split("+"):
@@ -74,32 +72,32 @@ def model_views(status: Mapping[str, Any] | None) -> list[ModelView]:
             where = "GPU given away"
         else:
             where = "unloaded"
-        vram = as_number(model.get("vram_mib")) or 0.0
+        vram = model["vram_mib"]
         if where == "on the GPU" and vram > 0:
             memory = f"{fmt_mib(vram)} VRAM"
         elif where == "on the CPU":
-            memory = f"{fmt_mib(as_number(model.get('estimated_ram_mib')))} RAM"
+            memory = f"{fmt_mib(model['estimated_ram_mib'])} RAM"
         else:
-            size = as_number(model.get("size_bytes"))
+            size = model["size_bytes"]
             memory = f"{fmt_mib(size / (1024 * 1024))} on disk" if size else "size unknown"
-        busy = int(model.get("in_flight") or 0)
-        aliases = ", ".join(model.get("aliases") or ())
+        busy = model["in_flight"]
+        aliases = ", ".join(model["aliases"])
         source = {"default": "the default model", "config": "a [[models]] entry", "folder": "from the models folder"}
-        tip = [f"{model.get('name')} ({source[model['source']]})" if model.get("source") in source
-               else str(model.get("name")), str(model.get("path") or "")]
+        tip = [f"{model['name']} ({source[model['source']]})" if model["source"] in source else model["name"],
+               model["path"]]
         if aliases:
             tip.append(f"also called: {aliases}")
-        tip.append(f"loads {model.get('loads', 0)}, unloaded for other models {model.get('evictions', 0)} times")
-        if model.get("degraded"):
+        tip.append(f"loads {model['loads']}, unloaded for other models {model['evictions']} times")
+        if model["degraded"]:
             tip.append(f"degraded: {model['degraded']}")
         views.append(ModelView(
-            name=str(model.get("name")), where=where, memory=memory,
+            name=model["name"], where=where, memory=memory,
             can_load=gpu in ("unloaded_idle",) and where not in ("loading", "on the GPU"),
             can_unload=where in ("on the GPU", "on the CPU") and busy == 0, busy=busy,
-            is_default=model.get("source") == "default", tooltip="\n".join(t for t in tip if t)))
+            is_default=model["source"] == "default", tooltip="\n".join(t for t in tip if t)))
     return views
 
 
-def model_names(status: Mapping[str, Any] | None) -> list[str]:
+def model_names(status: Status | None) -> list[str]:
     """The names a chat may pick, the default model first."""
     return [view.name for view in model_views(status)]

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
-
-from .formatting import as_number, fmt_seconds, humanize_reason
+from ...core.status_contract import Status
+from .formatting import fmt_seconds, humanize_reason
 from .state import DEGRADED, GIVEN_STATES, GPU, icon_kind, is_busy_overflow, residency_of, residency_state
 from .banner import new_request_wait_text
 
@@ -21,26 +20,26 @@ class ResidencyNotifier:
         self._state: str | None = None
         self._given = False
 
-    def update(self, status: Mapping[str, Any] | None) -> Notice | None:
-        if status is None:
-            return None
-        state = residency_state(status)
-        first, self._state = self._state is None, state
+    def update(self, status: Status | None) -> Notice | None:
         residency = residency_of(status)
-        fallback = (status.get("degraded") or {}).get("fallback_model") or "the fallback model"
+        if status is None or residency is None:
+            return None
+        state = residency["state"]
+        first, self._state = self._state is None, state
+        fallback = status["degraded"]["fallback_model"] or "the fallback model"
         if state in GIVEN_STATES:
             was_given, self._given = self._given, True
             if first or was_given:
                 return None
             if state == "given_away":
-                return Notice("GPU given back", f"{residency.get('text') or 'Another app needs the VRAM'}: the GPU "
+                return Notice("GPU given back", f"{residency['text'] or 'Another app needs the VRAM'}: the GPU "
                               f"model was unloaded. The CPU answers with {fallback} until the memory is free again.",
                               "gpu_given_back")
             return Notice("GPU given back", f"The GPU model was unloaded. The CPU answers with {fallback} until "
                           "you choose \"Use the GPU again\".", "gpu_given_back")
         if state == "loaded" and self._given:
             self._given = False
-            load = as_number(residency.get("last_load_s"))
+            load = residency["last_load_s"]
             took = f" (loading took {fmt_seconds(load)})" if load else ""
             return Notice("GPU taken again", f"The GPU model is loaded again{took}; the GPU serves.", "gpu_taken_again")
         if state != "loading":
@@ -72,7 +71,7 @@ class DegradedNotifier:
         self._degraded_since: float | None = None
         self._last_start_notice: float | None = None
 
-    def update(self, status: Mapping[str, Any] | None, host_starting: bool = False,
+    def update(self, status: Status | None, host_starting: bool = False,
                now: float | None = None) -> Notice | None:
         now = self._clock() if now is None else now
         kind = icon_kind(status, host_starting=host_starting)
@@ -90,10 +89,11 @@ class DegradedNotifier:
                 return None
             self.notified_start = True
             self._last_start_notice = now
-            info = (status or {}).get("degraded") or {}
-            reason = humanize_reason(info.get("reason") or "the GPU path is out")
-            wait = new_request_wait_text(status or {})
-            message = f"{reason}.\nThe CPU serves {info.get('fallback_model')}" + (f"; {wait}" if wait else "")
+            assert status is not None  # degraded is a state of a status
+            info = status["degraded"]
+            reason = humanize_reason(info["reason"] or "the GPU path is out")
+            wait = new_request_wait_text(status)
+            message = f"{reason}.\nThe CPU serves {info['fallback_model']}" + (f"; {wait}" if wait else "")
             return Notice("Degraded mode: the CPU is serving", message + ".", "degraded_start")
         if kind == GPU and self.notified_start:
             self.notified_start = False
