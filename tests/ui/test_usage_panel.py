@@ -48,18 +48,18 @@ def test_the_panel_lists_a_few_names_and_counts_the_rest(qtbot) -> None:
     names = {f"app-{n}": (counts(n), counts(10 * n, 50 * n, 50 * n)) for n in range(1, vm.MAX_USAGE_ROWS + 3)}
     client.last_status = with_usage(names)
     panel.refresh()
-    assert panel.usage_box.isVisible()
+    assert panel.usage_table.isVisible()
     shown = [(cells[0].full_text, cells[1].text(), cells[2].text())
-             for cells in panel.usage_cells if cells[0].isVisible()]
+             for cells in panel.usage_table.cells if cells[0].isVisible()]
     busiest = f"app-{vm.MAX_USAGE_ROWS + 2}"  # the most requests this week
     assert len(shown) == vm.MAX_USAGE_ROWS
     assert shown[0] == (busiest, f"{vm.MAX_USAGE_ROWS + 2} requests · 0 tokens", "70 requests · 700 tokens")
-    assert panel.usage_more.isVisible() and panel.usage_more.text().startswith("and 2 more")
+    assert panel.usage_table.more.isVisible() and panel.usage_table.more.text().startswith("and 2 more")
 
     client.last_status = with_usage({"solo": (counts(1, 5, 5), counts(1, 5, 5))})
     panel.refresh()
-    assert [cells[1].text() for cells in panel.usage_cells if cells[1].isVisible()] == ["1 request · 10 tokens"]
-    assert not panel.usage_more.isVisible()
+    assert [cells[1].text() for cells in panel.usage_table.cells if cells[1].isVisible()] == ["1 request · 10 tokens"]
+    assert not panel.usage_table.more.isVisible()
 
 
 def test_counts_stay_short() -> None:

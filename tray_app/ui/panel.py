@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 from PySide6.QtCore import QEvent, QSize, Qt, Signal
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence, QShortcut
@@ -12,10 +12,12 @@ from PySide6.QtWidgets import (
 )
 
 from . import colors
+from ..core.status_contract import Status
 from . import theme
 from . import viewmodel as vm
 from .client import ServiceClient
 from .icons import state_icon
+from .tables import UsageTable, header_row
 from .widgets import (
     BarBlock, DegradedBanner, ElidedLabel, HistoryChart, StateHeader, box_style_sheet, plain_label, as_written, set_text,
 )
@@ -23,7 +25,6 @@ from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
 WORKER_COLUMNS = ("Worker", "State", "PID", "RSS", "Est. VRAM", "Est. RAM", "Context", "Restarts")
 MODEL_COLUMNS = ("Model", "Where", "Memory", "In flight")
-USAGE_COLUMNS = ("Key or app", "Today", "Last 7 days")
 MODEL_PLACE_STATE = {"on the GPU": "ready", "on the CPU": "ready", "loading": "starting"}
 # The status hue of a worker's state; any state not listed is trouble.
 WORKER_STATE_STATUS = {"ready": "ok", "starting": "info", "stopping": "info"}
@@ -88,7 +89,7 @@ class HeadroomPanel(QWidget):
         self.workers_grid = QGridLayout(workers)
         self.workers_grid.setHorizontalSpacing(14)
         self.workers_grid.setVerticalSpacing(4)
-        _header_row(self.workers_grid, WORKER_COLUMNS, self._align)
+        header_row(self.workers_grid, WORKER_COLUMNS, self._align)
         self.worker_cells: dict[int, list[QLabel]] = {}
         root.addWidget(workers)
         # Failover time, once a replay has answered (issue 32).
@@ -97,26 +98,15 @@ class HeadroomPanel(QWidget):
         self.failover_line.hide()
         root.addWidget(self.failover_line)
 
-        # Who used the service (status["usage"]), once anyone has.
-        self.usage_box = QGroupBox("Usage")
-        self.usage_grid = QGridLayout(self.usage_box)
-        self.usage_grid.setHorizontalSpacing(14)
-        self.usage_grid.setVerticalSpacing(4)
-        _header_row(self.usage_grid, USAGE_COLUMNS)
-        self.usage_grid.setColumnStretch(len(USAGE_COLUMNS), 0)
-        self.usage_grid.setColumnStretch(0, 1)
-        self.usage_cells: list[list[QLabel]] = []
-        self.usage_more = plain_label()
-        theme.set_muted_text(self.usage_more)
-        self.usage_box.setVisible(False)
-        root.addWidget(self.usage_box)
+        self.usage_table = UsageTable()
+        root.addWidget(self.usage_table)
 
         # The library's models (issue 14), once there is more than one.
         self.models_box = QGroupBox("Models")
         self.models_grid = QGridLayout(self.models_box)
         self.models_grid.setHorizontalSpacing(14)
         self.models_grid.setVerticalSpacing(4)
-        _header_row(self.models_grid, MODEL_COLUMNS)
+        header_row(self.models_grid, MODEL_COLUMNS)
         # The name column takes what the others leave, rather than widening the panel.
         self.models_grid.setColumnStretch(len(MODEL_COLUMNS), 0)
         self.models_grid.setColumnStretch(0, 1)
@@ -150,7 +140,7 @@ class HeadroomPanel(QWidget):
 
         client.status_changed.connect(self._on_status)
         client.unreachable.connect(self._on_unreachable)
-        self._last_status: Mapping[str, Any] | None = None
+        self._last_status: Status | None = None
         self._last_error: str | None = None
         # An error in the footer outlasts the polls that would overwrite it.
         self.footer_note = vm.TimedNote()
@@ -234,7 +224,7 @@ class HeadroomPanel(QWidget):
         event.ignore()
         self.hide()
 
-    def _on_status(self, status: dict) -> None:
+    def _on_status(self, status: Status) -> None:
         if self.isVisible():
             self._render(status)
 
@@ -254,7 +244,7 @@ class HeadroomPanel(QWidget):
     # ----- rendering ---------------------------------------------------------------------
 
     def _floor(self) -> float | None:
-        return vm.ram_floor_mib(self._last_status or {}, self.floor_mib)
+        return vm.ram_floor_mib(self._last_status, self.floor_mib)
 
     def _render_unreachable(self, message: str) -> None:
         self._last_status = None
@@ -263,7 +253,7 @@ class HeadroomPanel(QWidget):
         self.banner.set_banner(None)
         set_text(self.footer, self.footer_note.text() or self.client.base_url)
 
-    def _render(self, status: Mapping[str, Any]) -> None:
+    def _render(self, status: Status) -> None:
         self._last_status = status
         kind = vm.icon_kind(status)
         self.header.set_state(kind, vm.state_detail(status), vm.state_title(status))
@@ -286,38 +276,14 @@ class HeadroomPanel(QWidget):
         failover = vm.failover_text(status)
         self.failover_line.setVisible(failover is not None)
         set_text(self.failover_line, failover or "")
-        self._render_usage(vm.usage_view(status))
+        self.usage_table.set_view(vm.usage_view(status))
         self._render_models(vm.model_views(status))
         samples = list(self.history.samples)
         # No GPU, no VRAM to chart: the chart would only say "no data".
         self.vram_chart.setVisible(bool(bars))
         self.vram_chart.set_samples(samples)
         self.ram_chart.set_samples(samples)
-        model = (status.get("service") or {}).get("model") or ""
-        set_text(self.footer, self.footer_note.text() or f"{model} · {self.client.api_url}")
-
-    def _render_usage(self, view: vm.UsageView | None) -> None:
-        self.usage_box.setVisible(view is not None)
-        rows = view.rows if view is not None else ()
-        while len(self.usage_cells) < len(rows):
-            row = len(self.usage_cells) + 1
-            cells = [ElidedLabel() if column == 0 else plain_label() for column in range(len(USAGE_COLUMNS))]
-            for column, label in enumerate(cells):
-                self.usage_grid.addWidget(label, row, column)
-            self.usage_cells.append(cells)
-        for index, cells in enumerate(self.usage_cells):
-            usage = rows[index] if index < len(rows) else None
-            for label in cells:
-                label.setVisible(usage is not None)
-            if usage is not None:
-                cells[0].set_full_text(usage.name)
-                set_text(cells[1], usage.today)
-                set_text(cells[2], usage.week)
-        # Below the last row: the grid keeps the rows it made, hidden or not.
-        self.usage_grid.addWidget(self.usage_more, len(self.usage_cells) + 1, 0, 1, len(USAGE_COLUMNS))
-        more = view.more if view is not None else 0
-        set_text(self.usage_more, f"and {more} more (the web page lists them all)" if more else "")
-        self.usage_more.setVisible(bool(more))
+        set_text(self.footer, self.footer_note.text() or f"{status['service']['model']} · {self.client.api_url}")
 
     def _render_models(self, views: list[vm.ModelView]) -> None:
         self.models_box.setVisible(len(views) > 1)
@@ -388,16 +354,3 @@ class HeadroomPanel(QWidget):
         label.setProperty("workerState", state)
         status = WORKER_STATE_STATUS.get(state, "error")
         theme.set_text_color(label, colors.status_color(status, theme.current_palette().window))
-
-
-def _header_row(grid: QGridLayout, columns: tuple[str, ...], align=None) -> None:
-    """A table's bold header in row 0, and the stretch after its last column."""
-    for column, name in enumerate(columns):
-        label = QLabel(name)
-        bold = label.font()
-        bold.setBold(True)
-        label.setFont(bold)
-        if align is not None:
-            label.setAlignment(align(column))
-        grid.addWidget(label, 0, column)
-    grid.setColumnStretch(len(columns), 1)
