@@ -11,6 +11,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QTextCursor
 from PySide6.QtWidgets import QApplication, QCheckBox, QLabel, QPushButton
 
+from tests.status_sample import conforming
 from tray_app.core.config import Config
 from tray_app.ui import app as app_module
 from tray_app.ui.app import TrayController
@@ -22,11 +23,11 @@ WAIT_MS = 5000
 
 
 def status_with_workers(folder: Path) -> dict:
-    return {"service": {"model": "qwen"},
-            "workers": [{"role": "gpu", "log": str(folder / "gpu-worker.log")},
-                        {"role": "cpu", "log": str(folder / "cpu-worker.log")}],
-            "models": [{"name": "qwen", "logs": {"gpu": str(folder / "gpu-worker.log"),
-                                                 "cpu": str(folder / "cpu-worker.log")}}]}
+    return conforming({"service": {"model": "qwen"},
+                       "workers": [{"role": "gpu", "log": str(folder / "gpu-worker.log")},
+                                   {"role": "cpu", "log": str(folder / "cpu-worker.log")}],
+                       "models": [{"name": "qwen", "logs": {"gpu": str(folder / "gpu-worker.log"),
+                                                            "cpu": str(folder / "cpu-worker.log")}}]})
 
 
 def append(path: Path, *lines: str) -> None:

@@ -213,7 +213,8 @@ class ScreenshotTour(QObject):
 
     def cpu_requests(self, queued: int, total: int) -> Callable[[], bool]:
         def check() -> bool:
-            rows = vm.cpu_requests(self.status())
+            status = self.client.last_status
+            rows = vm.cpu_requests(status) if status is not None else []
             return len(rows) >= total and sum(1 for r in rows if r.get("state") == "queued") >= queued
         return check
 
@@ -259,7 +260,7 @@ class ScreenshotTour(QObject):
         # The library: a second model loaded, the Models submenu, the download dialog.
         c.client.set_model_loaded("coder", True)
         yield ("until", lambda: any(v.name == "coder" and v.where == "on the GPU"
-                                    for v in vm.model_views(self.status())), 60, "the second model loaded")
+                                    for v in vm.model_views(self.client.last_status)), 60, "the second model loaded")
         yield ("sleep", 1.5)
         yield from self.models_menu_shot("tray-menu-models.png")
         yield ("sleep", 0.3)
@@ -280,11 +281,11 @@ class ScreenshotTour(QObject):
         # The small simulated GPU holds one of the two: the default model comes back for the rest of the tour.
         default = (self.status().get("service") or {}).get("model")
         c.client.set_model_loaded("coder", False)
-        yield ("until", lambda: all(v.where != "on the GPU" for v in vm.model_views(self.status())
+        yield ("until", lambda: all(v.where != "on the GPU" for v in vm.model_views(self.client.last_status)
                                     if v.name == "coder"), 60, "the second model unloaded")
         c.client.set_model_loaded(default, True)
         yield ("until", lambda: any(v.name == default and v.where == "on the GPU"
-                                    for v in vm.model_views(self.status())), 60, "the default model back")
+                                    for v in vm.model_views(self.client.last_status)), 60, "the default model back")
         yield ("until", self.kind_is(vm.GPU), 60, "serving on the GPU again")
 
         # The chat, answered on the GPU.
@@ -318,7 +319,7 @@ class ScreenshotTour(QObject):
         self.fit(panel)
         status = self.status()
         self.game = OtherApp(crowding_mib(status), "steam", simulated_dir=status["gpu"]["simulated_device_dir"])
-        yield ("until", lambda: vm.residency_state(self.status()) == "given_away", 30, "the GPU given to steam")
+        yield ("until", lambda: vm.residency_state(self.client.last_status) == "given_away", 30, "the GPU given to steam")
         yield ("sleep", 1)
         # One running and ten waiting: the banner shows three rows and counts the rest.
         self.stream(LONG_PROMPT, 300, client_name="Open WebUI")
@@ -341,7 +342,8 @@ class ScreenshotTour(QObject):
         yield from self.menu_shot("tray-menu-gpu-given.png")
         for stream in self.streams:
             stream.stop()
-        yield ("until", lambda: not vm.cpu_requests(self.status()), 60, "the CPU requests to be canceled")
+        yield ("until", lambda: self.client.last_status is not None and not vm.cpu_requests(self.client.last_status),
+               60, "the CPU requests to be canceled")
 
         # Degraded, by Force CPU: the chat shows the banner for its own request.
         c.force_cpu_action.setChecked(True)
