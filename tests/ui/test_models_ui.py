@@ -97,14 +97,14 @@ def test_the_chat_picks_the_model_that_answers(qtbot, live) -> None:
 
 
 def test_model_views_in_words() -> None:
-    status = {"models": [
+    status = conforming({"models": [
         {"name": "smol", "source": "default", "location": "gpu+cpu", "gpu": "loaded", "vram_mib": 806.0,
          "size_bytes": 98 * 2**20, "in_flight": 1},
         {"name": "gemma", "source": "config", "location": "cpu", "gpu": "unloaded_idle", "estimated_ram_mib": 526.0,
          "size_bytes": 253 * 2**20, "aliases": ["g3"], "degraded": "the GPU worker is loading"},
         {"name": "big", "source": "folder", "location": "unloaded", "gpu": "unloaded_idle", "size_bytes": 4 * 2**30},
         {"name": "game", "source": "folder", "location": "unloaded", "gpu": "given_away", "size_bytes": 2**30},
-    ]}
+    ]})
     smol, gemma, big, game = vm.model_views(status)
     assert smol.label == "smol (default): on the GPU, 806 MiB VRAM" and not smol.can_unload and smol.busy == 1
     assert gemma.label == "gemma: on the CPU, 526 MiB RAM" and gemma.can_load and gemma.can_unload
@@ -112,8 +112,9 @@ def test_model_views_in_words() -> None:
     assert big.label == "big: unloaded, 4,096 MiB on disk" and big.can_load and not big.can_unload
     assert game.where == "GPU given away" and not game.can_load
     assert vm.model_names(status) == ["smol", "gemma", "big", "game"] and vm.model_views(None) == []
-    long = vm.model_views({"models": [{"name": "SmolLM2-135M-Instruct-abliterated-imatrix-with-a-long-name.Q4_1",
-                                       "location": "unloaded", "gpu": "unloaded_idle", "size_bytes": 2**20}]})[0]
+    long = vm.model_views(conforming({"models": [{
+        "name": "SmolLM2-135M-Instruct-abliterated-imatrix-with-a-long-name.Q4_1", "source": "folder",
+        "location": "unloaded", "gpu": "unloaded_idle", "size_bytes": 2**20}]}))[0]
     assert long.label.startswith("SmolLM2-135M-Instruc…th-a-long-name.Q4_1: unloaded")
     assert len(long.label.split(":")[0]) == vm.MENU_NAME_CHARS and long.name in long.tooltip
 
