@@ -29,7 +29,7 @@ from tray_app.core.config import parse_config_text
 from tray_app.core.memory.gguf_info import ModelInfo, read_model_info
 from tray_app.core.memory.telemetry import GpuReader
 from tray_app.core.service import Service
-from tray_app.core.tokens import PromptCounter
+from tray_app.core.catalog.tokens import PromptCounter
 
 from .upstream import FakeUpstream
 from .worker import FakeRuntime, FakeWorkers

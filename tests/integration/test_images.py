@@ -240,7 +240,7 @@ def test_pull_fetches_the_projector_beside_the_model_and_the_library_pairs_them(
     from tests.fake_hub import FakeHub, HubFile, serve_hub
     from tests.integration.test_pull import run_pull
     from tray_app.core.config import Config
-    from tray_app.core.library import build_library
+    from tray_app.core.catalog.library import build_library
 
     model = bundled_model_path().read_bytes()
     write_tiny_projector(tmp_path / "p.gguf", text_width=576)

@@ -17,10 +17,10 @@ import pytest
 
 from tests.fake_hub import PRIVATE_REPO, TOKEN, FakeHub, HubFile, serve_hub
 from tray_app.core.config import Config, bundled_model_path
-from tray_app.core.download import (PART_SUFFIX, DownloadCancelled, DownloadError, ErrorKind, download_model,
+from tray_app.core.catalog.download import (PART_SUFFIX, DownloadCancelled, DownloadError, ErrorKind, download_model,
                                     sha256_of)
 from tray_app.core.engine.worker import free_loopback_port
-from tray_app.core.library import build_library
+from tray_app.core.catalog.library import build_library
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -247,7 +247,7 @@ def test_an_unwritable_models_folder_is_one_line(hub, tmp_path):
 def test_too_little_disk_space_is_refused_before_any_byte(hub, tmp_path, monkeypatch):
     import shutil
 
-    from tray_app.core import download
+    from tray_app.core.catalog import download
 
     real = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(download.shutil, "disk_usage", lambda path: real._replace(free=10 * 1024 * 1024))
@@ -294,7 +294,7 @@ def test_a_download_of_unannounced_size_is_not_started(hub, tmp_path):
 def test_a_size_announced_only_by_the_answer_is_checked_against_free_space(hub, tmp_path, monkeypatch):
     import shutil
 
-    from tray_app.core import download
+    from tray_app.core.catalog import download
 
     hub.list_sizes = False  # the file list says no size; the answer's Content-Length does
     real = shutil.disk_usage(tmp_path)

@@ -10,7 +10,7 @@ import pytest
 
 from tests.fakes.clock import FakeClock
 from tray_app.cli.pull import EXIT_FAILED, EXIT_USAGE, ProgressPrinter, _exit_code
-from tray_app.core.download import (Action, DownloadError, ErrorKind, ModelRef, RoughFit, decide, error_for_status,
+from tray_app.core.catalog.download import (Action, DownloadError, ErrorKind, ModelRef, RoughFit, decide, error_for_status,
                                     format_duration, make_ref, next_page_url, parse_content_range, parse_model_ref,
                                     plan_offset, range_headers, remote_file_from_tree, render_progress, resolve_url,
                                     rough_fit, space_shortfall, tree_url)

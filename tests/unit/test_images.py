@@ -18,7 +18,7 @@ from tray_app.core.dispatch.admission import (
     CpuView, GpuOut, GpuView, LaneState, Reason, RequestShape, Route, decide,
 )
 from tray_app.core.engine.runtime import IMAGE_MAX_TOKENS, LaunchRequest, LlamaServerRuntime
-from tray_app.core.library import build_library, gguf_files, projector_beside
+from tray_app.core.catalog.library import build_library, gguf_files, projector_beside
 from tray_app.core.memory import estimate
 from tray_app.core.config import bundled_model_path
 from tray_app.core.memory.gguf_info import ModelFileError, read_model_info, read_paired_projector, read_projector_info

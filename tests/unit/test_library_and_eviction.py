@@ -8,7 +8,7 @@ import pytest
 
 from tray_app.core.config import ConfigError, Config, config_to_toml, parse_config_text
 from tray_app.core.residency.eviction import Resident, eviction_shortfall_text, plan_eviction
-from tray_app.core.library import Library, LibraryError, LibraryModel, build_library, gguf_files
+from tray_app.core.catalog.library import Library, LibraryError, LibraryModel, build_library, gguf_files
 
 # ----- eviction --------------------------------------------------------------------------------
 

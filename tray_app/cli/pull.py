@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..core.config import ConfigError, apply_overrides, load_config
-from ..core.download import (DEFAULT_HUB_URL, DEFAULT_REVISION, HUB_URL_ENV, PART_SUFFIX, TOKEN_ENV,
+from ..core.catalog.download import (DEFAULT_HUB_URL, DEFAULT_REVISION, HUB_URL_ENV, PART_SUFFIX, TOKEN_ENV,
                              DownloadError, ErrorKind, RemoteFile, download_model, format_bytes, lookup_remote_files,
                              new_client, parse_model_ref, render_progress, rough_fit)
 from .models import read_headroom
@@ -211,7 +211,7 @@ def _print_fit(remote: RemoteFile, config: Any, args: argparse.Namespace) -> Non
 def _warn_on_name_clash(config: Any) -> None:
     """The library refuses two models with one name (a file stem): say so
     now rather than when the service next fails to start."""
-    from ..core.library import LibraryError, build_library
+    from ..core.catalog.library import LibraryError, build_library
 
     try:
         build_library(config)

@@ -30,7 +30,7 @@ from .engine.exits import ExitKind
 from .engine.runtime import IMAGE_MAX_TOKENS, WorkerRuntime
 from .engine.launch_env import workers_share_cores
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
-from .library import LibraryModel
+from .catalog.library import LibraryModel
 from .memory import estimate
 from .memory.gguf_info import ModelInfo, ProjectorInfo, read_model_info, read_paired_projector
 from .memory.telemetry import wait_for_vram_recovery
@@ -38,7 +38,7 @@ from .residency.coordinator import ResidencyCoordinator
 from .residency.gpu import GpuSharing, prior_load_s
 from .residency.on_demand import OnDemandWorker
 from .residency.policy import Residency, SharingPolicy
-from .tokens import PromptCounter
+from .catalog.tokens import PromptCounter
 
 MIB = 1024 * 1024
 CPU_FIRST_TOKEN_TIMEOUT_S = 600.0

@@ -33,7 +33,7 @@ from .engine.offload_probe import workers_gpu_offload_support
 from .engine.runtime import RuntimeChoice, WorkerRuntime, choose_runtime, rpc_runtime_problem
 from .engine.worker import Worker, WorkerState
 from .host import ModelFiles, ModelHost, read_model_files
-from .library import Library, LibraryError, build_library
+from .catalog.library import Library, LibraryError, build_library
 from .memory.gguf_info import ModelFileError
 from .memory.gpu_readers import detect_gpu_reader
 from .memory.telemetry import GpuReader, MemorySnapshot, SimulatedGpu, gpu_path_missing_reason

@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
     QDialog, QDialogButtonBox, QFormLayout, QLabel, QLineEdit, QProgressBar, QPushButton, QVBoxLayout, QWidget,
 )
 
-from ..core.download import (
+from ..core.catalog.download import (
     DEFAULT_HUB_URL, HUB_URL_ENV, TOKEN_ENV, DownloadCancelled, DownloadError, DownloadResult, ModelRef,
     lookup_remote_file, new_client, parse_model_ref, render_progress, rough_fit,
 )
@@ -49,7 +49,7 @@ class DownloadDialog(QDialog):
                  hub: str | None = None, downloader: Downloader | None = None,
                  parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        from ..core.download import download_model
+        from ..core.catalog.download import download_model
 
         self.client = client
         self.models_folder = models_folder

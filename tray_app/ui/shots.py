@@ -432,6 +432,6 @@ class ScreenshotTour(QObject):
 
 def vm_progress_example() -> str:
     """What the progress row says mid-download (the shot shows the row, not a real download)."""
-    from ..core.download import render_progress
+    from ..core.catalog.download import render_progress
 
     return render_progress(168 * 1024 * 1024, 398 * 1024 * 1024, 5.6)

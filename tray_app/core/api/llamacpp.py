@@ -10,7 +10,7 @@ lines, no [DONE]) and the error envelope ({"error": {"code", "message",
 "type"}}, code being the HTTP status) are llama.cpp's.
 
 /tokenize, /detokenize and /apply-template are answered by the router with
-the model's own tokenizer and chat template (core/tokens.py), the ones
+the model's own tokenizer and chat template (core/catalog/tokens.py), the ones
 admission counts with. That is native code in this process: every token id
 is checked against the vocabulary and every input is bounded before
 llama.cpp sees it, and the work runs in a thread.

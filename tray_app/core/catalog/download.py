@@ -54,9 +54,9 @@ from urllib.parse import quote, urljoin, urlsplit
 
 import httpx
 
-from .memory.estimate import GPU_RUNTIME_OVERHEAD_MIB, HOST_RUNTIME_BASELINE_MIB, MIB
-from .memory.fit import Headroom, format_mib
-from .memory.gguf_info import GGUF_MAGIC
+from ..memory.estimate import GPU_RUNTIME_OVERHEAD_MIB, HOST_RUNTIME_BASELINE_MIB, MIB
+from ..memory.fit import Headroom, format_mib
+from ..memory.gguf_info import GGUF_MAGIC
 
 DEFAULT_HUB_URL = "https://huggingface.co"
 HUB_URL_ENV = "TRAY_APP_HUB_URL"
