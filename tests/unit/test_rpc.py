@@ -18,7 +18,7 @@ from tray_app.core.config import ConfigError, parse_config_text, rpc_address_pro
 from tray_app.core.engine.runtime import LaunchRequest, LlamaServerRuntime
 from tray_app.core.engine.worker import free_loopback_port
 from tray_app.core.memory import estimate
-from tray_app.core.rpc import RpcHealth
+from tray_app.core.engine.rpc import RpcHealth
 
 
 @pytest.mark.parametrize("address", ["10.0.0.2:50052", "gpu-box.lan:1", "127.0.0.1:65535"])

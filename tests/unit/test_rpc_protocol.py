@@ -12,7 +12,7 @@ import struct
 
 import pytest
 
-from tray_app.core.rpc import (
+from tray_app.core.engine.rpc import (
     BUSY, IDLE, IN_USE, INCOMPATIBLE, UNREACHABLE, RpcHealth, RpcProtocolError, ServerBusy, decode_device_count,
     decode_device_memory, decode_hello, decode_size, encode_device_count, encode_get_device_memory, encode_hello,
     read_memory,

@@ -39,7 +39,7 @@ from .memory.gpu_readers import detect_gpu_reader
 from .memory.telemetry import GpuReader, MemorySnapshot, SimulatedGpu, gpu_path_missing_reason
 from .observe import Observer
 from .residency.coordinator import ResidencyCoordinator
-from .rpc import RpcHealth
+from .engine.rpc import RpcHealth
 from .status_build import build_status, gpu_status, health
 from .status_contract import GpuStatus, Status
 

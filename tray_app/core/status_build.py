@@ -23,7 +23,7 @@ from .host import ModelHost
 from .memory import estimate
 from .memory.telemetry import MemorySnapshot, OffloadSupport, SimulatedGpu
 from .observe import Observer
-from .rpc import RpcHealth
+from .engine.rpc import RpcHealth
 from .status_contract import (BreakerStatus, DecisionRecord, DegradedStatus, EmbeddingsStatus, EngineStatus, Event,
                               FailoverStatus,
                               GpuStatus, LaneStatus, ModelSummary, PeerStatus, RamStatus, RequestStatus,
