@@ -13,7 +13,7 @@ import sys
 
 # Only these modules may be run with `-m`: the worker wrapper the supervisor
 # starts, and the desktop-integration helper the README points users at.
-RUNNABLE_MODULES = ("tray_app.core.engine.worker_main", "tray_app.core.grammar_child", "tray_app.desktop.autostart")
+RUNNABLE_MODULES = ("tray_app.core.engine.worker_main", "tray_app.core.grammar.child", "tray_app.desktop.autostart")
 
 
 def main() -> int:

@@ -168,7 +168,7 @@ def test_the_router_and_the_cpu_worker_hold_no_vulkan_device(vulkan):
     assert answer.status_code == 200, answer.text
     import psutil
 
-    checker = [p.pid for p in psutil.Process(router).children() if "grammar_child" in " ".join(p.cmdline())]
+    checker = [p.pid for p in psutil.Process(router).children() if "tray_app.core.grammar.child" in " ".join(p.cmdline())]
     assert checker, "no grammar checker process"
     # The router's llama.cpp can drive Vulkan (it is the Vulkan build's)...
     assert "libggml-vulkan" in maps(router)

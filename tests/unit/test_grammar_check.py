@@ -1,4 +1,4 @@
-"""The grammar checker's child process (core/grammar_check.py): the real
+"""The grammar checker's child process (core/grammar/check.py): the real
 child with llama.cpp's parser on the bundled model's vocabulary, and stand-in
 children that crash or hang, so that what a crash does to a request is shown
 with a real dead process."""
@@ -18,7 +18,7 @@ import pytest
 from tray_app.core.api import bounds
 from tray_app.core.config import bundled_model_path
 from tray_app.core.engine.worker import pid_alive
-from tray_app.core.grammar_check import GrammarChecker
+from tray_app.core.grammar.check import GrammarChecker
 
 MODEL = bundled_model_path()
 
@@ -79,7 +79,7 @@ def test_llama_cpps_parser_really_crashes_on_a_deep_grammar():
     """Why the parse runs in a child: the same parser, given a grammar 50
     times deeper than the bound, kills its process (upstream #26600)."""
     depth = 50 * bounds.MAX_GRAMMAR_NESTING
-    code = ("import sys\nfrom tray_app.core.grammar_child import Checker\n"
+    code = ("import sys\nfrom tray_app.core.grammar.child import Checker\n"
             f"Checker(sys.argv[1])._parse('root ::= ' + '(' * {depth} + '\"a\"' + ')' * {depth})\n")
     result = subprocess.run([sys.executable, "-c", code, str(MODEL)], capture_output=True, timeout=120)
     assert result.returncode == -signal.SIGSEGV, result.stderr[-2000:]

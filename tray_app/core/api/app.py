@@ -24,7 +24,7 @@ from starlette.routing import Route as HttpRoute
 from ..dispatch.jobs import Job, JobFailed, JobKind, JobRequest, new_request_id
 from ..dispatch.peer import HOP_HEADER
 from ..dispatch.quarantine import request_fingerprint
-from ..grammar_check import GrammarChecker
+from ..grammar.check import GrammarChecker
 from ..host import ModelHost
 from ..keys import ApiKey
 from ..service import Service

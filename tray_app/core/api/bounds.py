@@ -139,7 +139,7 @@ MAX_PATTERN_CHARS = 1_000
 MAX_GRAMMAR_BYTES = 512 * 1024
 MAX_GRAMMAR_NESTING = 1_200     # a schema within the bounds converts to less (about MAX_SCHEMA_COUNT)
 MAX_GRAMMAR_REPETITION = MAX_SCHEMA_REPETITION  # a raw grammar's {m,n} quantifiers, summed
-# The grammar check runs in a child process (core/grammar_check.py) with these limits.
+# The grammar check runs in a child process (core/grammar/check.py) with these limits.
 GRAMMAR_CHECK_TIMEOUT_S = 10.0
 GRAMMAR_CHECK_MEMORY_MIB = 1024
 GRAMMAR_CHECK_STACK_BYTES = 1024 * 1024

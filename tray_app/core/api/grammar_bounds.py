@@ -8,7 +8,7 @@ once overflowed the router's stack, and `minLength: 100000000` builds
 gigabytes of text. These pure functions walk what the client sent, without
 recursion of their own, and say which bound (api/bounds.py) it passes and how
 to stay under it. They are the first line; the grammar check's child process
-(core/grammar_check.py) is the second, for whatever these don't foresee.
+(core/grammar/check.py) is the second, for whatever these don't foresee.
 """
 
 from __future__ import annotations

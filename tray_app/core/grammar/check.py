@@ -4,7 +4,7 @@ A client's JSON schema or GBNF grammar is untrusted input, and llama.cpp
 parses grammars natively with no depth limit: in the router that parser once
 turned a 191-byte request into a segfault of the whole service. So the router
 never parses one itself. `GrammarChecker` owns one child
-(core/grammar_child.py) that converts and parses, one request at a time, under
+(core/grammar/child.py) that converts and parses, one request at a time, under
 a time limit (here) and a memory limit (there). A child that crashes, runs
 out of memory or takes too long ends that request with a 400 and is replaced
 for the next one; nothing else notices.
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .api import bounds
+from ..api import bounds
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Verdict:
 class GrammarChecker:
     def __init__(self, model_path: Path, *, timeout_s: float = bounds.GRAMMAR_CHECK_TIMEOUT_S,
                  cache_size: int = 256, python: str = sys.executable) -> None:
-        self._argv = [python, "-m", "tray_app.core.grammar_child", str(model_path)]
+        self._argv = [python, "-m", "tray_app.core.grammar.child", str(model_path)]
         self._timeout_s = timeout_s
         self._cache: OrderedDict[str, Verdict] = OrderedDict()
         self._cache_size = cache_size

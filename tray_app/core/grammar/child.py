@@ -4,7 +4,7 @@ GBNF grammar and has llama.cpp parse it, away from the router.
 llama.cpp's grammar parser is native code that recurses without a depth limit
 (upstream #26600); in the router a crafted grammar was a segfault that took
 every request and the tray with it. Here a crash, a runaway allocation or a
-hang ends this process only, and the parent (core/grammar_check.py) answers
+hang ends this process only, and the parent (core/grammar/check.py) answers
 the request with a 400 and starts a new child.
 
 Protocol, one JSON object per line: the parent sends {"schema": ...} or
@@ -12,7 +12,7 @@ Protocol, one JSON object per line: the parent sends {"schema": ...} or
 it, or {"problem": "...", "code": "..."}. The first line it writes is
 {"ready": true}.
 
-    python -m tray_app.core.grammar_child MODEL.gguf
+    python -m tray_app.core.grammar.child MODEL.gguf
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import tempfile
 import threading
 from typing import Any
 
-from .api import bounds
-from .api.grammar_bounds import grammar_problem, schema_problem
+from ..api import bounds
+from ..api.grammar_bounds import grammar_problem, schema_problem
 
 
 class Checker:
@@ -103,7 +103,7 @@ class Checker:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m tray_app.core.grammar_child MODEL.gguf", file=sys.stderr)
+        print("usage: python -m tray_app.core.grammar.child MODEL.gguf", file=sys.stderr)
         return 2
     checker = Checker(args[0])
     # Loaded; from here on a runaway conversion or parse meets this limit
