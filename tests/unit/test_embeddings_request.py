@@ -23,7 +23,7 @@ from tray_app.core.api.openai_request import InvalidRequest
 from tray_app.core.api.requests import ModelNames
 from tray_app.core.dispatch.jobs import JobFailed
 from tray_app.core.dispatch.lanes import Lane
-from tray_app.core.embeddings import EmbeddingPath, EmbeddingResult, EmbeddingRuntime, embedding_runtime
+from tray_app.core.embeddings.path import EmbeddingPath, EmbeddingResult, EmbeddingRuntime, embedding_runtime
 from tray_app.core.engine.runtime import LaunchRequest, LlamaCppPythonRuntime, LlamaServerRuntime
 from tray_app.core.engine.worker import WorkerState
 
@@ -315,7 +315,7 @@ async def test_too_many_values_is_refused_before_anything_is_tokenized():
 
 
 async def test_the_workers_answer_is_parsed_off_the_event_loop(monkeypatch):
-    import tray_app.core.embeddings as embeddings_module
+    import tray_app.core.embeddings.path as embeddings_module
 
     parse = embeddings_module.parse_worker_answer
     threads = []
@@ -344,7 +344,7 @@ async def test_the_answer_is_built_and_encoded_off_the_event_loop():
 
 
 def test_a_workers_answer_in_floats_is_taken_too_and_one_in_another_shape_is_a_502():
-    from tray_app.core.embeddings import parse_worker_answer
+    from tray_app.core.embeddings.path import parse_worker_answer
 
     floats = b'{"data": [{"index": 1, "embedding": [0.5, 2]}, {"index": 0, "embedding": [1, 0]}]}'
     assert parse_worker_answer(floats, 2) == ([[1.0, 0.0], [0.5, 2.0]], 0)

@@ -26,8 +26,8 @@ import httpx
 from .api.metrics import ServiceMetrics
 from .config import Config, ConfigError, log_dir as default_log_dir, peer_base_url, simulated_device_dir
 from .dispatch.peer import Peer, Peers
-from .embedding_setup import build_embedding_path
-from .embeddings import EmbeddingPath
+from .embeddings.setup import build_embedding_path
+from .embeddings.path import EmbeddingPath
 from .engine.handle import WorkerFactory
 from .engine.offload_probe import workers_gpu_offload_support
 from .engine.runtime import RuntimeChoice, WorkerRuntime, choose_runtime, rpc_runtime_problem

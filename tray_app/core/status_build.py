@@ -16,7 +16,7 @@ from typing import Any, Protocol, cast
 from .config import Config
 from .dispatch.dispatcher import EXPECTED_ANSWER_TOKENS
 from .dispatch.peer import Peers
-from .embeddings import EmbeddingPath
+from .embeddings.path import EmbeddingPath
 from .engine.runtime import WorkerRuntime
 from .engine.worker import WorkerState
 from .host import ModelHost

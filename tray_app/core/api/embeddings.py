@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from ..dispatch.jobs import JobFailed, new_request_id
-from ..embeddings import EmbeddingPath, EmbeddingResult
+from ..embeddings.path import EmbeddingPath, EmbeddingResult
 from .errors import error_response
 from .openai_request import InvalidRequest
 from .protocol import OPENAI

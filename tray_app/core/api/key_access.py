@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 from starlette.requests import Request
 
 from ..dispatch.jobs import Job, JobFailed
-from ..embeddings import EmbeddingResult
+from ..embeddings.path import EmbeddingResult
 from ..keys import ApiKey
 from ..usage import Outcome, UsageStore
 from .requests import client_name

@@ -1,7 +1,7 @@
 """The embedding path, built from the config and the default model: its
 worker (CPU only: it must not take VRAM the GPU worker's admission counts
 on), its own lane and its RAM estimate. Wiring only; what the path does is
-`embeddings.py`'s."""
+`path.py`'s."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from typing import Callable
 
 import httpx
 
-from .config import Config
-from .dispatch.lanes import Lane
-from .embeddings import SPECIAL_TOKEN_MARGIN, EmbeddingPath, embedding_runtime
-from .engine.handle import WorkerFactory
-from .engine.runtime import WorkerRuntime
-from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec
-from .memory import estimate
-from .memory.gguf_info import ModelInfo
-from .observe import Observer
+from ..config import Config
+from ..dispatch.lanes import Lane
+from .path import SPECIAL_TOKEN_MARGIN, EmbeddingPath, embedding_runtime
+from ..engine.handle import WorkerFactory
+from ..engine.runtime import WorkerRuntime
+from ..engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec
+from ..memory import estimate
+from ..memory.gguf_info import ModelInfo
+from ..observe import Observer
 
 MIB = 1024 * 1024
 

@@ -26,12 +26,12 @@ from typing import Any, Callable
 
 import httpx
 
-from .dispatch.jobs import JobFailed
-from .dispatch.lanes import Lane
-from .engine.runtime import LaunchRequest, LlamaServerRuntime, WorkerRuntime
-from .engine.handle import WorkerHandle
-from .engine.worker import WorkerState
-from .residency.on_demand import OnDemandWorker
+from ..dispatch.jobs import JobFailed
+from ..dispatch.lanes import Lane
+from ..engine.runtime import LaunchRequest, LlamaServerRuntime, WorkerRuntime
+from ..engine.handle import WorkerHandle
+from ..engine.worker import WorkerState
+from ..residency.on_demand import OnDemandWorker
 
 # Tokens a slot holds beyond [embeddings] n_ctx: requests are checked with
 # our own count, and the server may add a special token or two (BOS, EOS,
