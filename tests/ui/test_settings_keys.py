@@ -12,7 +12,7 @@ from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QMessageBox
 
 from tray_app.core.config import load_config
-from tray_app.core.keys import KeyStore
+from tray_app.core.access.keys import KeyStore
 from tray_app.ui import theme
 from tray_app.ui.settings import SettingsDialog
 

@@ -10,7 +10,7 @@ import pytest
 from tests.harness import BASE_CONFIG
 from tray_app.core.config import apply_overrides, load_config
 from tray_app.core.engine.worker import free_loopback_port
-from tray_app.core.keys import KeyStore
+from tray_app.core.access.keys import KeyStore
 from tray_app.ui.client import ServiceClient
 from tray_app.ui.host import ServiceHost, base_url_for
 

@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from tray_app.core.api.security import AccessPolicy, process_admin_key
-from tray_app.core.keys import KEY_PREFIX, KeyProblem, KeyStore, digest
+from tray_app.core.access.keys import KEY_PREFIX, KeyProblem, KeyStore, digest
 
 
 @pytest.fixture

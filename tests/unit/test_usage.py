@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from datetime import date, timedelta
 
-from tray_app.core.usage import HISTORY_DAYS, OTHER, SAVE_INTERVAL_S, Outcome, UsageBook, UsageStore
+from tray_app.core.access.usage import HISTORY_DAYS, OTHER, SAVE_INTERVAL_S, Outcome, UsageBook, UsageStore
 from tests.fakes.clock import FakeClock
 
 DAY = date(2026, 12, 1)

@@ -5,7 +5,7 @@ Service and app in-process, over tests/fakes' workers and upstream."""
 from __future__ import annotations
 
 from tests.fakes.service import in_process_service, isolate_user_folders
-from tray_app.core.usage import MAX_NAMES, OTHER, UsageStore, default_usage_path
+from tray_app.core.access.usage import MAX_NAMES, OTHER, UsageStore, default_usage_path
 
 HI = [{"role": "user", "content": "hi"}]
 

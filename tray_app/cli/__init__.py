@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from ..core.config import DEFAULT_PORT, Config, ConfigError, apply_overrides, lan_api_key_problem, load_config
 from ..core.engine.gpu_env import hide_gpus_from_this_process
-from ..core.keys import KeyProblem
+from ..core.access.keys import KeyProblem
 from ..core.memory.gguf_info import ModelFileError
 from ..drill.command import add_drill_parser, run_drill
 from .keys import add_keys_parser, run_keys
@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.model.fallback_path:
             read_model_info(config.fallback_model_path())
         from ..core.api.security import bind_problem, effective_api_key
-        from ..core.keys import KeyStore
+        from ..core.access.keys import KeyStore
 
         api_key = effective_api_key(config.server.api_key)
         named_keys = KeyStore().has_keys()

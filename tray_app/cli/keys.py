@@ -1,6 +1,6 @@
 """`tray-app keys add|list|revoke`: a key per app, each with a scope and limits.
 
-The keys file (core/keys.py) is changed here directly; a running service
+The keys file (core/access/keys.py) is changed here directly; a running service
 reads it again on its next request, so a revoked key stops working at once,
 without a restart.
 """
@@ -12,7 +12,7 @@ import datetime
 import json
 import sys
 
-from ..core.keys import SCOPES, KeyProblem, KeyStore, default_keys_path
+from ..core.access.keys import SCOPES, KeyProblem, KeyStore, default_keys_path
 
 
 def add_keys_parser(sub) -> None:

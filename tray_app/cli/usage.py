@@ -1,7 +1,7 @@
 """`tray-app usage`: who used what, today and over the last 7 days.
 
 From a running service's /status (live); when none answers, from the usage
-file it saves (core/usage.py), which is at most a few seconds behind.
+file it saves (core/access/usage.py), which is at most a few seconds behind.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from ..core.config import DEFAULT_PORT
-from ..core.usage import PATHS, UsageStore
+from ..core.access.usage import PATHS, UsageStore
 from .keys import table
 
 

@@ -309,7 +309,7 @@ class UsagePathCounts(TypedDict):
 
 
 class UsageCounts(TypedDict):
-    """One name's counts over a period (core/usage.py's empty_counts)."""
+    """One name's counts over a period (core/access/usage.py's empty_counts)."""
 
     requests: int
     tokens_in: int
@@ -468,7 +468,7 @@ class Status(TypedDict):
     library_problems: list[str]
     peers: list[PeerStatus]
     # Per API key's name: requests and tokens today and this week. The HTTP
-    # app's /status adds it (core/usage.py's book); Service.status() has none.
+    # app's /status adds it (core/access/usage.py's book); Service.status() has none.
     usage: NotRequired[UsageStatus]
     # Failover time (core/dispatch/failover_time.py); Service.status() always has it.
     failover: NotRequired[FailoverStatus]

@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
 )
 
 from ..core.config import Config, ConfigError, apply_overrides, default_config_path, load_config, save_config
-from ..core.keys import ApiKey, KeyProblem, KeyStore
+from ..core.access.keys import ApiKey, KeyProblem, KeyStore
 from . import colors
 from . import theme
 from . import viewmodel as vm
@@ -275,7 +275,7 @@ def _text_of(edit: QLineEdit | QSpinBox | QCheckBox) -> str:
 
 
 # ----- API keys ---------------------------------------------------------------------------------
-# The named keys of this computer's service (core/keys.py), managed here as
+# The named keys of this computer's service (core/access/keys.py), managed here as
 # `tray-app keys` does from a shell: the tray's service runs in this process
 # and reads the same keys file (re-read on its mtime), so a key added or
 # revoked here counts on the service's next request, without Save.

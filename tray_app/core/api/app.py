@@ -26,10 +26,10 @@ from ..dispatch.peer import HOP_HEADER
 from ..dispatch.quarantine import request_fingerprint
 from ..grammar.check import GrammarChecker
 from ..host import ModelHost
-from ..keys import ApiKey
+from ..access.keys import ApiKey
 from ..service import Service
 from ..status_build import model_summary
-from ..usage import Outcome, UsageStore
+from ..access.usage import Outcome, UsageStore
 from . import bounds
 from .embeddings import openai_embeddings
 from .errors import error_response_for_path

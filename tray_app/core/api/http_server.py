@@ -16,7 +16,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..config import Config
-from ..keys import KeyStore
+from ..access.keys import KeyStore
 from ..service import Service
 from .app import create_app
 from .connections import CONNECTION_SCOPE_KEY, ConnectionLedger, client_key

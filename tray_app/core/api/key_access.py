@@ -20,8 +20,8 @@ from starlette.requests import Request
 
 from ..dispatch.jobs import Job, JobFailed
 from ..embeddings.path import EmbeddingResult
-from ..keys import ApiKey
-from ..usage import Outcome, UsageStore
+from ..access.keys import ApiKey
+from ..access.usage import Outcome, UsageStore
 from .requests import client_name
 from .security import principal_of
 

@@ -1,4 +1,4 @@
-"""/admin/keys: the named keys (core/keys.py) from the web page, as
+"""/admin/keys: the named keys (core/access/keys.py) from the web page, as
 `tray-app keys list|add|revoke` from a shell.
 
 GET lists them (never a hash), POST adds one and answers its raw key, the
@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..keys import SCOPES, KeyProblem, KeyStore, name_problem
+from ..access.keys import SCOPES, KeyProblem, KeyStore, name_problem
 from .errors import error_response
 from .openai_request import InvalidRequest
 from .requests import read_json_object

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..usage import PATHS, UsageBook
+from ..access.usage import PATHS, UsageBook
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 TPS_BUCKETS = (1, 2, 5, 10, 20, 40, 80, 160, 320)

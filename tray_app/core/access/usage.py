@@ -19,7 +19,7 @@ from datetime import date, timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from .files import write_atomically
+from ..files import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def _checked_counts(counts: Any) -> dict[str, Any]:
 def default_usage_path() -> Path:
     import platformdirs
 
-    from .config import APP_NAME
+    from ..config import APP_NAME
 
     return Path(platformdirs.user_state_dir(APP_NAME)) / USAGE_FILE
 

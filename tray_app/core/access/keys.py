@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .files import PRIVATE_FILE_MODE, write_atomically
+from ..files import PRIVATE_FILE_MODE, write_atomically
 from .usage import OTHER
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class ApiKey:
 
 
 def default_keys_path() -> Path:
-    from .config import config_dir
+    from ..config import config_dir
 
     return config_dir() / KEYS_FILE
 
