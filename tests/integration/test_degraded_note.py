@@ -21,7 +21,7 @@ HI = [{"role": "user", "content": "hi"}]
 LIMIT = 8
 NOTE_ON = {"X-Degraded-Note": "on"}
 FORCED_CPU = {**NOTE_ON, "X-Force-Path": "cpu"}
-# The banner's words for a forced CPU (core/route_reasons.py), then who serves.
+# The banner's words for a forced CPU (core/base/route_reasons.py), then who serves.
 FORCED_NOTE_START = "GPU paused (force CPU): "
 
 

@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from tray_app.core.files import PrivateRotatingFileHandler, make_private_dir
+from tray_app.core.base.files import PrivateRotatingFileHandler, make_private_dir
 
 
 def mode(path) -> int:

@@ -17,7 +17,7 @@ from tray_app.core.engine.launch_env import (OPENMP_SPIN_SHARED, WorkerSpec, ope
                                              workers_share_cores)
 from tray_app.core.engine.runtime import LaunchRequest
 from tray_app.core.engine.worker import Worker, WorkerState
-from tray_app.core.policies import RestartPolicy
+from tray_app.core.base.policies import RestartPolicy
 
 LAYERS = 25  # SmolLM2-135M: 24 blocks and the output layer
 

@@ -19,9 +19,9 @@ from typing import Any, Mapping
 
 import platformdirs
 
-from .files import make_private_dir, write_atomically
+from .base.files import make_private_dir, write_atomically
 from .http_basics import is_loopback
-from .policies import DEFAULT_GPU_RESERVE_MIB, BreakerPolicy, RestartPolicy
+from .base.policies import DEFAULT_GPU_RESERVE_MIB, BreakerPolicy, RestartPolicy
 
 APP_NAME = "tray-app"
 DEFAULT_PORT = 8642

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..core.config import APP_NAME
-from ..core.files import write_atomically
+from ..core.base.files import write_atomically
 
 DESKTOP_FILE_NAME = f"{APP_NAME}.desktop"
 ICON_NAME = APP_NAME

@@ -183,7 +183,7 @@ def assemble_report(drill: Any, target: Any, plan_name: str, notes: list[str], s
 def _keep_logs(workdir: Path, into: Path) -> None:
     """The service's and workers' logs next to the report of a failed drill, for whoever reads it.
     Owner-only, like the logs they copy: they hold the drill's prompts and answers."""
-    from ..core.files import PRIVATE_FILE_MODE, make_private_dir
+    from ..core.base.files import PRIVATE_FILE_MODE, make_private_dir
 
     make_private_dir(into)
     for source in [workdir / "service.log", workdir / "config.toml", *sorted(workdir.glob("vram-holder-*.log")),

@@ -24,7 +24,7 @@ from PySide6.QtWidgets import QApplication, QMenu, QMessageBox, QSystemTrayIcon,
 
 from ..desktop import autostart
 from ..core.config import Config, ConfigError, log_dir
-from ..core.files import PrivateRotatingFileHandler, make_private_dir
+from ..core.base.files import PrivateRotatingFileHandler, make_private_dir
 from . import viewmodel as vm
 from .client import ServiceClient
 from .host import ServiceHost, base_url_for

@@ -26,7 +26,7 @@ import platformdirs
 
 from ..core.api.openai_request import InvalidRequest, MAX_IMAGE_BYTES, assemble_content, image_part, image_type
 from ..core.config import APP_NAME
-from ..core.files import PRIVATE_FILE_MODE, make_private_dir, write_atomically
+from ..core.base.files import PRIVATE_FILE_MODE, make_private_dir, write_atomically
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..files import PRIVATE_FILE_MODE, write_atomically
+from ..base.files import PRIVATE_FILE_MODE, write_atomically
 from .usage import OTHER
 
 log = logging.getLogger(__name__)

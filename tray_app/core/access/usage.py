@@ -19,7 +19,7 @@ from datetime import date, timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from ..files import write_atomically
+from ..base.files import write_atomically
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ and chat apps don't show the route headers. With the opt-in (the request's
 `X-Degraded-Note: on`, or `[server] degraded_note = true`), a chat answer
 served by the CPU or a peer, or one that waited for the GPU model to load,
 begins with one reasoning delta saying what serves it, why (in the banner's
-words, core/route_reasons.py) and the estimated wait. It goes in the
+words, core/base/route_reasons.py) and the estimated wait. It goes in the
 reasoning field, which chat apps show as "thinking": never in the content,
 so the answer itself, and what a program parses out of it, stay the same.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..dispatch.jobs import Job, JobKind
-from ..route_reasons import ROUTE_REASONS, route_reason_text
+from ..base.route_reasons import ROUTE_REASONS, route_reason_text
 from .openai_request import InvalidRequest
 
 NOTE_HEADER = "X-Degraded-Note"

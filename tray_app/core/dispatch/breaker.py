@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Any
 
 # BreakerPolicy is the config's [breaker] section too: it lives below both.
-from ..policies import BreakerPolicy
+from ..base.policies import BreakerPolicy
 
 
 class BreakerState(str, Enum):

@@ -20,7 +20,7 @@ from typing import Callable
 
 import httpx
 
-from ..policies import RestartPolicy
+from ..base.policies import RestartPolicy
 from .exits import ExitKind, ExitReport
 from .launch_env import LaunchExtras, WorkerSpec, launch_request, worker_environment
 from .process import exits_within, liveness_problem, pid_alive, spawn, terminate, wait_ready

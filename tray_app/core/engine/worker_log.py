@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from ..files import PrivateRotatingFileHandler, make_private_dir
+from ..base.files import PrivateRotatingFileHandler, make_private_dir
 
 LOG_TAIL_LINES = 200
 LOG_FILE_BYTES = 2 * 1024 * 1024

@@ -9,7 +9,7 @@ this package's names are the ones the widgets use (`vm.icon_kind`).
 from __future__ import annotations
 
 # The route reasons' words are core's, shared with the note inside a degraded answer.
-from ...core.route_reasons import route_reason_text  # noqa: F401
+from ...core.base.route_reasons import route_reason_text  # noqa: F401
 from .formatting import (  # noqa: F401
     fmt_mib, fmt_seconds, reason_in_words, humanize_reason, MENU_NAME_CHARS, elide_middle,
 )

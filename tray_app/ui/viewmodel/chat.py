@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 from ...core.http_basics import SseLineSplitter
 # In core: the note inside a degraded answer says the same words as the banner.
-from ...core.route_reasons import route_reason_text
+from ...core.base.route_reasons import route_reason_text
 from .formatting import fmt_seconds
 
 

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 # In core: the note inside a degraded answer says the same words as the banner.
-from ...core.route_reasons import ROUTE_REASONS
+from ...core.base.route_reasons import ROUTE_REASONS
 
 
 def clock_time(wall: Any) -> str:
