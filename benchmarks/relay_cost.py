@@ -174,19 +174,38 @@ queue_timeout_s = 600
 """
 
 
-def cpu_s(pid: int) -> float:
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process so far."""
     times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
+    return times.user, times.system
 
 
-def measure(url: str, pids: dict[str, int], count: int, max_tokens: int) -> tuple[int, dict[str, float]]:
+def idle_rate(pid: int, seconds: float = 5.0) -> float:
+    """CPU seconds per second a process spends with nothing in flight (its
+    samplers, timers): subtracted from a run's CPU over the run's wall time."""
+    before, started = sum(cpu_split(pid)), time.monotonic()
+    time.sleep(seconds)
+    return (sum(cpu_split(pid)) - before) / (time.monotonic() - started)
+
+
+def measure(url: str, pids: dict[str, int], count: int, max_tokens: int) -> tuple[int, float, dict[str, tuple]]:
+    """(tokens, wall seconds, {name: (user s, system s)}) of `count` streams."""
     async def run() -> int:
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
             return await streams(client, count, max_tokens)
 
-    before = {name: cpu_s(pid) for name, pid in pids.items()}
+    before = {name: cpu_split(pid) for name, pid in pids.items()}
+    started = time.monotonic()
     got = asyncio.run(run())
-    return got, {name: cpu_s(pid) - before[name] for name, pid in pids.items()}
+    wall = time.monotonic() - started
+    return got, wall, {name: tuple(a - b for a, b in zip(cpu_split(pid), before[name])) for name, pid in pids.items()}
+
+
+def report(count: int, name: str, got: int, wall: float, spent: tuple, idle: float = 0.0) -> None:
+    user, system = spent
+    net = user + system - idle * wall
+    print(f"  {count} stream(s) {name:26}: {per_token_us(user + system, got)}; user {user / got * 1e6:.1f}, "
+          f"system {system / got * 1e6:.1f} us/token; less idle {net / got * 1e6:.1f} us/token; {got / wall:.0f} tok/s")
 
 
 def real_mode(tokens: int) -> None:
@@ -200,11 +219,13 @@ def real_mode(tokens: int) -> None:
             gpu_pid = next(w["pid"] for w in status["workers"] if w["role"] == "gpu")
             pids = {"router": service.process.pid, "llama-server (GPU worker)": gpu_pid}
             asyncio.run(_warm(service.url))
+            idle = idle_rate(service.process.pid)
             print(f"== real service on the bundled model ({status['engine']['runtime']}), code {CODE} ==")
+            print(f"  router idle: {idle * 100:.2f} % of a core (subtracted below as 'less idle')")
             for count in (1, STREAMS):
-                got, spent = measure(service.url, pids, count, tokens // count)
+                got, wall, spent = measure(service.url, pids, count, tokens // count)
                 for name, seconds in spent.items():
-                    print(f"  {count} stream(s) {name:26}: {per_token_us(seconds, got)}")
+                    report(count, name, got, wall, seconds, idle if name == "router" else 0.0)
         finally:
             service.stop()
         direct = anchors.llama_server(Path(tmp) / "direct.log", n_ctx=tokens + 256, parallel=STREAMS)
@@ -212,8 +233,8 @@ def real_mode(tokens: int) -> None:
             asyncio.run(_warm(direct.url))
             print("== anchor: llama-server alone, same model ==")
             for count in (1, STREAMS):
-                got, spent = measure(direct.url, {"llama-server": direct.process.pid}, count, tokens // count)
-                print(f"  {count} stream(s) llama-server              : {per_token_us(spent['llama-server'], got)}")
+                got, wall, spent = measure(direct.url, {"llama-server": direct.process.pid}, count, tokens // count)
+                report(count, "llama-server", got, wall, spent["llama-server"])
         finally:
             direct.stop()
 

@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         args = parser.parse_args(["tray"])
     if command in ("tray", "serve"):
-        # The router: its tokenizer's llama.cpp must not open a GPU. First,
+        # The service: its tokenizer's llama.cpp must not open a GPU. First,
         # before anything loads llama.cpp; the GPU worker gets the user's values.
         hide_gpus_from_this_process()
     if command in ("status", "usage"):

@@ -87,7 +87,7 @@ class EngineConfig:
     runtime: str = "llama-server"
     # Empty = the llama-server that packaging/install.sh built from the same
     # llama.cpp as the installed llama-cpp-python. Another binary may differ
-    # in tokenizer and chat template from what the router counts with.
+    # in tokenizer and chat template from what the service counts with.
     llama_server: str = ""
 
 

@@ -83,7 +83,7 @@ class Service:
         self.runtime = runtime
         gpu_runtime = gpu_runtime or runtime
         # The GPU worker's answer, not this process's own llama.cpp's: the
-        # router hides the GPUs from it, and the worker may be another build.
+        # service hides the GPUs from it, and the worker may be another build.
         self.offload_support = workers_gpu_offload_support(gpu_runtime, config.engine.llama_server)
         problem = rpc_runtime_problem(config.gpu.rpc_servers, RuntimeChoice(gpu_runtime, self.engine_fallback_reason))
         if problem:

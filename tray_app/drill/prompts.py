@@ -70,7 +70,7 @@ def sized_message(words: int, question: str) -> str:
 class PromptSizer:
     """Turns a token target into a prompt, from two calibration requests.
 
-    The router counts prompt tokens with the model's tokenizer and chat
+    The service counts prompt tokens with the model's tokenizer and chat
     template and reports them in `usage`; the drill measures tokens per filler
     word once instead of loading a tokenizer, so it sizes prompts the same way
     against a live service on another machine.

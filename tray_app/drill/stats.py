@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# Codes the router answers at admission, before anything runs: a request
+# Codes the service answers at admission, before anything runs: a request
 # refused with one of these was never accepted, so it can't be lost.
 ADMISSION_REJECTION_CODES = frozenset({
     "cpu_queue_full", "ram_floor", "deadline_too_short", "cpu_context_cap", "context_length_exceeded",
@@ -87,9 +87,9 @@ def answer_kind(*, status: int | None, stream: bool, saw_done: bool, saw_error_e
 
 def was_accepted(*, status: int | None, error_code: str | None, decision_routes: Sequence[str],
                  seen_in_flight: bool) -> bool:
-    """Whether the router took the request on (so it owes an answer or a clean error).
+    """Whether the service took the request on (so it owes an answer or a clean error).
 
-    The router's own decisions are the best evidence: any non-"reject" route
+    The service's own decisions are the best evidence: any non-"reject" route
     for this id means it was admitted. Without them, an admission rejection
     code means it was refused. A request that left no evidence either way
     counts as accepted, so a silent failure shows up as lost rather than

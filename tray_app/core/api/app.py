@@ -58,12 +58,12 @@ from . import degraded_note
 _Invalid = InvalidRequest
 
 # The key of the request a llama.cpp tokenizer route is answering: the
-# route's model lookup (Router.tokenizer_host, called by llamacpp.py) is
+# route's model lookup (HttpApp.tokenizer_host, called by llamacpp.py) is
 # given a model name, not the request.
 _TOKENIZING_KEY: ContextVar[ApiKey | None] = ContextVar("tokenizing_key", default=None)
 
 
-class Router:
+class HttpApp:
     def __init__(self, service: Service, usage: UsageStore | None = None) -> None:
         self.service = service
         self.access = KeyAccess(service, usage or UsageStore())
@@ -546,10 +546,10 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> None:
 
 
 def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
-    router = Router(service)
-    info = ServiceRoutes(service, router.access)
-    admin = AdminRoutes(service, router.access, lambda: router.model_names)
-    service.metrics.count_usage(router.access.usage.book)
+    http_app = HttpApp(service)
+    info = ServiceRoutes(service, http_app.access)
+    admin = AdminRoutes(service, http_app.access, lambda: http_app.model_names)
+    service.metrics.count_usage(http_app.access.usage.book)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -558,36 +558,36 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         try:
             yield
         finally:
-            await router.access.close()
-            if router._grammars is not None:
-                await router._grammars.close()
+            await http_app.access.close()
+            if http_app._grammars is not None:
+                await http_app._grammars.close()
             if manage_lifecycle:
                 await service.stop()
 
-    ollama = OllamaRoutes(service, router.complete, lambda: router.model_names, router.largest_context)
-    responses = ResponsesRoutes(router.complete, router.largest_context)
-    llamacpp = LlamaCppRoutes(service, router.complete, lambda: router.model_names, router.tokenizer_host,
-                              router.largest_context)
+    ollama = OllamaRoutes(service, http_app.complete, lambda: http_app.model_names, http_app.largest_context)
+    responses = ResponsesRoutes(http_app.complete, http_app.largest_context)
+    llamacpp = LlamaCppRoutes(service, http_app.complete, lambda: http_app.model_names, http_app.tokenizer_host,
+                              http_app.largest_context)
     routes = [
         HttpRoute("/", ollama.root, methods=["GET", "HEAD"]),
         HttpRoute("/health", info.health, methods=["GET"]),
         HttpRoute("/status", info.status, methods=["GET"]),
-        HttpRoute("/v1/models", router.models, methods=["GET"]),
+        HttpRoute("/v1/models", http_app.models, methods=["GET"]),
         HttpRoute("/openapi.json", info.openapi, methods=["GET"]),
         HttpRoute("/metrics", info.metrics, methods=["GET"]),
-        HttpRoute("/v1/chat/completions", router.chat_completions, methods=["POST"]),
-        HttpRoute("/v1/completions", router.completions, methods=["POST"]),
+        HttpRoute("/v1/chat/completions", http_app.chat_completions, methods=["POST"]),
+        HttpRoute("/v1/completions", http_app.completions, methods=["POST"]),
         # The same routes without /v1, as llama.cpp's server offers them, for
         # clients configured with a base URL that lacks it.
-        HttpRoute("/models", router.models, methods=["GET"]),
-        HttpRoute("/chat/completions", router.chat_completions, methods=["POST"]),
-        HttpRoute("/completions", router.completions, methods=["POST"]),
-        HttpRoute("/v1/embeddings", router.embeddings, methods=["POST"]),
-        HttpRoute("/embeddings", router.embeddings, methods=["POST"]),
+        HttpRoute("/models", http_app.models, methods=["GET"]),
+        HttpRoute("/chat/completions", http_app.chat_completions, methods=["POST"]),
+        HttpRoute("/completions", http_app.completions, methods=["POST"]),
+        HttpRoute("/v1/embeddings", http_app.embeddings, methods=["POST"]),
+        HttpRoute("/embeddings", http_app.embeddings, methods=["POST"]),
         HttpRoute("/v1/requests/{request_id}", admin.cancel, methods=["DELETE"]),
         # Anthropic's Messages API (see anthropic.py).
-        HttpRoute("/v1/messages", router.messages, methods=["POST"]),
-        HttpRoute("/v1/messages/count_tokens", router.count_message_tokens, methods=["POST"]),
+        HttpRoute("/v1/messages", http_app.messages, methods=["POST"]),
+        HttpRoute("/v1/messages/count_tokens", http_app.count_message_tokens, methods=["POST"]),
         # OpenAI's Responses API (see responses.py), with and without /v1.
         *(route for prefix in ("/v1", "") for route in (
             HttpRoute(f"{prefix}/responses", responses.create, methods=["POST"]),
@@ -595,10 +595,10 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
             HttpRoute(f"{prefix}/responses/{{response_id}}", responses.delete, methods=["DELETE"]))),
         # llama.cpp's own server routes (see llamacpp.py), for apps built on llama-server.
         HttpRoute("/completion", llamacpp.completion, methods=["POST"]),
-        HttpRoute("/tokenize", router.tokenizer_route(llamacpp.tokenize), methods=["POST"]),
-        HttpRoute("/detokenize", router.tokenizer_route(llamacpp.detokenize), methods=["POST"]),
-        HttpRoute("/apply-template", router.tokenizer_route(llamacpp.apply_template), methods=["POST"]),
-        HttpRoute("/props", router.tokenizer_route(llamacpp.props), methods=["GET"]),
+        HttpRoute("/tokenize", http_app.tokenizer_route(llamacpp.tokenize), methods=["POST"]),
+        HttpRoute("/detokenize", http_app.tokenizer_route(llamacpp.detokenize), methods=["POST"]),
+        HttpRoute("/apply-template", http_app.tokenizer_route(llamacpp.apply_template), methods=["POST"]),
+        HttpRoute("/props", http_app.tokenizer_route(llamacpp.props), methods=["GET"]),
         # The web page (web_page.py); POST /ui/login is answered by the access guard.
         HttpRoute("/ui", web_page, methods=["GET", "HEAD"]),
         HttpRoute("/ui/{name}", web_page, methods=["GET", "HEAD"]),
@@ -613,8 +613,8 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         HttpRoute("/api/generate", ollama.generate, methods=["POST"]),
         HttpRoute("/api/embed", ollama.embed, methods=["POST"]),
         HttpRoute("/api/embeddings", ollama.embeddings, methods=["POST"]),
-        HttpRoute("/api/tags", router.listing_route(ollama.tags), methods=["GET"]),
-        HttpRoute("/api/ps", router.listing_route(ollama.ps), methods=["GET"]),
+        HttpRoute("/api/tags", http_app.listing_route(ollama.tags), methods=["GET"]),
+        HttpRoute("/api/ps", http_app.listing_route(ollama.ps), methods=["GET"]),
         HttpRoute("/api/show", ollama.show, methods=["POST"]),
         HttpRoute("/api/version", ollama.version, methods=["GET"]),
     ]
@@ -623,7 +623,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
     })
     app.state.service = service
     # The embedding routes (embeddings.py's embed_for) put each request under its key's limits and usage.
-    app.state.key_access = router.access
+    app.state.key_access = http_app.access
     return app
 
 

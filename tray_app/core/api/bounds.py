@@ -1,4 +1,4 @@
-"""The bounds of the request fields the router checks, written once.
+"""The bounds of the request fields the service checks, written once.
 
 The request validator (app.py) and the OpenAPI schema (openapi.py) are both
 built from these, so what the server accepts and what it documents can't

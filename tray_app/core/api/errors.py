@@ -1,4 +1,4 @@
-"""The OpenAI error envelope, for every error the router answers with.
+"""The OpenAI error envelope, for every error the service answers with.
 
 {"error": {"message", "type", "param", "code"}}: `code` says what went
 wrong, for programs; `type` is OpenAI's class of error and follows from the

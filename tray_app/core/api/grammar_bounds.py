@@ -4,7 +4,7 @@ converts or parses it.
 llama.cpp's grammar parser recurses once per nested group and has no depth
 limit (upstream #26600), and llama-cpp-python's schema converter writes
 `maxLength: N` as N nested groups and `a{N}` as N copies: a 200-byte request
-once overflowed the router's stack, and `minLength: 100000000` builds
+once overflowed the service's stack, and `minLength: 100000000` builds
 gigabytes of text. These pure functions walk what the client sent, without
 recursion of their own, and say which bound (api/bounds.py) it passes and how
 to stay under it. They are the first line; the grammar check's child process

@@ -9,7 +9,7 @@ tokens_predicted...), the stream's framing (`data: {"content", "stop"}`
 lines, no [DONE]) and the error envelope ({"error": {"code", "message",
 "type"}}, code being the HTTP status) are llama.cpp's.
 
-/tokenize, /detokenize and /apply-template are answered by the router with
+/tokenize, /detokenize and /apply-template are answered by the service with
 the model's own tokenizer and chat template (core/catalog/tokens.py), the ones
 admission counts with. That is native code in this process: every token id
 is checked against the vocabulary and every input is bounded before
@@ -23,7 +23,7 @@ min_p, seed, repeat_penalty, presence_penalty, frequency_penalty and the
 rest of llama-server's, passed through), `cache_prompt` (accepted; the
 workers cache prompts anyway), `stream`.
 Not supported (a 400 naming the field): what would take a decision from the
-router (`id_slot` other than -1, `n_probs` other than 0, `n_cmpl`,
+service (`id_slot` other than -1, `n_probs` other than 0, `n_cmpl`,
 `return_tokens`, `response_fields`...), several prompts in one request,
 prompts mixing text and token ids, images (`multimodal_data`).
 """
@@ -54,12 +54,12 @@ _Invalid = InvalidRequest
 MAX_TOKENIZE_BYTES = 256 * 1024
 MAX_TOKEN_IDS = 128 * 1024
 
-# llama-server's fields that the router decides, at the value that leaves
+# llama-server's fields that the service decides, at the value that leaves
 # the decision to it: sent by clients that write every field, they change
-# nothing and are dropped. Any other value stays refused (ROUTER_OWNED_FIELDS).
+# nothing and are dropped. Any other value stays refused (SERVICE_OWNED_FIELDS).
 _NEUTRAL_VALUES = {"id_slot": -1, "n_probs": 0, "n_cmpl": 1, "return_tokens": False, "return_progress": False,
                    "timings_per_token": False, "post_sampling_probs": False,
-                   # llama.cpp's "a random seed", its default: the router's seed field is 0 to 2^32-1.
+                   # llama.cpp's "a random seed", its default: the service's seed field is 0 to 2^32-1.
                    "seed": -1}
 
 # Names the checks after the translation use, as this route calls them.
@@ -120,9 +120,9 @@ def round_trip_problem(tokens: list[int], retokenized: list[int], bos: int) -> s
 
 
 def _limit(body: dict[str, Any], largest_context: int) -> int | None:
-    """n_predict (or its alias max_tokens) as the router's limit; None for
+    """n_predict (or its alias max_tokens) as the service's limit; None for
     -1 and -2 (llama.cpp's "until the context is full") and for absent, its
-    default: the router then lets the answer fill the context (Translated.fills_context)."""
+    default: the service then lets the answer fill the context (Translated.fills_context)."""
     field = "n_predict" if body.get("n_predict") is not None else "max_tokens"
     value = body.get(field)
     if value is None:
@@ -173,7 +173,7 @@ def translate_completion(body: dict[str, Any], largest_context: int) -> dict[str
             raise _Invalid(400, "'json_schema' must be a JSON schema (an object)", "invalid_json_schema",
                            "json_schema")
         # The structured-output path: a schema checked and converted to a
-        # grammar in the grammar checker's child process (Router._constrain).
+        # grammar in the grammar checker's child process (HttpApp._constrain).
         out["response_format"] = {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
     return out
 
@@ -181,7 +181,7 @@ def translate_completion(body: dict[str, Any], largest_context: int) -> dict[str
 def _logit_bias(value: Any) -> Any:
     """llama.cpp's list form, [[token id, bias or false], ...], as OpenAI's
     {"id": bias} (false bans the token: the lowest bias); the object form
-    as it is, for the router's check. Token strings in place of ids would
+    as it is, for the service's check. Token strings in place of ids would
     need the tokenizer and are refused."""
     if not isinstance(value, list):
         return value
@@ -208,7 +208,7 @@ def _stop_fields(finish_reason: str | None) -> dict[str, Any]:
 
 
 def _timings(job: Job) -> dict[str, Any]:
-    """llama-server's timings of the attempt that answered, from the router's clock."""
+    """llama-server's timings of the attempt that answered, from the service's clock."""
     attempt = job.attempts[-1] if job.attempts else None
     if attempt is None or attempt.ended_at is None:
         return {}
@@ -311,7 +311,7 @@ class _LlamaCppStream(StreamEncoder):
 
 
 class LlamaCppRoutes:
-    """POST /completion through the Router; /tokenize, /detokenize,
+    """POST /completion through the HTTP app; /tokenize, /detokenize,
     /apply-template and GET /props answered here, from the model's own
     tokenizer and chat template."""
 

@@ -1,4 +1,4 @@
-"""Ollama's routes: the generating ones run through the Router like every
+"""Ollama's routes: the generating ones run through the HTTP app like every
 other chat (see ollama.py for the mapping); the rest describe the models
 from what the service knows."""
 
@@ -25,7 +25,7 @@ MIB = 1024 * 1024
 _FOREVER_S = 10 * 365 * 86400.0
 
 
-# The Router's way in for a chat in any protocol (Router.complete).
+# The HTTP app's way in for a chat in any protocol (HttpApp.complete).
 Complete = Callable[[Request, JobKind, Any], Awaitable[Response]]
 
 

@@ -1,6 +1,6 @@
 """What OpenAI clients send, turned into what a llama.cpp worker can run.
 
-Pure functions over the request body: no I/O, no service state. The router
+Pure functions over the request body: no I/O, no service state. The service
 calls them after its field checks and before it counts the prompt, so the
 worker, the token counter and admission all see the same request.
 """
@@ -51,7 +51,7 @@ class Vision:
     sees: bool = False                # it has a projector
     seeing_models: tuple[str, ...] = ()  # the library's models that do, for a refusal that names one
     # [server] allow_remote_images: an http(s) image URL stays in the body
-    # for the router to fetch (remote_images.py); off, it is a 400.
+    # for the service to fetch (remote_images.py); off, it is a 400.
     remote_images: bool = False
 
 
@@ -65,7 +65,7 @@ PART_NAME = "_client_part"
 
 @dataclass(frozen=True)
 class RemoteImage:
-    """An http(s) image URL left in a checked body for the router to fetch."""
+    """An http(s) image URL left in a checked body for the service to fetch."""
 
     message: int   # the index of its message in the OpenAI body
     part: int      # the index of its part in that message's content
@@ -84,7 +84,7 @@ class ImageParts:
 def flatten_content(messages: list[dict[str, Any]], vision: Vision) -> ImageParts:
     """Every message's content as one string, in place; a message with images
     as a list of text and image_url parts, each image checked and rewritten as
-    a base64 data: URI (a remote one, where allowed, left for the router to
+    a base64 data: URI (a remote one, where allowed, left for the service to
     fetch). Returns the images found.
 
     The OpenAI chat API allows a string, a list of typed parts, or null (an
@@ -162,7 +162,7 @@ def _part(index: int, number: int, part: Any, vision: Vision) -> dict[str, Any]:
                 raise InvalidRequest(400, f"{where} is a remote image URL, and this server does not fetch images "
                                      "from URLs ([server] allow_remote_images is off). Send the image inline as a "
                                      "data: URI (data:image/png;base64,...)", "remote_image_refused", where)
-            return image_part(url)  # fetched and checked by the router before admission (remote_images.py)
+            return image_part(url)  # fetched and checked by the service before admission (remote_images.py)
         return image_part(image_data_uri(url, where))
     return {"type": "text", "text": _part_text(where, part)}
 
@@ -183,7 +183,7 @@ def image_data_uri(url: str, where: str) -> str:
     """A data: URI checked to hold one image of a format llama.cpp decodes, as
     data:<type>;base64,<data>. A remote (http(s)) URL is returned as it is:
     whether it may be fetched is [server] allow_remote_images's, decided in
-    flatten_content, and the router fetches it (remote_images.py)."""
+    flatten_content, and the service fetches it (remote_images.py)."""
     if is_remote(url):
         return url
     header, comma, data = url.partition(",")
@@ -288,7 +288,7 @@ class Constraint:
     """What a request's answer must match, before it is a grammar.
 
     Validation only decides this and checks its size (grammar_bounds): the
-    router never converts or parses it itself. The grammar checker's child
+    service never converts or parses it itself. The grammar checker's child
     process turns `schema` into GBNF, parses the grammar with llama.cpp, and
     the result becomes the body's `grammar`, which both workers get, so a
     replay is constrained the same way."""
@@ -318,7 +318,7 @@ def constrain_output(body: dict[str, Any]) -> Constraint | None:
 def force_named_tool(body: dict[str, Any], constraint: Constraint | None) -> Constraint | None:
     """OpenAI's named tool_choice, {"type": "function", "function": {"name": F}},
     forces a call of F. llama-server does not take that form, and a template
-    without tool calling (SmolLM2's) can't ask for it, so the router does it
+    without tool calling (SmolLM2's) can't ask for it, so the service does it
     the same way on every engine: the answer is constrained to F's
     parameters (a grammar from their JSON schema), and the backend turns it
     into F's tool call. Returns that constraint, or the one given for any

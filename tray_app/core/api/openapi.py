@@ -1,6 +1,6 @@
-"""The router's OpenAPI 3.0 description, served at GET /openapi.json.
+"""The service's OpenAPI 3.0 description, served at GET /openapi.json.
 
-Written by hand because the router is plain Starlette, except the bounds of
+Written by hand because the service is plain Starlette, except the bounds of
 the checked request fields, which come from bounds.py like the validator's
 rules; the fuzz test (schemathesis) holds every response to it, so it can't
 drift silently.
@@ -64,7 +64,7 @@ def build_openapi(max_tokens: int, max_messages: int) -> dict[str, Any]:
     sampling = {
         "model": {"type": "string"},
         "stream": {"type": "boolean"},
-        # The bounds the router checks, from the table its validator is built from.
+        # The bounds the service checks, from the table its validator is built from.
         **request_properties(max_tokens),
     }
     completion_errors = _errors(400, 401, 403, 404, 408, 409, 413, 415, 422, 431)
@@ -87,7 +87,7 @@ def build_openapi(max_tokens: int, max_messages: int) -> dict[str, Any]:
         }}}
     return {
         "openapi": "3.0.3",
-        "info": {"title": "tray-app router", "version": "1",
+        "info": {"title": "tray-app", "version": "1",
                  "description": "OpenAI-compatible API in front of a GPU and a CPU llama.cpp worker."},
         "paths": {
             "/health": {"get": {"operationId": "health", "responses": {

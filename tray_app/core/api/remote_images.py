@@ -1,4 +1,4 @@
-"""Remote image URLs, fetched by the router for a client ([server] allow_remote_images).
+"""Remote image URLs, fetched by the service for a client ([server] allow_remote_images).
 
 A server that fetches what a client names can be pointed at what only it can
 reach: its own loopback ports, the LAN, a cloud metadata address. So every
@@ -8,7 +8,7 @@ name that resolves differently the second time (DNS rebinding) gains
 nothing. A host in [server] remote_image_hosts skips the address check: a
 camera or NAS on the LAN is the usual reason to turn fetching on at home.
 
-The fetch runs in the router before admission, never in a worker: the bytes
+The fetch runs in the service before admission, never in a worker: the bytes
 go through the same image check as an inline data: URI and replace the URL
 in the body as one, so the worker never fetches, and a replay on the CPU
 sends the same bytes without fetching again.

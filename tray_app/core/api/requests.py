@@ -104,10 +104,10 @@ class Checked:
 
     top_logprobs: int | None = None  # alternatives per token; None = no logprobs
     # What the answer must match (response_format, grammar, a named
-    # tool_choice); the router turns it into the body's grammar off the loop.
+    # tool_choice); the service turns it into the body's grammar off the loop.
     constraint: Constraint | None = None
     images: int = 0  # image parts: only a worker with a projector can run the request
-    # http(s) image URLs the router fetches before admission ([server] allow_remote_images).
+    # http(s) image URLs the service fetches before admission ([server] allow_remote_images).
     remote_images: tuple[RemoteImage, ...] = ()
 
     @property
@@ -116,13 +116,13 @@ class Checked:
         return self.constraint.tool if self.constraint is not None else None
 
 
-# Fields llama-server reads that would override what the router decided for
+# Fields llama-server reads that would override what the service decided for
 # the request (its slot, its limit, its number of answers, the response's
 # shape), with what to send instead.
-ROUTER_OWNED_FIELDS = {
+SERVICE_OWNED_FIELDS = {
     "n_predict": "send max_tokens",
     "n_cmpl": "send one request per answer",
-    "id_slot": "slots are the router's to assign",
+    "id_slot": "slots are the service's to assign",
     "n_probs": "send logprobs and top_logprobs",
     "json_schema": "send response_format",
     "response_fields": "responses have OpenAI's shape here",
@@ -138,7 +138,7 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
     """Check a chat or completion body field by field, in place turning
     what clients send into what a worker runs (content parts, structured
     output). Raises InvalidRequest naming the field."""
-    for field, instead in ROUTER_OWNED_FIELDS.items():
+    for field, instead in SERVICE_OWNED_FIELDS.items():
         if field in body:
             raise _Invalid(400, f"'{field}' is not accepted here: {instead}", "unsupported_parameter", field)
     check_model(body.get("model"), models)
@@ -227,7 +227,7 @@ def _check_logprobs(body: dict[str, Any], kind: JobKind, supported: bool) -> int
     if not asked:
         return None
     if body.get("tools"):
-        # The router always streams from the worker, and llama-server streams
+        # The service always streams from the worker, and llama-server streams
         # no logprobs with tools.
         raise _Invalid(400, "logprobs can't be combined with tools here", "unsupported_parameter", "logprobs")
     if not supported:

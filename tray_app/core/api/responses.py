@@ -639,7 +639,7 @@ class _ResponsesStream(StreamEncoder):
 
 
 class ResponsesRoutes:
-    """POST /v1/responses runs through the Router like every other chat;
+    """POST /v1/responses runs through the HTTP app like every other chat;
     GET and DELETE /v1/responses/{id} read the store."""
 
     def __init__(self, complete: Complete, largest_context: int, store: ResponseStore | None = None) -> None:

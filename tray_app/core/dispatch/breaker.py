@@ -1,6 +1,6 @@
-"""Circuit breaker that stops the router from hammering a worker that keeps failing.
+"""Circuit breaker that stops the dispatcher from hammering a worker that keeps failing.
 
-Not thread-safe by design: it lives on the router's asyncio loop, where calls
+Not thread-safe by design: it lives on the service's asyncio loop, where calls
 never interleave, so a lock would only hide a misuse.  Time comes from an
 injected monotonic clock so tests can drive every transition without sleeping.
 """

@@ -1,4 +1,4 @@
-"""A request's life inside the router: identity, route, attempts and events.
+"""A request's life inside the service: identity, route, attempts and events.
 
 A Job is created once per accepted request and keeps its id through a
 replay, so the client, the logs and /status always talk about one thing.
@@ -130,7 +130,7 @@ class _FromRequest:
 
 
 class Job:
-    """One accepted request: its fixed `request` and its life in the router.
+    """One accepted request: its fixed `request` and its life in the service.
     The life (state, path, attempts, failures, replay) is written by the
     dispatch package as the job moves (the dispatcher, failover and the
     backend it runs on) and by its sink (`commit`), nowhere else."""
@@ -297,7 +297,7 @@ _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_
 
 def error_type(status: int) -> str:
     """The OpenAI error `type` for an HTTP status: the one place it is decided,
-    for every error the router sends (api.errors builds the envelope with it).
+    for every error the service sends (api.errors builds the envelope with it).
     Here rather than in the api package so JobFailed can use it too."""
     if status >= 500:
         return "server_error"

@@ -225,17 +225,14 @@ class PlainDeltas:
             return None
         if after != end + 1:
             return None
-        digits_at = end + len(self.MID)
-        digits_end = digits_at
-        while digits_end < len(line) and line[digits_end].isdigit():
-            digits_end += 1
-        created = line[digits_at:digits_end]
         # As json.dumps writes the number back: no sign, no leading zero, no fraction.
-        if not created or (created[0] == "0" and len(created) > 1) or line[digits_end:digits_end + 1] != ",":
+        number = _CREATED.match(line, end + len(self.MID))
+        if number is None:
             return None
-        return text, created, line[digits_end:]
+        return text, number.group(1), line[number.end(1):]
 
 
+_CREATED = re.compile(r"(0|[1-9][0-9]*),")
 _HEAD_BYTES = PlainDeltas.HEAD[:-1].encode()
 _MID_BYTES = PlainDeltas.MID[1:].encode()
 # The C string scanner and encoder json itself uses: the same escapes json.dumps writes.

@@ -1,14 +1,14 @@
 """Which processes may see the GPUs: the GPU worker only.
 
-The router loads libllama in its own process for the tokenizer, and its
+The service loads libllama in its own process for the tokenizer, and its
 grammar checker child does too. With a CUDA, ROCm or Vulkan build, llama.cpp
 initialises every backend it was built with on first use, so without this
-the router would hold a GPU context (hundreds of MiB of VRAM per device in
+the service would hold a GPU context (hundreds of MiB of VRAM per device in
 llama.cpp's own router mode, fixed upstream in PR #23137) while running no
-model. So the router hides the devices from itself, in its own environment,
+model. So the service hides the devices from itself, in its own environment,
 before llama.cpp is loaded, and keeps the user's values in one variable; the
 GPU worker is started with the user's values again, and the CPU worker hides
-the devices as the router does.
+the devices as the service does.
 
 Pure functions over an environment mapping; `hide_gpus_from_this_process`
 is the one that touches os.environ.
@@ -44,7 +44,7 @@ HIDDEN_GPU_VALUES: Mapping[str, str] = {
 # The user's own values of HIDDEN_GPU_VALUES' names, as JSON (null = unset),
 # saved by the process that hid them. Children inherit it, so a process
 # started by a hidden one (the tray starting a service, a test starting a
-# router) keeps the user's values rather than saving the hidden ones.
+# service) keeps the user's values rather than saving the hidden ones.
 USER_GPU_ENV = "TRAY_APP_USER_GPU_ENV"
 
 

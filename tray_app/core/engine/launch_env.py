@@ -65,7 +65,7 @@ def worker_environment(parent: Mapping[str, str], extra: Mapping[str, str],
     """The environment a worker starts with: an allowlist of the user's, plus
     the runtime's own, plus the low spin count when it shares its cores.
 
-    The user's, not ours: the router hides the GPUs from itself (gpu_env),
+    The user's, not ours: the service hides the GPUs from itself (gpu_env),
     and the GPU worker is the one process that must see them."""
     kept = {name: value for name, value in user_environment(parent).items()
             if name in _INHERITED_NAMES or name.startswith(_INHERITED_PREFIXES)}

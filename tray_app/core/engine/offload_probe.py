@@ -1,9 +1,9 @@
-"""Whether the GPU worker's llama.cpp can offload to a GPU, asked outside the router.
+"""Whether the GPU worker's llama.cpp can offload to a GPU, asked outside the service.
 
-The router hides the GPUs from its own llama.cpp (gpu_env), so asking there
+The service hides the GPUs from its own llama.cpp (gpu_env), so asking there
 would always say "no GPU"; asking a GPU backend for its devices creates the
-context the router must not hold; and the GPU worker may be another build
-than the router's libllama (a Vulkan or CUDA llama-server beside a CPU-only
+context the service must not hold; and the GPU worker may be another build
+than the service's libllama (a Vulkan or CUDA llama-server beside a CPU-only
 llama-cpp-python). So:
 - llama-server: its own device list (`--list-devices`), from the probe the
   GPU memory reader shares (memory/llama_devices), with the user's GPUs;
@@ -70,7 +70,7 @@ def llama_cpp_python_offload_support(environ: Mapping[str, str] | None = None,
                                      timeout_s: float = PROBE_TIMEOUT_S) -> OffloadSupport:
     """detect_gpu_offload_support() as the workers would answer it: in a
     child that sees the user's GPUs when this process hid them from itself
-    (the router), else here, where the answer is the same."""
+    (the service), else here, where the answer is the same."""
     environ = os.environ if environ is None else environ
     if USER_GPU_ENV not in environ:
         return detect_gpu_offload_support()

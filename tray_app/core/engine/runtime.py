@@ -3,7 +3,7 @@
 Everything that depends on *which* server runs lives behind WorkerRuntime:
 llama.cpp's own `llama-server` (the default: parallel slots, continuous
 batching) or llama-cpp-python's server (one request at a time). The
-supervisor and router only use this interface.
+supervisor and service only use this interface.
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ class LlamaServerRuntime:
             "--slots",
             "--no-webui",
             # Warnings and errors only: at info level llama-server logs about
-            # six lines per request, and reading them costs the router about
+            # six lines per request, and reading them costs the service about
             # 1.4 ms of CPU per request. Load failures and OOMs are errors.
             "--log-verbosity", "2",
             *(["--threads", str(launch.n_threads)] if launch.n_threads > 0 else []),

@@ -114,7 +114,7 @@ class Worker:
         self.devices: list[dict] = []
         # The worker's port is on loopback, where any local process or web
         # page could reach it: it answers only requests that carry this
-        # secret, which only the router knows, so nothing skips admission.
+        # secret, which only the service knows, so nothing skips admission.
         self._secret = secrets.token_urlsafe(32)
         self._http = httpx.AsyncClient(headers=self.auth_headers)
 
@@ -356,7 +356,7 @@ class Worker:
                     self.unhealthy_reason = why_replaced
                     self._set_state(WorkerState.UNHEALTHY)
                 if command is Command.FAILED and await exits_within(exited, FAILURE_GRACE_S):
-                    # The failure the router saw was the process dying: classify
+                    # The failure the service saw was the process dying: classify
                     # it as the crash it is, not as something we did.
                     command, why_replaced = None, None
             elif not exited.done():

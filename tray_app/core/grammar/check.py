@@ -1,8 +1,8 @@
 """Structured output's grammars, checked in a child process.
 
 A client's JSON schema or GBNF grammar is untrusted input, and llama.cpp
-parses grammars natively with no depth limit: in the router that parser once
-turned a 191-byte request into a segfault of the whole service. So the router
+parses grammars natively with no depth limit: in the service that parser once
+turned a 191-byte request into a segfault of the whole service. So the service
 never parses one itself. `GrammarChecker` owns one child
 (core/grammar/child.py) that converts and parses, one request at a time, under
 a time limit (here) and a memory limit (there). A child that crashes, runs

@@ -1,8 +1,8 @@
 """The grammar checker's child process: turns a client's JSON schema into a
-GBNF grammar and has llama.cpp parse it, away from the router.
+GBNF grammar and has llama.cpp parse it, away from the service.
 
 llama.cpp's grammar parser is native code that recurses without a depth limit
-(upstream #26600); in the router a crafted grammar was a segfault that took
+(upstream #26600); in the service a crafted grammar was a segfault that took
 every request and the tray with it. Here a crash, a runaway allocation or a
 hang ends this process only, and the parent (core/grammar/check.py) answers
 the request with a 400 and starts a new child.

@@ -245,8 +245,8 @@ def first_device_total_mib(probe: LlamaDeviceProbe) -> Callable[[], tuple[float 
 def llama_server_probe(llama_server_path: str = "",
                        environment: Mapping[str, str] | None = None) -> LlamaDeviceProbe | None:
     """A probe of the llama-server the GPU worker would run, in the environment the GPU worker
-    gets (its libraries, the user's visible devices, which the router hides from itself);
-    None when there is no llama-server. `environment` stands for the router's own."""
+    gets (its libraries, the user's visible devices, which the service hides from itself);
+    None when there is no llama-server. `environment` stands for the service's own."""
     from ..engine.runtime import LaunchRequest, LlamaServerRuntime, choose_runtime
     from ..engine.worker import worker_environment
 

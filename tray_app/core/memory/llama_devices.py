@@ -6,8 +6,8 @@ llama.cpp's backends see (Vulkan, CUDA, HIP, SYCL, Metal), on any vendor and sys
     Available devices:
       Vulkan0: AMD Radeon RX 7900 XTX (RADV NAVI31) (24560 MiB, 23012 MiB free)
 
-It always runs in a short-lived process of its own, never in the router: asking a backend for
-its devices creates a GPU context, and the router must hold none. Each run costs that context
+It always runs in a short-lived process of its own, never in the service: asking a backend for
+its devices creates a GPU context, and the service must hold none. Each run costs that context
 and up to a few seconds, so its answer is cached and refreshed in the background.
 """
 

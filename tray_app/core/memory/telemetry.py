@@ -384,7 +384,7 @@ class SimulatedGpu:
     would on a real card: a process registers an allocation as a file named
     after its pid in `others_dir` (see `hold_simulated_vram`), the device
     lists it with the process's name, and it is released when the process
-    exits, however it exits. The router thread and the UI read while the
+    exits, however it exits. The service thread and the UI read while the
     service writes, hence the lock.
     """
 
