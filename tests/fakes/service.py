@@ -23,7 +23,7 @@ import pytest
 from starlette.applications import Starlette
 
 from tests.harness import BASE_CONFIG
-from tray_app.core import host as host_module
+from tray_app.core import model_host as host_module
 from tray_app.core.api.app import create_app
 from tray_app.core.config import parse_config_text
 from tray_app.core.memory.gguf_info import ModelInfo, read_model_info

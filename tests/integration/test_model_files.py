@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from tests.harness import BASE_CONFIG, running
-from tray_app.core import host as host_module
+from tray_app.core import model_host as host_module
 from tray_app.core import service as service_module
 from tray_app.core.config import bundled_model_path, parse_config_text
 from tray_app.core.service import Service
@@ -45,7 +45,7 @@ async def test_a_rescan_reads_the_folder_in_a_thread_and_adds_each_file_once(tmp
         first, second = await asyncio.gather(service.rescan_models(), service.rescan_models())
         assert first["added"] + second["added"] == ["fresh"]
         assert disk_threads and loop_thread not in disk_threads
-        assert [m.name for m in service.library].count("fresh") == 1 and "fresh" in service.hosts
+        assert [m.name for m in service.library].count("fresh") == 1 and "fresh" in service.model_hosts
         # The answer says which file and why in a sentence; the path and the parser's detail go to the log.
         skipped = first["skipped"] + second["skipped"]
         assert skipped and all(line.startswith("broken.gguf: not a readable GGUF") for line in skipped)

@@ -165,7 +165,7 @@ async def test_full_lanes_refuse_the_next_request_with_a_503_and_serve_the_admit
     rig.upstream.script("gpu").hold = held
     rig.upstream.script("cpu").hold = held
     body = {"model": model_of(rig), "messages": HI, "max_tokens": 8}
-    host = rig.service.default_host
+    host = rig.service.default_model_host
     lanes = [backend.lane for backend in (host.dispatcher.gpu, host.dispatcher.cpu)]
 
     def admitted() -> int:

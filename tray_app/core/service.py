@@ -1,11 +1,11 @@
-"""The service: the model library's hosts, the embedding path and the
+"""The service: the model library's model hosts, the embedding path and the
 observer, wired together.
 
 It runs on one asyncio loop. Each piece has one job:
 - `engine.Worker`: owns one llama.cpp process (one task is the only writer of its state);
 - `dispatch.Backend`: one path (worker + lane + speed) and how a request streams through it;
 - `dispatch.Dispatcher`: where a request runs, replay and the breaker, through the backends;
-- `host.ModelHost`: one library model's workers, dispatcher, breaker and GPU residency;
+- `model_host.ModelHost`: one library model's workers, dispatcher, breaker and GPU residency;
 - `observe.Observer`: memory readings, the event log and degraded mode;
 - `embeddings.EmbeddingPath`: the embedding worker, its own lane, loaded on demand.
 This module builds them, carries out the commands (pause, restart, cancel)
@@ -32,7 +32,7 @@ from .engine.handle import WorkerFactory
 from .engine.offload_probe import workers_gpu_offload_support
 from .engine.runtime import RuntimeChoice, WorkerRuntime, choose_runtime, rpc_runtime_problem
 from .engine.worker import Worker, WorkerState
-from .host import ModelFiles, ModelHost, read_model_files
+from .model_host import ModelFiles, ModelHost, read_model_files
 from .catalog.library import Library, LibraryError, build_library
 from .memory.gguf_info import ModelFileError
 from .memory.gpu_readers import detect_gpu_reader
@@ -98,26 +98,26 @@ class Service:
                                       trust_env=False, transport=http_transport)
         gpu_missing_reason = gpu_path_missing_reason(config.gpu.enabled, self.simulated is not None,
                                                      self.gpu_reader.read, self.offload_support)
-        # Kept for the hosts of models added later (rescan_models).
+        # Kept for the model hosts of models added later (rescan_models).
         self._gpu_runtime, self._gpu_missing_reason = gpu_runtime, gpu_missing_reason
         self.observer = Observer(self.gpu_reader, self.worker_pids, self._degraded_cause, on_sample=self._on_sample,
-                                 in_flight=lambda: any(host.dispatcher.jobs for host in self.hosts.values()))
+                                 in_flight=lambda: any(model_host.dispatcher.jobs for model_host in self.model_hosts.values()))
         # A GPU worker of ours that is up holds each RPC server's one client slot.
-        self.rpc_health = RpcHealth(config.gpu.rpc_servers, in_use=lambda: self.default_host.gpu_loaded())
+        self.rpc_health = RpcHealth(config.gpu.rpc_servers, in_use=lambda: self.default_model_host.gpu_loaded())
         self.metrics = ServiceMetrics(self.status)
         # Other servers on the LAN that take what this one can't ([[peers]]).
         self.peers = Peers([Peer(entry, peer_base_url(entry.url), self.http, config.breaker, clock)
                             for entry in config.peers])
-        self.hosts: dict[str, ModelHost] = {}
+        self.model_hosts: dict[str, ModelHost] = {}
         self.residency = ResidencyCoordinator(
-            self.hosts, read_gpu=self.gpu_reader.read, sample=self.observer.sample, latest=self.observer.latest,
+            self.model_hosts, read_gpu=self.gpu_reader.read, sample=self.observer.sample, latest=self.observer.latest,
             note=self.observer.note, evicted=lambda model_id: self.metrics.model_evictions.labels(model_id).inc(),
             reserve_mib=config.gpu.reserve_mib, ram_floor_mib=config.cpu.ram_floor_mib)
         # Files in the library that can't be served (not a readable GGUF), with why.
         self.library_problems: list[str] = []
         for model in self.library:
             try:
-                self.hosts[model.name] = ModelHost(self, model, runtime=runtime, gpu_runtime=gpu_runtime,
+                self.model_hosts[model.name] = ModelHost(self, model, runtime=runtime, gpu_runtime=gpu_runtime,
                                                    gpu_missing_reason=gpu_missing_reason)
             except (ModelFileError, OSError) as exc:
                 if model.is_default:
@@ -125,8 +125,8 @@ class Service:
                 # One bad download in the models folder must not keep the others from being served.
                 self.library_problems.append(f"{model.path}: {exc}")
         if self.library_problems:
-            self.library = Library([m for m in self.library if m.name in self.hosts])
-        self.default_host = self.hosts[self.library.default.name]
+            self.library = Library([m for m in self.library if m.name in self.model_hosts])
+        self.default_model_host = self.model_hosts[self.library.default.name]
         # Rescans too: each reads the folder in a thread, and two at once
         # would both add the same new file.
         self._rescan_lock = asyncio.Lock()
@@ -149,27 +149,27 @@ class Service:
 
     @property
     def model_info(self):
-        return self.default_host.model_info
+        return self.default_model_host.model_info
 
     @property
     def fallback_info(self):
-        return self.default_host.fallback_info
+        return self.default_model_host.fallback_info
 
     @property
     def model_id(self) -> str:
-        return self.default_host.model_id
+        return self.default_model_host.model_id
 
     @property
     def fallback_model_id(self) -> str:
-        return self.default_host.fallback_model_id
+        return self.default_model_host.fallback_model_id
 
     @property
     def counter(self):
-        return self.default_host.counter
+        return self.default_model_host.counter
 
     @property
     def dispatcher(self):
-        return self.default_host.dispatcher
+        return self.default_model_host.dispatcher
 
     @property
     def gpu_paused(self) -> bool:
@@ -181,11 +181,11 @@ class Service:
         file whose name another model already has is skipped and named.
 
         The folder and the new files' headers are read in a thread (a big
-        folder, a slow disk); the library and the hosts are changed only
+        folder, a slow disk); the library and the model hosts are changed only
         here, on the loop, one rescan at a time. The answer names each
         skipped file with a sentence; the log has the full detail."""
         async with self._rescan_lock:
-            found = await asyncio.to_thread(_read_new_models, self.config, self.library, set(self.hosts),
+            found = await asyncio.to_thread(_read_new_models, self.config, self.library, set(self.model_hosts),
                                             self.runtime, self._gpu_runtime)
             added, skipped = [], []
             for model, files in found:
@@ -198,19 +198,19 @@ class Service:
                 except LibraryError as exc:
                     skipped.append(f"{model.path.name}: {_name_taken(model, exc)}")
                     continue
-                host = ModelHost(self, model, runtime=self.runtime, gpu_runtime=self._gpu_runtime,
+                model_host = ModelHost(self, model, runtime=self.runtime, gpu_runtime=self._gpu_runtime,
                                  gpu_missing_reason=self._gpu_missing_reason, files=files)
                 self.library = library
-                self.hosts[model.name] = host
+                self.model_hosts[model.name] = model_host
                 added.append(model.name)
             if added or skipped:
                 self.observer.note("models_rescanned", added=added, skipped=skipped)
             return {"added": added, "skipped": skipped}
 
-    def host_for(self, name: str | None) -> ModelHost | None:
-        """The host of the model a request names; None for an unknown name."""
+    def model_host_for(self, name: str | None) -> ModelHost | None:
+        """The model host of the model a request names; None for an unknown name."""
         model = self.library.resolve(name)
-        return self.hosts[model.name] if model is not None else None
+        return self.model_hosts[model.name] if model is not None else None
 
     def _on_sample(self, snapshot: MemorySnapshot) -> None:
         self.residency.on_sample(snapshot)
@@ -220,18 +220,18 @@ class Service:
     def _degraded_cause(self) -> str | None:
         """Degraded mode: the default model's cause, else the first other
         model's, named (the banner must say which model it concerns)."""
-        cause = self.default_host.dispatcher.degraded_cause()
+        cause = self.default_model_host.dispatcher.degraded_cause()
         if cause is not None:
             return cause
-        for host in self.hosts.values():
-            if host is not self.default_host:
-                cause = host.dispatcher.degraded_cause()
+        for model_host in self.model_hosts.values():
+            if model_host is not self.default_model_host:
+                cause = model_host.dispatcher.degraded_cause()
                 if cause is not None:
-                    return f"{host.model_id}: {cause}"
+                    return f"{model_host.model_id}: {cause}"
         return None
 
     def _workers(self) -> list[Worker]:
-        return [w for host in self.hosts.values() for w in host.workers()]
+        return [w for model_host in self.model_hosts.values() for w in model_host.workers()]
 
     def worker_pids(self) -> list[int]:
         # The embedding worker's too: its memory is ours in the telemetry.
@@ -249,116 +249,116 @@ class Service:
     async def start(self) -> None:
         # First, while the RPC servers are free to answer: their memory, before a GPU worker takes them.
         await self.rpc_health.start()
-        await self.default_host.start()
+        await self.default_model_host.start()
         if self.engine_fallback_reason:
             self.observer.note("engine_fallback", reason=self.engine_fallback_reason)
-        for worker in reversed(self.default_host.resident_workers()):
+        for worker in reversed(self.default_model_host.resident_workers()):
             worker.start()
         self.observer.sample()
         self.observer.advance()
         self.observer.start()
         self.peers.start()
 
-    async def ensure_started(self, host: ModelHost) -> None:
+    async def ensure_started(self, model_host: ModelHost) -> None:
         """A library model's tokenizer, read on its first request (reading
         every model's at start would make a big folder slow to start)."""
-        if host.counter is None:
-            await host.start()
+        if model_host.counter is None:
+            await model_host.start()
 
     async def wait_ready(self, timeout: float) -> bool:
-        results = await asyncio.gather(*(w.ensure_ready(timeout) for w in self.default_host.resident_workers()))
+        results = await asyncio.gather(*(w.ensure_ready(timeout) for w in self.default_model_host.resident_workers()))
         return all(results)
 
     async def stop(self) -> None:
         self.observer.stop()
         await self.peers.stop()
         await self.rpc_health.stop()
-        for host in self.hosts.values():
-            await host.close_keepers()
-            host.dispatcher.cancel_all("the service is shutting down")
+        for model_host in self.model_hosts.values():
+            await model_host.close_keepers()
+            model_host.dispatcher.cancel_all("the service is shutting down")
         closing = [w.close() for w in self._workers()]
         if self.embeddings is not None:
             closing.append(self.embeddings.close())
         await asyncio.gather(*closing, return_exceptions=True)
         await self.http.aclose()
         self.gpu_reader.close()
-        for host in self.hosts.values():
-            host.close_counter()
+        for model_host in self.model_hosts.values():
+            model_host.close_counter()
 
     # ----- commands -------------------------------------------------------------
 
     def set_gpu_paused(self, paused: bool) -> None:
-        for host in self.hosts.values():
-            host.dispatcher.set_gpu_paused(paused)
+        for model_host in self.model_hosts.values():
+            model_host.dispatcher.set_gpu_paused(paused)
         self.observer.note("gpu_paused" if paused else "gpu_resumed")
         self.observer.advance()
 
     def give_gpu_back(self, given: bool) -> None:
         """The tray's "Give the GPU back now" (True): every loaded model's
         GPU worker unloads; "Use the GPU again" (False): those come back."""
-        if self.default_host.sharing is None:
+        if self.default_model_host.sharing is None:
             raise ValueError(self.dispatcher.gpu_missing_reason or "there is no GPU path")
-        for host in self.hosts.values():
-            sharing = host.sharing
+        for model_host in self.model_hosts.values():
+            sharing = model_host.sharing
             if sharing is None:
                 continue
-            if given and (host is self.default_host or host.gpu_loaded()):
+            if given and (model_host is self.default_model_host or model_host.gpu_loaded()):
                 sharing.give_back()
             elif not given and sharing.given_back_by_user():
                 sharing.take_again()
 
-    def preload(self, host: ModelHost | None = None) -> None:
+    def preload(self, model_host: ModelHost | None = None) -> None:
         """Load a model's GPU worker if it is unloaded for idleness (Ollama's
         empty prompt); a GPU given to another app or by the user stays given."""
-        host = host or self.default_host
-        host.last_used = self.clock()
-        if host.sharing is not None:
-            host.sharing.request_arrived()
+        model_host = model_host or self.default_model_host
+        model_host.last_used = self.clock()
+        if model_host.sharing is not None:
+            model_host.sharing.request_arrived()
 
-    async def unload_model(self, host: ModelHost) -> None:
+    async def unload_model(self, model_host: ModelHost) -> None:
         """The tray's "Unload": give a model's memory back now, the GPU
         worker's and (when it loads on demand) the CPU worker's. Raises
         ValueError while it has requests, which an unload would cut short."""
-        cpu_lane = host.dispatcher.cpu.lane
-        busy = host.in_flight() + len(cpu_lane.running_ids) + len(cpu_lane.waiting_ids)
+        cpu_lane = model_host.dispatcher.cpu.lane
+        busy = model_host.in_flight() + len(cpu_lane.running_ids) + len(cpu_lane.waiting_ids)
         if busy:
-            raise ValueError(f"{host.model_id} has {busy} request(s) queued or running; unload it when they are done")
-        cpu = host.cpu_worker
+            raise ValueError(f"{model_host.model_id} has {busy} request(s) queued or running; unload it when they are done")
+        cpu = model_host.cpu_worker
         # Decided now: a request that arrives during the GPU's unload may be
         # starting the CPU worker, which must not be stopped under it.
-        stop_cpu = host.on_demand_cpu is not None and cpu.state is not WorkerState.STOPPED
+        stop_cpu = model_host.on_demand_cpu is not None and cpu.state is not WorkerState.STOPPED
         if stop_cpu:
             cpu.request_stop()
-        if host.sharing is not None and host.gpu_loaded():
-            await host.sharing.evict("unloaded by the user")
+        if model_host.sharing is not None and model_host.gpu_loaded():
+            await model_host.sharing.evict("unloaded by the user")
         if stop_cpu:
             # Waits for the stop asked above, not a new one (that could stop a
             # worker a new request has started meanwhile).
             await cpu.wait_for_state(WorkerState.STOPPED, WorkerState.STARTING, WorkerState.READY)
-        self.observer.note("model_unloaded", model=host.model_id)
+        self.observer.note("model_unloaded", model=model_host.model_id)
         self.observer.advance()
 
-    def keep_alive(self, seconds: float | None, host: ModelHost | None = None) -> None:
+    def keep_alive(self, seconds: float | None, model_host: ModelHost | None = None) -> None:
         """A request's keep_alive (Ollama's): how long the model's GPU worker
         stays loaded after it; negative = until told otherwise, 0 = unload once
         idle, None = the configured idle time."""
-        host = host or self.default_host
-        if host.sharing is not None:
-            host.sharing.keep_alive(seconds)
+        model_host = model_host or self.default_model_host
+        if model_host.sharing is not None:
+            model_host.sharing.keep_alive(seconds)
 
     def set_yield_to_other_apps(self, enabled: bool) -> None:
-        if self.default_host.sharing is None:
+        if self.default_model_host.sharing is None:
             raise ValueError(self.dispatcher.gpu_missing_reason or "there is no GPU path")
-        for host in self.hosts.values():
-            if host.sharing is not None:
-                host.sharing.set_yield_to_other_apps(enabled)
+        for model_host in self.model_hosts.values():
+            if model_host.sharing is not None:
+                model_host.sharing.set_yield_to_other_apps(enabled)
         self.observer.note("yield_to_other_apps", enabled=enabled)
 
     def restart_workers(self) -> None:
         """Restart the loaded workers. A GPU worker that was given away or
         unloaded stays so, and so does an on-demand worker at rest."""
-        for host in self.hosts.values():
-            host.restart_workers()
+        for model_host in self.model_hosts.values():
+            model_host.restart_workers()
         if self.embeddings is not None:
             self.embeddings.restart("restart requested by the user")
         self.observer.note("workers_restarted")
@@ -372,20 +372,20 @@ class Service:
         self.observer.advance()
 
     def cancel(self, request_id: str, why: str = "canceled by DELETE /v1/requests/{id}") -> dict[str, Any] | None:
-        for host in self.hosts.values():
-            result = host.dispatcher.cancel(request_id, why.replace("{id}", request_id))
+        for model_host in self.model_hosts.values():
+            result = model_host.dispatcher.cancel(request_id, why.replace("{id}", request_id))
             if result is not None:
                 return result
         return None
 
     def request_in_flight(self, request_id: str) -> bool:
         """Whether any model has a request with this id (X-Request-Id is unique across models)."""
-        return any(request_id in host.dispatcher.jobs for host in self.hosts.values())
+        return any(request_id in model_host.dispatcher.jobs for model_host in self.model_hosts.values())
 
     # ----- the snapshot (reads only) ---------------------------------------------------
 
     def health(self) -> tuple[bool, str]:
-        return health(self.default_host)
+        return health(self.default_model_host)
 
     def gpu_status(self) -> GpuStatus:
         return gpu_status(self)

@@ -74,8 +74,8 @@ class AdminRoutes:
         """POST /admin/models/{name} {"loaded": true|false}: load a model's GPU
         worker now (making room as a request would), or unload the model."""
         name = request.path_params["name"]
-        host = self.service.host_for(name)
-        if host is None:
+        model_host = self.service.model_host_for(name)
+        if model_host is None:
             return error_response(404, unknown_model_message(name, self._model_names()), "model_not_found")
         try:
             body = await read_json_object(request)
@@ -85,14 +85,14 @@ class AdminRoutes:
         if not isinstance(loaded, bool):
             return error_response(400, "'loaded' must be true or false", "invalid_value", param="loaded")
         if loaded:
-            await self.service.ensure_started(host)
-            self.service.preload(host)
+            await self.service.ensure_started(model_host)
+            self.service.preload(model_host)
         else:
             try:
-                await self.service.unload_model(host)
+                await self.service.unload_model(model_host)
             except ValueError as exc:
                 return error_response(409, str(exc), "model_busy")
-        return JSONResponse(model_summary(host), status_code=202 if loaded else 200)
+        return JSONResponse(model_summary(model_host), status_code=202 if loaded else 200)
 
     async def rescan(self, request: Request) -> Response:
         """POST /admin/library/rescan: models downloaded into the folder since the start are served now."""

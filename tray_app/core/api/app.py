@@ -25,7 +25,7 @@ from ..dispatch.jobs import Job, JobFailed, JobKind, JobRequest, new_request_id
 from ..dispatch.peer import HOP_HEADER
 from ..dispatch.quarantine import request_fingerprint
 from ..grammar.check import GrammarChecker
-from ..host import ModelHost
+from ..model_host import ModelHost
 from ..access.keys import ApiKey
 from ..service import Service
 from ..status_build import model_summary
@@ -58,7 +58,7 @@ from . import degraded_note
 _Invalid = InvalidRequest
 
 # The key of the request a llama.cpp tokenizer route is answering: the
-# route's model lookup (HttpApp.tokenizer_host, called by llamacpp.py) is
+# route's model lookup (HttpApp.tokenizer_model_host, called by llamacpp.py) is
 # given a model name, not the request.
 _TOKENIZING_KEY: ContextVar[ApiKey | None] = ContextVar("tokenizing_key", default=None)
 
@@ -82,12 +82,12 @@ class HttpApp:
         models folder is rescanned), worked out once per library."""
         service = self.service
         if self._names_for is None or self._names_for[0] is not service.library:
-            served = frozenset({service.fallback_model_id} | {host.model_id for host in service.hosts.values()})
+            served = frozenset({service.fallback_model_id} | {model_host.model_id for model_host in service.model_hosts.values()})
             accepted = served | {service.model_info.path.name, "default"} | {
                 name for model in service.library for name in (*model.names(), model.path.name)}
             # Ollama's clients name models with a tag (GET /api/tags lists ":latest").
-            # A model sees when its host loaded a projector (the runtime reads images).
-            seeing_models = [host.model for host in service.hosts.values() if host.projector is not None]
+            # A model sees when its model host loaded a projector (the runtime reads images).
+            seeing_models = [model_host.model for model_host in service.model_hosts.values() if model_host.projector is not None]
             seeing = {name for model in seeing_models for name in (*model.names(), model.path.name)}
             names = ModelNames(service.model_id, served, accepted | {name + DEFAULT_TAG for name in accepted},
                                unknown_is_default=service.config.model.unknown_name == "default",
@@ -124,22 +124,22 @@ class HttpApp:
         unloaded) and how large it is; the default model's CPU fallback too
         when it is another file."""
         service = self.service
-        hosts = list(service.hosts.values())
-        listed = [(host.model_id, host) for host in hosts]
+        model_hosts = list(service.model_hosts.values())
+        listed = [(model_host.model_id, model_host) for model_host in model_hosts]
         if service.fallback_model_id not in {name for name, _ in listed}:
             listed.insert(1, (service.fallback_model_id, None))
         # A key limited to some models sees those only (the fallback file is
         # the default model's, as a request naming it is).
         principal = principal_of(request.scope)
-        listed = [(name, host) for name, host in listed
-                  if model_allowed(principal, host or service.default_host)]
+        listed = [(name, model_host) for name, model_host in listed
+                  if model_allowed(principal, model_host or service.default_model_host)]
         created = int(service.started_at)
 
-        def capabilities(host: ModelHost | None) -> dict[str, Any]:
+        def capabilities(model_host: ModelHost | None) -> dict[str, Any]:
             # What a client may ask of each model here, so it can adapt rather
             # than learn from a 400.
-            model = (host or service.default_host).model
-            sees = (host.projector if host is not None else service.default_host.cpu_projector) is not None
+            model = (model_host or service.default_model_host).model
+            sees = (model_host.projector if model_host is not None else service.default_model_host.cpu_projector) is not None
             return {
                 "max_choices": bounds.MAX_N, "logprobs": service.supports_logprobs, "vision": sees, "tools": True,
                 "input_modalities": ["text", "image"] if sees else ["text"],
@@ -147,10 +147,10 @@ class HttpApp:
                 "context_length": max(model.gpu_n_ctx, model.cpu_n_ctx),
             }
 
-        def where(host: ModelHost | None) -> dict[str, Any]:
-            if host is None:
+        def where(model_host: ModelHost | None) -> dict[str, Any]:
+            if model_host is None:
                 return {"role": "cpu_fallback", "fallback_of": service.model_id}
-            summary = model_summary(host)
+            summary = model_summary(model_host)
             return {key: summary[key] for key in ("location", "gpu", "cpu", "size_bytes", "estimated_vram_mib",
                                                   "aliases", "source", "cpu_fallback")}
 
@@ -163,9 +163,9 @@ class HttpApp:
                           if embeddings is not None else {"embeddings": False})
         return JSONResponse({"object": "list", "data": [
             {"id": model_id, "object": "model", "created": created, "owned_by": "local",
-             "capabilities": {**capabilities(host), **(embedding_info if model_id == service.model_id
-                                                       else {"embeddings": False})}, **where(host)}
-            for model_id, host in listed]})
+             "capabilities": {**capabilities(model_host), **(embedding_info if model_id == service.model_id
+                                                       else {"embeddings": False})}, **where(model_host)}
+            for model_id, model_host in listed]})
 
     # ----- completions ----------------------------------------------------------
 
@@ -186,10 +186,10 @@ class HttpApp:
             await self._constrain(translated.body, checked)
             job = Job(JobRequest(id=new_request_id(), kind=JobKind.CHAT, body=translated.body, stream=False,
                                  images=checked.images))
-            host = self._host(translated.body.get("model"))
-            with self.access.holding(request, host):
-                await self.service.ensure_started(host)
-                tokens = await self._count_prompt(job, host)
+            model_host = self._model_host(translated.body.get("model"))
+            with self.access.holding(request, model_host):
+                await self.service.ensure_started(model_host)
+                tokens = await self._count_prompt(job, model_host)
         except _Invalid as bad:
             return protocol.error(bad.status, bad.message, bad.code, param=bad.param)
         except Refusal as refusal:
@@ -202,7 +202,7 @@ class HttpApp:
         """A llama.cpp tokenizer route (/tokenize, /detokenize,
         /apply-template, /props) under the request's key: a slot of its
         concurrency while it runs, and the model it names checked by
-        tokenizer_host."""
+        tokenizer_model_host."""
         async def route(request: Request) -> Response:
             try:
                 with self.access.holding(request):
@@ -217,10 +217,10 @@ class HttpApp:
                 return answer
         return route
 
-    def tokenizer_host(self, model: Any) -> ModelHost:
-        """The host of a tokenizer route's model, if the request's key may use it."""
+    def tokenizer_model_host(self, model: Any) -> ModelHost:
+        """The model host of a tokenizer route's model, if the request's key may use it."""
         try:
-            return self.access.usable_host(_TOKENIZING_KEY.get(), self._host(model))
+            return self.access.usable_model_host(_TOKENIZING_KEY.get(), self._model_host(model))
         except Refusal as refusal:
             raise _Invalid(refusal.status, refusal.message, refusal.code) from None
 
@@ -234,7 +234,7 @@ class HttpApp:
                 return answer
             listed = json.loads(answer.body)
             listed["models"] = [entry for entry in listed["models"]
-                                if model_allowed(principal, self._host(entry["name"]))]
+                                if model_allowed(principal, self._model_host(entry["name"]))]
             return JSONResponse(listed)
         return route
 
@@ -307,33 +307,33 @@ class HttpApp:
 
     def _load_only(self, translated: Translated, protocol: Protocol) -> Response:
         check_model(translated.body.get("model"), self.model_names)
-        host = self._host(translated.body.get("model"))
-        self.service.keep_alive(translated.keep_alive_s, host)
+        model_host = self._model_host(translated.body.get("model"))
+        self.service.keep_alive(translated.keep_alive_s, model_host)
         if translated.keep_alive_s != 0:
-            self.service.preload(host)
+            self.service.preload(model_host)
         return protocol.load_answer(translated)
 
-    def _host(self, model: Any) -> ModelHost:
-        """The host of a model name that validation has accepted."""
-        host = self.service.host_for(model)
-        if host is None and isinstance(model, str) and model.endswith(DEFAULT_TAG):
-            host = self.service.host_for(model[: -len(DEFAULT_TAG)])
+    def _model_host(self, model: Any) -> ModelHost:
+        """The model host of a model name that validation has accepted."""
+        model_host = self.service.model_host_for(model)
+        if model_host is None and isinstance(model, str) and model.endswith(DEFAULT_TAG):
+            model_host = self.service.model_host_for(model[: -len(DEFAULT_TAG)])
         # The default model's CPU fallback file, named on its own, is the default model's.
-        return host or self.service.default_host
+        return model_host or self.service.default_model_host
 
     async def _admit_and_run(self, request: Request, translated: Translated, request_id: str,
                              routing: Routing, checked: Checked, protocol: Protocol) -> Response:
         base_headers = {"X-Request-Id": request_id}
         kind, body = translated.kind, translated.body
-        host = self._host(body.get("model"))
-        dispatcher = host.dispatcher
+        model_host = self._model_host(body.get("model"))
+        dispatcher = model_host.dispatcher
         job = Job(JobRequest(
             id=request_id, kind=kind, body=body, stream=bool(body.get("stream")), force_cpu=routing.force_cpu,
             deadline_s=routing.deadline_s, prefer_gpu=routing.prefer_gpu, no_fallback=routing.no_fallback,
             forced_tool=checked.forced_tool, top_logprobs=checked.top_logprobs, images=checked.images,
             client=client_name(request.headers.get("x-client-name"), request.headers.get("user-agent")),
             fingerprint=request_fingerprint(kind.value, body),
-            model="" if host is self.service.default_host else host.name,
+            model="" if model_host is self.service.default_model_host else model_host.name,
             # A request a peer forwarded is served here or refused, never sent on.
             from_peer=HOP_HEADER.lower() in request.headers,
             idempotency_key=request.headers.get("idempotency-key")))
@@ -345,15 +345,15 @@ class HttpApp:
                                   headers=base_headers)
         request.state.usage_name = usage_name(principal_of(request.scope), job.client)
         try:
-            self.access.admit(request, job, host)
+            self.access.admit(request, job, model_host)
         except Refusal as refusal:
             dispatcher.unregister(job)
             self.access.count(request.state.usage_name, Outcome(refused=True))
             return protocol.error(refusal.status, refusal.message, refusal.code,
                                   headers={**base_headers, **refusal.headers})
         try:
-            await self.service.ensure_started(host)
-            prompt_tokens = await self._count_prompt(job, host)
+            await self.service.ensure_started(model_host)
+            prompt_tokens = await self._count_prompt(job, model_host)
         except BaseException as exc:
             dispatcher.unregister(job)
             if isinstance(exc, _Invalid):
@@ -372,49 +372,49 @@ class HttpApp:
         job.sized(prompt_tokens, max_tokens)
         # Every request sets how long its model stays loaded after it, as in
         # Ollama: its own keep_alive, or (None) the configured idle time.
-        self.service.keep_alive(translated.keep_alive_s, host)
-        host.last_used = self.service.clock()
+        self.service.keep_alive(translated.keep_alive_s, model_host)
+        model_host.last_used = self.service.clock()
         # From here the dispatcher owns the job: it decides, runs, and unregisters it.
         if job.stream:
-            return await self._stream(request, job, protocol, host)
-        return await self._aggregate(request, job, protocol, host)
+            return await self._stream(request, job, protocol, model_host)
+        return await self._aggregate(request, job, protocol, model_host)
 
-    async def _count_prompt(self, job: Job, host: ModelHost) -> int:
-        counter = host.counter
+    async def _count_prompt(self, job: Job, model_host: ModelHost) -> int:
+        counter = model_host.counter
         assert counter is not None
         try:
             if job.kind is JobKind.CHAT:
-                # An image is as many tokens as its projector makes of one (host.image_tokens).
+                # An image is as many tokens as its projector makes of one (model_host.image_tokens).
                 text = await asyncio.to_thread(counter.count_chat, text_only(job.body["messages"]),
                                                job.body.get("tools"))
-                return text + job.images * host.image_tokens
+                return text + job.images * model_host.image_tokens
             return await asyncio.to_thread(counter.count_text, job.body["prompt"])
         except Exception as exc:  # a template can reject odd message shapes
             raise _Invalid(400, f"the messages can't be rendered with the model's chat template: {exc}",
                            "invalid_messages", "messages") from None
 
-    async def _aggregate(self, request: Request, job: Job, protocol: Protocol, host: ModelHost) -> Response:
+    async def _aggregate(self, request: Request, job: Job, protocol: Protocol, model_host: ModelHost) -> Response:
         sink = AggregatingSink()
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
         try:
-            await self.access.run_counted(host, job, sink, request.state.usage_name)
+            await self.access.run_counted(model_host, job, sink, request.state.usage_name)
         except JobFailed as failure:
-            return protocol.failed(failure, _route_headers(job, host))
+            return protocol.failed(failure, _route_headers(job, model_host))
         finally:
             watcher.cancel()
-        note = self._degraded_note(request, job, host)
+        note = self._degraded_note(request, job, model_host)
         if note is not None and sink.events:
             sink.events.insert(0, degraded_note.note_chunk(note, sink.events[0]))
         body = sink.chat_response(job) if job.kind is JobKind.CHAT else sink.completion_response(job)
-        return JSONResponse(protocol.answer(body, job), headers=_route_headers(job, host))
+        return JSONResponse(protocol.answer(body, job), headers=_route_headers(job, model_host))
 
-    async def _stream(self, request: Request, job: Job, protocol: Protocol, host: ModelHost) -> Response:
+    async def _stream(self, request: Request, job: Job, protocol: Protocol, model_host: ModelHost) -> Response:
         sink = QueueSink(job)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
 
         async def run() -> None:
             try:
-                await self.access.run_counted(host, job, sink, request.state.usage_name)
+                await self.access.run_counted(model_host, job, sink, request.state.usage_name)
                 sink.queue.put_nowait(("done", None))
             except JobFailed as failure:
                 sink.queue.put_nowait(("failed", failure))
@@ -425,34 +425,34 @@ class HttpApp:
         first_kind, first_value = await sink.queue.get()
         if first_kind == "failed":
             watcher.cancel()
-            return protocol.failed(first_value, _route_headers(job, host))
-        headers = _route_headers(job, host)
+            return protocol.failed(first_value, _route_headers(job, model_host))
+        headers = _route_headers(job, model_host)
         stream = RecordedStream(headers, protocol.stream_media_type)
         # Decided now, with the first event: a replay before the first byte is already done.
-        note = self._degraded_note(request, job, host)
+        note = self._degraded_note(request, job, model_host)
         lead = degraded_note.note_chunk(note, first_value) if note is not None else None
         stream.relay(_relay(job, sink, task, watcher, (first_kind, first_value), protocol, stream, lead))
         return stream
 
-    def _degraded_note(self, request: Request, job: Job, host: ModelHost) -> str | None:
+    def _degraded_note(self, request: Request, job: Job, model_host: ModelHost) -> str | None:
         if not getattr(request.state, "degraded_note", False):
             return None
-        return degraded_note.note_text(job, host.model_id, host.fallback_model_id)
+        return degraded_note.note_text(job, model_host.model_id, model_host.fallback_model_id)
 
 
 
-def _route_headers(job: Job, host: ModelHost) -> dict[str, str]:
+def _route_headers(job: Job, model_host: ModelHost) -> dict[str, str]:
     headers = {
         "X-Request-Id": job.id,
         "X-Served-By": job.path or "none",
         # The library model that answered: the one named, or the default
         # model for a name it doesn't know ([model] unknown_name).
-        "X-Model": host.model_id,
+        "X-Model": model_host.model_id,
         "X-Route-Reason": job.reason.value if job.reason else "none",
     }
     estimated = job.estimated_latency_s
     if job.path == "cpu":
-        headers["X-Fallback-Model"] = host.fallback_model_id
+        headers["X-Fallback-Model"] = model_host.fallback_model_id
         headers["X-Estimated-Latency"] = f"{estimated:.2f}" if estimated is not None else "unknown"
     elif job.path == "peer" and job.peer is not None:
         headers["X-Peer"] = job.peer
@@ -566,7 +566,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
 
     ollama = OllamaRoutes(service, http_app.complete, lambda: http_app.model_names, http_app.largest_context)
     responses = ResponsesRoutes(http_app.complete, http_app.largest_context)
-    llamacpp = LlamaCppRoutes(service, http_app.complete, lambda: http_app.model_names, http_app.tokenizer_host,
+    llamacpp = LlamaCppRoutes(service, http_app.complete, lambda: http_app.model_names, http_app.tokenizer_model_host,
                               http_app.largest_context)
     routes = [
         HttpRoute("/", ollama.root, methods=["GET", "HEAD"]),

@@ -221,7 +221,7 @@ async def embed_for(request: Request, path: EmbeddingPath, texts: list[str], cou
     (the default model's file) or is at its concurrency (api/key_access.py,
     which counts the embedding in the key's usage)."""
     access = request.app.state.key_access
-    with access.embedding(request, access.service.default_host) as counted_as_used:
+    with access.embedding(request, access.service.default_model_host) as counted_as_used:
         work = asyncio.create_task(path.embed(texts, request_id=request_id, deadline_s=deadline_s))
         watcher = asyncio.create_task(_disconnected(request))
         try:

@@ -26,7 +26,7 @@ from .requests import client_name
 from .security import principal_of
 
 if TYPE_CHECKING:
-    from ..host import ModelHost
+    from ..model_host import ModelHost
     from ..service import Service
 
 log = logging.getLogger(__name__)
@@ -66,21 +66,21 @@ def usage_name(principal: ApiKey | None, client: str | None) -> str:
     return client or UNKNOWN_CLIENT
 
 
-def model_allowed(principal: ApiKey | None, host: "ModelHost") -> bool:
+def model_allowed(principal: ApiKey | None, model_host: "ModelHost") -> bool:
     if principal is None or not principal.models:
         return True
-    names = {host.model_id, host.name, *host.model.names()}
+    names = {model_host.model_id, model_host.name, *model_host.model.names()}
     return any(name in names for name in principal.models)
 
 
-def model_refusal(principal: ApiKey | None, host: "ModelHost") -> Refusal | None:
-    if model_allowed(principal, host):
+def model_refusal(principal: ApiKey | None, model_host: "ModelHost") -> Refusal | None:
+    if model_allowed(principal, model_host):
         return None
     assert principal is not None
     # 404 as OpenAI ("does not exist or you do not have access to it"),
     # Anthropic and Ollama answer a model a key can't use: the client's
     # handling of an unusable model name applies.
-    return Refusal(404, f"the key {principal.name!r} may not use the model {host.model_id!r}; it may use: "
+    return Refusal(404, f"the key {principal.name!r} may not use the model {model_host.model_id!r}; it may use: "
                    f"{', '.join(principal.models)}", "model_not_found")
 
 
@@ -153,7 +153,7 @@ class KeyAccess:
 
     # ----- limits ---------------------------------------------------------------
 
-    def admit(self, request: Request, job: Job, host: "ModelHost") -> None:
+    def admit(self, request: Request, job: Job, model_host: "ModelHost") -> None:
         """Raise Refusal if the request's key may not run `job` now; else
         record the key as the job's owner. Called with no await between it
         and the job's registration, so two requests can't both take the last
@@ -161,27 +161,27 @@ class KeyAccess:
         principal = principal_of(request.scope)
         if principal is None:
             return
-        self._check(principal, host)
+        self._check(principal, model_host)
         self._prune()
         self._owners[job.id] = (job, principal.name)
         self._remember(job.id, principal.name)
 
     @contextmanager
-    def holding(self, request: Request, host: "ModelHost | None" = None) -> Iterator[None]:
+    def holding(self, request: Request, model_host: "ModelHost | None" = None) -> Iterator[None]:
         """A slot of the key's concurrency for work that is no dispatcher's
-        job (tokenizing), and the check that the key may use `host`'s model
+        job (tokenizing), and the check that the key may use `model_host`'s model
         (None: no model to check). Raises Refusal."""
-        holder = self._take(principal_of(request.scope), host)
+        holder = self._take(principal_of(request.scope), model_host)
         try:
             yield
         finally:
             self._release(holder)
 
-    def _take(self, principal: ApiKey | None, host: "ModelHost | None") -> str | None:
+    def _take(self, principal: ApiKey | None, model_host: "ModelHost | None") -> str | None:
         """Take one of the key's slots (a Refusal if it may not); its name, to release."""
         if principal is None:
             return None
-        self._check(principal, host)
+        self._check(principal, model_host)
         self._leases[principal.name] += 1
         return principal.name
 
@@ -189,8 +189,8 @@ class KeyAccess:
         if holder is not None:
             self._leases[holder] -= 1
 
-    def _check(self, principal: ApiKey, host: "ModelHost | None") -> None:
-        refusal = model_refusal(principal, host) if host is not None else None
+    def _check(self, principal: ApiKey, model_host: "ModelHost | None") -> None:
+        refusal = model_refusal(principal, model_host) if model_host is not None else None
         if refusal is not None:
             raise refusal
         running = self.running(principal.name)
@@ -207,12 +207,12 @@ class KeyAccess:
         jobs = sum(1 for job, owner in self._owners.values() if owner == name and self._live(job))
         return jobs + self._leases[name]
 
-    def usable_host(self, principal: ApiKey | None, host: "ModelHost") -> "ModelHost":
-        """`host`, or a Refusal when `principal` may not use its model."""
-        refusal = model_refusal(principal, host)
+    def usable_model_host(self, principal: ApiKey | None, model_host: "ModelHost") -> "ModelHost":
+        """`model_host`, or a Refusal when `principal` may not use its model."""
+        refusal = model_refusal(principal, model_host)
         if refusal is not None:
             raise refusal
-        return host
+        return model_host
 
     def owns(self, name: str, request_id: str) -> bool:
         """Whether `request_id` (running, or among the recently ended) was `name`'s."""
@@ -240,7 +240,7 @@ class KeyAccess:
                 "cancels only its own requests (an admin key cancels any)")
 
     def _live(self, job: Job) -> bool:
-        return any(host.dispatcher.jobs.get(job.id) is job for host in self.service.hosts.values())
+        return any(model_host.dispatcher.jobs.get(job.id) is job for model_host in self.service.model_hosts.values())
 
     def _prune(self) -> None:
         for request_id in [rid for rid, (job, _) in self._owners.items() if not self._live(job)]:
@@ -248,12 +248,12 @@ class KeyAccess:
 
     # ----- usage ----------------------------------------------------------------
 
-    async def run_counted(self, host: "ModelHost", job: Job, sink, name: str) -> None:
+    async def run_counted(self, model_host: "ModelHost", job: Job, sink, name: str) -> None:
         """Run the job through its dispatcher, counting what it used under
         `name` however it ends."""
         failure: JobFailed | None = None
         try:
-            await host.dispatcher.run(job, sink)
+            await model_host.dispatcher.run(job, sink)
         except JobFailed as exc:
             failure = exc
             raise
@@ -261,7 +261,7 @@ class KeyAccess:
             self.count(name, outcome_of(job, failure))
 
     @contextmanager
-    def embedding(self, request: Request, host: "ModelHost") -> Iterator[Callable[[EmbeddingResult], None]]:
+    def embedding(self, request: Request, model_host: "ModelHost") -> Iterator[Callable[[EmbeddingResult], None]]:
         """An embedding request, every protocol's: the key's model and
         concurrency checked (raises JobFailed, the embedding routes' way of
         refusing), then `done(result)` counts it as usage on the CPU path,
@@ -270,7 +270,7 @@ class KeyAccess:
         name = usage_name(principal, client_name(request.headers.get("x-client-name"),
                                                  request.headers.get("user-agent")))
         try:
-            holder = self._take(principal, host)
+            holder = self._take(principal, model_host)
         except Refusal as refusal:
             self.count(name, Outcome(refused=True))
             raise refusal.as_failure() from None

@@ -320,7 +320,7 @@ class LlamaCppRoutes:
         self.service = service
         self._complete = complete
         self._model_names = model_names
-        self._host_of = host_of
+        self._model_host_of = host_of
         self._largest_context = largest_context
         self.protocol = LlamaCppCompletion(largest_context, self._prompt_from_tokens)
 
@@ -330,9 +330,9 @@ class LlamaCppRoutes:
     async def _counter(self, model: Any) -> Any:
         """The tokenizer of the model a request names (or the default model)."""
         check_model(model, self._model_names())
-        host = self._host_of(model)
-        await self.service.ensure_started(host)
-        return host.counter
+        model_host = self._model_host_of(model)
+        await self.service.ensure_started(model_host)
+        return model_host.counter
 
     async def _prompt_from_tokens(self, model: Any, tokens: list[int]) -> str:
         counter = await self._counter(model)
@@ -430,17 +430,17 @@ class LlamaCppRoutes:
             counter = await self._counter(model)
         except _Invalid as bad:
             return error(bad.status, bad.message, bad.param)
-        host = self._host_of(model)
-        library_model = host.model
+        model_host = self._model_host_of(model)
+        library_model = model_host.model
         service = self.service
         return JSONResponse({
             # The context a request may use: the larger of the GPU's and the CPU's.
             "default_generation_settings": {"n_ctx": max(library_model.gpu_n_ctx, library_model.cpu_n_ctx),
                                             "params": {"n_predict": -1}},
             "total_slots": library_model.slots,
-            "model_alias": host.model_id,
-            "model_path": host.model_info.path.name,
-            "modalities": {"vision": host.projector is not None, "video": False, "audio": False},
+            "model_alias": model_host.model_id,
+            "model_path": model_host.model_info.path.name,
+            "modalities": {"vision": model_host.projector is not None, "video": False, "audio": False},
             "chat_template": counter.chat_template or "",
             "bos_token": counter.bos_token,
             "eos_token": counter.eos_token,

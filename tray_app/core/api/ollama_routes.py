@@ -101,11 +101,11 @@ class OllamaRoutes:
         """(Ollama name, ModelInfo, whether it reads images) of each model in
         the library, and the default model's CPU fallback when it is another file."""
         service = self.service
-        models = [(host.model_id + DEFAULT_TAG, host.model_info, host.projector is not None)
-                  for host in service.hosts.values()]
+        models = [(model_host.model_id + DEFAULT_TAG, model_host.model_info, model_host.projector is not None)
+                  for model_host in service.model_hosts.values()]
         if service.fallback_info.path != service.model_info.path:
             models.insert(1, (service.fallback_model_id + DEFAULT_TAG, service.fallback_info,
-                              service.default_host.cpu_projector is not None))
+                              service.default_model_host.cpu_projector is not None))
         return models
 
     async def tags(self, request: Request) -> Response:
@@ -113,27 +113,27 @@ class OllamaRoutes:
 
     async def ps(self, request: Request) -> Response:
         """The models loaded now, with what each holds: VRAM from the GPU
-        worker's estimate, the whole size adding its host memory."""
+        worker's estimate, the whole size adding its model_host memory."""
         loaded = []
-        for host in self.service.hosts.values():
+        for model_host in self.service.model_hosts.values():
             vram = ram = 0.0
             context = 0
             expires_in: float | None = None
-            gpu = host.gpu_worker
+            gpu = model_host.gpu_worker
             if gpu is not None and gpu.state is WorkerState.READY:
-                vram += host.gpu_footprint.gpu.total
-                ram += host.gpu_footprint.host.total
-                context = max(context, host.model.gpu_n_ctx)
-                expires_in = host.sharing.unload_in_s() if host.sharing is not None else None
+                vram += model_host.gpu_footprint.gpu.total
+                ram += model_host.gpu_footprint.host.total
+                context = max(context, model_host.model.gpu_n_ctx)
+                expires_in = model_host.sharing.unload_in_s() if model_host.sharing is not None else None
                 expires_in = _FOREVER_S if expires_in is None else expires_in
-            if host.cpu_worker.state is WorkerState.READY:
-                ram += host.cpu_footprint.host.total + host.cpu_footprint.gpu.total
-                context = max(context, host.model.cpu_n_ctx)
+            if model_host.cpu_worker.state is WorkerState.READY:
+                ram += model_host.cpu_footprint.host.total + model_host.cpu_footprint.gpu.total
+                context = max(context, model_host.model.cpu_n_ctx)
                 expires_in = expires_in if expires_in is not None else _FOREVER_S
             if expires_in is None:
                 continue
-            name, info = host.model_id + DEFAULT_TAG, host.model_info
-            entry = model_entry(name, info, host.projector is not None)
+            name, info = model_host.model_id + DEFAULT_TAG, model_host.model_info
+            entry = model_entry(name, info, model_host.projector is not None)
             entry.pop("modified_at")
             loaded.append({**entry, "size": int(vram + ram), "size_vram": int(vram),
                            "expires_at": rfc3339(time.time() + expires_in), "context_length": context})

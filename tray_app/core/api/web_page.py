@@ -102,14 +102,14 @@ def worker_logs(service: Service) -> Callable[[Request], Awaitable[Response]]:
             return error_response(400, f"'lines' must be a whole number from 1 to {MAX_LOG_LINES}",
                                   "invalid_value", param="lines")
         name = params.get("model")
-        host = service.host_for(name)
-        if host is None:
+        model_host = service.model_host_for(name)
+        if model_host is None:
             return error_response(404, f"no model named {name!r}", "model_not_found", param="model")
-        worker = next((w for w in host.workers() if w.role == role), None)
+        worker = next((w for w in model_host.workers() if w.role == role), None)
         if worker is None:
             return error_response(404, f"this model has no {role.upper()} worker", "not_found", param="worker")
         data, cut = await asyncio.to_thread(read_end, worker.log_path)
-        return JSONResponse({"worker": role, "model": host.model.name, "file": worker.log_path.name,
+        return JSONResponse({"worker": role, "model": model_host.model.name, "file": worker.log_path.name,
                              "lines": last_lines(data, lines, cut_at_start=cut)})
 
     return handler
