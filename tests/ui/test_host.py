@@ -13,7 +13,7 @@ from tray_app.core.engine.worker import free_loopback_port
 from tray_app.ui import viewmodel as vm
 from tray_app.ui.app import TrayController
 from tray_app.ui.client import ServiceClient
-from tray_app.ui.host import ServiceHost, base_url_for
+from tray_app.ui.service_runner import ServiceRunner, base_url_for
 from tray_app.ui.settings import save_changes
 
 START_MS = 180_000
@@ -35,14 +35,14 @@ def _pids(status: dict) -> list[int]:
 @pytest.mark.integration
 def test_settings_restart_the_service_and_quit_stops_the_workers(qtbot, isolated) -> None:
     config = apply_overrides(load_config(isolated), {"server": {"port": free_loopback_port()}})
-    host = ServiceHost(config, "WARNING")
+    runner = ServiceRunner(config, "WARNING")
     client = ServiceClient(base_url_for(config))
-    controller = TrayController(client, config, host=host, tray_available=False)
+    controller = TrayController(client, config, runner=runner, tray_available=False)
     exits: list[int] = []
     controller.exit_app = lambda: exits.append(1)
     try:
         assert controller.kind == vm.DOWN  # not started yet
-        host.start()
+        runner.start()
         controller.start()  # no tray here: this also opens the panel as a window
         qtbot.addWidget(controller.panel())
         assert controller.kind == vm.STARTING
@@ -74,14 +74,14 @@ def test_settings_restart_the_service_and_quit_stops_the_workers(qtbot, isolated
         # Quit: the workers are stopped, then the app exits.
         controller.quit()
         qtbot.waitUntil(lambda: exits == [1], timeout=60_000)
-        assert not host.is_alive()
+        assert not runner.is_alive()
         assert wait_gone(second_pids, timeout=30) == []
         with socket.socket() as probe:  # nobody listens there any more
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(("127.0.0.1", new_port))
     finally:
         client.stop()
-        host.stop_and_wait(60)
+        runner.stop_and_wait(60)
 
 
 @pytest.mark.integration
@@ -91,13 +91,13 @@ def test_a_busy_port_is_reported_and_the_icon_says_down(qtbot, isolated) -> None
         taken.listen(1)
         port = taken.getsockname()[1]
         config = apply_overrides(load_config(isolated), {"server": {"port": port}})
-        host = ServiceHost(config, "WARNING")
+        runner = ServiceRunner(config, "WARNING")
         client = ServiceClient(base_url_for(config))
-        controller = TrayController(client, config, host=host, tray_available=False)
-        with qtbot.waitSignal(host.failed, timeout=30_000) as failed:
-            host.start()
+        controller = TrayController(client, config, runner=runner, tray_available=False)
+        with qtbot.waitSignal(runner.failed, timeout=30_000) as failed:
+            runner.start()
         assert f"port {port} on 127.0.0.1 is already in use" in failed.args[0]
         assert controller.kind == vm.DOWN
         assert "already in use" in controller.tooltip
         assert controller.notices[-1][0] == "down"
-        host.stop_and_wait(10)
+        runner.stop_and_wait(10)

@@ -12,7 +12,7 @@ from tray_app.core.config import apply_overrides, load_config
 from tray_app.core.engine.worker import free_loopback_port
 from tray_app.core.access.keys import KeyStore
 from tray_app.ui.client import ServiceClient
-from tray_app.ui.host import ServiceHost, base_url_for
+from tray_app.ui.service_runner import ServiceRunner, base_url_for
 
 START_MS = 180_000
 
@@ -26,10 +26,10 @@ def test_the_tray_is_an_admin_when_named_keys_close_the_port(qtbot, tmp_path, mo
     path.write_text(BASE_CONFIG)
     app_key = KeyStore().add("phone")  # an inference key: the port needs a key now
     config = apply_overrides(load_config(path), {"server": {"port": free_loopback_port()}})
-    host = ServiceHost(config, "WARNING")
+    runner = ServiceRunner(config, "WARNING")
     client = ServiceClient(base_url_for(config))
     try:
-        host.start()
+        runner.start()
         client.start()
         qtbot.waitUntil(lambda: client.last_status is not None, timeout=START_MS)
         answers: list[tuple[bool, int]] = []
@@ -42,4 +42,4 @@ def test_the_tray_is_an_admin_when_named_keys_close_the_port(qtbot, tmp_path, mo
         assert refused.status_code == 403
     finally:
         client.stop()
-        host.stop_and_wait(60)
+        runner.stop_and_wait(60)

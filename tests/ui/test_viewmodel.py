@@ -69,7 +69,7 @@ def test_icon_kind_for_each_state() -> None:
     assert vm.icon_kind(READY) == vm.GPU
     assert vm.icon_kind(paused()) == vm.DEGRADED
     assert vm.icon_kind(None) == vm.DOWN
-    assert vm.icon_kind(None, host_starting=True) == vm.STARTING
+    assert vm.icon_kind(None, service_starting=True) == vm.STARTING
 
 
 def test_first_start_of_the_gpu_worker_is_starting_not_degraded() -> None:
@@ -195,7 +195,7 @@ def test_tooltip_gives_headroom_numbers() -> None:
     assert "degraded" in degraded.splitlines()[0]
     assert "Why: the GPU path is paused (force CPU)" in degraded
     assert "not answering" in vm.tooltip_text(None)
-    assert "starting" in vm.tooltip_text(None, host_starting=True)
+    assert "starting" in vm.tooltip_text(None, service_starting=True)
 
 
 # ----- banner ---------------------------------------------------------------------------------
@@ -340,7 +340,7 @@ def test_history_keeps_the_window() -> None:
 
 def test_notifier_says_when_degraded_mode_starts_and_ends_once() -> None:
     notifier = vm.DegradedNotifier(settle_s=5, quiet_s=60)
-    assert notifier.update(None, host_starting=True, now=0) is None
+    assert notifier.update(None, service_starting=True, now=0) is None
     assert notifier.update(READY, now=1) is None
     assert notifier.update(paused(), now=2) is None  # not yet: it may be a blip
     start = notifier.update(paused(), now=7)

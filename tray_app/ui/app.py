@@ -1,7 +1,7 @@
 """`tray-app` on a desktop: the service in-process plus a system tray icon.
 
 The controller only reads the client's snapshots and sends commands over
-HTTP; the in-process host is there to start, restart (after Settings) and
+HTTP; the in-process service runner is there to start, restart (after Settings) and
 stop the service. Without a system tray, the headroom panel opens as a
 normal window and says why.
 """
@@ -27,7 +27,7 @@ from ..core.config import Config, ConfigError, log_dir
 from ..core.base.files import PrivateRotatingFileHandler, make_private_dir
 from . import viewmodel as vm
 from .client import ServiceClient
-from .host import ServiceHost, base_url_for
+from .service_runner import ServiceRunner, base_url_for
 from .icons import state_icon
 from .poll_rate import poll_interval_ms
 from .widgets import as_written
@@ -57,12 +57,12 @@ class TrayController(QObject):
     notified = Signal(str, str, str)   # (kind, title, message)
     quitting = Signal()
 
-    def __init__(self, client: ServiceClient, config: Config, *, host: ServiceHost | None = None,
+    def __init__(self, client: ServiceClient, config: Config, *, runner: ServiceRunner | None = None,
                  tray_available: bool | None = None, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.client = client
         self.config = config
-        self.host = host
+        self.runner = runner
         self.history = vm.History()
         self.degraded_notifier = vm.DegradedNotifier()
         self.residency_notifier = vm.ResidencyNotifier()
@@ -97,11 +97,11 @@ class TrayController(QObject):
         client.status_changed.connect(self._on_status)
         client.unreachable.connect(self._on_unreachable)
         client.command_finished.connect(self._on_command)
-        if host is not None:
-            host.started.connect(client.poll_now)
-            host.failed.connect(self._on_host_failed)
-        self._apply_state(vm.STARTING if self._host_starting() else vm.DOWN,
-                          vm.tooltip_text(None, host_starting=self._host_starting()))
+        if runner is not None:
+            runner.started.connect(client.poll_now)
+            runner.failed.connect(self._on_runner_failed)
+        self._apply_state(vm.STARTING if self._runner_starting() else vm.DOWN,
+                          vm.tooltip_text(None, service_starting=self._runner_starting()))
 
     # ----- setup -------------------------------------------------------------------------
 
@@ -200,8 +200,8 @@ class TrayController(QObject):
         self.more_menu.addAction(self.quit_action)
 
     def start(self) -> None:
-        if self._host_starting():
-            self._apply_state(vm.STARTING, vm.tooltip_text(None, host_starting=True))
+        if self._runner_starting():
+            self._apply_state(vm.STARTING, vm.tooltip_text(None, service_starting=True))
         if self.tray is not None:
             self.tray.show()
         else:
@@ -228,7 +228,7 @@ class TrayController(QObject):
             more.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
             more.setMinimumHeight(28)
             self._panel.buttons.insertWidget(self._panel.buttons.count() - 1, more)
-            self._panel.host_starting = self._host_starting()
+            self._panel.service_starting = self._runner_starting()
             self._panel.closed.connect(self.quit)
             self._panel.installEventFilter(self)
         return self._panel
@@ -274,7 +274,7 @@ class TrayController(QObject):
         if self._settings is not None and self._settings.isVisible():
             _raise(self._settings)
             return
-        dialog = SettingsDialog(self.config, can_apply=self.host is not None)
+        dialog = SettingsDialog(self.config, can_apply=self.runner is not None)
         dialog.saved.connect(self._apply_config)
         self._settings = dialog
         _raise(dialog)
@@ -336,7 +336,7 @@ class TrayController(QObject):
             return
         # Asked only now, once the file is known to be usable: the restart is
         # what stops requests, and only a hosted service is restarted here.
-        if self.host is not None and not self._confirm_interruption("Switching the model"):
+        if self.runner is not None and not self._confirm_interruption("Switching the model"):
             return
         try:
             new_config, where = save_changes(self.config, {"model": {"path": path}})
@@ -350,14 +350,14 @@ class TrayController(QObject):
         if self._panel is not None:
             self._panel.floor_mib = new_config.cpu.ram_floor_mib
         where = new_config.source
-        if self.host is None:
+        if self.runner is None:
             self.notify("settings", "Settings saved", f"Saved to {where}. Restart the service to apply them.")
             return
-        self.host.restart(new_config)
+        self.runner.restart(new_config)
         self.client.set_base_url(base_url_for(new_config))
         self.degraded_notifier = vm.DegradedNotifier()
         self.residency_notifier = vm.ResidencyNotifier()
-        self._apply_state(vm.STARTING, vm.tooltip_text(None, host_starting=True))
+        self._apply_state(vm.STARTING, vm.tooltip_text(None, service_starting=True))
         self.notify("settings", "Settings saved", f"Saved to {where}; restarting the service.")
 
     def open_logs(self) -> None:
@@ -404,11 +404,11 @@ class TrayController(QObject):
         if self.tray is not None:
             self.tray.setIcon(state_icon(vm.STARTING))
             self.tray.setToolTip("tray-app: stopping the workers…")
-        if self.host is None or not self.host.is_alive():
+        if self.runner is None or not self.runner.is_alive():
             self._after_stop()
             return
-        self.host.stopped.connect(self._after_stop)
-        self.host.stop()
+        self.runner.stopped.connect(self._after_stop)
+        self.runner.stop()
         QTimer.singleShot(QUIT_TIMEOUT_MS, self, self._after_stop)
 
     def _after_stop(self) -> None:
@@ -421,8 +421,8 @@ class TrayController(QObject):
 
     # ----- status ------------------------------------------------------------------------
 
-    def _host_starting(self) -> bool:
-        return self.host is not None and self.host.starting
+    def _runner_starting(self) -> bool:
+        return self.runner is not None and self.runner.starting
 
     # ----- how often to poll ---------------------------------------------------------------
 
@@ -514,17 +514,17 @@ class TrayController(QObject):
             return
         self._rate_status = None
         self._update_poll_rate()
-        starting = self._host_starting()
-        error = (self.host.error if self.host is not None and self.host.error else None) or message
+        starting = self._runner_starting()
+        error = (self.runner.error if self.runner is not None and self.runner.error else None) or message
         self._apply_state(vm.STARTING if starting else vm.DOWN,
-                          vm.tooltip_text(None, error=None if starting else error, host_starting=starting))
+                          vm.tooltip_text(None, error=None if starting else error, service_starting=starting))
         if self._panel is not None:
-            self._panel.host_starting = starting
+            self._panel.service_starting = starting
 
-    def _on_host_failed(self, message: str) -> None:
+    def _on_runner_failed(self, message: str) -> None:
         self._apply_state(vm.DOWN, vm.tooltip_text(None, error=message))
         if self._panel is not None:
-            self._panel.host_starting = False
+            self._panel.service_starting = False
         self.notify("down", "tray-app: the service is down", message)
 
     def _on_command(self, what: str, ok: bool, message: str) -> None:
@@ -540,7 +540,7 @@ class TrayController(QObject):
 
     def _apply_state(self, kind: str, tooltip: str) -> None:
         if self._panel is not None:
-            self._panel.host_starting = self._host_starting()
+            self._panel.service_starting = self._runner_starting()
         if kind != self.kind:
             self.kind = kind
             self.state_action.setText(vm.STATE_TITLES[kind])
@@ -665,13 +665,13 @@ def run_tray(config: Config, log_level: str = "INFO") -> int:
     app.setApplicationDisplayName("tray-app")
     app.setQuitOnLastWindowClosed(False)
     app.setWindowIcon(state_icon(vm.GPU))
-    host = ServiceHost(config, log_level)
+    runner = ServiceRunner(config, log_level)
     client = ServiceClient(base_url_for(config), api_key=config.server.api_key or None)
-    controller = TrayController(client, config, host=host)
+    controller = TrayController(client, config, runner=runner)
     if controller.tray is None:
         log.warning("no system tray on this desktop: the headroom panel opens as a window")
     notifier = _install_signal_handlers(controller)  # noqa: F841 - kept alive until exit
-    host.start()
+    runner.start()
     controller.start()
     opened = os.environ.get("TRAY_APP_OPEN", "")
     if "panel" in opened:
@@ -688,7 +688,7 @@ def run_tray(config: Config, log_level: str = "INFO") -> int:
     print(f"tray-app: serving on {client.api_url} ({'tray icon' if controller.tray else 'window, no system tray'})",
           file=sys.stderr, flush=True)
     code = app.exec()
-    if not host.stop_and_wait(timeout=60):
+    if not runner.stop_and_wait(timeout=60):
         log.error("the service did not stop within 60 s")
         code = code or 1
     return code

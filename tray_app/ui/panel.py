@@ -144,7 +144,7 @@ class HeadroomPanel(QWidget):
         self._last_error: str | None = None
         # An error in the footer outlasts the polls that would overwrite it.
         self.footer_note = vm.TimedNote()
-        self.host_starting = False
+        self.service_starting = False
         # Esc puts the panel away like its close button; not in the no-tray
         # window, where closing quits the app and its service.
         self.escape = QShortcut(QKeySequence(Qt.Key.Key_Escape), self)
@@ -248,7 +248,7 @@ class HeadroomPanel(QWidget):
 
     def _render_unreachable(self, message: str) -> None:
         self._last_status = None
-        kind = vm.STARTING if self.host_starting else vm.DOWN
+        kind = vm.STARTING if self.service_starting else vm.DOWN
         self.header.set_state(kind, message, vm.SHAPE_MISMATCH_TITLE if self.client.shape_mismatch else None)
         self.banner.set_banner(None)
         set_text(self.footer, self.footer_note.text() or self.client.base_url)

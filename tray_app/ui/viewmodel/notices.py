@@ -71,10 +71,10 @@ class DegradedNotifier:
         self._degraded_since: float | None = None
         self._last_start_notice: float | None = None
 
-    def update(self, status: Status | None, host_starting: bool = False,
+    def update(self, status: Status | None, service_starting: bool = False,
                now: float | None = None) -> Notice | None:
         now = self._clock() if now is None else now
-        kind = icon_kind(status, host_starting=host_starting)
+        kind = icon_kind(status, service_starting=service_starting)
         # ResidencyNotifier speaks for a GPU given away, and a load is over in seconds.
         degraded = (kind == DEGRADED and not is_busy_overflow(status)
                     and residency_state(status) not in GIVEN_STATES + ("loading",))

@@ -33,14 +33,14 @@ def workers_by_role(status: Status) -> dict[str, WorkerStatus]:
     return {w["role"]: w for w in status["workers"]}
 
 
-def icon_kind(status: Status | None, *, host_starting: bool = False) -> str:
+def icon_kind(status: Status | None, *, service_starting: bool = False) -> str:
     """gpu | degraded | starting | down, from one /status snapshot.
 
-    `status` None means the service did not answer; `host_starting` says the
+    `status` None means the service did not answer; `service_starting` says the
     in-process service is still coming up, so silence is expected.
     """
     if status is None:
-        return STARTING if host_starting else DOWN
+        return STARTING if service_starting else DOWN
     service = status["service"]
     workers = workers_by_role(status)
     if not service["healthy"]:

@@ -15,12 +15,12 @@ from .banner import cpu_serving, degraded_title, serving_peers, who_serves
 IDLE_TITLE = "Idle: the GPU model is unloaded"
 
 
-def state_title(status: Status | None, *, host_starting: bool = False) -> str:
+def state_title(status: Status | None, *, service_starting: bool = False) -> str:
     """The state in a few words; a busy GPU's overflow is not called degraded."""
     peers = serving_peers(status)
     if is_busy_overflow(status):
         return degraded_title(status, peers) if peers else BUSY_TITLE
-    kind = icon_kind(status, host_starting=host_starting)
+    kind = icon_kind(status, service_starting=service_starting)
     if kind == DEGRADED and peers:
         return "Degraded: " + who_serves(status, peers)
     if kind == CPU and peers:
@@ -62,15 +62,15 @@ def state_detail(status: Status | None, error: str | None = None) -> str:
 
 
 def tooltip_text(status: Status | None, *, error: str | None = None,
-                 host_starting: bool = False, floor_mib: float | None = None) -> str:
-    kind = icon_kind(status, host_starting=host_starting)
-    state = state_title(status, host_starting=host_starting)
+                 service_starting: bool = False, floor_mib: float | None = None) -> str:
+    kind = icon_kind(status, service_starting=service_starting)
+    state = state_title(status, service_starting=service_starting)
     # Lower-case only the first letter: "GPU" and "CPU" stay capitals.
     title = f"tray-app: {state[:1].lower()}{state[1:]}"
     if kind == DEGRADED and not is_busy_overflow(status):
         title = "tray-app: degraded, the CPU is serving"
     if status is None:
-        return f"{title}\n{error or ('starting the service' if host_starting else 'the service is not answering')}"
+        return f"{title}\n{error or ('starting the service' if service_starting else 'the service is not answering')}"
     lines = [title]
     gpu = status["gpu"]
     if gpu["available"]:

@@ -25,25 +25,25 @@ GRACEFUL_SHUTDOWN_S = 5
 
 
 def base_url_for(config: Config) -> str:
-    host = config.server.host
-    if host in ("0.0.0.0", "", "::"):
-        host = "127.0.0.1"
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"http://{host}:{config.server.port}"
+    address = config.server.host  # the bind address
+    if address in ("0.0.0.0", "", "::"):
+        address = "127.0.0.1"
+    if ":" in address and not address.startswith("["):
+        address = f"[{address}]"
+    return f"http://{address}:{config.server.port}"
 
 
-def port_problem(host: str, port: int) -> str | None:
-    """Why we can't listen on host:port, or None if we can."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+def port_problem(address: str, port: int) -> str | None:
+    """Why we can't listen on the bind address and port, or None if we can."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind((host, port))
+            probe.bind((address, port))
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                return f"port {port} on {host} is already in use (another tray-app?); pick another port in Settings or with --port"
-            return f"can't listen on {host}:{port}: {exc.strerror}"
+                return f"port {port} on {address} is already in use (another tray-app?); pick another port in Settings or with --port"
+            return f"can't listen on {address}:{port}: {exc.strerror}"
     return None
 
 
@@ -59,7 +59,7 @@ class _QuietPolls(logging.Filter):
 _quiet_polls = _QuietPolls()
 
 
-class ServiceHost(QObject):
+class ServiceRunner(QObject):
     """Owns the in-process service. Signals arrive on the GUI thread."""
 
     started = Signal()          # the HTTP port is open
@@ -170,15 +170,15 @@ class ServiceHost(QObject):
         if problem:
             self._fail(problem)
             return
-        host = self
+        runner = self
 
         class _Server(ThreadedServer):
             async def startup(self, sockets=None) -> None:  # type: ignore[override]
                 await super().startup(sockets)
                 if self.started:
-                    host.running = True
-                    host.starting = False
-                    host.started.emit()
+                    runner.running = True
+                    runner.starting = False
+                    runner.started.emit()
 
         try:
             # The same guard, limits and slow-client cutoff as `tray-app serve`.
