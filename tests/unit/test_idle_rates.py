@@ -25,8 +25,25 @@ def test_anything_in_flight_or_about_to_change_is_not_quiet():
 
 
 def test_the_service_samples_every_second_while_read_at_that_rate_or_serving():
-    assert sample_interval_s(in_flight=False, last_look_age_s=None) == IDLE_SAMPLE_INTERVAL_S == 5.0
-    assert sample_interval_s(in_flight=False, last_look_age_s=1.0) == SAMPLE_INTERVAL_S == 1.0
+    assert sample_interval_s(needs_full_rate=False, last_look_age_s=None) == IDLE_SAMPLE_INTERVAL_S == 5.0
+    assert sample_interval_s(needs_full_rate=False, last_look_age_s=1.0) == SAMPLE_INTERVAL_S == 1.0
     # The tray alone, its panel closed, reads every 5 s: that is nobody looking.
-    assert sample_interval_s(in_flight=False, last_look_age_s=4.9) == IDLE_SAMPLE_INTERVAL_S
-    assert sample_interval_s(in_flight=True, last_look_age_s=None) == SAMPLE_INTERVAL_S
+    assert sample_interval_s(needs_full_rate=False, last_look_age_s=4.9) == IDLE_SAMPLE_INTERVAL_S
+    assert sample_interval_s(needs_full_rate=True, last_look_age_s=None) == SAMPLE_INTERVAL_S
+
+
+async def test_vram_another_app_may_want_back_keeps_the_service_sampling_every_second(tmp_path, monkeypatch):
+    """A game starting takes VRAM with nothing in flight and nobody looking:
+    the service must notice within a second, not five, to give the GPU back."""
+    from tests.fakes.service import in_process_service, isolate_user_folders
+
+    isolate_user_folders(monkeypatch, tmp_path)
+    async with in_process_service(tmp_path) as rig:
+        service = rig.service
+        assert service.default_model_host.gpu_loaded()
+        # The test config pins yielding off: nothing would be given back, idle rate is fine.
+        assert not service._needs_full_rate()
+        service.set_yield_to_other_apps(True)
+        assert service._needs_full_rate()  # loaded and yielding: a game may want it back
+        service.set_yield_to_other_apps(False)
+        assert not service._needs_full_rate()

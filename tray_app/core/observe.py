@@ -22,20 +22,21 @@ from .memory.telemetry import GpuReader, MemorySnapshot, TelemetryHistory, read_
 log = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL_S = 1.0
-# While nothing is in flight and nobody reads /status at the panel's rate,
-# memory is read this seldom: an idle service (and the tray around it)
-# should cost next to nothing. A request or a reader brings 1 s back within
-# a second.
+# While nothing is in flight, no GPU worker holds VRAM another app may want
+# back, and nobody reads /status at the panel's rate, memory is read this
+# seldom: an idle service (and the tray around it) should cost next to
+# nothing. A request or a reader brings 1 s back within a second.
 IDLE_SAMPLE_INTERVAL_S = 5.0
 # A /status read this recent means someone is looking (the panel and the web
 # page read every second; the tray alone, with its panel closed, every 5 s).
 LOOKED_AT_WITHIN_S = 2.5
 
 
-def sample_interval_s(*, in_flight: bool, last_look_age_s: float | None) -> float:
-    """How often memory is read now: every second while a request is in
-    flight or someone looks at the numbers, else every IDLE_SAMPLE_INTERVAL_S."""
-    if in_flight or (last_look_age_s is not None and last_look_age_s <= LOOKED_AT_WITHIN_S):
+def sample_interval_s(*, needs_full_rate: bool, last_look_age_s: float | None) -> float:
+    """How often memory is read now: every second while the service needs it
+    (a request in flight, VRAM held that another app may need) or someone looks
+    at the numbers, else every IDLE_SAMPLE_INTERVAL_S."""
+    if needs_full_rate or (last_look_age_s is not None and last_look_age_s <= LOOKED_AT_WITHIN_S):
         return SAMPLE_INTERVAL_S
     return IDLE_SAMPLE_INTERVAL_S
 EVENT_LOG_SIZE = 100
@@ -45,11 +46,11 @@ class Observer:
     def __init__(self, gpu_reader: GpuReader, worker_pids: Callable[[], list[int]],
                  degraded_cause: Callable[[], str | None],
                  on_sample: Callable[[MemorySnapshot], None] = lambda snapshot: None,
-                 in_flight: Callable[[], bool] = lambda: True) -> None:
+                 needs_full_rate: Callable[[], bool] = lambda: True) -> None:
         self._gpu_reader = gpu_reader
         self._on_sample = on_sample
         self._worker_pids = worker_pids
-        self._in_flight = in_flight
+        self._needs_full_rate = needs_full_rate
         # When /status was last built (time.monotonic): someone looking.
         self._looked_at: float | None = None
         self._degraded_cause = degraded_cause
@@ -117,7 +118,7 @@ class Observer:
             await asyncio.sleep(SAMPLE_INTERVAL_S)
             now = time.monotonic()
             look_age = None if self._looked_at is None else now - self._looked_at
-            if now - last < sample_interval_s(in_flight=self._in_flight(), last_look_age_s=look_age) - 0.05:
+            if now - last < sample_interval_s(needs_full_rate=self._needs_full_rate(), last_look_age_s=look_age) - 0.05:
                 continue
             last = now
             try:

@@ -101,7 +101,7 @@ class Service:
         # Kept for the model hosts of models added later (rescan_models).
         self._gpu_runtime, self._gpu_missing_reason = gpu_runtime, gpu_missing_reason
         self.observer = Observer(self.gpu_reader, self.worker_pids, self._degraded_cause, on_sample=self._on_sample,
-                                 in_flight=lambda: any(model_host.dispatcher.jobs for model_host in self.model_hosts.values()))
+                                 needs_full_rate=self._needs_full_rate)
         # A GPU worker of ours that is up holds each RPC server's one client slot.
         self.rpc_health = RpcHealth(config.gpu.rpc_servers, in_use=lambda: self.default_model_host.gpu_loaded())
         self.metrics = ServiceMetrics(self.status)
@@ -345,6 +345,16 @@ class Service:
         model_host = model_host or self.default_model_host
         if model_host.sharing is not None:
             model_host.sharing.keep_alive(seconds)
+
+    def _needs_full_rate(self) -> bool:
+        """Whether memory must be read every second even with nobody looking:
+        a request is in flight, or a GPU worker holds VRAM that another app
+        (a game starting) may need back. Giving the GPU back waits on the
+        sampler, so it can't wait 5 s."""
+        return any(model_host.dispatcher.jobs
+                   or (model_host.gpu_loaded() and model_host.sharing is not None
+                       and model_host.sharing.residency.policy.yield_to_other_apps)
+                   for model_host in self.model_hosts.values())
 
     def set_yield_to_other_apps(self, enabled: bool) -> None:
         if self.default_model_host.sharing is None:
