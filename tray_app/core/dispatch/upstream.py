@@ -175,12 +175,15 @@ class PlainDeltas:
         self._their_tail: str | None = None
         self._our_tail = b""
         self._rest: dict[str, Any] = {}
+        # A template that failed its check once fails again: stop trying,
+        # so an odd upstream costs the slow path only, not the learning too.
+        self._gave_up = False
 
     def learn(self, line: str, shaped: dict[str, Any]) -> None:
         """Learn the template from a line the slow path shaped into
         `shaped`, if this line is a plain delta and the template gives
         exactly the bytes the slow path would send."""
-        parts = self._split(line)
+        parts = None if self._gave_up else self._split(line)
         if parts is None or list(shaped)[:2] != ["choices", "created"]:
             return
         _, created, their_tail = parts
@@ -195,6 +198,7 @@ class PlainDeltas:
         made = self.shape(line)
         if made is None or made.wire != wire or made != shaped:
             self._their_tail = None
+            self._gave_up = True
 
     def shape(self, line: str) -> WireEvent | None:
         """The shaped event for `line` (the text after "data:"), or None
