@@ -146,7 +146,11 @@ class GpuConfig:
     # llama-server slots: requests decoded together in one batch. Each slot
     # has its own n_ctx of KV cache, so VRAM grows with this number.
     max_concurrency: int = 4
-    queue_limit: int = 8
+    # Only a memory guard (admission.earliest_finish decides between waiting
+    # and the CPU): each waiting request holds its body, at most
+    # max_body_bytes (4 MiB), so 256 bound a queue at 1024 MiB. Ollama's
+    # OLLAMA_MAX_QUEUE is 512; 8 shed a burst of 64 short requests.
+    queue_limit: int = 256
     # Kept free on the device; why 1 GiB: see policies.DEFAULT_GPU_RESERVE_MIB.
     reserve_mib: int = DEFAULT_GPU_RESERVE_MIB
     # 0 = use the real device through NVML; N > 0 = a simulated device of N MiB.
@@ -217,7 +221,8 @@ class RoutingConfig:
 class CpuConfig:
     n_ctx: int = 2048
     max_concurrency: int = 2
-    queue_limit: int = 16
+    # A memory guard, as [gpu] queue_limit; the time budget refuses the rest.
+    queue_limit: int = 256
     n_threads: int = 0  # 0 = let llama.cpp choose
     # The CPU path refuses work that would leave less RAM than this available.
     ram_floor_mib: int = 1024

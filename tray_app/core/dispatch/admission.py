@@ -7,6 +7,7 @@ That keeps every route reason testable with plain values.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -269,9 +270,10 @@ def decide(request: RequestShape, gpu: GpuView | None, cpu: CpuView) -> Decision
         return Decision(Route.GPU, Reason.ADMITTED, "fits on the GPU",
                         estimated_latency_s=latency_on(gpu.load, request) if gpu.load is not None else None)
     if gpu.lane.has_queue_room and _fits_budget(gpu.backlog_s, request):
-        return Decision(Route.GPU_QUEUE, Reason.ADMITTED, "waiting for a GPU slot",
+        wait = Decision(Route.GPU_QUEUE, Reason.ADMITTED, "waiting for a GPU slot",
                         estimated_latency_s=(latency_on(gpu.load, request) if gpu.load is not None
                                              else round(gpu.backlog_s, 2)))
+        return earliest_finish(request, gpu, cpu, wait)
     if gpu.lane.has_queue_room:
         return _to_cpu(
             request, cpu, Reason.GPU_BUSY,
@@ -283,6 +285,31 @@ def decide(request: RequestShape, gpu: GpuView | None, cpu: CpuView) -> Decision
         f"all {gpu.lane.concurrency} GPU slots are busy and the GPU queue is full "
         f"({gpu.lane.queued}/{gpu.lane.queue_limit})",
     )
+
+
+def earliest_finish(request: RequestShape, gpu: GpuView, cpu: CpuView, gpu_wait: Decision) -> Decision:
+    """All GPU slots are busy and the request may wait for one: wait, or
+    run on the CPU, whichever is expected to finish it first. Both are the
+    queue played forward at each path's measured speed per busy slot count
+    (latency.estimate), so a GPU 10x faster is waited for behind a short
+    queue and left for an idle CPU behind a long one. The number of requests
+    waiting doesn't decide. Without the GPU's load (no speeds to play it
+    forward with) the request waits, as it always did. A peer that would
+    finish sooner still is offer_to_peer's to choose."""
+    if gpu.load is None or gpu_wait.estimated_latency_s is None:
+        return gpu_wait
+    gpu_s = gpu_wait.estimated_latency_s
+    cpu_s = estimate_cpu_latency_s(request, cpu)
+    if gpu_s <= cpu_s:
+        return dataclasses.replace(
+            gpu_wait, detail=f"waiting for a GPU slot: expected to finish in about {gpu_s:.1f} s, "
+                             f"the CPU in {cpu_s:.1f} s")
+    on_cpu = _to_cpu(request, cpu, Reason.GPU_BUSY,
+                     f"all {gpu.lane.concurrency} GPU slots are busy and the CPU is expected to finish first "
+                     f"(about {cpu_s:.1f} s against {gpu_s:.1f} s waiting for the GPU)")
+    # The CPU can't take it after all (down, full, too little RAM, the
+    # client may not use it): waiting for the GPU still answers.
+    return on_cpu if on_cpu.accepted else gpu_wait
 
 
 def _to_cpu(request: RequestShape, cpu: CpuView, why: Reason, detail: str,
@@ -389,7 +416,18 @@ def offer_to_peer(decision: Decision, request: RequestShape, peers: list[PeerVie
     """
     if not peers or request.is_replay:
         return decision, None
-    if decision.route is Route.CPU and decision.reason in GPU_OUT_REASONS:
+    if decision.route is Route.GPU_QUEUE and not decision.waits_for_load:
+        # Waiting for a GPU slot: a fallback peer measured to finish sooner
+        # than the wait takes it (earliest expected finish decides).
+        candidates = [peer for peer in peers if peer.role is PeerRole.FALLBACK
+                      and _finishes_sooner(peer, decision.estimated_latency_s)]
+    elif decision.route is Route.CPU and decision.reason is Reason.GPU_BUSY:
+        # The CPU was chosen over waiting because it finishes sooner: a peer
+        # measured to be slower still than the CPU doesn't take it.
+        candidates = [peer for peer in peers if peer.role is PeerRole.FALLBACK
+                      and (peer.estimated_latency_s is None
+                           or _finishes_sooner(peer, decision.estimated_latency_s, or_equal=True))]
+    elif decision.route is Route.CPU and decision.reason in GPU_OUT_REASONS:
         candidates = [peer for peer in peers if peer.role is PeerRole.FALLBACK]
     elif decision.route is Route.REJECT and decision.reason in CPU_OUT_REASONS:
         candidates = list(peers)
@@ -403,8 +441,18 @@ def offer_to_peer(decision: Decision, request: RequestShape, peers: list[PeerVie
             and peer.estimated_latency_s > request.deadline_s:
         return decision, None
     detail = (f"{decision.detail}; peer {peer.name} takes it before the local CPU" if decision.route is Route.CPU
+              else f"all GPU slots are busy; peer {peer.name} is expected to finish first "
+                   f"(about {peer.estimated_latency_s:.1f} s against {decision.estimated_latency_s:.1f} s "
+                   "waiting for the GPU)" if decision.route is Route.GPU_QUEUE
               else f"{decision.detail}; peer {peer.name} takes it instead")
     return Decision(Route.PEER, Reason.PEER, detail, estimated_latency_s=peer.estimated_latency_s), peer.name
+
+
+def _finishes_sooner(peer: PeerView, local_s: float | None, or_equal: bool = False) -> bool:
+    """Is the peer measured to answer before the local path's estimate?"""
+    if peer.estimated_latency_s is None or local_s is None:
+        return False
+    return peer.estimated_latency_s <= local_s if or_equal else peer.estimated_latency_s < local_s
 
 
 def _fits_budget(wait_s: float, request: RequestShape) -> bool:
