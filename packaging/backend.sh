@@ -7,7 +7,7 @@
 #   CUDA_HOME / CUDA_PATH (default /usr/local/cuda): nvcc off PATH, where
 #     NVIDIA's own installer puts it;
 #   TRAY_APP_VULKAN_INCLUDE_DIR: Vulkan headers the user brings (an SDK).
-# tests/unit/test_install_plan.py drives it through `install.sh --plan`.
+# tests/unit/packaging/test_install_plan.py drives it through `install.sh --plan`.
 
 VULKAN_APT_PACKAGES="libvulkan-dev glslc spirv-headers pkg-config mesa-vulkan-drivers"
 # Debian 12's Vulkan headers (1.3.239) lack VK_EXT_layer_settings, which the

@@ -1,7 +1,7 @@
 """One real /status, as the in-process service answered it (a simulated GPU,
 both workers ready, a peer that served one request), for tests of the code
 that reads /status: start from it and change what the test is about, so the
-rest conforms to the contract (tests/unit/test_status_contract.py checks it does).
+rest conforms to the contract (tests/unit/core/test_status_contract.py checks it does).
 `conforming()` completes a test's own trimmed status the same way."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from tray_app.core.dispatch import peer as peer_module
 from tray_app.core.dispatch.peer import (
     ANSWER_EVENT_MARGIN, ERROR_BODY_MAX_BYTES, HOP_HEADER, MODELS_MAX_BYTES, Peer, PeerFailure, Peers,
 )
-from tests.unit.test_dispatcher import Sink, make_job, make_rig, run_job
+from tests.unit.core.dispatch.test_dispatcher import Sink, make_job, make_rig, run_job
 
 SHAPE = RequestShape(prompt_tokens=10, max_tokens=10)
 GPU_OUT = Decision(Route.CPU, Reason.GPU_VRAM_HEADROOM, "needs 900 MiB but only 100 MiB is free",
@@ -435,7 +435,7 @@ async def test_an_odd_models_answer_is_the_peers_problem_and_the_checks_go_on():
 
 
 async def test_a_request_redirected_from_the_gpu_queue_goes_to_the_peer_not_the_cpu():
-    from tests.unit.test_dispatcher import Gate
+    from tests.unit.core.dispatch.test_dispatcher import Gate
 
     rig, peer = await peer_rig(FakePeerServer())
     gate = Gate()

@@ -14,7 +14,7 @@ import pytest
 from tests.fakes.clock import FakeClock
 from tests.fakes.upstream import FakeUpstream
 from tests.fakes.worker import FakeWorker
-from tests.unit.test_dispatcher import Sink, make_job
+from tests.unit.core.dispatch.test_dispatcher import Sink, make_job
 from tray_app.core.config import PeerEntry
 from tray_app.core.dispatch import upstream as upstream_module
 from tray_app.core.dispatch.backend import Backend, Deadlines

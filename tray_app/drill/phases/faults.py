@@ -180,7 +180,7 @@ def poison_request(drill: DrillSession, phase: PhaseResult) -> None:
     # The traffic around it runs on the CPU: llama-server decodes its slots
     # together, so a crash is pinned on a request only when it was alone in
     # the process; with others inside, all of them are replayed instead
-    # (tests/unit/test_dispatcher.py covers that case).
+    # (tests/unit/core/dispatch/test_dispatcher.py covers that case).
     normal = [drill.record(phase, f"normal traffic #{i + 1}", stream=i % 2 == 1, forced_cpu=True,
                            max_tokens=8, prompt_key=f"poison-neighbour-{i}") for i in range(POISON_NEIGHBOURS)]
     with ThreadPoolExecutor(1 + len(normal)) as pool:

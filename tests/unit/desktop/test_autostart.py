@@ -19,7 +19,7 @@ from tray_app.desktop.autostart import (
     menu_entry_path,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # Tools the fake machine provides or lacks on purpose; everything else on the
 # real PATH (coreutils, sed, grep) is linked in as it is.
 FAKED = {"nvidia-smi", "nvcc", "glslc", "glslangValidator", "pkg-config", "pkgconf", "x86_64-linux-gnu-pkg-config",

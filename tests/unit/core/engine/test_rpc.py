@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_estimate import llama3_8b_shape
-from tests.unit.test_rpc_protocol import fake_rpc_server
+from tests.unit.core.memory.test_estimate import llama3_8b_shape
+from tests.unit.core.engine.test_rpc_protocol import fake_rpc_server
 from tray_app.cli.rpc_worker import is_loopback, rpc_server_argv, run_rpc_worker
 from tray_app.core.config import ConfigError, parse_config_text, rpc_address_problem
 from tray_app.core.engine.runtime import LaunchRequest, LlamaServerRuntime

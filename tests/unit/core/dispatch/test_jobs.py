@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from tests.unit.test_dispatcher import make_job, make_rig, run_job
+from tests.unit.core.dispatch.test_dispatcher import make_job, make_rig, run_job
 from tray_app.core.dispatch.jobs import Job, JobKind, JobRequest
 
 

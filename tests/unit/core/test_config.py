@@ -110,7 +110,7 @@ def test_bundled_model_is_found():
 def test_the_commented_example_config_is_the_defaults():
     from pathlib import Path
 
-    example = Path(__file__).resolve().parents[2] / "resources" / "config.example.toml"
+    example = Path(__file__).resolve().parents[3] / "resources" / "config.example.toml"
     config = parse_config_text(example.read_text())
     assert config == Config(source=None)
     # ...and names every key, so it is the one place to read about them.
@@ -134,7 +134,7 @@ def test_the_example_config_documents_every_peers_key():
 
     from tray_app.core.config import PeerEntry
 
-    text = (Path(__file__).resolve().parents[2] / "resources" / "config.example.toml").read_text()
+    text = (Path(__file__).resolve().parents[3] / "resources" / "config.example.toml").read_text()
     lines = text.splitlines()
     start = lines.index("# [[peers]]")
     table = "\n".join(line[2:] for line in itertools.takewhile(lambda line: line.startswith("# "), lines[start:]))
