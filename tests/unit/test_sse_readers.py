@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from tray_app.core.http_basics import SseLineSplitter, SseLineTooLong, sse_lines
+from tray_app.core.base.http_basics import SseLineSplitter, SseLineTooLong, sse_lines
 from tray_app.drill import profiles
 from tray_app.drill.client import DrillClient, DrillClock
 from tray_app.drill.records import RequestRecord

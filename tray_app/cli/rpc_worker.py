@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-from ..core.http_basics import is_loopback
+from ..core.base.http_basics import is_loopback
 
 DEFAULT_RPC_PORT = 50052  # llama.cpp's rpc-server default
 UNDERSTOOD_FLAG = "--i-understand-rpc-has-no-authentication"

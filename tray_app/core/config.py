@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import platformdirs
 
 from .base.files import make_private_dir, write_atomically
-from .http_basics import is_loopback
+from .base.http_basics import is_loopback
 from .base.policies import DEFAULT_GPU_RESERVE_MIB, BreakerPolicy, RestartPolicy
 
 APP_NAME = "tray-app"

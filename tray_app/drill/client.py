@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from ..core.api.security import bearer_header
-from ..core.http_basics import sse_lines
+from ..core.base.http_basics import sse_lines
 from ..core.status_contract import Status, validate_status
 from .records import RequestRecord
 

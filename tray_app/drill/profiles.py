@@ -29,7 +29,7 @@ import psutil
 from ..core.config import bundled_model_path
 from ..core.engine.runtime import LaunchRequest, LlamaCppPythonRuntime
 from ..core.engine.worker import free_loopback_port
-from ..core.http_basics import sse_lines
+from ..core.base.http_basics import sse_lines
 from ..core.memory.estimate import MIB, WorkerSettings, estimate_worker
 from ..core.memory.gguf_info import ModelInfo, read_model_info
 

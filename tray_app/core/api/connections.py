@@ -29,7 +29,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ..http_basics import is_loopback
+from ..base.http_basics import is_loopback
 
 # Where the HTTP server puts a request's ClientConnection in its ASGI scope
 # (under "extensions"), for the access guard.

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from ..http_basics import bearer_header, is_loopback
+from ..base.http_basics import bearer_header, is_loopback
 from ..access.keys import LEGACY_KEY_NAME, TRAY_KEY_NAME, ApiKey, KeyStore
 from .connections import CONNECTION_SCOPE_KEY, ClientConnection, ConnectionLedger, client_key, retry_after_header
 from .errors import error_body_for_path

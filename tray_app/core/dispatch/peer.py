@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ..http_basics import bearer_header, is_loopback
+from ..base.http_basics import bearer_header, is_loopback
 from .admission import PeerRole, PeerView
 from .breaker import BreakerPolicy, BreakerState, CircuitBreaker
 from .jobs import Attempt, Job, PathSpeed

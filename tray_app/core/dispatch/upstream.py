@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn, Protocol
 
 import httpx
 
-from ..http_basics import SseLineSplitter, SseLineTooLong, aiter_sse_lines
+from ..base.http_basics import SseLineSplitter, SseLineTooLong, aiter_sse_lines
 from .jobs import Attempt, Job, JobFailed, JobKind, WorkerFailure
 
 # How often a request that waits on an upstream asks whether it can still

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from ...core.http_basics import SseLineSplitter
+from ...core.base.http_basics import SseLineSplitter
 # In core: the note inside a degraded answer says the same words as the banner.
 from ...core.base.route_reasons import route_reason_text
 from .formatting import fmt_seconds

@@ -35,7 +35,7 @@ class SseLineSplitter:
     splits them: LF and CRLF. str.splitlines and httpx's iter_lines also
     split on U+0085, U+2028 and U+2029, which JSON leaves raw inside
     strings: a model that writes one cuts an event in two (the fuzzer found
-    it). Every SSE reader here (the router's upstreams, the drill, the UI)
+    it). Every SSE reader here (the service's upstreams, the drill, the UI)
     splits with this one."""
 
     def __init__(self, max_line_bytes: int | None = None) -> None:
