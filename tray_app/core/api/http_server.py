@@ -1,4 +1,4 @@
-"""The HTTP server for the router: uvicorn, with the limits a home server needs.
+"""The HTTP server for the service: uvicorn, with the limits a home server needs.
 
 uvicorn answers a malformed request with plain text and has no deadline for
 a client that trickles its headers (slowloris). Both happen before the app
@@ -209,7 +209,7 @@ def build_server(config: Config, service: Service | None = None, log_level: str 
                  manage_lifecycle: bool = True,
                  server_class: type[uvicorn.Server] = uvicorn.Server,
                  **uvicorn_options) -> tuple[uvicorn.Server, Service]:
-    """The router app behind the access guard, in a uvicorn server with our limits.
+    """The HTTP app behind the access guard, in a uvicorn server with our limits.
     On a background thread pass ThreadedServer (or a subclass) as server_class."""
     service = service or Service(config)
     app = create_app(service, manage_lifecycle=manage_lifecycle)

@@ -1,6 +1,6 @@
 """Admission control: a pure function from (request, observed state) to a decision.
 
-It never logs, sleeps or reads anything: the router gathers the inputs
+It never logs, sleeps or reads anything: the dispatcher gathers the inputs
 (VRAM observed free, queue depths, breaker verdict) and applies the result.
 That keeps every route reason testable with plain values.
 """
@@ -151,7 +151,7 @@ class LaneState:
 
 @dataclass(frozen=True)
 class GpuView:
-    """The GPU path as the router sees it right now."""
+    """The GPU path as the dispatcher sees it right now."""
 
     lane: LaneState
     # None when the GPU path can serve; else why not (worker not ready, breaker open, paused, no device).
