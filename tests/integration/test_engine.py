@@ -124,7 +124,10 @@ def test_a_burst_past_the_slots_waits_and_every_request_is_answered(fresh_engine
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         answers = list(pool.map(ask, range(12)))
     assert [a.status_code for a in answers] == [200] * 12
-    assert {a.headers["x-served-by"] for a in answers} == {"gpu"}
+    # None shed: each waited for a GPU slot or, where the CPU was expected to
+    # finish it first (earliest expected finish, issue 32), ran there at once.
+    assert {(a.headers["x-served-by"], a.headers["x-route-reason"]) for a in answers} <= {
+        ("gpu", "admitted"), ("cpu", "gpu_busy")}
 
 
 def test_closing_the_stream_frees_the_slot_within_a_second(fresh_engine):
@@ -164,7 +167,10 @@ def test_a_wait_over_the_clients_budget_goes_to_the_cpu_at_once(fresh_engine):
                    for _ in range(4)]
         wait_busy(fresh_engine, "gpu", 4)
         started = time.monotonic()
-        quick = fresh_engine.http.post("/v1/chat/completions", headers={"X-Request-Timeout": "1"}, json={
+        # A budget the GPU's wait (about 30 s here) is over and the CPU's measured
+        # time for 4 tokens fits, on a busy 2-core machine too (there it
+        # measured about 1.6 s once the CPU had served part of a burst).
+        quick = fresh_engine.http.post("/v1/chat/completions", headers={"X-Request-Timeout": "4"}, json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         waited = time.monotonic() - started
         for request_id in [r["id"] for r in fresh_engine.status()["requests"] if r["path"] == "gpu"]:
