@@ -35,7 +35,7 @@ class ConfigError(Exception):
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the bind address ([server] host keeps its name: users write it)
     port: int = DEFAULT_PORT
     api_key: str = ""
     cors_origins: tuple[str, ...] = ()
@@ -508,12 +508,12 @@ SHORTEST_LAN_API_KEY = 16
 MAKE_API_KEY_COMMAND = "python -c 'import secrets; print(secrets.token_urlsafe(24))'"
 
 
-def lan_api_key_problem(host: str, api_key: str) -> str | None:
-    """Why `api_key` is too weak to guard a bind of `host`, or None. A
+def lan_api_key_problem(bind_address: str, api_key: str) -> str | None:
+    """Why `api_key` is too weak to guard the bind address `bind_address`, or None. A
     loopback bind needs no key; a missing key is bind_problem's to say."""
-    if is_loopback(host) or not api_key or len(api_key) >= SHORTEST_LAN_API_KEY:
+    if is_loopback(bind_address) or not api_key or len(api_key) >= SHORTEST_LAN_API_KEY:
         return None
-    return (f"binding {host} exposes the API to other machines, and its API key has only {len(api_key)} "
+    return (f"binding {bind_address} exposes the API to other machines, and its API key has only {len(api_key)} "
             f"characters: anyone on the network could guess it, so it needs at least {SHORTEST_LAN_API_KEY}. "
             f"Make one with: {MAKE_API_KEY_COMMAND}, and set it in TRAY_APP_API_KEY "
             "(or [server] api_key in the config)")

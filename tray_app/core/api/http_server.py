@@ -214,7 +214,7 @@ def build_server(config: Config, service: Service | None = None, log_level: str 
     service = service or Service(config)
     app = create_app(service, manage_lifecycle=manage_lifecycle)
     policy = AccessPolicy.build(
-        api_key=effective_api_key(config.server.api_key), bound_host=config.server.host,
+        api_key=effective_api_key(config.server.api_key), bind_address=config.server.host,
         allowed_hosts=config.server.allowed_hosts, cors_origins=config.server.cors_origins, keys=KeyStore(),
     )
     ledger = ConnectionLedger(config.server.max_connections, key_required=policy.key_required)

@@ -90,11 +90,11 @@ def effective_api_key(configured: str) -> str:
     return os.environ.get(API_KEY_ENV, "") or configured
 
 
-def bind_problem(host: str, api_key: str, named_keys: bool = False) -> str | None:
-    """Why binding `host` is refused, or None."""
-    if is_loopback(host) or api_key or named_keys:
+def bind_problem(bind_address: str, api_key: str, named_keys: bool = False) -> str | None:
+    """Why binding `bind_address` is refused, or None."""
+    if is_loopback(bind_address) or api_key or named_keys:
         return None
-    return (f"binding {host} exposes the API to other machines, so it needs an API key: "
+    return (f"binding {bind_address} exposes the API to other machines, so it needs an API key: "
             f"export {API_KEY_ENV}=<a long random string> (or set [server] api_key in the config), "
             "then send 'Authorization: Bearer <key>'")
 
@@ -110,16 +110,16 @@ def host_name(host_header: str) -> str:
 @dataclass(frozen=True)
 class AccessPolicy:
     api_key: str
-    bound_host: str
+    bind_address: str
     allowed_hosts: frozenset[str]
     cors_origins: frozenset[str]
     # The named keys (keys.py), read again when their file changes.
     keys: KeyStore | None = None
 
     @classmethod
-    def build(cls, api_key: str, bound_host: str, allowed_hosts: Iterable[str], cors_origins: Iterable[str],
+    def build(cls, api_key: str, bind_address: str, allowed_hosts: Iterable[str], cors_origins: Iterable[str],
               keys: KeyStore | None = None):
-        return cls(api_key, bound_host.lower(), frozenset(h.lower() for h in allowed_hosts),
+        return cls(api_key, bind_address.lower(), frozenset(h.lower() for h in allowed_hosts),
                    frozenset(o.rstrip("/") for o in cors_origins), keys)
 
     @property
@@ -148,7 +148,7 @@ class AccessPolicy:
         if name in self.allowed_hosts or is_loopback(name):
             return True
         # Bound to a LAN address: clients use that address (or a configured name).
-        return not is_loopback(self.bound_host) and self.bound_host not in ("0.0.0.0", "::") and name == self.bound_host
+        return not is_loopback(self.bind_address) and self.bind_address not in ("0.0.0.0", "::") and name == self.bind_address
 
     def origin_allowed(self, origin: str) -> bool:
         origin = origin.rstrip("/")

@@ -67,7 +67,7 @@ def test_a_hand_broken_file_is_an_error_that_names_it(store):
 
 def test_policy_names_the_key_a_request_was_made_with(store):
     raw = store.add("ops", "admin")
-    policy = AccessPolicy.build(api_key="legacy-key", bound_host="127.0.0.1", allowed_hosts=(), cors_origins=(),
+    policy = AccessPolicy.build(api_key="legacy-key", bind_address="127.0.0.1", allowed_hosts=(), cors_origins=(),
                                 keys=store)
     assert policy.authenticate(f"Bearer {raw}") == (True, store.get("ops"))
     passed, legacy = policy.authenticate(None, "legacy-key")
@@ -77,7 +77,7 @@ def test_policy_names_the_key_a_request_was_made_with(store):
 
 
 def test_without_any_key_everyone_passes_as_nobody(store):
-    open_policy = AccessPolicy.build(api_key="", bound_host="127.0.0.1", allowed_hosts=(), cors_origins=(),
+    open_policy = AccessPolicy.build(api_key="", bind_address="127.0.0.1", allowed_hosts=(), cors_origins=(),
                                      keys=store)
     assert not open_policy.key_required
     assert open_policy.authenticate(None) == (True, None)
@@ -98,7 +98,7 @@ def test_a_running_store_keeps_its_keys_when_the_file_is_broken_by_hand(store):
 
 
 def test_the_trays_own_key_is_an_admin_key_when_named_keys_close_the_port(store):
-    policy = AccessPolicy.build(api_key="", bound_host="127.0.0.1", allowed_hosts=(), cors_origins=(), keys=store)
+    policy = AccessPolicy.build(api_key="", bind_address="127.0.0.1", allowed_hosts=(), cors_origins=(), keys=store)
     store.add("phone")
     passed, tray = policy.authenticate(f"Bearer {process_admin_key()}")
     assert passed and tray is not None and tray.name == "tray" and tray.is_admin

@@ -11,7 +11,7 @@ from tray_app.core.api.security import API_KEY_ENV, AccessGuard, AccessPolicy, b
 
 
 def policy(allowed_hosts=()) -> AccessPolicy:
-    return AccessPolicy.build(api_key="", bound_host="127.0.0.1", allowed_hosts=allowed_hosts, cors_origins=())
+    return AccessPolicy.build(api_key="", bind_address="127.0.0.1", allowed_hosts=allowed_hosts, cors_origins=())
 
 
 def test_the_environment_key_wins_over_the_configured_one(monkeypatch):
@@ -61,7 +61,7 @@ def test_pages_on_this_machine_are_allowed_origins_by_default_and_lookalikes_are
 
 
 def test_configured_origins_are_allowed_besides_the_local_ones():
-    configured = AccessPolicy.build(api_key="", bound_host="127.0.0.1", allowed_hosts=(),
+    configured = AccessPolicy.build(api_key="", bind_address="127.0.0.1", allowed_hosts=(),
                                     cors_origins=["app://obsidian.md"])
     assert configured.origin_allowed("app://obsidian.md") and configured.origin_allowed("http://localhost:3000")
 
@@ -85,7 +85,7 @@ async def _ok(scope, receive, send) -> None:
 
 def keyed_guard(clock: FakeClock) -> tuple[AccessGuard, ConnectionLedger]:
     ledger = ConnectionLedger(256, key_required=True)
-    keyed = AccessPolicy.build(api_key=KEY, bound_host="0.0.0.0", allowed_hosts=(), cors_origins=())
+    keyed = AccessPolicy.build(api_key=KEY, bind_address="0.0.0.0", allowed_hosts=(), cors_origins=())
     return AccessGuard(_ok, keyed, ledger, clock=clock), ledger
 
 
