@@ -52,7 +52,7 @@ GPU_FOOTPRINT_OWNER = "gpu-worker"
 
 
 class HostOwner(Protocol):
-    """What a host uses of the service that owns it: the parts all models share."""
+    """What a model host uses of the service that owns it: the parts all models share."""
 
     config: Any
     clock: Callable[[], float]
@@ -72,9 +72,9 @@ class HostOwner(Protocol):
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """All a host reads from the disk: both paths' GGUF headers and system
-    fingerprints. Read apart from building the host, so that a rescan reads
-    them in a thread and builds the host on the event loop."""
+    """All a model host reads from the disk: both paths' GGUF headers and system
+    fingerprints. Read apart from building the model host, so that a rescan reads
+    them in a thread and builds the model host on the event loop."""
 
     model_info: ModelInfo
     fallback_info: ModelInfo
@@ -154,7 +154,7 @@ class ModelHost:
             gpu_worker=gpu_missing_reason is None, simulated=service.simulated is not None,
             layers_offloaded=estimate.layers_offloaded(self.model_info, model.gpu_layers),
             layers_total=self.model_info.n_layer + 1)
-        hooks = _HostHooks(self)
+        hooks = _ModelHostHooks(self)
         backends = {"cpu": self._backend("cpu", runtime, hooks, files.cpu_fingerprint)}
         if gpu_missing_reason is None:
             backends["gpu"] = self._backend("gpu", gpu_runtime, hooks, files.gpu_fingerprint)
@@ -446,42 +446,42 @@ class ModelHost:
         service.observer.advance()
 
 
-class _HostHooks(WorkerHooks):
-    def __init__(self, host: ModelHost) -> None:
-        self._host = host
+class _ModelHostHooks(WorkerHooks):
+    def __init__(self, model_host: ModelHost) -> None:
+        self._model_host = model_host
 
     async def before_spawn(self, worker: Worker) -> LaunchExtras:
-        return await self._host.before_spawn(worker)
+        return await self._model_host.before_spawn(worker)
 
     def on_event(self, event: WorkerEvent) -> None:
-        self._host.on_worker_event(event)
+        self._model_host.on_worker_event(event)
 
 
 class _DispatchEvents:
     """The dispatcher's effects on the rest of the service: the event log,
     degraded mode, the metrics and the GPU recovery clock."""
 
-    def __init__(self, host: ModelHost) -> None:
-        self._host = host
+    def __init__(self, model_host: ModelHost) -> None:
+        self._model_host = model_host
 
     def note(self, kind: str, **data: Any) -> None:
-        self._host.note(kind, **data)
+        self._model_host.note(kind, **data)
 
     def changed(self) -> None:
-        self._host.service.observer.advance()
+        self._model_host.service.observer.advance()
 
     def decided(self, job: Job, decision: Decision) -> None:
         path = {Route.GPU: "gpu", Route.GPU_QUEUE: "gpu", Route.CPU: "cpu", Route.PEER: "peer"}.get(
             decision.route, "rejected")
-        metrics = self._host.service.metrics
+        metrics = self._model_host.service.metrics
         metrics.requests.labels(path, decision.reason.value).inc()
-        metrics.model_requests.labels(self._host.model_id, path).inc()
-        self._host.requests_by_path[path] += 1
+        metrics.model_requests.labels(self._model_host.model_id, path).inc()
+        self._model_host.requests_by_path[path] += 1
         if decision.reason in (Reason.GPU_FAILED_REPLAYED, Reason.PEER_FAILED_REPLAYED):
             metrics.replays.inc()
 
     def completed(self, job: Job, attempt: Attempt) -> None:
-        metrics = self._host.service.metrics
+        metrics = self._model_host.service.metrics
         first = attempt.first_token_at or attempt.ended_at
         assert first is not None and attempt.ended_at is not None
         metrics.ttft.labels(attempt.path).observe(first - attempt.started_at)
@@ -491,11 +491,11 @@ class _DispatchEvents:
             # A replay's first token: the client's first byte after the GPU's fault.
             seconds = attempt.first_token_at - job.fault.at
             metrics.failover_seconds.labels(job.fault.kind).observe(seconds)
-            self._host.service.observer.failed_over(job.fault.kind, seconds, id=job.id)
+            self._model_host.service.observer.failed_over(job.fault.kind, seconds, id=job.id)
 
     def gpu_failed(self, job: Job, reason: str) -> None:
-        self._host._gpu_failed_at = self._host._clock()
-        self._host.service.metrics.gpu_failures.labels("yes" if job.committed else "no").inc()
+        self._model_host._gpu_failed_at = self._model_host._clock()
+        self._model_host.service.metrics.gpu_failures.labels("yes" if job.committed else "no").inc()
 
 
 def system_fingerprint(engine: str, model_path: Path) -> str:

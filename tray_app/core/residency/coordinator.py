@@ -25,7 +25,7 @@ MIB = 1024 * 1024
 
 
 class ResidentModel(Protocol):
-    """What the coordinator reads of a model's host (host.ModelHost)."""
+    """What the coordinator reads of a model host (model_host.ModelHost)."""
 
     name: str
     model_id: str
