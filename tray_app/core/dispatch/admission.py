@@ -298,6 +298,9 @@ def earliest_finish(request: RequestShape, gpu: GpuView, cpu: CpuView, gpu_wait:
     finish sooner still is offer_to_peer's to choose."""
     if gpu.load is None or gpu_wait.estimated_latency_s is None:
         return gpu_wait
+    if cpu.lane.slots_wanted > cpu.lane.concurrency:
+        # More choices (n) than the CPU has slots: only the GPU can run it.
+        return gpu_wait
     gpu_s = gpu_wait.estimated_latency_s
     cpu_s = estimate_cpu_latency_s(request, cpu)
     if gpu_s <= cpu_s:

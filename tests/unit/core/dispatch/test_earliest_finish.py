@@ -71,6 +71,9 @@ def test_the_cpus_own_backlog_and_refusals_count_against_it():
     assert decide(REQUEST, gpu, idle_cpu(can_serve=False)).route is Route.GPU_QUEUE
     assert decide(replace(REQUEST, no_fallback=True), gpu, idle_cpu()).route is Route.GPU_QUEUE
     assert decide(REQUEST, gpu, idle_cpu(host_available_mib=1000)).route is Route.GPU_QUEUE
+    # n=3 needs three slots at once: the CPU has two.
+    three = idle_cpu(lane=replace(idle_cpu().lane, slots_wanted=3))
+    assert decide(REQUEST, replace(gpu, lane=replace(gpu.lane, slots_wanted=3)), three).route is Route.GPU_QUEUE
 
 
 def test_a_peer_measured_to_finish_sooner_than_the_gpu_wait_takes_the_request():
