@@ -404,6 +404,10 @@ class PeerView:
     role: PeerRole
     # The measured time to an answer of this size (None until measured).
     estimated_latency_s: float | None = None
+    # The measured time to all of max_tokens: the length the local paths'
+    # estimates count, so earliest finish compares like with like (None:
+    # estimated_latency_s is the one to compare).
+    finish_s: float | None = None
 
 
 def offer_to_peer(decision: Decision, request: RequestShape, peers: list[PeerView]) -> tuple[Decision, str | None]:
@@ -453,9 +457,10 @@ def offer_to_peer(decision: Decision, request: RequestShape, peers: list[PeerVie
 
 def _finishes_sooner(peer: PeerView, local_s: float | None, or_equal: bool = False) -> bool:
     """Is the peer measured to answer before the local path's estimate?"""
-    if peer.estimated_latency_s is None or local_s is None:
+    peer_s = peer.finish_s if peer.finish_s is not None else peer.estimated_latency_s
+    if peer_s is None or local_s is None:
         return False
-    return peer.estimated_latency_s <= local_s if or_equal else peer.estimated_latency_s < local_s
+    return peer_s <= local_s if or_equal else peer_s < local_s
 
 
 def _fits_budget(wait_s: float, request: RequestShape) -> bool:

@@ -162,7 +162,8 @@ class Peer:
         return None
 
     def view(self, prompt_tokens: int, max_tokens: int, expected_tokens: int) -> PeerView:
-        return PeerView(self.name, self.role, self.estimate_s(prompt_tokens, min(max_tokens, expected_tokens)))
+        return PeerView(self.name, self.role, self.estimate_s(prompt_tokens, min(max_tokens, expected_tokens)),
+                        finish_s=self.estimate_s(prompt_tokens, max_tokens))
 
     def estimate_s(self, prompt_tokens: int, answer_tokens: int) -> float | None:
         """Seconds to an answer of this size: the network round trip plus

@@ -86,6 +86,9 @@ def test_a_peer_measured_to_finish_sooner_than_the_gpu_wait_takes_the_request():
     # Slower than waiting, or unmeasured, or only an overflow peer: wait.
     for other in (slow, replace(fast, estimated_latency_s=None), replace(fast, role=PeerRole.OVERFLOW)):
         assert offer_to_peer(decision, REQUEST, [other]) == (decision, None)
+    # Compared at the same length as the local estimates (all of max_tokens),
+    # not the shorter expected answer the client is told.
+    assert offer_to_peer(decision, REQUEST, [replace(fast, finish_s=9.0)]) == (decision, None)
 
 
 def test_a_peer_slower_than_the_cpu_chosen_over_the_gpu_leaves_it_on_the_cpu():
