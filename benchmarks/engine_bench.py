@@ -10,10 +10,17 @@ drift (thermal, page cache) hits both sides alike.
 
 1. 4 concurrent streams of 128 tokens: aggregate tokens/s and TTFT p50.
 2. One stream: decode tokens/s; and a tiny request (max_tokens 1): latency p50.
-3. A burst of 32 short requests (max_tokens 8) at once: answered, shed, and
-   the time to the last answer.
+3. A burst of 64 short requests (max_tokens 8) at once: answered, shed, and
+   the time to the last answer, with the service's default queue limits
+   (issue 32: none shed, done no later than llama-server alone).
 4. RSS per worker: a llama-server worker against llama-cpp-python's server
    on the same model and context.
+5. CPU only: the service with no GPU path (its CPU worker with the same
+   slots and threads) against llama-server directly: one stream's decode
+   and 4 streams' aggregate and TTFT p50.
+
+The load average is printed before and after: on a shared machine it says
+how much of a difference is the machine's.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from benchmarks import anchors  # noqa: E402
 from tests.harness import RunningService  # noqa: E402
 
 SLOTS = 4
+# Issue 32's burst: none may be shed.
+BURST = 64
 N_CTX = 2048
 PROMPTS = [
     "Write a short poem about autumn leaves.",
@@ -52,7 +61,6 @@ def service_config(threads: int) -> str:
 simulate_mib = 8192
 n_ctx = {N_CTX}
 max_concurrency = {SLOTS}
-queue_limit = 64
 reserve_mib = 256
 first_token_timeout_s = 300
 token_timeout_s = 120
@@ -112,6 +120,52 @@ async def tiny(url: str, runs: int) -> float:
     return statistics.median(times)
 
 
+def cpu_only_config(threads: int) -> str:
+    # No GPU path at all: every request is the CPU worker's, with the slots
+    # and threads llama-server gets when started directly.
+    return f"""
+[gpu]
+enabled = false
+[cpu]
+n_ctx = {N_CTX}
+max_concurrency = {SLOTS}
+n_threads = {threads}
+ram_floor_mib = 256
+[server]
+queue_timeout_s = 600
+"""
+
+
+def measure(urls: dict[str, str], rounds: int, run) -> dict[str, list]:
+    """`run(url)` on each side, `rounds` times, alternating which goes first
+    so drift (thermal, page cache) hits both sides alike."""
+    values: dict[str, list] = {side: [] for side in urls}
+    for round_index in range(rounds):
+        order = list(urls) if round_index % 2 == 0 else list(reversed(urls))
+        for side in order:
+            values[side].append(asyncio.run(run(urls[side])))
+    return values
+
+
+def report_streams(urls: dict[str, str], rounds: int, max_tokens: int) -> None:
+    """4 concurrent streams, then one stream's decode: medians, and the ratios."""
+    both = measure(urls, rounds, lambda url: concurrent(url, SLOTS, max_tokens))
+    tps = {k: statistics.median(v[0] for v in vs) for k, vs in both.items()}
+    ttft = {k: statistics.median(v[1] for v in vs) for k, vs in both.items()}
+    print(f"== {SLOTS} concurrent streams x {max_tokens} tokens (medians) ==")
+    for side in urls:
+        print(f"  {side:8} {tps[side]:7.1f} tokens/s   TTFT p50 {ttft[side] * 1000:7.1f} ms")
+    print(f"  service/direct: tokens/s x{tps['service'] / tps['direct']:.3f}, "
+          f"TTFT x{ttft['service'] / ttft['direct']:.3f}")
+    decode = {k: statistics.median(v) for k, v in measure(urls, rounds, lambda url: single(url, max_tokens)).items()}
+    print(f"== one stream: decode {', '.join(f'{side} {decode[side]:.1f}' for side in urls)} tokens/s; "
+          f"service/direct x{decode['service'] / decode['direct']:.3f} ==")
+
+
+def load_average() -> str:
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
 async def burst(url: str, requests: int) -> tuple[int, int, float]:
     """(answered, shed, seconds to the last answer) of `requests` sent at once."""
     async with httpx.AsyncClient(base_url=url, timeout=600,
@@ -145,39 +199,22 @@ def main() -> int:
                                           threads=args.threads)
             urls = {"direct": direct.url, "service": service.url}
             print(f"engine: {engine['version']}; {SLOTS} slots x n_ctx {N_CTX}, {args.threads} threads, "
-                  f"{args.rounds} rounds, alternating")
+                  f"{args.rounds} rounds, alternating; load average {load_average()}")
             for url in urls.values():  # warm both
                 asyncio.run(concurrent(url, SLOTS, 8))
 
-            def measure(run):
-                values: dict[str, list] = {"direct": [], "service": []}
-                for round_index in range(args.rounds):
-                    order = ["direct", "service"] if round_index % 2 == 0 else ["service", "direct"]
-                    for side in order:
-                        values[side].append(asyncio.run(run(urls[side])))
-                return values
+            report_streams(urls, args.rounds, args.max_tokens)
+            small = {k: statistics.median(v) for k, v in measure(urls, args.rounds, lambda url: tiny(url, 30)).items()}
+            print(f"== a tiny request (max_tokens=1) p50: "
+                  f"{', '.join(f'{side} {small[side] * 1000:.1f} ms' for side in urls)}; "
+                  f"the service adds {(small['service'] - small['direct']) * 1000:+.1f} ms ==")
 
-            both = measure(lambda url: concurrent(url, SLOTS, args.max_tokens))
-            tps = {k: statistics.median(v[0] for v in vs) for k, vs in both.items()}
-            ttft = {k: statistics.median(v[1] for v in vs) for k, vs in both.items()}
-            print(f"== {SLOTS} concurrent streams x {args.max_tokens} tokens (medians) ==")
+            print(f"== burst of {BURST} requests, max_tokens 8, sent at once ==")
+            took = {}
             for side in urls:
-                print(f"  {side:8} {tps[side]:7.1f} tokens/s   TTFT p50 {ttft[side] * 1000:7.1f} ms")
-            print(f"  service/direct: tokens/s x{tps['service'] / tps['direct']:.3f}, "
-                  f"TTFT x{ttft['service'] / ttft['direct']:.3f}")
-
-            decode = {k: statistics.median(v) for k, v in measure(lambda url: single(url, args.max_tokens)).items()}
-            small = {k: statistics.median(v) for k, v in measure(lambda url: tiny(url, 30)).items()}
-            print("== one stream ==")
-            for side in urls:
-                print(f"  {side:8} decode {decode[side]:7.1f} tokens/s   max_tokens=1 p50 {small[side] * 1000:7.1f} ms")
-            print(f"  service/direct: decode x{decode['service'] / decode['direct']:.3f}; "
-                  f"a tiny request adds {(small['service'] - small['direct']) * 1000:+.1f} ms at p50")
-
-            print("== burst of 32 requests, max_tokens 8, sent at once ==")
-            for side in urls:
-                answered, shed, elapsed = asyncio.run(burst(urls[side], 32))
-                print(f"  {side:8} answered {answered}/32, shed {shed}, last answer after {elapsed:.2f} s")
+                answered, shed, took[side] = asyncio.run(burst(urls[side], BURST))
+                print(f"  {side:8} answered {answered}/{BURST}, shed {shed}, last answer after {took[side]:.2f} s")
+            print(f"  service/direct: time to the last answer x{took['service'] / took['direct']:.3f}")
 
             status = service.status()
             print("== RSS per worker (after the runs above) ==")
@@ -197,7 +234,28 @@ def main() -> int:
             service.stop()
             if direct is not None:
                 direct.stop()
+        cpu_only(Path(tmp), args)
+    print(f"load average at the end: {load_average()}")
     return 0
+
+
+def cpu_only(tmp: Path, args: argparse.Namespace) -> None:
+    """The service with no GPU path against llama-server directly."""
+    service = RunningService(tmp / "cpu-only", cpu_only_config(args.threads))
+    direct = None
+    try:
+        service.wait_ready(roles=("cpu",))
+        direct = anchors.llama_server(tmp / "direct-cpu.log", n_ctx=N_CTX, parallel=SLOTS, threads=args.threads)
+        urls = {"direct": direct.url, "service": service.url}
+        for url in urls.values():  # warm both
+            asyncio.run(concurrent(url, SLOTS, 8))
+        print(f"== CPU only: the service's CPU worker ({SLOTS} slots, no GPU path) against llama-server; "
+              f"load average {load_average()} ==")
+        report_streams(urls, args.rounds, args.max_tokens)
+    finally:
+        service.stop()
+        if direct is not None:
+            direct.stop()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from .latency import PathLoad, Work, estimate
 
 class Route(str, enum.Enum):
     GPU = "gpu"          # run now on the GPU worker
-    GPU_QUEUE = "gpu_queue"  # wait for a GPU slot in the short bounded queue
+    GPU_QUEUE = "gpu_queue"  # wait for a GPU slot (sooner than the CPU would finish it)
     CPU = "cpu"          # run on the CPU path (maybe after waiting in its queue)
     PEER = "peer"        # forward to another server on the LAN ([[peers]])
     REJECT = "reject"    # a controlled error; nothing runs
