@@ -18,7 +18,7 @@ from tray_app.core.api.sinks import AggregatingSink
 from tray_app.core.dispatch.jobs import Attempt, Job, JobKind, JobRequest
 from tray_app.core.dispatch.upstream import PlainDeltas, WireEvent, relay_answer, shape_event, sse_bytes
 
-CORPUS = Path(__file__).parent / "data" / "llama_server_sse.txt"
+CORPUS = Path(__file__).parents[2] / "data" / "llama_server_sse.txt"
 MODEL, FINGERPRINT = "smollm2", "fp-test"
 
 
