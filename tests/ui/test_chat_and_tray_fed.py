@@ -189,8 +189,8 @@ def test_restart_of_an_idle_service_does_not_ask(qtbot, fed_controller, asked) -
     assert fed_controller.restarts == [True]
 
 
-class FakeHost:
-    """Stands in for the in-process service host: records restarts."""
+class FakeRunner:
+    """Stands in for the ServiceRunner: records restarts."""
 
     starting = False
     error = None
@@ -208,7 +208,7 @@ def test_choosing_a_model_with_requests_running_asks_first(qtbot, fed_controller
     from tray_app.core.config import bundled_model_path
 
     fed_controller.config = Config(source=tmp_path / "config.toml")
-    fed_controller.host = host = FakeHost()
+    fed_controller.runner = runner = FakeRunner()
     feed(fed_controller, with_cpu_requests({"id": "a", "age_s": 2.0}))
     checked: Future = Future()
     checked.set_result(None)  # the model file was read and is usable
@@ -221,10 +221,10 @@ def test_choosing_a_model_with_requests_running_asks_first(qtbot, fed_controller
     model_checked()
     assert asked == ["1 running request is in the service. Switching the model now will stop it; "
                      "the clients get an error. Continue?"]
-    assert host.restarts == [] and not (tmp_path / "config.toml").exists()
+    assert runner.restarts == [] and not (tmp_path / "config.toml").exists()
     asked.answer = QMessageBox.StandardButton.Yes
     model_checked()
-    assert [config.model.path for config in host.restarts] == [model]
+    assert [config.model.path for config in runner.restarts] == [model]
 
 
 def test_tray_click_raises_a_buried_panel_and_hides_only_an_active_one(qtbot, fed_controller, monkeypatch) -> None:
