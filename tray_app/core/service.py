@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import httpx
 
@@ -45,6 +45,17 @@ from .status_contract import GpuStatus, Status
 
 
 log = logging.getLogger(__name__)
+
+
+def needs_full_rate(model_hosts: Iterable[ModelHost]) -> bool:
+    """Whether memory must be read every second even with nobody looking:
+    a request is in flight, or a GPU worker holds VRAM that another app
+    (a game starting) may need back. Giving the GPU back waits on the
+    sampler, so it can't wait 5 s."""
+    return any(model_host.dispatcher.jobs
+               or (model_host.gpu_loaded() and model_host.sharing is not None
+                   and model_host.sharing.residency.policy.yield_to_other_apps)
+               for model_host in model_hosts)
 
 
 class Service:
@@ -347,14 +358,7 @@ class Service:
             model_host.sharing.keep_alive(seconds)
 
     def _needs_full_rate(self) -> bool:
-        """Whether memory must be read every second even with nobody looking:
-        a request is in flight, or a GPU worker holds VRAM that another app
-        (a game starting) may need back. Giving the GPU back waits on the
-        sampler, so it can't wait 5 s."""
-        return any(model_host.dispatcher.jobs
-                   or (model_host.gpu_loaded() and model_host.sharing is not None
-                       and model_host.sharing.residency.policy.yield_to_other_apps)
-                   for model_host in self.model_hosts.values())
+        return needs_full_rate(self.model_hosts.values())
 
     def set_yield_to_other_apps(self, enabled: bool) -> None:
         if self.default_model_host.sharing is None:

@@ -28,9 +28,7 @@ from ..grammar.check import GrammarChecker
 from ..model_host import ModelHost
 from ..access.keys import ApiKey
 from ..service import Service
-from ..status_build import model_summary
 from ..access.usage import Outcome, UsageStore
-from . import bounds
 from .embeddings import openai_embeddings
 from .errors import error_response_for_path
 from .admin_routes import AdminRoutes
@@ -44,6 +42,7 @@ from .llamacpp import LlamaCppRoutes
 from .ollama_routes import OllamaRoutes
 from .web_page import web_page, worker_logs
 from .key_routes import key_routes
+from .model_list import openai_model_list
 from .protocol import Protocol, Translated
 from .remote_images import RemoteImageFetcher
 from .responses import ResponsesRoutes
@@ -120,52 +119,7 @@ class HttpApp:
         body["grammar"] = verdict.grammar
 
     async def models(self, request: Request) -> Response:
-        """Every model in the library, with where it is loaded now (gpu, cpu,
-        unloaded) and how large it is; the default model's CPU fallback too
-        when it is another file."""
-        service = self.service
-        model_hosts = list(service.model_hosts.values())
-        listed = [(model_host.model_id, model_host) for model_host in model_hosts]
-        if service.fallback_model_id not in {name for name, _ in listed}:
-            listed.insert(1, (service.fallback_model_id, None))
-        # A key limited to some models sees those only (the fallback file is
-        # the default model's, as a request naming it is).
-        principal = principal_of(request.scope)
-        listed = [(name, model_host) for name, model_host in listed
-                  if model_allowed(principal, model_host or service.default_model_host)]
-        created = int(service.started_at)
-
-        def capabilities(model_host: ModelHost | None) -> dict[str, Any]:
-            # What a client may ask of each model here, so it can adapt rather
-            # than learn from a 400.
-            model = (model_host or service.default_model_host).model
-            sees = (model_host.projector if model_host is not None else service.default_model_host.cpu_projector) is not None
-            return {
-                "max_choices": bounds.MAX_N, "logprobs": service.supports_logprobs, "vision": sees, "tools": True,
-                "input_modalities": ["text", "image"] if sees else ["text"],
-                "structured_output": ["json_object", "json_schema", "grammar"],
-                "context_length": max(model.gpu_n_ctx, model.cpu_n_ctx),
-            }
-
-        def where(model_host: ModelHost | None) -> dict[str, Any]:
-            if model_host is None:
-                return {"role": "cpu_fallback", "fallback_of": service.model_id}
-            summary = model_summary(model_host)
-            return {key: summary[key] for key in ("location", "gpu", "cpu", "size_bytes", "estimated_vram_mib",
-                                                  "aliases", "source", "cpu_fallback")}
-
-        embeddings = self.service.embeddings
-        # Which model answers /v1/embeddings, and how: there is no separate
-        # embedding model yet, so the chat model, pooled.
-        embedding_info = ({"embeddings": True, "embeddings_pooling": embeddings.pooling,
-                           "embeddings_dimensions": embeddings.dimensions,
-                           "embeddings_max_input_tokens": embeddings.n_ctx}
-                          if embeddings is not None else {"embeddings": False})
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_id, "object": "model", "created": created, "owned_by": "local",
-             "capabilities": {**capabilities(model_host), **(embedding_info if model_id == service.model_id
-                                                       else {"embeddings": False})}, **where(model_host)}
-            for model_id, model_host in listed]})
+        return JSONResponse(openai_model_list(self.service, principal_of(request.scope)))
 
     # ----- completions ----------------------------------------------------------
 
