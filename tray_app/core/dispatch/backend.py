@@ -34,7 +34,8 @@ from ..engine.worker import WorkerState
 from .jobs import Attempt, Job, JobFailed, PathSpeed, WorkerFailure, WorkerRequestError
 from .lanes import Lane, Redirected
 from .latency import BusySpeeds, mean_busy
-from .upstream import Sink, UpstreamRules, Waiter, canceled_error, stream_attempt, upstream_error_message, worker_body
+from .upstream import (Sink, UpstreamRules, Waiter, canceled_error, response_id, stream_attempt, upstream_error_message,
+                       worker_body)
 
 # After a connection breaks, how long to wait for the worker's exit status,
 # which says whether the request crashed it (SIGSEGV) or something else did.
