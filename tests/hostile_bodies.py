@@ -30,7 +30,7 @@ HOSTILE_BODIES = {
     "n as a 400-digit number": b'{"messages": [{"role": "user", "content": "x"}], "n": 1' + b"0" * 400 + b"}",
     "role as a number": b'{"messages": [{"role": 1, "content": "x"}]}',
     "content as a number": b'{"messages": [{"role": "user", "content": 1e308}]}',
-    "duplicate keys": b'{"messages": [], "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "n": 2}',
+    "duplicate keys": b'{"messages": [], "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "n": 5}',
 }
 
 
