@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 
 # Qt tests render offscreen: CI has no display, and a developer's desktop
-# shouldn't flash windows while the suite runs.
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# shouldn't flash windows while the suite runs. An empty value (a CI
+# script's `QT_QPA_PLATFORM=`) counts as unset: Qt would abort looking for X.
+if not os.environ.get("QT_QPA_PLATFORM"):
+    os.environ["QT_QPA_PLATFORM"] = "offscreen"
 # The app's own folders (config, logs, saved chats, models) point into a
 # scratch folder: a test that opens the chat or saves settings must never
 # write into the home folder of whoever runs the suite.
