@@ -148,7 +148,8 @@ def test_recent_requests_show_a_request_with_its_route_reason(fresh, page):
         fresh.http.post("/admin/gpu", json={"paused": False})
     page.goto(f"{fresh.url}/ui")
     row = page.locator('#recent li[data-request-id="web-recent-cpu"]')
-    expect(row).to_contain_text(re.compile(r"^\d\d:\d\d:\d\d · web-recent-cpu · CPU · GPU paused \(force CPU\)"))
+    # Who sent it (its client name, here httpx's User-Agent) and which model answered.
+    expect(row).to_contain_text(re.compile(r"^\d\d:\d\d:\d\d · python-httpx/\S+ · SmolLM2\S+ · CPU · GPU paused \(force CPU\)"))
     expect(page.locator("#recent-empty")).to_be_hidden()
 
 
