@@ -178,3 +178,21 @@ async def test_recent_decisions_name_the_client_and_model_of_every_model_newest_
     assert seen == [(default, "notes-app"), ("second", "editor"), (default, "curl/8.5")]
     times = [d["t"] for d in status["recent_decisions"]]
     assert times == sorted(times)
+
+
+async def test_a_machine_with_no_gpu_path_is_not_in_degraded_mode_even_while_serving(tmp_path, monkeypatch):
+    """The CPU is how such a machine serves, not a fallback: /status, /health
+    and the answer's path say so without degraded mode (the tray and the web
+    page already show it calmly; /status used to say degraded forever)."""
+    isolate_user_folders(monkeypatch, tmp_path)
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    async with in_process_service(tmp_path, NO_SIMULATED_GPU, gpu_reader=NvmlGpuReader()) as rig:
+        status = await conforms(rig)
+        assert status["gpu"]["path"] == "none" and status["degraded"]["active"] is False
+        healthy, reason = rig.service.health()
+        assert healthy and "degraded" not in reason and "CPU-only" in reason
+        answer = await rig.client.post("/v1/chat/completions", json={
+            "model": rig.service.model_id, "messages": HI, "max_tokens": 4})
+        assert answer.status_code == 200 and answer.headers["x-served-by"] == "cpu"
+        rig.service.observer.advance()
+        assert rig.service.status()["degraded"]["active"] is False

@@ -203,7 +203,8 @@ class Dispatcher:
             return (f"not enough VRAM headroom: {free:.0f} MiB free, within the "
                     f"{self.limits.reserve_mib:g} MiB reserve")
         for job in self.jobs.values():
-            if job.path == "cpu" and job.state in (JobState.QUEUED, JobState.RUNNING) and job.reason in GPU_OUT_REASONS:
+            if (self.gpu is not None and job.path == "cpu" and job.state in (JobState.QUEUED, JobState.RUNNING)
+                    and job.reason in GPU_OUT_REASONS):
                 return f"{job.reason.value}: {job.reason_detail}"
         for job in self.jobs.values():
             if job.path == "peer" and job.state is JobState.RUNNING:

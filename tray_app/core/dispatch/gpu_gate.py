@@ -17,7 +17,10 @@ def gpu_out(gpu: Backend | None, missing_reason: str | None, paused: bool, resid
             breaker: CircuitBreaker, memory: Callable[[], MemorySnapshot]) -> GpuOut | None:
     """Why the GPU path can't take work right now, or None if it can."""
     if gpu is None:
-        return GpuOut(Reason.GPU_UNAVAILABLE, missing_reason or "no GPU path")
+        # No GPU path at all (no device, a CPU-only build, [gpu] enabled =
+        # false): the CPU is how this machine serves, not a fallback, so it
+        # is quiet: no degraded mode, as the tray and the web page show it.
+        return GpuOut(Reason.GPU_UNAVAILABLE, missing_reason or "no GPU path", quiet=True)
     if paused:
         return GpuOut(Reason.FORCED_CPU, "the GPU path is paused (force CPU)")
     resident = residency.gpu_out()
