@@ -14,7 +14,7 @@ import time
 from typing import Any, Protocol, cast
 
 from .config import Config
-from .dispatch.dispatcher import EXPECTED_ANSWER_TOKENS
+from .dispatch.backlog import EXPECTED_ANSWER_TOKENS
 from .dispatch.peer import Peers
 from .embeddings.path import EmbeddingPath
 from .engine.runtime import WorkerRuntime
