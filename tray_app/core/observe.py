@@ -3,7 +3,8 @@ event log and degraded mode.
 
 The observer is advanced by the sampler's tick and by events (a request
 changed state, a worker changed state); reading it (`/status`, `/metrics`,
-the tray) changes nothing but how often the sampler ticks (see
+the tray) changes nothing, except that the /status route notes someone
+looking (`looked_at`), which makes the sampler tick faster (see
 sample_interval_s). That is why degraded mode starts and ends
 here, on an advance, and not inside a query.
 """
@@ -51,7 +52,7 @@ class Observer:
         self._on_sample = on_sample
         self._worker_pids = worker_pids
         self._needs_full_rate = needs_full_rate
-        # When /status was last built (time.monotonic): someone looking.
+        # When /status was last served (time.monotonic): someone looking.
         self._looked_at: float | None = None
         self._degraded_cause = degraded_cause
         self.history = TelemetryHistory()
@@ -107,8 +108,15 @@ class Observer:
             self._sampler.cancel()
 
     def looked_at(self) -> None:
-        """Someone read /status: keep the numbers fresh for them."""
+        """Someone read /status: keep the numbers fresh for them. The route
+        says so, not the status builder: /metrics and the service's own
+        reads build a status too, and nobody is looking at those."""
         self._looked_at = time.monotonic()
+
+    @property
+    def last_looked_at(self) -> float | None:
+        """When someone last read /status (time.monotonic), or None: never."""
+        return self._looked_at
 
     async def _sample_forever(self) -> None:
         last = time.monotonic()

@@ -67,7 +67,6 @@ class StatusSource(Protocol):
 def build_status(service: StatusSource) -> Status:
     """The default model's paths at the top level (as before there was a
     library), and every model's line under "models"."""
-    service.observer.looked_at()  # someone is looking: the sampler keeps its full rate
     snapshot = service.observer.latest()
     model_host = service.default_model_host
     dispatcher = model_host.dispatcher

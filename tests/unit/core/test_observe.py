@@ -47,3 +47,18 @@ async def test_vram_another_app_may_want_back_keeps_the_service_sampling_every_s
         assert service._needs_full_rate()  # loaded and yielding: a game may want it back
         service.set_yield_to_other_apps(False)
         assert not service._needs_full_rate()
+
+
+async def test_building_a_status_is_not_someone_looking_and_get_status_is(tmp_path, monkeypatch):
+    """The sampler's full rate follows people reading /status; /metrics and
+    the service's own reads build a status too and must leave it idle."""
+    from tests.fakes.service import in_process_service, isolate_user_folders
+
+    isolate_user_folders(monkeypatch, tmp_path)
+    async with in_process_service(tmp_path) as rig:
+        observer = rig.service.observer
+        rig.service.status()
+        assert (await rig.client.get("/metrics")).status_code == 200
+        assert observer.last_looked_at is None
+        assert (await rig.client.get("/status")).status_code == 200
+        assert observer.last_looked_at is not None

@@ -27,6 +27,8 @@ class ServiceRoutes:
         return JSONResponse({"status": "ok" if ok else "unavailable", "reason": reason}, status_code=200 if ok else 503)
 
     async def status(self, request: Request) -> Response:
+        # Someone is looking: the sampler reads memory at its full rate for them.
+        self.service.observer.looked_at()
         # The usage is the HTTP app's (it counts requests as they end), so it
         # joins the service's snapshot here.
         status = {**self.service.status(), "usage": self.access.usage.snapshot()}
