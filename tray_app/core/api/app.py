@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
+from ..dispatch.admission import Reason
 from ..dispatch.jobs import Job, JobFailed, JobKind, JobRequest, new_request_id
 from ..dispatch.peer import HOP_HEADER
 from ..dispatch.quarantine import request_fingerprint
@@ -406,7 +407,8 @@ def _route_headers(job: Job, model_host: ModelHost) -> dict[str, str]:
     }
     estimated = job.estimated_latency_s
     if job.path == "cpu":
-        headers["X-Fallback-Model"] = model_host.fallback_model_id
+        if job.reason is not Reason.CPU_ONLY:  # on a machine with no GPU path the CPU's model is no fallback
+            headers["X-Fallback-Model"] = model_host.fallback_model_id
         headers["X-Estimated-Latency"] = f"{estimated:.2f}" if estimated is not None else "unknown"
     elif job.path == "peer" and job.peer is not None:
         headers["X-Peer"] = job.peer

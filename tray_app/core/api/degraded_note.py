@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..dispatch.admission import Reason
 from ..dispatch.jobs import Job, JobKind
 from ..base.route_reasons import ROUTE_REASONS, route_reason_text
 from .openai_request import InvalidRequest
@@ -50,7 +51,8 @@ def note_text(job: Job, model_id: str, fallback_model_id: str) -> str | None:
     it without a wait (or it is not a chat: a completion has no reasoning field).
 
     'GPU busy: <the decision's detail>. The CPU answers with SmolLM2, about 40 s.'"""
-    if job.kind is not JobKind.CHAT:
+    if job.kind is not JobKind.CHAT or job.reason is Reason.CPU_ONLY:
+        # (No GPU path: the CPU is this machine's path, nothing is degraded.)
         return None
     waited_for_load = job.path == "gpu" and job.decision is not None and job.decision.waits_for_load
     if job.path not in ("cpu", "peer") and not waited_for_load:

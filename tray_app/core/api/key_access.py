@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from starlette.requests import Request
 
+from ..dispatch.admission import Reason
 from ..dispatch.jobs import Job, JobFailed
 from ..embeddings.path import EmbeddingResult
 from ..access.keys import ApiKey
@@ -131,8 +132,9 @@ def outcome_of(job: Job, failure: JobFailed | None) -> Outcome:
         tokens_in=job.prompt_tokens if ran else 0,
         tokens_out=job.tokens_out if ran else 0,
         # The client's own choice of the CPU (X-Force-Path) is not the
-        # service falling short; a paused GPU is.
-        degraded=ran and job.path != "gpu" and not job.force_cpu,
+        # service falling short; a paused GPU is. Nor is the CPU of a
+        # machine with no GPU path.
+        degraded=ran and job.path != "gpu" and not job.force_cpu and job.reason is not Reason.CPU_ONLY,
         refused=failure is not None and not ran and not job.canceled.is_set(),
         cancelled=job.canceled.is_set(),
     )

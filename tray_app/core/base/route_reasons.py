@@ -18,6 +18,8 @@ ROUTE_REASONS = {
     "peer": "sent to a peer",
     "peer_failed_replayed": "peer failed, re-run on the CPU",
     "cpu_cannot_read_images": "images need the GPU (the CPU has no projector)",
+    # Not degraded: a machine with no GPU path serves on its CPU.
+    "cpu_only": "CPU only (no GPU path)",
 }
 
 

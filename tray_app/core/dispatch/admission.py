@@ -37,6 +37,10 @@ class Reason(str, enum.Enum):
     GPU_YIELDED = "gpu_yielded"
     # The GPU worker is unloaded, starting or restarting: the CPU answers meanwhile.
     GPU_LOADING = "gpu_loading"
+    # This machine has no GPU path (no device, a CPU-only build, [gpu]
+    # enabled = false): the CPU is how it serves, not a fallback, so not
+    # one of GPU_OUT_REASONS (no degraded mode, no X-Fallback-Model).
+    CPU_ONLY = "cpu_only"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     CPU_CONTEXT_CAP = "cpu_context_cap"
     CPU_QUEUE_FULL = "cpu_queue_full"
@@ -234,10 +238,10 @@ def decide(request: RequestShape, gpu: GpuView | None, cpu: CpuView) -> Decision
         return _to_cpu(request, cpu, Reason.PEER_FAILED_REPLAYED, "the peer failed before any output; re-run once on the CPU")
     if request.is_replay:
         return _to_cpu(request, cpu, Reason.GPU_FAILED_REPLAYED, "the GPU worker failed before any output; re-run once on the CPU")
+    if gpu is None:
+        return _to_cpu(request, cpu, Reason.CPU_ONLY, "this machine has no GPU path: the CPU serves")
     if request.force_cpu:
         return _to_cpu(request, cpu, Reason.FORCED_CPU, "the GPU path is paused or the client asked for the CPU")
-    if gpu is None:
-        return _to_cpu(request, cpu, Reason.GPU_UNAVAILABLE, "no GPU path is configured")
     if gpu.out is not None:
         # A client that would rather wait for the load, or may not use the
         # CPU at all, waits for it (the GPU is seconds away, not gone).
@@ -434,7 +438,7 @@ def offer_to_peer(decision: Decision, request: RequestShape, peers: list[PeerVie
         candidates = [peer for peer in peers if peer.role is PeerRole.FALLBACK
                       and (peer.estimated_latency_s is None
                            or _finishes_sooner(peer, decision.estimated_latency_s, or_equal=True))]
-    elif decision.route is Route.CPU and decision.reason in GPU_OUT_REASONS:
+    elif decision.route is Route.CPU and (decision.reason in GPU_OUT_REASONS or decision.reason is Reason.CPU_ONLY):
         candidates = [peer for peer in peers if peer.role is PeerRole.FALLBACK]
     elif decision.route is Route.REJECT and decision.reason in CPU_OUT_REASONS:
         candidates = list(peers)

@@ -5,7 +5,8 @@ from dataclasses import replace
 import pytest
 
 from tray_app.core.dispatch.admission import (
-    CpuView, GpuOut, GpuView, LaneState, Reason, RequestShape, Route, decide, estimate_cpu_latency_s,
+    CpuView, GpuOut, GpuView, LaneState, PeerRole, PeerView, Reason, RequestShape, Route, decide,
+    estimate_cpu_latency_s, offer_to_peer,
 )
 
 GPU_LANE = LaneState(context_cap=4096, running=0, concurrency=1, queued=0, queue_limit=2)
@@ -114,9 +115,15 @@ def test_no_cpu_worker_and_no_gpu_is_503():
     assert decision.reason is Reason.NO_WORKER and decision.status == 503
 
 
-def test_no_gpu_configured():
+def test_no_gpu_path_is_cpu_only_not_a_gpu_failover():
     decision = decide(SHORT, None, CPU)
-    assert decision.route is Route.CPU and decision.reason is Reason.GPU_UNAVAILABLE
+    assert decision.route is Route.CPU and decision.reason is Reason.CPU_ONLY
+    # Even when the client asks for the CPU: there is no GPU to pause.
+    assert decide(replace(SHORT, force_cpu=True), None, CPU).reason is Reason.CPU_ONLY
+    # A fallback peer (a GPU elsewhere on the LAN) still comes before the local CPU.
+    routed, peer = offer_to_peer(decision, SHORT, [PeerView("desk", PeerRole.FALLBACK, 2.0)])
+    assert peer == "desk" and routed.route is Route.PEER
+    assert offer_to_peer(decision, SHORT, [PeerView("attic", PeerRole.OVERFLOW, 1.0)]) == (decision, None)
 
 
 def test_cpu_latency_includes_backlog():

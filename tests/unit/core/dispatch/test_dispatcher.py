@@ -704,7 +704,7 @@ async def test_no_gpu_configured_runs_on_cpu_with_the_reason():
     rig = make_rig(with_gpu=False)
     job = make_job()
     await run_job(rig, job)
-    assert job.reason is Reason.GPU_UNAVAILABLE and rig.cpu.calls == ["req-1"]
+    assert job.reason is Reason.CPU_ONLY and rig.cpu.calls == ["req-1"]
     assert rig.dispatcher.gpu_out_reason() == "no GPU in this machine"
     assert rig.dispatcher.redirect_gpu_waiting("anything") == 0
 
