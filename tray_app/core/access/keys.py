@@ -41,7 +41,16 @@ _RESERVED = {LEGACY_KEY_NAME: "the key set in [server] api_key", TRAY_KEY_NAME: 
 
 
 class KeyProblem(ValueError):
-    """A key that can't be added or revoked, with the sentence that says why."""
+    """A key that can't be added or revoked, with the sentence that says why,
+    and the field at fault when one is (POST /admin/keys names it in its 400)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class KeyExists(KeyProblem):
+    """A new key's name is taken (POST /admin/keys answers 409)."""
 
 
 @dataclass(frozen=True)
@@ -141,14 +150,14 @@ class KeyStore:
         """Store a new key; return the raw key, which is not kept anywhere."""
         problem = name_problem(name)
         if problem:
-            raise KeyProblem(problem)
+            raise KeyProblem(problem, "name")
         if scope not in SCOPES:
-            raise KeyProblem(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+            raise KeyProblem(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}", "scope")
         if max_concurrency is not None and max_concurrency < 1:
-            raise KeyProblem("max concurrency must be at least 1 (leave it out for no limit)")
+            raise KeyProblem("max concurrency must be at least 1 (leave it out for no limit)", "max_concurrency")
         keys = self._read()
         if name in keys:
-            raise KeyProblem(f"a key named {name!r} exists; revoke it first to replace it")
+            raise KeyExists(f"a key named {name!r} exists; revoke it first to replace it", "name")
         raw = KEY_PREFIX + secrets.token_urlsafe(32)
         keys[name] = ApiKey(name, scope, tuple(models), max_concurrency,
                             time.time() if now is None else now, digest(raw))

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..access.keys import SCOPES, KeyProblem, KeyStore, name_problem
+from ..access.keys import SCOPES, KeyExists, KeyProblem, KeyStore
 from .errors import error_response
 from .openai_request import InvalidRequest
 from .requests import read_json_object
@@ -30,27 +30,26 @@ class KeyFieldError(ValueError):
 
 
 def key_to_add(body: dict[str, Any]) -> tuple[str, str, tuple[str, ...], int | None]:
-    """A POST /admin/keys body, checked field by field: (name, scope, models,
-    max_concurrency). Raises KeyFieldError naming the field that is wrong."""
+    """A POST /admin/keys body's JSON types checked field by field: (name,
+    scope, models, max_concurrency). Raises KeyFieldError naming the field
+    that is wrong. What a name, scope or limit may be is KeyStore.add's to
+    say (the CLI and the settings window add keys through it too)."""
     for field in body:
         if field not in ADD_FIELDS:
             raise KeyFieldError(field, f"unknown field {field!r}; a key has {', '.join(ADD_FIELDS)}")
     name = body.get("name")
     if not isinstance(name, str):
         raise KeyFieldError("name", "'name' must be a string: the app's name")
-    problem = name_problem(name)
-    if problem:
-        raise KeyFieldError("name", problem)
     scope = body.get("scope", "inference")
-    if scope not in SCOPES:
-        raise KeyFieldError("scope", f"'scope' must be one of {', '.join(SCOPES)}")
+    if not isinstance(scope, str):
+        raise KeyFieldError("scope", f"'scope' must be a string: one of {', '.join(SCOPES)}")
     models = body.get("models") or []
     if (not isinstance(models, list) or len(models) > MAX_MODELS_PER_KEY
             or not all(isinstance(m, str) and m.strip() for m in models)):
         raise KeyFieldError("models", f"'models' must be a list of up to {MAX_MODELS_PER_KEY} model names "
                                       "(empty: every model)")
     limit = body.get("max_concurrency")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
         raise KeyFieldError("max_concurrency", "'max_concurrency' must be a whole number of at least 1, "
                                                "or null for no limit")
     return name, scope, tuple(m.strip() for m in models), limit
@@ -73,13 +72,12 @@ class KeyRoutes:
             name, scope, models, limit = key_to_add(body)
         except KeyFieldError as bad:
             return error_response(400, str(bad), "invalid_value", param=bad.param)
-        if self.store.get(name) is not None:
-            return error_response(409, f"a key named {name!r} exists; revoke it first to replace it", "key_exists",
-                                  param="name")
         try:
             raw = self.store.add(name, scope, models, limit)
+        except KeyExists as taken:
+            return error_response(409, str(taken), "key_exists", param=taken.field)
         except KeyProblem as problem:
-            return error_response(400, str(problem), "invalid_value")
+            return error_response(400, str(problem), "invalid_value", param=problem.field)
         added = self.store.get(name)
         return JSONResponse({**(added.public() if added else {"name": name}), "key": raw}, status_code=201)
 
