@@ -17,9 +17,10 @@ sends the same bytes without fetching again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
@@ -106,16 +107,70 @@ class _CheckedNetwork(httpcore.AsyncNetworkBackend):
         await self._inner.sleep(seconds)
 
 
-def _checked_transport(resolver: Resolver, trusted_hosts: frozenset[str]) -> httpx.AsyncHTTPTransport:
-    transport = httpx.AsyncHTTPTransport()
-    # httpx takes no network backend, so its pool is replaced by one with the
-    # checked network; the transport's request mapping is kept as it is. If an
-    # httpx upgrade renames the pool, fail loudly rather than fetch unchecked.
-    if not isinstance(getattr(transport, "_pool", None), httpcore.AsyncConnectionPool):
-        raise RuntimeError("httpx's transport has no httpcore pool to replace: remote images can't be fetched safely")
-    transport._pool = httpcore.AsyncConnectionPool(ssl_context=httpx.create_ssl_context(),
-                                                   network_backend=_CheckedNetwork(resolver, trusted_hosts))
-    return transport
+# httpcore's errors as httpx's, most specific first: `fetch` catches
+# httpx.HTTPError, and names the error's type in its message.
+_HTTPX_ERROR_FOR = (
+    (httpcore.ConnectTimeout, httpx.ConnectTimeout), (httpcore.ReadTimeout, httpx.ReadTimeout),
+    (httpcore.WriteTimeout, httpx.WriteTimeout), (httpcore.PoolTimeout, httpx.PoolTimeout),
+    (httpcore.TimeoutException, httpx.TimeoutException),
+    (httpcore.ConnectError, httpx.ConnectError), (httpcore.ReadError, httpx.ReadError),
+    (httpcore.WriteError, httpx.WriteError), (httpcore.NetworkError, httpx.NetworkError),
+    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError), (httpcore.LocalProtocolError, httpx.LocalProtocolError),
+    (httpcore.ProtocolError, httpx.ProtocolError), (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
+)
+
+
+@contextlib.contextmanager
+def _as_httpx_errors() -> Iterator[None]:
+    try:
+        yield
+    except Exception as error:
+        for core_error, httpx_error in _HTTPX_ERROR_FOR:
+            if isinstance(error, core_error):
+                raise httpx_error(str(error)) from error
+        raise  # Refused, and anything that is not httpcore's, as it is
+
+
+class _BodyStream(httpx.AsyncByteStream):
+    def __init__(self, core_stream: AsyncIterable[bytes]) -> None:
+        self._core_stream = core_stream
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        with _as_httpx_errors():
+            async for chunk in self._core_stream:
+                yield chunk
+
+    async def aclose(self) -> None:
+        close = getattr(self._core_stream, "aclose", None)  # httpcore's response stream has one
+        if close is not None:
+            await close()
+
+
+class _CheckedTransport(httpx.AsyncBaseTransport):
+    """An httpx transport over an httpcore pool on the checked network.
+    httpx's own transport takes no network backend, so this one builds its
+    pool and maps requests and answers itself, with httpx's and httpcore's
+    public API only: an httpx upgrade can't swap the network underneath it."""
+
+    def __init__(self, resolver: Resolver, trusted_hosts: frozenset[str]) -> None:
+        self._pool = httpcore.AsyncConnectionPool(ssl_context=httpx.create_ssl_context(),
+                                                  network_backend=_CheckedNetwork(resolver, trusted_hosts))
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        assert isinstance(request.stream, httpx.AsyncByteStream)
+        core_request = httpcore.Request(
+            method=request.method,
+            url=httpcore.URL(scheme=request.url.raw_scheme, host=request.url.raw_host, port=request.url.port,
+                             target=request.url.raw_path),
+            headers=request.headers.raw, content=request.stream, extensions=request.extensions)
+        with _as_httpx_errors():
+            core_response = await self._pool.handle_async_request(core_request)
+        assert isinstance(core_response.stream, AsyncIterable)
+        return httpx.Response(status_code=core_response.status, headers=core_response.headers,
+                              stream=_BodyStream(core_response.stream), extensions=core_response.extensions)
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()
 
 
 @dataclass(frozen=True)
@@ -163,7 +218,7 @@ class RemoteImageFetcher:
         raise InvalidRequest(400, f"{where}: the image at {_shown(url)} was not fetched: {why}", code, where)
 
     async def _fetch(self, url: str, room: int) -> bytes:
-        transport = _checked_transport(self.resolver, self.trusted_hosts)
+        transport = _CheckedTransport(self.resolver, self.trusted_hosts)
         # trust_env off: a proxy from the environment would make the
         # connection the check never sees.
         async with httpx.AsyncClient(transport=transport, trust_env=False, follow_redirects=False) as client:

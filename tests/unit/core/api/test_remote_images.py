@@ -193,6 +193,26 @@ async def test_an_http_error_names_its_status(server):
     assert refused.code == "remote_image_http_error" and "HTTP 404" in refused.message
 
 
+def hang_up(head: bytes = b"") -> Route:
+    """Sends `head` (perhaps nothing) and closes the connection."""
+    async def route(writer: asyncio.StreamWriter) -> None:
+        writer.write(head)
+        await writer.drain()
+    return route
+
+
+@pytest.mark.parametrize("route", [
+    hang_up(),  # before any answer: the transport's request
+    hang_up(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\nhalf"),  # inside the body: its stream
+])
+async def test_a_server_that_hangs_up_is_a_400_not_a_crash(server, route):
+    """The transport turns httpcore's errors into httpx's, on the request and
+    while the body streams, so the fetch answers 400 rather than a 500."""
+    server.routes["/cut.png"] = route
+    refused = await refusal(fetcher(), server.url("/cut.png"))
+    assert refused.code == "remote_image_unreachable" and "RemoteProtocolError" in refused.message
+
+
 async def test_fetched_bytes_that_are_no_image_are_refused_like_an_inline_one(server):
     server.routes["/page.html"] = answer(b"<html>hello</html>")
     body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
