@@ -33,27 +33,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.configs import service_config  # noqa: E402
 from tests.harness import RunningService  # noqa: E402
 
-CONFIG = """
-[gpu]
-simulate_mib = 8192
-n_ctx = 4096
-max_concurrency = 4
-queue_limit = 64
-reserve_mib = 256
-first_token_timeout_s = 300
-token_timeout_s = 120
-yield_to_other_apps = false
-idle_unload_s = 0
-[cpu]
-n_ctx = 4096
-max_concurrency = 2
-queue_limit = 64
-ram_floor_mib = 256
-[server]
-queue_timeout_s = 600
-"""
+CONFIG = service_config(simulate_mib=8192, n_ctx=4096, patient=True, stays_loaded=True,
+                        gpu={"max_concurrency": 4, "queue_limit": 64}, cpu={"max_concurrency": 2, "queue_limit": 64})
 SHORT_PROMPT = "Write a story about a lighthouse keeper."
 LONG_PROMPT = "Summarise this: " + "the tide came in and the lamp was lit again. " * 30
 

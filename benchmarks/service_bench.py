@@ -35,17 +35,10 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import anchors  # noqa: E402
+from benchmarks.configs import service_config  # noqa: E402
 from tests.harness import RunningService  # noqa: E402
 
-CONFIG = """
-[gpu]
-simulate_mib = 4096
-n_ctx = 2048
-reserve_mib = 256
-[cpu]
-n_ctx = 2048
-ram_floor_mib = 256
-"""
+CONFIG = service_config(simulate_mib=4096, n_ctx=2048)
 PROMPTS = [
     "Write a short poem about autumn leaves.",
     "Explain what a hash table is.",

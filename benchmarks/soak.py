@@ -38,6 +38,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.configs import service_config  # noqa: E402
+
 PROMPTS = [
     "Say hello.", "Name three fruits.", "What is 2 + 2?", "Write a haiku about rain.",
     "Explain gravity in one sentence.", "Write a long story about a lighthouse keeper.",
@@ -238,29 +240,12 @@ class Soak:
         client.close()
 
 
-SOAK_CONFIG = """
-[gpu]
-simulate_mib = 2048
-n_ctx = 1024
-reserve_mib = 256
-queue_limit = 2
-first_token_timeout_s = 20
-token_timeout_s = 10
 # The soak's pressure tests admission against a worker that stays loaded.
-yield_to_other_apps = false
-idle_unload_s = 0
-[cpu]
-n_ctx = 2048
-queue_limit = 6
-ram_floor_mib = 256
-[breaker]
-failure_threshold = 3
-window_s = 30
-cooldown_s = 5
-[worker]
-backoff_base_s = 0.2
-backoff_cap_s = 2
-"""
+SOAK_CONFIG = service_config(simulate_mib=2048, stays_loaded=True,
+                             gpu={"n_ctx": 1024, "queue_limit": 2, "first_token_timeout_s": 20, "token_timeout_s": 10},
+                             cpu={"n_ctx": 2048, "queue_limit": 6},
+                             breaker={"failure_threshold": 3, "window_s": 30, "cooldown_s": 5},
+                             worker={"backoff_base_s": 0.2, "backoff_cap_s": 2})
 
 
 def run_local_soak(clients: int, seconds: float, workdir: Path) -> SoakReport:
