@@ -295,6 +295,36 @@ def test_a_key_limited_to_some_models_lists_only_those(keys):
     assert listed(here) == everything
 
 
+def test_a_key_limited_to_some_models_is_refused_details_of_the_others_as_a_chat_is(keys):
+    model = keys.status()["service"]["model"]
+    elsewhere = add_key(keys, "shows-elsewhere", "--models", "some-other-model")
+    here = add_key(keys, "shows-here", "--models", model)
+    with pytest.raises(ollama.ResponseError) as refused:
+        ollama.Client(host=keys.url, headers=bearer(elsewhere)).show(model)
+    assert refused.value.status_code == 404 and "shows-elsewhere" in refused.value.error
+    shown = ollama.Client(host=keys.url, headers=bearer(here)).show(model)
+    assert shown.details is not None and shown.modelfile
+
+
+def test_a_keys_embedding_refusal_comes_before_its_inputs_are_tokenized(keys):
+    """An input over [embeddings] n_ctx (512 tokens) is a 400 input_too_long
+    only once it is tokenized: a key that may not use the model is refused
+    first, in each protocol's envelope."""
+    model = keys.status()["service"]["model"]
+    elsewhere = add_key(keys, "embed-long-elsewhere", "--models", "some-other-model")
+    too_long = "word " * 2000
+    for path, body in (("/v1/embeddings", {"model": model, "input": too_long}),
+                       ("/api/embed", {"model": model, "input": too_long}),
+                       ("/api/embeddings", {"model": model, "prompt": too_long})):
+        answer = httpx.post(keys.url + path, headers=bearer(elsewhere), json=body, timeout=60)
+        assert answer.status_code == 404 and "embed-long-elsewhere" in answer.text, (path, answer.text)
+    assert httpx.post(f"{keys.url}/v1/embeddings", headers=bearer(elsewhere),
+                      json={"model": model, "input": too_long}).json()["error"]["code"] == "model_not_found"
+    allowed = httpx.post(f"{keys.url}/v1/embeddings", headers=bearer(LEGACY_KEY), json={"model": model, "input": too_long},
+                         timeout=60)
+    assert allowed.status_code == 400 and allowed.json()["error"]["code"] == "input_too_long"
+
+
 def test_embeddings_and_tokenizer_routes_go_through_a_keys_models_and_concurrency(keys):
     model = keys.status()["service"]["model"]
     elsewhere = add_key(keys, "embed-elsewhere", "--models", "some-other-model")

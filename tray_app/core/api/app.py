@@ -34,7 +34,7 @@ from .embeddings import openai_embeddings
 from .errors import error_response_for_path
 from .admin_routes import AdminRoutes
 from .idempotency import IdempotencyStore
-from .key_access import KeyAccess, Refusal, model_allowed, usage_name
+from .key_access import KeyAccess, Refusal, model_allowed, model_host_named, usage_name
 from .security import principal_of
 from .openai_request import InvalidRequest, text_only
 from .anthropic import AnthropicMessages
@@ -201,7 +201,7 @@ class HttpApp:
 
     async def embeddings(self, request: Request) -> Response:
         # Its own worker and lane (core.embeddings): not through the dispatcher;
-        # the key's limits and usage through embed_for (request.app.state.key_access).
+        # the key's limits and usage through key_slot (request.app.state.key_access).
         return await openai_embeddings(self.service, self.model_names, request)
 
     async def complete(self, request: Request, kind: JobKind, protocol: Protocol | None = None) -> Response:
@@ -270,11 +270,7 @@ class HttpApp:
 
     def _model_host(self, model: Any) -> ModelHost:
         """The model host of a model name that validation has accepted."""
-        model_host = self.service.model_host_for(model)
-        if model_host is None and isinstance(model, str) and model.endswith(DEFAULT_TAG):
-            model_host = self.service.model_host_for(model[: -len(DEFAULT_TAG)])
-        # The default model's CPU fallback file, named on its own, is the default model's.
-        return model_host or self.service.default_model_host
+        return model_host_named(self.service, model)
 
     async def _admit_and_run(self, request: Request, translated: Translated, request_id: str,
                              routing: Routing, checked: Checked, protocol: Protocol) -> Response:
@@ -578,7 +574,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         404: _not_found, 405: _method_not_allowed, 500: _internal_error,
     })
     app.state.service = service
-    # The embedding routes (embeddings.py's embed_for) put each request under its key's limits and usage.
+    # The embedding routes (embeddings.py's key_slot) put each request under its key's limits and usage.
     app.state.key_access = http_app.access
     return app
 

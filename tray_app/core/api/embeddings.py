@@ -14,7 +14,7 @@ import base64
 import json
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -194,7 +194,10 @@ async def openai_embeddings(service: "Service", models: ModelNames, request: Req
         body = await read_json_object(request)
         options = check_body(body, models, path.dimensions)
         deadline_s = routing_headers(request).deadline_s
-        texts, counted = await check_inputs(service, path, body.get("input"))
+        with key_slot(request) as counted_as_used:  # the key's refusal comes before any work
+            texts, counted = await check_inputs(service, path, body.get("input"))
+            result = await embed_for(request, path, texts, counted, counted_as_used, request_id=request_id,
+                                     deadline_s=deadline_s)
     except InvalidRequest as bad:
         if bad.status in (408, 413):
             # The body was not read to its end: the connection can't carry another request.
@@ -204,39 +207,43 @@ async def openai_embeddings(service: "Service", models: ModelNames, request: Req
         return OPENAI.failed(failure, headers)
     except ClientDisconnect:
         return Response(status_code=499)
-    try:
-        result = await embed_for(request, path, texts, counted, request_id=request_id, deadline_s=deadline_s)
-    except JobFailed as failure:
-        return OPENAI.failed(failure, headers)
     if result is None:
         return Response(status_code=499, headers=headers)
     return await json_off_the_loop(lambda: response_body(result, options), headers)
 
 
-async def embed_for(request: Request, path: EmbeddingPath, texts: list[str], counted: int, *, request_id: str,
-                    deadline_s: float | None) -> EmbeddingResult | None:
-    """Embed for a client, every protocol's way: None if the client went away
-    first (its slot or queue place goes to the next one at once). Raises
-    JobFailed, also when the request's key may not use the model that embeds
-    (the default model's file) or is at its concurrency (api/key_access.py,
-    which counts the embedding in the key's usage)."""
+def key_slot(request: Request) -> ContextManager[Callable[[EmbeddingResult], None]]:
+    """An embedding request under its key, every protocol's: raises JobFailed
+    when the key may not use the model that embeds (the default model's
+    file) or is at its concurrency (api/key_access.py). Entered before the
+    inputs are tokenized or the lane is asked, so a refused key costs no
+    work; it holds the key's slot until the answer, and what it yields
+    counts the embedding in the key's usage."""
     access = request.app.state.key_access
-    with access.embedding(request, access.service.default_model_host) as counted_as_used:
-        work = asyncio.create_task(path.embed(texts, request_id=request_id, deadline_s=deadline_s))
-        watcher = asyncio.create_task(_disconnected(request))
-        try:
-            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                work.cancel()
-                await asyncio.wait({work})
-                return None
-            result = work.result()
-        finally:
-            watcher.cancel()
-        if not result.prompt_tokens:
-            # The worker did not say: our own count, which includes a BOS per input.
-            result = EmbeddingResult(result.vectors, counted, result.model)
-        counted_as_used(result)
+    return access.embedding(request, access.service.default_model_host)
+
+
+async def embed_for(request: Request, path: EmbeddingPath, texts: list[str], counted: int,
+                    counted_as_used: Callable[[EmbeddingResult], None], *, request_id: str,
+                    deadline_s: float | None) -> EmbeddingResult | None:
+    """Embed for a client, every protocol's way, inside its key_slot: None if
+    the client went away first (its slot or queue place goes to the next one
+    at once). Raises JobFailed."""
+    work = asyncio.create_task(path.embed(texts, request_id=request_id, deadline_s=deadline_s))
+    watcher = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            await asyncio.wait({work})
+            return None
+        result = work.result()
+    finally:
+        watcher.cancel()
+    if not result.prompt_tokens:
+        # The worker did not say: our own count, which includes a BOS per input.
+        result = EmbeddingResult(result.vectors, counted, result.model)
+    counted_as_used(result)
     return result
 
 

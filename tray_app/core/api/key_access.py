@@ -23,6 +23,7 @@ from ..dispatch.jobs import Job, JobFailed
 from ..embeddings.path import EmbeddingResult
 from ..access.keys import ApiKey
 from ..access.usage import Outcome, UsageStore
+from .ollama import DEFAULT_TAG
 from .requests import client_name
 from .security import principal_of
 
@@ -65,6 +66,17 @@ def usage_name(principal: ApiKey | None, client: str | None) -> str:
     if principal is not None:
         return principal.name
     return client or UNKNOWN_CLIENT
+
+
+def model_host_named(service: "Service", model: Any) -> "ModelHost":
+    """The model host of a model name that validation has accepted, with
+    Ollama's tag or without: the one a key's models are checked against.
+    The default model's CPU fallback file, named on its own, is the default
+    model's, and so is a name no model has ([model] unknown_name)."""
+    model_host = service.model_host_for(model)
+    if model_host is None and isinstance(model, str) and model.endswith(DEFAULT_TAG):
+        model_host = service.model_host_for(model[: -len(DEFAULT_TAG)])
+    return model_host or service.default_model_host
 
 
 def model_allowed(principal: ApiKey | None, model_host: "ModelHost") -> bool:

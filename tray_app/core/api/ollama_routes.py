@@ -17,8 +17,10 @@ from .ollama import (
     model_capabilities, model_entry, model_info_fields, rfc3339,
 )
 from .openai_request import InvalidRequest
-from .embeddings import check_inputs, embed_for, embedding_path, json_off_the_loop
+from .embeddings import check_inputs, embed_for, embedding_path, json_off_the_loop, key_slot
+from .key_access import model_host_named, model_refusal
 from .requests import ModelNames, check_model, clean_request_id, read_json_object, routing_headers
+from .security import principal_of
 
 MIB = 1024 * 1024
 # Ollama's expires_at for a model kept loaded until told otherwise.
@@ -75,15 +77,16 @@ class OllamaRoutes:
                                      f"have {path.dimensions}", "unsupported_parameter", "dimensions")
             if field == "prompt":
                 prompt = body.get("prompt")
-                if prompt == "":
-                    # Ollama's old route answers an empty prompt with an empty vector.
-                    return JSONResponse({"embedding": []}, headers=headers)
                 if prompt is not None and not isinstance(prompt, str):
                     raise InvalidRequest(400, "'prompt' must be a string: this older route embeds one text "
                                          "(POST /api/embed takes a list as 'input')", "invalid_type", "prompt")
-            texts, counted = await check_inputs(self.service, path, body.get(field), field)
-            result = await embed_for(request, path, texts, counted, request_id=request_id,
-                                     deadline_s=routing_headers(request).deadline_s)
+            with key_slot(request) as counted_as_used:  # the key's refusal comes before any work
+                if field == "prompt" and body.get("prompt") == "":
+                    # Ollama's old route answers an empty prompt with an empty vector.
+                    return JSONResponse({"embedding": []}, headers=headers)
+                texts, counted = await check_inputs(self.service, path, body.get(field), field)
+                result = await embed_for(request, path, texts, counted, counted_as_used, request_id=request_id,
+                                         deadline_s=routing_headers(request).deadline_s)
         except InvalidRequest as bad:
             return error(bad.status, bad.message, headers)
         except JobFailed as failure:
@@ -152,7 +155,12 @@ class OllamaRoutes:
             found = self._models()[:1]
         if not found:
             return error(404, f"model {name!r} not found; GET /api/tags lists the models here")
-        _, info, sees_images = found[0]
+        listed_name, info, sees_images = found[0]
+        # A key limited to other models learns nothing of this one: the
+        # refusal a chat with it gets (/api/tags doesn't list it either).
+        refusal = model_refusal(principal_of(request.scope), model_host_named(self.service, listed_name))
+        if refusal is not None:
+            return error(refusal.status, refusal.message)
         service = self.service
         capabilities = model_capabilities(sees_images)
         return JSONResponse({
