@@ -149,7 +149,7 @@ def controller(qtbot, live):
     controller.client.start()
     yield controller
     client.stop()
-    for window in (controller._panel, controller._chat):
+    for window in (controller.windows.panel_window, controller.windows.chat_window):
         if window is not None:
             window.close_quits = False
             window.hide()

@@ -68,7 +68,7 @@ def fed_controller(dead_url, monkeypatch):
     yield controller
     # Windows go before the controller whose actions and menus they show.
     controller.tray.hide()
-    for window in (controller._panel, controller._chat):
+    for window in (controller.windows.panel_window, controller.windows.chat_window):
         if window is not None:
             window.hide()
             window.deleteLater()
@@ -149,9 +149,9 @@ def test_each_poll_rewrites_the_answer_line_in_place_not_the_transcript(qtbot, c
 
 
 def test_clicking_a_notification_opens_the_panel(qtbot, fed_controller) -> None:
-    assert fed_controller._panel is None or not fed_controller._panel.isVisible()
+    assert fed_controller.windows.panel_window is None or not fed_controller.windows.panel_window.isVisible()
     fed_controller.tray.messageClicked.emit()
-    assert fed_controller.panel().isVisible()
+    assert fed_controller.windows.panel().isVisible()
 
 
 def test_a_burst_overflowing_a_busy_gpu_posts_no_notices(qtbot, dead_url) -> None:
@@ -159,11 +159,11 @@ def test_a_burst_overflowing_a_busy_gpu_posts_no_notices(qtbot, dead_url) -> Non
     controller = TrayController(client, Config(), tray_available=False)
     for _ in range(10):
         client.status_changed.emit(busy_overflow())
-        assert controller.notices == []
-        assert controller.state_action.text() == vm.BUSY_TITLE
+        assert controller.notifications.notices == []
+        assert controller.tray_menu.state_action.text() == vm.BUSY_TITLE
         client.status_changed.emit(READY)
-        assert controller.notices == []
-        assert controller.state_action.text() == vm.STATE_TITLES[vm.GPU]
+        assert controller.notifications.notices == []
+        assert controller.tray_menu.state_action.text() == vm.STATE_TITLES[vm.GPU]
 
 
 # ----- confirmations before a restart stops requests, and the tray click -------------------
@@ -172,19 +172,19 @@ def test_restart_with_requests_running_asks_and_no_keeps_them(qtbot, fed_control
     status = with_cpu_requests({"id": "a", "age_s": 2.0})
     status["requests"].append(whole_request({"id": "b", "state": "queued", "path": "cpu", "queue_position": 1}))
     feed(fed_controller, status)
-    fed_controller.restart_action.trigger()
+    fed_controller.tray_menu.restart_action.trigger()
     assert asked == ["1 running and 1 queued requests are in the service. Restarting the workers now will stop "
                      "them; the clients get an error. Continue?"]
     assert fed_controller.restarts == []
     asked.answer = QMessageBox.StandardButton.Yes
-    fed_controller.restart_action.trigger()
+    fed_controller.tray_menu.restart_action.trigger()
     assert len(asked) == 2
     assert fed_controller.restarts == [True]
 
 
 def test_restart_of_an_idle_service_does_not_ask(qtbot, fed_controller, asked) -> None:
     feed(fed_controller, READY)
-    fed_controller.restart_action.trigger()
+    fed_controller.tray_menu.restart_action.trigger()
     assert asked == []
     assert fed_controller.restarts == [True]
 
@@ -215,8 +215,8 @@ def test_choosing_a_model_with_requests_running_asks_first(qtbot, fed_controller
     model = str(bundled_model_path())
 
     def model_checked() -> None:
-        fed_controller.model_check = check = object()
-        fed_controller._on_model_checked(check, model, checked)
+        fed_controller.commands.model_check = check = object()
+        fed_controller.commands._on_model_checked(check, model, checked)
 
     model_checked()
     assert asked == ["1 running request is in the service. Switching the model now will stop it; "
@@ -228,8 +228,8 @@ def test_choosing_a_model_with_requests_running_asks_first(qtbot, fed_controller
 
 
 def test_tray_click_raises_a_buried_panel_and_hides_only_an_active_one(qtbot, fed_controller, monkeypatch) -> None:
-    panel = fed_controller.panel()
-    fed_controller.show_panel()
+    panel = fed_controller.windows.panel()
+    fed_controller.windows.show_panel()
     raised: list[str] = []
     monkeypatch.setattr(panel, "raise_", lambda: raised.append("raise"))
     monkeypatch.setattr(panel, "activateWindow", lambda: raised.append("activate"))
@@ -284,11 +284,12 @@ def test_streaming_appends_in_place_and_keeps_a_selection(qtbot, chat, monkeypat
 
 
 def test_the_tray_menu_shows_the_headroom_under_the_state(qtbot, fed_controller) -> None:
-    actions = fed_controller.menu.actions()
-    assert actions[1] is fed_controller.headroom_action and not fed_controller.headroom_action.isEnabled()
+    actions = fed_controller.tray_menu.menu.actions()
+    headroom = fed_controller.tray_menu.headroom_action
+    assert actions[1] is headroom and not headroom.isEnabled()
     feed(fed_controller, READY)
-    assert fed_controller.headroom_action.text() == vm.menu_headroom_text(READY, Config().cpu.ram_floor_mib)
-    assert fed_controller.headroom_action.text().startswith("VRAM ")
+    assert fed_controller.tray_menu.headroom_action.text() == vm.menu_headroom_text(READY, Config().cpu.ram_floor_mib)
+    assert fed_controller.tray_menu.headroom_action.text().startswith("VRAM ")
 
 
 # ----- sharing the GPU from the tray menu ---------------------------------------------------
@@ -298,19 +299,19 @@ def test_the_menu_gives_the_gpu_back_and_shows_where_it_is(qtbot, fed_controller
 
     sent: list[bool] = []
     monkeypatch.setattr(fed_controller.client, "give_gpu_back", lambda given, callback=None: sent.append(given))
-    fed_controller.notices = []
+    fed_controller.notifications.notices = []
     feed(fed_controller, with_residency("loaded"))
-    assert not fed_controller.residency_action.isVisible()
-    assert fed_controller.give_back_action.text() == "Give the GPU &back now"
-    fed_controller.give_back_action.trigger()
+    assert not fed_controller.tray_menu.residency_action.isVisible()
+    assert fed_controller.tray_menu.give_back_action.text() == "Give the GPU &back now"
+    fed_controller.tray_menu.give_back_action.trigger()
     feed(fed_controller, with_residency("given_back_by_user"))
-    assert fed_controller.residency_action.isVisible()
-    assert fed_controller.residency_action.text().startswith("GPU: given back by you")
-    assert fed_controller.give_back_action.text() == "Use the GPU &again"
-    fed_controller.give_back_action.trigger()
+    assert fed_controller.tray_menu.residency_action.isVisible()
+    assert fed_controller.tray_menu.residency_action.text().startswith("GPU: given back by you")
+    assert fed_controller.tray_menu.give_back_action.text() == "Use the GPU &again"
+    fed_controller.tray_menu.give_back_action.trigger()
     assert sent == [True, False]
     feed(fed_controller, with_residency("given_away", text="GPU given to steam (9.1 GiB)"))
     feed(fed_controller, with_residency("loaded", last_load_s=1.5))
-    assert not fed_controller.residency_action.isVisible()
-    kinds = [notice[0] for notice in fed_controller.notices]
+    assert not fed_controller.tray_menu.residency_action.isVisible()
+    kinds = [notice[0] for notice in fed_controller.notifications.notices]
     assert kinds == ["gpu_given_back", "gpu_taken_again"]

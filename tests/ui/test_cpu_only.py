@@ -117,23 +117,24 @@ def test_the_step_that_would_enable_the_gpu_fits_why_there_is_none() -> None:
 
 def test_the_icon_menu_panel_and_notices_agree(qtbot, fed_controller) -> None:  # noqa: F811
     # Every notice that would come is announced at once, and none does.
-    fed_controller.degraded_notifier = vm.DegradedNotifier(settle_s=0, quiet_s=0)
+    fed_controller.notifications.degraded_notifier = vm.DegradedNotifier(settle_s=0, quiet_s=0)
     for _ in range(3):
         feed(fed_controller, NO_GPU)
-    assert fed_controller.kind == vm.CPU and fed_controller.notices == []
+    assert fed_controller.kind == vm.CPU and fed_controller.notifications.notices == []
     assert fed_controller.tray.icon().cacheKey() == state_icon(vm.CPU).cacheKey() != state_icon(vm.DEGRADED).cacheKey()
-    assert fed_controller.state_action.text() == "Serving on the CPU"
+    assert fed_controller.tray_menu.state_action.text() == "Serving on the CPU"
     assert fed_controller.tray.toolTip().startswith("tray-app: serving on the CPU\nNo usable GPU: ")
-    assert fed_controller.headroom_action.text().startswith("VRAM: no GPU · RAM ")
-    assert not fed_controller.force_cpu_action.isEnabled()  # no GPU path to pause
-    panel = fed_controller.panel()
-    fed_controller.show_panel()
+    assert fed_controller.tray_menu.headroom_action.text().startswith("VRAM: no GPU · RAM ")
+    assert not fed_controller.tray_menu.force_cpu_action.isEnabled()  # no GPU path to pause
+    panel = fed_controller.windows.panel()
+    fed_controller.windows.show_panel()
     assert panel.header.title.text() == "Serving on the CPU" and REBUILD in panel.header.detail.text()
     assert not panel.banner.isVisible() and panel.vram_blocks == [] and not panel.vram_chart.isVisible()
     # A GPU path that breaks is still announced.
     feed(fed_controller, gpu_worker_failed())
-    assert fed_controller.kind == vm.DEGRADED and [n[0] for n in fed_controller.notices] == ["degraded_start"]
-    assert fed_controller.force_cpu_action.isEnabled()
+    notices = fed_controller.notifications.notices
+    assert fed_controller.kind == vm.DEGRADED and [n[0] for n in notices] == ["degraded_start"]
+    assert fed_controller.tray_menu.force_cpu_action.isEnabled()
 
 
 def test_tray_app_status_says_the_same() -> None:
@@ -171,10 +172,10 @@ def test_a_real_service_without_a_gpu_is_calm_and_its_headers_stay_truthful(qtbo
         client = ServiceClient(service.url)  # polled by the test, fed to the tray as the client would
         controller = TrayController(client, Config(), tray_available=False)
         controller.exit_app = lambda: None
-        controller.degraded_notifier = vm.DegradedNotifier(settle_s=0, quiet_s=0)
+        controller.notifications.degraded_notifier = vm.DegradedNotifier(settle_s=0, quiet_s=0)
         for _ in range(3):
             client.last_status = httpx.get(f"{service.url}/status", timeout=10).json()
             client.status_changed.emit(client.last_status)
-        assert controller.kind == vm.CPU and controller.notices == []
-        assert controller.state_action.text() == "Serving on the CPU"
+        assert controller.kind == vm.CPU and controller.notifications.notices == []
+        assert controller.tray_menu.state_action.text() == "Serving on the CPU"
         assert "GPU:       none: " in render_status(client.last_status)

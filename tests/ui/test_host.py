@@ -44,7 +44,7 @@ def test_settings_restart_the_service_and_quit_stops_the_workers(qtbot, isolated
         assert controller.kind == vm.DOWN  # not started yet
         runner.start()
         controller.start()  # no tray here: this also opens the panel as a window
-        qtbot.addWidget(controller.panel())
+        qtbot.addWidget(controller.windows.panel())
         assert controller.kind == vm.STARTING
         qtbot.waitUntil(lambda: controller.kind == vm.GPU, timeout=START_MS)
         first_pids = _pids(client.last_status)
@@ -67,7 +67,7 @@ def test_settings_restart_the_service_and_quit_stops_the_workers(qtbot, isolated
                             for w in status["workers"]))
 
         qtbot.waitUntil(restarted, timeout=START_MS)
-        assert controller.notices[-1][1] == "Settings saved"
+        assert controller.notifications.notices[-1][1] == "Settings saved"
         second_pids = _pids(client.last_status)
         assert set(second_pids).isdisjoint(first_pids)
 
@@ -99,5 +99,5 @@ def test_a_busy_port_is_reported_and_the_icon_says_down(qtbot, isolated) -> None
         assert f"port {port} on 127.0.0.1 is already in use" in failed.args[0]
         assert controller.kind == vm.DOWN
         assert "already in use" in controller.tooltip
-        assert controller.notices[-1][0] == "down"
+        assert controller.notifications.notices[-1][0] == "down"
         runner.stop_and_wait(10)

@@ -16,13 +16,13 @@ def test_the_poll_rate_follows_the_panel_the_chat_and_the_requests(qtbot, fed_co
     monkeypatch.setattr(client, "poll_now", lambda: polls.append(True))
     feed(controller, READY)
     assert client.interval_ms == IDLE_POLL_MS and polls == []
-    controller.show_panel()
+    controller.windows.show_panel()
     assert client.interval_ms == ACTIVE_POLL_MS and polls == [True]  # fresh numbers as it opens
-    controller.panel().hide()
+    controller.windows.panel().hide()
     assert client.interval_ms == IDLE_POLL_MS
-    controller.show_chat()
+    controller.windows.show_chat()
     assert client.interval_ms == ACTIVE_POLL_MS
-    controller.chat().hide()
+    controller.windows.chat().hide()
     assert client.interval_ms == IDLE_POLL_MS
     feed(controller, {**READY, "requests": [{"id": "r", "state": "running", "path": "gpu"}]})
     assert client.interval_ms == ACTIVE_POLL_MS

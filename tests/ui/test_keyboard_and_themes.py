@@ -119,7 +119,7 @@ def test_ctrl_enter_sends_from_anywhere_in_the_chat(qtbot, monkeypatch, key) -> 
 
 def test_the_main_buttons_have_alt_letters(qtbot) -> None:
     controller = TrayController(ServiceClient(DEAD_URL), Config(), tray_available=False)
-    panel = controller.panel()
+    panel = controller.windows.panel()
     qtbot.addWidget(panel)
     buttons = [b for b in panel.findChildren(QToolButton)]
     assert len(buttons) == 5  # Open chat, Force CPU, Restart workers, Settings, More
@@ -129,8 +129,9 @@ def test_the_main_buttons_have_alt_letters(qtbot) -> None:
     # Alt+C opens the chat, as its button does.
     activate(qtbot, panel)
     qtbot.keyClick(panel, Qt.Key.Key_C, Qt.KeyboardModifier.AltModifier)
-    qtbot.waitUntil(lambda: controller._chat is not None and controller._chat.isVisible(), timeout=5000)
-    chat = controller.chat()
+    qtbot.waitUntil(lambda: controller.windows.chat_window is not None and controller.windows.chat_window.isVisible(),
+                    timeout=5000)
+    chat = controller.windows.chat()
     qtbot.addWidget(chat)
     chat_keys = [b.shortcut().toString() for b in (chat.clear_button, chat.stop_button, chat.send_button)]
     assert all(k.startswith("Alt+") for k in chat_keys) and len(set(chat_keys)) == 3
@@ -138,12 +139,12 @@ def test_the_main_buttons_have_alt_letters(qtbot) -> None:
 
 def test_tray_menu_actions_have_alt_letters_and_visible_tooltips(qtbot) -> None:
     controller = TrayController(ServiceClient(DEAD_URL), Config(), tray_available=False)
-    for menu in (controller.menu, controller.more_menu):
+    for menu in (controller.tray_menu.menu, controller.tray_menu.more_menu):
         assert menu.toolTipsVisible()
     # The state, headroom and GPU residency lines are read, not chosen: no Alt-letters.
-    actions = [a for a in controller.menu.actions()
-               if not a.isSeparator() and a not in (controller.state_action, controller.headroom_action,
-                                                     controller.residency_action)]
+    menu = controller.tray_menu
+    actions = [a for a in menu.menu.actions()
+               if not a.isSeparator() and a not in (menu.state_action, menu.headroom_action, menu.residency_action)]
     letters = []
     for action in actions:
         text = action.text()
@@ -152,7 +153,7 @@ def test_tray_menu_actions_have_alt_letters_and_visible_tooltips(qtbot) -> None:
         # A tooltip of its own, not Qt's default (the text without the '&').
         assert action.toolTip() and action.toolTip() != text.replace("&", ""), text
     assert len(set(letters)) == len(letters), letters
-    assert controller.state_action.toolTip() == "Open the headroom panel"
+    assert controller.tray_menu.state_action.toolTip() == "Open the headroom panel"
 
 
 # ----- Tab order ------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from PySide6.QtWidgets import QApplication, QCheckBox, QLabel, QPushButton
 
 from tests.status_sample import conforming
 from tray_app.core.config import Config
-from tray_app.ui import app as app_module
+from tray_app.ui import windows as windows_module
 from tray_app.ui.app import TrayController
 from tray_app.ui.client import ServiceClient
 from tray_app.ui.logs import LogViewer
@@ -189,18 +189,18 @@ def test_alt_letters_are_unique_and_everything_has_a_tooltip(viewer) -> None:
 
 
 def test_the_tray_menu_opens_one_viewer_fed_by_the_status(qtbot, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(app_module, "log_dir", lambda: tmp_path)
+    monkeypatch.setattr(windows_module, "log_dir", lambda: tmp_path)
     append(tmp_path / "tray-app.log", "tray started")
     client = ServiceClient(DEAD_URL)
     controller = TrayController(client, Config(), tray_available=False)
-    assert controller.view_logs_action in controller.menu.actions()
-    assert controller.view_logs_action in controller.more_menu.actions()
-    controller.view_logs_action.trigger()
-    window = controller._logs
+    assert controller.tray_menu.view_logs_action in controller.tray_menu.menu.actions()
+    assert controller.tray_menu.view_logs_action in controller.tray_menu.more_menu.actions()
+    controller.tray_menu.view_logs_action.trigger()
+    window = controller.windows.logs_window
     qtbot.addWidget(window)
     assert window.isVisible() and shown_lines(window) == ["tray started"]
     client.status_changed.emit(status_with_workers(tmp_path))
     assert window.source_box.count() == 3
-    controller.show_logs()
-    assert controller.logs() is window
+    controller.windows.show_logs()
+    assert controller.windows.logs() is window
     window.hide()

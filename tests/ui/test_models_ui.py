@@ -39,10 +39,11 @@ def tiny_gpu(status) -> str:
 
 
 def model_submenu(controller, name: str) -> QMenu:
-    for action in controller.models_menu.actions():
+    for action in controller.tray_menu.models_menu.actions():
         if action.menu() is not None and action.text().startswith(f"{name}:"):
             return action.menu()
-    raise AssertionError(f"no {name} in the Models menu: {[a.text() for a in controller.models_menu.actions()]}")
+    shown = [a.text() for a in controller.tray_menu.models_menu.actions()]
+    raise AssertionError(f"no {name} in the Models menu: {shown}")
 
 
 def action(menu: QMenu, text: str):
@@ -51,7 +52,7 @@ def action(menu: QMenu, text: str):
 
 @pytest.mark.integration
 def test_the_models_menu_loads_and_unloads_a_model(qtbot, controller, live) -> None:
-    qtbot.waitUntil(lambda: controller.models_menu_action.isVisible(), timeout=WAIT_MS)
+    qtbot.waitUntil(lambda: controller.tray_menu.models_menu_action.isVisible(), timeout=WAIT_MS)
     tiny = model_submenu(controller, "tiny")
     assert tiny.menuAction().text().startswith("tiny: unloaded, ")
     assert action(tiny, "Unload").isEnabled() is False
@@ -67,8 +68,8 @@ def test_the_models_menu_loads_and_unloads_a_model(qtbot, controller, live) -> N
 
 @pytest.mark.integration
 def test_the_panel_lists_the_models(qtbot, controller, live) -> None:
-    controller.show_panel()
-    panel = controller.panel()
+    controller.windows.show_panel()
+    panel = controller.windows.panel()
     qtbot.waitUntil(lambda: panel.models_box.isVisible(), timeout=WAIT_MS)
     names = [cells[0].full_text for cells in panel.model_cells if cells[0].isVisible()]
     assert names[0].endswith("(default)") and names[1] == "tiny"

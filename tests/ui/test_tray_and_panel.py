@@ -32,34 +32,34 @@ def test_icon_tooltip_and_notifications_follow_pause_and_resume(qtbot, controlle
     wait_kind(qtbot, controller, vm.GPU)
     assert "VRAM (simulated):" in controller.tooltip and "MiB headroom" in controller.tooltip
     assert "RAM:" in controller.tooltip and "floor" in controller.tooltip
-    assert controller.state_action.text() == "Serving on the GPU"
-    assert controller.state_action.icon().cacheKey() == state_icon(vm.GPU).cacheKey()
+    assert controller.tray_menu.state_action.text() == "Serving on the GPU"
+    assert controller.tray_menu.state_action.icon().cacheKey() == state_icon(vm.GPU).cacheKey()
 
     # Force CPU from the menu's own action: a real POST /admin/gpu.
-    with qtbot.waitSignal(controller.notified, timeout=WAIT_MS) as started:
-        controller.force_cpu_action.setChecked(True)
+    with qtbot.waitSignal(controller.notifications.notified, timeout=WAIT_MS) as started:
+        controller.tray_menu.force_cpu_action.setChecked(True)
     assert started.args[0] == "degraded_start"
     assert "The GPU path is paused (force CPU)" in started.args[2]
     assert live.status()["service"]["gpu_paused"] is True
     assert controller.kind == vm.DEGRADED
-    assert controller.state_action.icon().cacheKey() == state_icon(vm.DEGRADED).cacheKey()
+    assert controller.tray_menu.state_action.icon().cacheKey() == state_icon(vm.DEGRADED).cacheKey()
     assert "Why: the GPU path is paused (force CPU)" in controller.tooltip
 
-    with qtbot.waitSignal(controller.notified, timeout=WAIT_MS) as ended:
-        controller.force_cpu_action.setChecked(False)
+    with qtbot.waitSignal(controller.notifications.notified, timeout=WAIT_MS) as ended:
+        controller.tray_menu.force_cpu_action.setChecked(False)
     assert ended.args[0] == "degraded_end"
     assert controller.kind == vm.GPU
-    assert [n[0] for n in controller.notices] == ["degraded_start", "degraded_end"]
+    assert [n[0] for n in controller.notifications.notices] == ["degraded_start", "degraded_end"]
 
 
 @pytest.mark.integration
 def test_pause_from_outside_is_reflected_in_the_menu(qtbot, controller, live) -> None:
     wait_kind(qtbot, controller, vm.GPU)
     live.http.post("/admin/gpu", json={"paused": True})
-    qtbot.waitUntil(lambda: controller.force_cpu_action.isChecked(), timeout=WAIT_MS)
+    qtbot.waitUntil(lambda: controller.tray_menu.force_cpu_action.isChecked(), timeout=WAIT_MS)
     assert controller.kind == vm.DEGRADED
     live.http.post("/admin/gpu", json={"paused": False})
-    qtbot.waitUntil(lambda: not controller.force_cpu_action.isChecked(), timeout=WAIT_MS)
+    qtbot.waitUntil(lambda: not controller.tray_menu.force_cpu_action.isChecked(), timeout=WAIT_MS)
 
 
 @pytest.mark.integration
@@ -72,9 +72,10 @@ def test_tray_icon_shows_the_state(qtbot, live) -> None:
         wait_kind(qtbot, controller, vm.GPU)
         assert controller.tray.icon().cacheKey() == state_icon(vm.GPU).cacheKey()
         assert controller.tray.toolTip() == controller.tooltip
-        assert controller.tray.contextMenu() is controller.menu
+        assert controller.tray.contextMenu() is controller.tray_menu.menu
         # Compared without the '&' that marks each action's Alt+letter.
-        texts = [a.text().replace("&", "") for a in controller.menu.actions() if not a.isSeparator() and a.isVisible()]
+        texts = [a.text().replace("&", "") for a in controller.tray_menu.menu.actions()
+                 if not a.isSeparator() and a.isVisible()]
         assert texts[1].startswith("VRAM ") and texts[1].endswith(" headroom")
         del texts[1]  # the headroom line, under the state
         assert texts == ["Serving on the GPU", "Open headroom panel", "Open chat", "Force CPU (pause the GPU path)",
@@ -91,9 +92,9 @@ def test_tray_icon_shows_the_state(qtbot, live) -> None:
 @pytest.mark.integration
 def test_panel_shows_live_headroom_and_the_simulated_label(qtbot, controller, live) -> None:
     wait_kind(qtbot, controller, vm.GPU)
-    panel = controller.panel()
+    panel = controller.windows.panel()
     qtbot.addWidget(panel)
-    controller.show_panel()
+    controller.windows.show_panel()
     qtbot.waitUntil(lambda: len(panel.vram_blocks) == 1, timeout=WAIT_MS)
     block = panel.vram_blocks[0]
     assert block.badge.isVisible() and block.badge.text() == "SIMULATED"
@@ -122,7 +123,7 @@ def test_status_is_polled_about_once_a_second_without_blocking(qtbot, controller
     wait_kind(qtbot, controller, vm.GPU)
     # Once a second while someone looks; with every window closed and nothing
     # in flight the tray polls every 5 s (tests/ui/test_idle_polling.py).
-    controller.show_panel()
+    controller.windows.show_panel()
     received: list[float] = []
     controller.client.status_changed.connect(lambda _s: received.append(time.monotonic()))
     ticks: list[float] = []
@@ -170,9 +171,9 @@ def test_a_silent_service_does_not_block_the_ui_and_shows_down(qtbot, monkeypatc
 @pytest.mark.integration
 def test_degraded_banner_and_cancel_a_real_queued_request(qtbot, controller, live, background) -> None:
     wait_kind(qtbot, controller, vm.GPU)
-    panel = controller.panel()
+    panel = controller.windows.panel()
     qtbot.addWidget(panel)
-    controller.show_panel()
+    controller.windows.show_panel()
     live.http.post("/admin/gpu", json={"paused": True})
     long = background("ui-long-1")
     wait_status(qtbot, live, lambda s: any(r["id"] == "ui-long-1" and r["state"] == "running" for r in s["requests"]),
@@ -214,7 +215,7 @@ def test_degraded_banner_and_cancel_a_real_queued_request(qtbot, controller, liv
 @pytest.mark.integration
 def test_cancel_of_an_unknown_request_gives_the_button_back(qtbot, controller, live) -> None:
     wait_kind(qtbot, controller, vm.GPU)
-    panel = controller.panel()
+    panel = controller.windows.panel()
     qtbot.addWidget(panel)
     panel.banner._add_row("gone-already")
     button = panel.banner.cancel_button("gone-already")
@@ -232,7 +233,7 @@ def test_no_system_tray_opens_the_panel_as_a_window_and_says_why(qtbot, live) ->
     controller.exit_app = lambda: quits.append(True)
     try:
         controller.start()
-        panel = controller.panel()
+        panel = controller.windows.panel()
         qtbot.addWidget(panel)
         assert controller.tray is None
         assert panel.isVisible()
@@ -243,7 +244,7 @@ def test_no_system_tray_opens_the_panel_as_a_window_and_says_why(qtbot, live) ->
         texts = {b.defaultAction().text().replace("&", "")
                  for b in panel.findChildren(QToolButton) if b.defaultAction()}
         assert {"Open chat", "Force CPU (pause the GPU path)", "Restart workers", "Settings…"} <= texts
-        more = {a.text().replace("&", "") for a in controller.more_menu.actions() if not a.isSeparator()}
+        more = {a.text().replace("&", "") for a in controller.tray_menu.more_menu.actions() if not a.isSeparator()}
         assert more == {"Choose model…", "Download model…", "View logs…", "Open logs folder", "Copy API URL",
                         "Quit"}
         # Closing the window quits (there is no tray icon to come back to).
@@ -259,7 +260,7 @@ def test_restart_workers_from_the_menu_restarts_them(qtbot, controller, live) ->
     before = {w["role"]: w["pid"] for w in live.status()["workers"]}
     kinds: list[str] = []
     controller.state_changed.connect(kinds.append)
-    controller.restart_action.trigger()
+    controller.tray_menu.restart_action.trigger()
 
     def new_pids() -> bool:
         status = controller.client.last_status or {}
@@ -276,13 +277,13 @@ def test_copy_api_url_and_open_logs(qtbot, controller, live, monkeypatch) -> Non
     from PySide6.QtGui import QDesktopServices, QGuiApplication
 
     wait_kind(qtbot, controller, vm.GPU)
-    controller.copy_url_action.trigger()
+    controller.tray_menu.copy_url_action.trigger()
     assert QGuiApplication.clipboard().text() == f"{live.url}/v1"
-    assert controller.notices[-1][1] == "API URL copied"
+    assert controller.notifications.notices[-1][1] == "API URL copied"
 
     opened: list[str] = []
     monkeypatch.setattr(QDesktopServices, "openUrl", staticmethod(lambda url: opened.append(url.toLocalFile()) or True))
-    controller.open_logs_action.trigger()
+    controller.tray_menu.open_logs_action.trigger()
     worker_log = live.status()["workers"][0]["log"]
     assert opened == [str(__import__("pathlib").Path(worker_log).parent)]
 
@@ -307,21 +308,21 @@ def test_choose_model_validates_the_file_and_saves_it(qtbot, live, tmp_path, mon
 
     # The file is read off the GUI thread; its verdict arrives through the event loop.
     monkeypatch.setattr(settings, "choose_model_file", lambda parent, start="": sys.executable)
-    controller.choose_model_action.trigger()
-    with qtbot.waitSignal(controller.model_check.delivered, timeout=10_000):
+    controller.tray_menu.choose_model_action.trigger()
+    with qtbot.waitSignal(controller.commands.model_check.delivered, timeout=10_000):
         pass
     assert len(warnings) == 1 and "is not a GGUF file" in warnings[0]
     assert config_file.read_text() == "[cpu]\nn_ctx = 2048\n"
 
     model = str(bundled_model_path())
     monkeypatch.setattr(settings, "choose_model_file", lambda parent, start="": model)
-    controller.choose_model_action.trigger()
-    with qtbot.waitSignal(controller.model_check.delivered, timeout=10_000):
+    controller.tray_menu.choose_model_action.trigger()
+    with qtbot.waitSignal(controller.commands.model_check.delivered, timeout=10_000):
         pass
     assert len(parser_threads) == 2 and threading.main_thread() not in parser_threads
     assert load_config(config_file).model.path == model
     assert controller.config.model.path == model
-    assert controller.notices[-1][1] == "Settings saved"
+    assert controller.notifications.notices[-1][1] == "Settings saved"
 
 
 @pytest.mark.integration
@@ -331,8 +332,8 @@ def test_start_on_login_toggle_writes_and_removes_the_autostart_entry(qtbot, con
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.setenv("XDG_CONFIG_DIRS", str(tmp_path / "system"))
     entry = tmp_path / "autostart" / "tray-app.desktop"
-    assert not controller.autostart_action.isChecked() or autostart.is_enabled()
-    controller.autostart_action.setChecked(True)
+    assert not controller.tray_menu.autostart_action.isChecked() or autostart.is_enabled()
+    controller.tray_menu.autostart_action.setChecked(True)
     assert entry.exists() and "Exec=" in entry.read_text() and autostart.is_enabled()
-    controller.autostart_action.setChecked(False)
-    assert not autostart.is_enabled() and not controller.autostart_action.isChecked()
+    controller.tray_menu.autostart_action.setChecked(False)
+    assert not autostart.is_enabled() and not controller.tray_menu.autostart_action.isChecked()

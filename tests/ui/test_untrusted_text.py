@@ -82,10 +82,10 @@ def test_the_chat_shows_the_model_names_and_the_service_state_as_written(qtbot, 
 def test_the_tray_shows_names_as_written(qtbot, fed_controller) -> None:  # noqa: F811
     feed(fed_controller, hostile_status())
     assert_tooltip_shows_it_as_written(fed_controller.tray.toolTip())
-    submenu_tips = [action.toolTip() for action in fed_controller.models_menu.actions()]
+    submenu_tips = [action.toolTip() for action in fed_controller.tray_menu.models_menu.actions()]
     assert submenu_tips and all("&lt;img" in tip for tip in submenu_tips if "img" in tip)
-    fed_controller.show_panel()
-    assert_shown_as_written(fed_controller.panel(), at_least=10)
+    fed_controller.windows.show_panel()
+    assert_shown_as_written(fed_controller.windows.panel(), at_least=10)
 
 
 def test_a_menu_shows_an_ampersand_in_a_name_as_written(qtbot, fed_controller) -> None:  # noqa: F811
@@ -94,8 +94,8 @@ def test_a_menu_shows_an_ampersand_in_a_name_as_written(qtbot, fed_controller) -
     status["models"][1]["name"] = "R&D-model"
     feed(fed_controller, status)
     # '&&' is how a menu shows one '&' (a single one marks the Alt+letter and is hidden).
-    assert "peer Q&&A box" in fed_controller.state_action.text()
-    assert any(action.text().startswith("R&&D-model") for action in fed_controller.models_menu.actions())
+    assert "peer Q&&A box" in fed_controller.tray_menu.state_action.text()
+    assert any(action.text().startswith("R&&D-model") for action in fed_controller.tray_menu.models_menu.actions())
 
 
 def test_text_without_a_tag_is_left_alone() -> None:
@@ -106,7 +106,7 @@ def test_text_without_a_tag_is_left_alone() -> None:
 
 
 def test_a_notification_body_shows_names_as_written_where_the_server_reads_markup() -> None:
-    from tray_app.ui.app import notification_body
+    from tray_app.ui.notifications import notification_body
 
     body = notification_body('GPU failed; peer <img src="file:///etc/passwd"> & <b>box</b> serves', "linux")
     assert "<" not in body and "&lt;img" in body and "&amp;" in body

@@ -222,7 +222,7 @@ class ScreenshotTour(QObject):
 
     def menu_shot(self, name: str) -> Step:
         """The tray menu popped up under the icon, as a crop of the screen."""
-        menu = self.controller.menu
+        menu = self.controller.tray_menu.menu
         tray = self.tray_rect()
         menu.popup(QPoint(tray.left(), tray.bottom() + 2))
         yield ("sleep", 0.8)
@@ -233,18 +233,18 @@ class ScreenshotTour(QObject):
 
     def models_menu_shot(self, name: str) -> Step:
         """The tray menu with its Models submenu open, one crop of both."""
-        menu = self.controller.menu
+        menu = self.controller.tray_menu.menu
+        models_menu = self.controller.tray_menu.models_menu
         tray = self.tray_rect()
         menu.popup(QPoint(tray.left(), tray.bottom() + 2))
         yield ("sleep", 0.6)
-        item = menu.actionGeometry(self.controller.models_menu_action).translated(menu.pos())
-        self.controller.models_menu.popup(QPoint(item.left() - self.controller.models_menu.sizeHint().width(),
-                                                 item.top()))
+        item = menu.actionGeometry(self.controller.tray_menu.models_menu_action).translated(menu.pos())
+        models_menu.popup(QPoint(item.left() - models_menu.sizeHint().width(), item.top()))
         yield ("sleep", 0.8)
-        area = menu.geometry().united(self.controller.models_menu.geometry()).united(tray).adjusted(-16, 0, 16, 16)
+        area = menu.geometry().united(models_menu.geometry()).united(tray).adjusted(-16, 0, 16, 16)
         area.setTop(0)
         self.save(self.grab_screen(area.intersected(QGuiApplication.primaryScreen().geometry())), name)
-        self.controller.models_menu.hide()
+        models_menu.hide()
         menu.hide()
 
     def tour(self) -> Step:
@@ -264,8 +264,8 @@ class ScreenshotTour(QObject):
         yield ("sleep", 1.5)
         yield from self.models_menu_shot("tray-menu-models.png")
         yield ("sleep", 0.3)
-        c.show_download()
-        dialog = c._download
+        c.windows.show_download()
+        dialog = c.windows.download_dialog
         dialog.ref_edit.setText("bartowski/Qwen2.5-0.5B-Instruct-GGUF/Qwen2.5-0.5B-Instruct-Q4_K_M.gguf")
         dialog.bar.setVisible(True)
         dialog.bar.setRange(0, 100)
@@ -289,9 +289,9 @@ class ScreenshotTour(QObject):
         yield ("until", self.kind_is(vm.GPU), 60, "serving on the GPU again")
 
         # The chat, answered on the GPU.
-        chat = c.chat()
+        chat = c.windows.chat()
         chat.resize(660, 560)
-        c.show_chat()
+        c.windows.show_chat()
         yield ("sleep", 0.5)
         # A finished answer is drawn as Markdown: ask for code. Then a new chat,
         # so the conversation below stays short enough for the CPU's context.
@@ -314,8 +314,8 @@ class ScreenshotTour(QObject):
 
         # Degraded: a game (a real second process named steam) takes the VRAM;
         # the GPU model is unloaded for it and requests go to the CPU.
-        panel = c.panel()
-        c.show_panel()
+        panel = c.windows.panel()
+        c.windows.show_panel()
         self.fit(panel)
         status = self.status()
         self.game = OtherApp(crowding_mib(status), "steam", simulated_dir=status["gpu"]["simulated_device_dir"])
@@ -329,7 +329,7 @@ class ScreenshotTour(QObject):
         yield ("until", self.cpu_requests(queued=QUEUED_FOR_SHOTS, total=QUEUED_FOR_SHOTS + 1), 60,
                "one running and ten queued CPU requests")
         yield ("until", self.kind_is(vm.DEGRADED), 30, "degraded mode")
-        yield ("until", lambda: any(n[0] == "gpu_given_back" for n in c.notices), 30, "the GPU-given-back notification")
+        yield ("until", lambda: any(n[0] == "gpu_given_back" for n in c.notifications.notices), 30, "the GPU-given-back notification")
         yield ("sleep", 1.6)
         self.fit(panel)
         yield ("sleep", 0.3)
@@ -346,10 +346,10 @@ class ScreenshotTour(QObject):
                60, "the CPU requests to be canceled")
 
         # Degraded, by Force CPU: the chat shows the banner for its own request.
-        c.force_cpu_action.setChecked(True)
+        c.tray_menu.force_cpu_action.setChecked(True)
         self.game.quit()
         yield ("until", lambda: (self.status().get("service") or {}).get("gpu_paused") is True, 30, "force CPU")
-        c.show_chat()
+        c.windows.show_chat()
         # A long answer: the CPU must still be writing it when the shot is taken.
         chat.send("Tell me a long story about a lighthouse keeper before electricity.")
         yield ("until", lambda: len(chat.turns[-1].text) > 200 or not chat.busy, 120,
@@ -360,7 +360,7 @@ class ScreenshotTour(QObject):
         self.grab_window(chat, "chat-degraded-mid-answer.png")
         chat.stop()
         yield ("until", lambda: not chat.busy, 30, "stop")
-        c.force_cpu_action.setChecked(False)
+        c.tray_menu.force_cpu_action.setChecked(False)
         chat.hide()
 
         # Back to normal; the chart now shows the dip.
@@ -371,8 +371,8 @@ class ScreenshotTour(QObject):
         self.grab_window(panel, "panel-normal.png")
 
         # The log viewer: the tray app's own log, filtered to what concerns the GPU.
-        c.show_logs()
-        logs = c._logs
+        c.windows.show_logs()
+        logs = c.windows.logs_window
         logs.resize(820, 460)
         logs.filter_edit.setText("gpu")
         yield ("sleep", 1.0)
@@ -380,8 +380,8 @@ class ScreenshotTour(QObject):
         logs.hide()
 
         # Settings: paths in lines, numbers in spin boxes.
-        c.show_settings()
-        settings = c._settings
+        c.windows.show_settings()
+        settings = c.windows.settings_dialog
         yield ("sleep", 0.5)
         settings.adjustSize()
         yield ("sleep", 0.3)
@@ -391,7 +391,7 @@ class ScreenshotTour(QObject):
     def tour_no_tray(self) -> Step:
         yield ("until", self.all_ready, 240, "both workers ready")
         yield ("sleep", 4)
-        panel = self.controller.panel()
+        panel = self.controller.windows.panel()
         self.fit(panel)
         yield ("sleep", 0.3)
         self.grab_window(panel, "panel-no-tray.png")
@@ -406,8 +406,8 @@ class ScreenshotTour(QObject):
         self.save_tray_icon("tray-icon-cpu.png", "Serving on the CPU (no GPU path)")
         yield from self.menu_shot("tray-menu-cpu.png")
         yield ("sleep", 0.3)
-        panel = self.controller.panel()
-        self.controller.show_panel()
+        panel = self.controller.windows.panel()
+        self.controller.windows.show_panel()
         self.fit(panel)
         yield ("sleep", 0.5)
         self.grab_window(panel, "panel-cpu-only.png")
