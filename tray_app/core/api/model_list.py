@@ -33,7 +33,9 @@ def openai_model_list(service: Service, principal: ApiKey | None) -> dict[str, A
         model = (model_host or service.default_model_host).model
         sees = (model_host.projector if model_host is not None else service.default_model_host.cpu_projector) is not None
         return {
-            "max_choices": bounds.MAX_N, "logprobs": service.supports_logprobs, "vision": sees, "tools": True,
+            # (A request naming the fallback file is the default model's, as its context_length is.)
+            "max_choices": max_choices(model_host or service.default_model_host),
+            "logprobs": service.supports_logprobs, "vision": sees, "tools": True,
             "input_modalities": ["text", "image"] if sees else ["text"],
             "structured_output": ["json_object", "json_schema", "grammar"],
             "context_length": max(model.gpu_n_ctx, model.cpu_n_ctx),
@@ -58,3 +60,13 @@ def openai_model_list(service: Service, principal: ApiKey | None) -> dict[str, A
          "capabilities": {**capabilities(model_host), **(embedding_info if model_id == service.model_id
                                                    else {"embeddings": False})}, **where(model_host)}
         for model_id, model_host in listed]}
+
+
+def max_choices(model_host: ModelHost) -> int:
+    """The most choices (n) a request for this model can get: n runs as n
+    parallel slots of one path, so its larger path's slots (a path with
+    fewer than n refuses it, too_many_choices; a machine with no GPU path
+    has only the CPU's), within the bound every request has (bounds.MAX_N)."""
+    dispatcher = model_host.dispatcher
+    paths = [path for path in (dispatcher.gpu, dispatcher.cpu) if path is not None]
+    return min(bounds.MAX_N, max(path.lane.concurrency for path in paths))
