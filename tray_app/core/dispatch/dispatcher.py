@@ -106,6 +106,7 @@ class Dispatcher:
         if job.id in self.jobs:
             return False
         self.jobs[job.id] = job
+        job.registered_at = self._clock()
         return True
 
     def unregister(self, job: Job) -> None:

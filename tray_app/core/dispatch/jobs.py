@@ -159,6 +159,10 @@ class Job:
         self.request = request
         self.created_at = time.monotonic()
         self.created_wall = time.time()
+        # When its dispatcher registered it (on arrival), on the dispatcher's
+        # injected clock, which its paths share: what is left of its deadline
+        # is measured from here (created_at is time.monotonic's).
+        self.registered_at: float | None = None
         self.state = JobState.ADMITTING
         self.path: str | None = None
         self.reason: Reason | None = None

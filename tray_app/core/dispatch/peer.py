@@ -243,7 +243,9 @@ class Peer:
         if job.deadline_s is not None:
             # The client's X-Request-Timeout, what is left of it: the peer
             # plans with it, and we wait no longer for its first token.
-            left_s = max(0.1, job.deadline_s - job.age_s())
+            # (A job no dispatcher registered, run on the peer directly, counts from now.)
+            age_s = self._clock() - job.registered_at if job.registered_at is not None else 0.0
+            left_s = max(0.1, job.deadline_s - age_s)
             headers["X-Request-Timeout"] = f"{left_s:.3f}"
             first_wait_s = min(first_wait_s, left_s)
         self.in_flight += 1

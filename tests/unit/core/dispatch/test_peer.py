@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from typing import Callable
 
 import httpx
 import pytest
@@ -133,10 +135,12 @@ class FakePeerServer:
         return self.chat
 
 
-def make_peer(server: FakePeerServer, role: str = "fallback", threshold: int = 2, **settings) -> Peer:
+def make_peer(server: FakePeerServer, role: str = "fallback", threshold: int = 2, clock: Callable[[], float] = time.monotonic,
+              **settings) -> Peer:
     entry = PeerEntry(name="desk", url="http://desk.lan:8642", api_key="k", role=role, **settings)
     http = httpx.AsyncClient(transport=httpx.MockTransport(server))
-    return Peer(entry, peer_base_url(entry.url), http, BreakerPolicy(failure_threshold=threshold, cooldown_s=5.0))
+    return Peer(entry, peer_base_url(entry.url), http, BreakerPolicy(failure_threshold=threshold, cooldown_s=5.0),
+                clock)
 
 
 async def test_a_health_check_reads_the_models_and_the_round_trip():
@@ -280,6 +284,18 @@ async def test_a_full_peer_takes_no_more():
     await peer.check()
     peer.in_flight = 1
     assert "max_concurrency" in peer.unavailable(("smol",))
+
+
+async def test_what_is_left_of_the_deadline_is_measured_on_the_peers_clock():
+    server = FakePeerServer()
+    rig = make_rig()
+    peer = make_peer(server, clock=rig.clock)
+    await peer.check()
+    job = make_job(deadline_s=30.0)
+    assert rig.dispatcher.register(job)  # it arrived
+    rig.clock.advance(12.0)  # and waited here 12 s (a GPU queue it was redirected from, say)
+    await peer.run(job, Sink(job), ("smol",), "m", "fp")
+    assert server.requests[-1].headers["x-request-timeout"] == "18.000"
 
 
 # ----- the dispatcher with a peer ---------------------------------------------------------------
