@@ -24,20 +24,23 @@ def backlog_s(backend: Backend, jobs: Mapping[str, Job]) -> float:
     return estimate(path_load(backend, jobs), Work(0, 0)).wait_s
 
 
+def remaining_work(job: Job) -> list[Work]:
+    """What a request still has to do, for the latency estimate: counted at
+    its expected length, not its limit (a chat without max_tokens may fill
+    its context, but few do); one that has already run long is expected to
+    run as long again. A request with n choices is n answers, one per slot."""
+    # The job's tokens are all its choices' together.
+    done = (job.tokens_out if job.state is JobState.RUNNING else 0) // job.choices
+    expected = min(job.max_tokens, max(EXPECTED_ANSWER_TOKENS, 2 * done))
+    return [Work(job.prompt_tokens if done == 0 else 0, max(0, expected - done))] * job.choices
+
+
 def path_load(backend: Backend, jobs: Mapping[str, Job], not_before_s: float = 0.0) -> PathLoad:
-    """A path's slots and the work on them and in its queue, for the
-    latency estimate. A request's work is counted at its expected length,
-    not its limit: a chat without max_tokens may fill its context, but few
-    do. One that has already run long is expected to run as long again.
-    A request with n choices is n answers, one per slot it holds."""
+    """A path's slots and the work on them and in its queue (remaining_work),
+    for the latency estimate."""
     def remaining(job_id: str) -> list[Work]:
         job = jobs.get(job_id)
-        if job is None:
-            return []
-        # The job's tokens are all its choices' together.
-        done = (job.tokens_out if job.state is JobState.RUNNING else 0) // job.choices
-        expected = min(job.max_tokens, max(EXPECTED_ANSWER_TOKENS, 2 * done))
-        return [Work(job.prompt_tokens if done == 0 else 0, max(0, expected - done))] * job.choices
+        return remaining_work(job) if job is not None else []
 
     lane = backend.lane
     running = tuple(work for job_id in lane.running_ids for work in remaining(job_id))

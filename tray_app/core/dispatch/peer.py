@@ -41,7 +41,9 @@ import httpx
 from ..base.http_basics import bearer_header, is_loopback
 from .admission import PeerRole, PeerView
 from .breaker import BreakerPolicy, BreakerState, CircuitBreaker
+from .backlog import remaining_work
 from .jobs import Attempt, Job, PathSpeed
+from .latency import PathLoad, SpeedCurve, Work, estimate
 from .upstream import (
     MAX_SSE_LINE_BYTES, Sink, UpstreamRules, Waiter, client_safe, stream_attempt, upstream_error_text, worker_body,
 )
@@ -133,12 +135,18 @@ class Peer:
         # Measured on its answers: the estimate admission compares. Unknown
         # (no estimate) until the first answer of a few tokens.
         self.speed = PathSpeed(tokens_per_s=1.0, prompt_tokens_per_s=1.0)
-        self.in_flight = 0
+        # This server's requests running on the peer now (two models' requests
+        # may share an id: each has its own dispatcher).
+        self._running: set[Job] = set()
         self.served = 0
         self.failures = 0
         self.last_failure: str | None = None
 
     # ----- what admission sees ---------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
 
     def remote_model(self, names: tuple[str, ...]) -> str | None:
         """The name the peer serves this model under (the first of `names`,
@@ -167,11 +175,19 @@ class Peer:
 
     def estimate_s(self, prompt_tokens: int, answer_tokens: int) -> float | None:
         """Seconds to an answer of this size: the network round trip plus
-        the measured speeds; None until an answer has been measured."""
+        the work ahead of it there, played forward at the measured speeds:
+        what this server already has running on the peer (its requests
+        share the peer's throughput; a peer's other clients can't be seen
+        from here). None until an answer has been measured."""
         if self.speed.samples == 0:
             return None
         rtt = (self.health.smoothed_ms or 0.0) / 1000
-        return round(rtt + answer_tokens / self.speed.tokens_per_s + prompt_tokens / self.speed.prompt_tokens_per_s, 2)
+        # Only the single-stream speed is measured: streams running together
+        # share it (SpeedCurve with no table), they don't multiply it.
+        load = PathLoad(self.settings.max_concurrency,
+                        tuple(work for job in self._running for work in remaining_work(job)), (),
+                        SpeedCurve(self.speed.tokens_per_s, self.speed.prompt_tokens_per_s))
+        return round(rtt + estimate(load, Work(prompt_tokens, answer_tokens)).latency_s, 2)
 
     # ----- health ----------------------------------------------------------------------------
 
@@ -248,14 +264,14 @@ class Peer:
             left_s = max(0.1, job.deadline_s - age_s)
             headers["X-Request-Timeout"] = f"{left_s:.3f}"
             first_wait_s = min(first_wait_s, left_s)
-        self.in_flight += 1
+        self._running.add(job)
         try:
             done_seen = await stream_attempt(
                 self._http, f"{self.base_url}{job.kind.upstream_path}", body, headers, job, attempt, sink,
                 _PeerRules(self, job), clock=self._clock, first_token_s=first_wait_s,
                 between_tokens_s=self.settings.token_timeout_s, model=model, fingerprint=fingerprint)
         finally:
-            self.in_flight -= 1
+            self._running.discard(job)
         if not done_seen:
             attempt.outcome = "failed: truncated"
             raise PeerFailure("its stream ended without [DONE]")

@@ -18,7 +18,7 @@ from tray_app.core.dispatch.admission import (
     Decision, PeerRole, PeerView, Reason, RequestShape, Route, offer_to_peer,
 )
 from tray_app.core.dispatch.breaker import BreakerPolicy, BreakerState
-from tray_app.core.dispatch.jobs import JobFailed
+from tray_app.core.dispatch.jobs import JobFailed, PathSpeed
 from tray_app.core.dispatch import peer as peer_module
 from tray_app.core.dispatch.peer import (
     ANSWER_EVENT_MARGIN, ERROR_BODY_MAX_BYTES, HOP_HEADER, MODELS_MAX_BYTES, Peer, PeerFailure, Peers,
@@ -280,10 +280,34 @@ async def test_a_failed_probe_opens_the_breaker_again():
 
 
 async def test_a_full_peer_takes_no_more():
-    peer = make_peer(FakePeerServer(), max_concurrency=1)
-    await peer.check()
-    peer.in_flight = 1
-    assert "max_concurrency" in peer.unavailable(("smol",))
+    server = FakePeerServer()
+    release = asyncio.Event()
+    server.chat = httpx.Response(200, content=held_stream(release))
+    rig, peer = await peer_rig(server, max_concurrency=1)
+    rig.dispatcher.set_gpu_paused(True)
+    task = await start_streaming(rig, make_job())
+    assert peer.in_flight == 1 and "max_concurrency" in peer.unavailable(("smol",))
+    release.set()
+    await task
+    assert peer.in_flight == 0 and peer.unavailable(("smol",)) is None
+
+
+async def test_the_estimate_counts_this_servers_requests_already_running_on_the_peer():
+    server = FakePeerServer()
+    release = asyncio.Event()
+    server.chat = httpx.Response(200, content=held_stream(release))
+    rig, peer = await peer_rig(server)
+    peer.speed = PathSpeed(tokens_per_s=10.0, prompt_tokens_per_s=100.0, samples=1)
+    peer.health.smoothed_ms = 100.0
+    alone = peer.estimate_s(0, 10)
+    assert alone == pytest.approx(0.1 + 1.0)
+    rig.dispatcher.set_gpu_paused(True)
+    task = await start_streaming(rig, make_job(max_tokens=10))  # one token in, 9 to go
+    # The two share the peer's 10 tokens/s: 9 tokens each at 5/s, then the last at 10/s.
+    assert peer.estimate_s(0, 10) == pytest.approx(0.1 + 1.8 + 0.1)
+    release.set()
+    await task
+    assert peer.estimate_s(0, 10) == alone
 
 
 async def test_what_is_left_of_the_deadline_is_measured_on_the_peers_clock():
@@ -301,9 +325,9 @@ async def test_what_is_left_of_the_deadline_is_measured_on_the_peers_clock():
 # ----- the dispatcher with a peer ---------------------------------------------------------------
 
 
-async def peer_rig(server: FakePeerServer, role: str = "fallback"):
+async def peer_rig(server: FakePeerServer, role: str = "fallback", **settings):
     rig = make_rig()
-    peer = make_peer(server, role=role)
+    peer = make_peer(server, role=role, **settings)
     await peer.check()
     rig.dispatcher.peers = Peers([peer])
     rig.dispatcher.model_names = ("Local-Name", "smol")
