@@ -14,7 +14,9 @@ CPU seconds a process spent per token are not. Prints numbers; asserts nothing.
   start it); the router process's CPU per token (psutil), and as the
   anchor, llama-server's own CPU per token, through the service and alone.
 
-One stream of --tokens tokens, then 4 concurrent streams of --tokens/4.
+One stream of --tokens tokens, then 4 concurrent streams of --tokens/4;
+in fake mode also 200 tiny requests (max_tokens 1) in a row: the CPU the
+service spends per request outside the relay.
 --code DIR runs another checkout of the code (the old one, from
 `git archive`), so before and after run back to back on one machine.
 """
@@ -52,6 +54,8 @@ import psutil  # noqa: E402
 
 STREAMS = 4
 PROFILE_TOP = 15
+# Requests for one token each, one after another: the service's own cost per request.
+TINY_REQUESTS = 200
 # Varied tokens, as a model writes them: ASCII words, a quote, non-ASCII.
 TOKENS = [" the", " relay", " \"quoted\"", " caf\u00e9", " \u2028line", " 42", ",", " \U0001F600"]
 
@@ -137,17 +141,37 @@ async def fake_mode(tokens: int) -> None:
                 started = time.process_time()
                 got = await streams(client, count, per_stream)
                 print(f"  {count} stream(s): {per_token_us(time.process_time() - started, got)}")
+            started = time.process_time()
+            await tiny_requests(client, TINY_REQUESTS)
+            print(f"  a tiny request (max_tokens 1, not streamed): "
+                  f"{(time.process_time() - started) / TINY_REQUESTS * 1e3:.3f} ms CPU each ({TINY_REQUESTS} in a row)")
             for count in (1, STREAMS):
                 profile = cProfile.Profile()
                 profile.enable()
                 got = await streams(client, count, tokens // count)
                 profile.disable()
-                text = io.StringIO()
-                stats = pstats.Stats(profile, stream=text)
-                stats.sort_stats("tottime").print_stats(PROFILE_TOP)
-                print(f"-- cProfile, {count} stream(s), {got} tokens, top {PROFILE_TOP} by tottime --")
-                print("\n".join(line for line in text.getvalue().splitlines()
-                                if line.strip() and not line.lstrip().startswith(("Ordered by", "List reduced"))))
+                print_profile(profile, f"{count} stream(s), {got} tokens")
+            profile = cProfile.Profile()
+            profile.enable()
+            await tiny_requests(client, TINY_REQUESTS)
+            profile.disable()
+            print_profile(profile, f"{TINY_REQUESTS} tiny requests")
+
+
+async def tiny_requests(client: httpx.AsyncClient, count: int) -> None:
+    for _ in range(count):
+        response = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0})
+        response.raise_for_status()
+
+
+def print_profile(profile: cProfile.Profile, what: str) -> None:
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(PROFILE_TOP)
+    print(f"-- cProfile, {what}, top {PROFILE_TOP} by tottime --")
+    print("\n".join(line for line in text.getvalue().splitlines()
+                    if line.strip() and not line.lstrip().startswith(("Ordered by", "List reduced"))))
 
 
 # ----- the real service and llama-server -------------------------------------------------

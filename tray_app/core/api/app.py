@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
+from ..catalog.tokens import Prompt, PromptCounter, short_chat
 from ..dispatch.admission import Reason
 from ..dispatch.jobs import Job, JobFailed, JobKind, JobRequest, new_request_id
 from ..dispatch.peer import HOP_HEADER
@@ -335,11 +336,14 @@ class HttpApp:
         assert counter is not None
         try:
             if job.kind is JobKind.CHAT:
+                messages, tools = text_only(job.body["messages"]), job.body.get("tools")
+                # A short chat is rendered right here: a worker thread's
+                # hand-off costs more than the render (tokens.QUICK_COUNT_BYTES).
+                prompt = (counter.chat_prompt(messages) if tools is None and short_chat(messages)
+                          else await asyncio.to_thread(counter.chat_prompt, messages, tools))
                 # An image is as many tokens as its projector makes of one (model_host.image_tokens).
-                text = await asyncio.to_thread(counter.count_chat, text_only(job.body["messages"]),
-                                               job.body.get("tools"))
-                return text + job.images * model_host.image_tokens
-            return await asyncio.to_thread(counter.count_text, job.body["prompt"])
+                return await _counted(counter, prompt) + job.images * model_host.image_tokens
+            return await _counted(counter, counter.text_prompt(job.body["prompt"]))
         except Exception as exc:  # a template can reject odd message shapes
             raise _Invalid(400, f"the messages can't be rendered with the model's chat template: {exc}",
                            "invalid_messages", "messages") from None
@@ -390,6 +394,18 @@ class HttpApp:
             return None
         return degraded_note.note_text(job, model_host.model_id, model_host.fallback_model_id)
 
+
+
+async def _counted(counter: PromptCounter, prompt: Prompt) -> int:
+    """The prompt's tokens: a short one counted on the event loop (about a
+    quarter of a millisecond, where a thread's hand-off cost more and, with
+    several requests arriving together, staggered their arrival at the
+    worker), a long one, or one that finds the tokenizer busy, in a thread."""
+    if prompt.quick:
+        count = counter.count_if_free(prompt)
+        if count is not None:
+            return count
+    return await asyncio.to_thread(counter.count, prompt)
 
 
 def _route_headers(job: Job, model_host: ModelHost) -> dict[str, str]:

@@ -11,11 +11,35 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import llama_cpp
 from llama_cpp import llama_chat_format
+
+# A prompt up to this many bytes is counted on the caller's thread, in about
+# a quarter of a millisecond; a longer one is worth a worker thread, whose
+# hand-off costs more than that for a short one (see HttpApp._count_prompt).
+QUICK_COUNT_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What the worker will tokenize: the text as bytes, and how."""
+
+    data: bytes
+    add_bos: bool
+    special: bool
+
+    @property
+    def quick(self) -> bool:
+        return len(self.data) <= QUICK_COUNT_BYTES
+
+
+def short_chat(messages: Sequence[dict[str, Any]]) -> bool:
+    """Whether rendering these messages is quick enough for the caller's thread."""
+    return len(messages) <= 16 and sum(len(_content_text(m.get("content"))) for m in messages) <= QUICK_COUNT_BYTES
 
 
 class PromptCounter:
@@ -41,24 +65,60 @@ class PromptCounter:
             return ""
         return self._llm._model.token_get_text(token_id)
 
-    def count_text(self, text: str) -> int:
-        with self._lock:
-            return len(self._llm.tokenize(text.encode("utf-8"), add_bos=True, special=False))
+    def text_prompt(self, text: str) -> Prompt:
+        return Prompt(text.encode("utf-8"), add_bos=True, special=False)
 
-    def count_chat(self, messages: Sequence[dict[str, Any]], tools: Any = None) -> int:
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: Any = None) -> Prompt:
+        """The messages rendered with the model's chat template, as the worker will see them."""
         if self._formatter is None:
             # No template in the file: the server falls back to a plain format;
             # counting role and content is close enough for admission.
-            text = "\n".join(f"{m.get('role', '')}: {_content_text(m.get('content'))}" for m in messages)
-            return self.count_text(text)
+            return self.text_prompt("\n".join(f"{m.get('role', '')}: {_content_text(m.get('content'))}"
+                                               for m in messages))
         rendered = self._formatter(messages=list(messages), tools=tools)
+        return Prompt(rendered.prompt.encode("utf-8"), add_bos=not rendered.added_special, special=True)
+
+    def count(self, prompt: Prompt) -> int:
         with self._lock:
-            return len(self._llm.tokenize(rendered.prompt.encode("utf-8"), add_bos=not rendered.added_special, special=True))
+            return len(self._tokens(prompt))
+
+    def count_if_free(self, prompt: Prompt) -> int | None:
+        """The count, or None when another thread is tokenizing now: the
+        caller (the event loop) must not wait on this lock."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return len(self._tokens(prompt))
+        finally:
+            self._lock.release()
+
+    def count_text(self, text: str) -> int:
+        return self.count(self.text_prompt(text))
+
+    def count_chat(self, messages: Sequence[dict[str, Any]], tools: Any = None) -> int:
+        return self.count(self.chat_prompt(messages, tools))
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         """The text's tokens as llama-server's /tokenize gives them."""
         with self._lock:
-            return self._llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)
+            return self._tokens(Prompt(text.encode("utf-8"), add_bos=add_special, special=parse_special))
+
+    def _tokens(self, prompt: Prompt) -> list[int]:
+        """Tokenized once (the lock held). llama-cpp-python's own tokenize
+        sizes its first buffer by n_ctx_train, which a vocabulary-only load
+        reads as 0, so it tokenized every text twice. A token is at least
+        one byte, so the text's length plus the few tokens the tokenizer
+        may add (BOS, EOS, a leading space) always fits."""
+        vocab = self._llm._model.vocab
+        capacity = len(prompt.data) + 8
+        for _ in range(2):
+            buffer = (llama_cpp.llama_token * capacity)()
+            n_tokens = llama_cpp.llama_tokenize(vocab, prompt.data, len(prompt.data), buffer, capacity,
+                                                prompt.add_bos, prompt.special)
+            if n_tokens >= 0:
+                return buffer[:n_tokens]
+            capacity = -n_tokens  # too small after all: it says how many
+        raise RuntimeError(f"llama.cpp could not tokenize a text of {len(prompt.data)} bytes")
 
     def pieces(self, tokens: Sequence[int]) -> list[bytes]:
         """Each token's bytes, special tokens written out, as llama-server's
