@@ -18,7 +18,7 @@ def sent_authorization(client: ServiceClient) -> bytes:
     ("from-env", None, b"Bearer from-env"),
     # Neither: the tray's own key, which the service in this process takes as an admin's.
     (None, None, f"Bearer {process_admin_key()}".encode()),
-])
+], ids=["env-over-config", "config", "env", "the-tray-s-own-key"])  # the own key is random per process
 def test_the_tray_resolves_the_key_as_the_service_does(qtbot, monkeypatch, environment, configured, expected):
     if environment is None:
         monkeypatch.delenv(API_KEY_ENV, raising=False)
