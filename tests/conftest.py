@@ -70,6 +70,14 @@ def bundled_gguf():
     return gguf.GGUFReader(bundled_model_path())
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `long_running` (a minute or more on their own: the soak,
+    the drill, the GPU kit, the fuzzer) go first. The README's command runs
+    the suite on two xdist workers, file by file in this order: started
+    last, one of them would leave the other worker idle while it finishes."""
+    items.sort(key=lambda item: item.get_closest_marker("long_running") is None)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What the imports and the collection made (about a million objects:
     Qt, the HTTP clients, hypothesis, the app) lives for the whole run: out of
