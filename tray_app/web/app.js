@@ -11,6 +11,7 @@ const ROUTE_REASONS = {
   gpu_context_cap: "over the GPU context cap", gpu_vram_headroom: "not enough VRAM headroom", gpu_busy: "GPU busy",
   gpu_failed_replayed: "GPU failed, re-run on the CPU", gpu_yielded: "GPU given to another app",
   gpu_loading: "GPU model loading", peer: "sent to a peer", peer_failed_replayed: "peer failed, re-run on the CPU",
+  cpu_cannot_read_images: "images need the GPU (the CPU has no projector)", cpu_only: "CPU only (no GPU path)",
 };
 const ROUTE_NAMES = {gpu: "GPU", gpu_queue: "GPU queue", cpu: "CPU", peer: "peer", reject: "refused"};
 const GIVEN_STATES = ["given_away", "given_back_by_user"];
