@@ -3,8 +3,15 @@
     .venv/bin/python benchmarks/soak.py [--clients 8] [--seconds 600] [--url URL]
 
 Without --url it starts its own service on a simulated GPU. Meanwhile a chaos
-loop kills the GPU worker at random, moves simulated VRAM pressure, and
-cancels some requests in flight (the last two only where the service allows).
+loop injects faults in turn: it kills the GPU worker (SIGKILL or SIGABRT),
+moves simulated VRAM pressure, and cancels a request in flight. Each tick
+injects the kind that has landed least so far, every ~5.5 s (sooner in a
+short soak, so that each kind lands at least MIN_FAULTS_EACH times).
+
+A soak is long enough when its sample is: past --seconds, the clients go on
+until each fault kind has landed MIN_FAULTS_EACH times and MIN_COMPLETED
+requests have completed (a loaded machine needs longer for the same sample),
+at most max(60 s, --seconds) more.
 
 Every request ends in exactly one bucket:
   completed       a full answer (finish_reason, or [DONE] on a stream)
@@ -44,6 +51,14 @@ PROMPTS = [
     "Say hello.", "Name three fruits.", "What is 2 + 2?", "Write a haiku about rain.",
     "Explain gravity in one sentence.", "Write a long story about a lighthouse keeper.",
 ]
+FAULT_KINDS = ("gpu_killed", "pressure_changed", "canceled")
+# Each fault kind lands at least this often in a soak with chaos: once could be
+# luck; three show the service recovers again and again.
+MIN_FAULTS_EACH = 3
+# The long soak's cadence: a fault every 3 to 8 s.
+CHAOS_INTERVAL_S = 5.5
+# Fewer answers than this say little about what was lost or run twice.
+MIN_COMPLETED = 21
 ADMISSION_CODES = {"cpu_queue_full", "ram_floor", "deadline_too_short", "cpu_context_cap", "no_worker",
                    "context_length_exceeded"}
 
@@ -118,10 +133,16 @@ class Soak:
         threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(self.clients)]
         if self.chaos:
             threads.append(threading.Thread(target=self._chaos_loop, daemon=True))
+        started = time.monotonic()
         for thread in threads:
             thread.start()
         time.sleep(self.seconds)
+        # Bounded, for a service that stopped answering: the asserts then say so.
+        overtime_until = time.monotonic() + max(60.0, self.seconds)
+        while not self._sample_big_enough() and time.monotonic() < overtime_until:
+            time.sleep(0.5)
         self._stop.set()
+        self.report.seconds = time.monotonic() - started
         for thread in threads:
             thread.join(timeout=180)
         final = httpx.get(f"{self.url}/status", timeout=10).json()
@@ -130,6 +151,12 @@ class Soak:
         if process:
             self.report.rss_end_mib = process.memory_info().rss / 2**20
         return self.report
+
+    def _sample_big_enough(self) -> bool:
+        with self._lock:
+            completed = self.report.outcomes["completed"]
+        faults_landed = not self.chaos or all(self.report.faults[k] >= MIN_FAULTS_EACH for k in FAULT_KINDS)
+        return completed >= MIN_COMPLETED and faults_landed
 
     def _record(self, outcome: str, latency: float | None = None, code: str | None = None,
                 example: str | None = None, request_id: str | None = None) -> None:
@@ -152,7 +179,7 @@ class Soak:
             number += 1
             request_id = f"soak-{index}-{number}"
             body = {"messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
-                    "max_tokens": rng.randint(4, 48), "temperature": 0, "stream": rng.random() < 0.5}
+                    "max_tokens": rng.randint(4, 24), "temperature": 0, "stream": rng.random() < 0.5}
             headers = {"X-Request-Id": request_id}
             if rng.random() < 0.15:
                 headers["X-Force-Path"] = "cpu"
@@ -214,30 +241,46 @@ class Soak:
         else:
             self._record("clear_error", code=code)
 
+    def _chaos_interval_s(self) -> float:
+        """The mean time between faults: the long soak's 5.5 s, or shorter where
+        that would not fit MIN_FAULTS_EACH of every kind (and two spare ticks)
+        into the soak."""
+        return min(CHAOS_INTERVAL_S, self.seconds / (len(FAULT_KINDS) * MIN_FAULTS_EACH + 2))
+
     def _chaos_loop(self) -> None:
         client = httpx.Client(base_url=self.url, timeout=10)
-        while not self._stop.wait(self.random.uniform(3.0, 8.0)):
+        mean_s = self._chaos_interval_s()
+        while not self._stop.wait(mean_s * self.random.uniform(0.55, 1.45)):
+            # The kind that has landed least goes next; one that could not land
+            # (no GPU worker to kill, no request to cancel) is tried again.
+            fewest = min(self.report.faults[kind] for kind in FAULT_KINDS)
+            kind = self.random.choice([k for k in FAULT_KINDS if self.report.faults[k] == fewest])
             try:
-                status = client.get("/status").json()
-                action = self.random.choice(["kill", "pressure", "cancel", "cancel"])
-                if action == "kill":
-                    gpu = next((w for w in status["workers"] if w["role"] == "gpu" and w["pid"]), None)
-                    if gpu:
-                        os.kill(gpu["pid"], self.random.choice([signal.SIGKILL, signal.SIGABRT]))
-                        self.report.faults["gpu_killed"] += 1
-                elif action == "pressure" and status["gpu"].get("simulated"):
-                    total = status["gpu"]["total_mib"]
-                    mib = self.random.choice([0, 0, total * 0.3, total * 0.6, total * 0.95])
-                    client.post("/admin/gpu", json={"simulated_pressure_mib": mib})
-                    self.report.faults["pressure_changed"] += 1
-                elif action == "cancel" and status["requests"]:
-                    victim = self.random.choice(status["requests"])["id"]
-                    if client.delete(f"/v1/requests/{victim}").status_code == 200:
-                        self.report.faults["canceled"] += 1
+                if self._inject(client, kind, client.get("/status").json()):
+                    self.report.faults[kind] += 1
             except (httpx.HTTPError, ProcessLookupError, KeyError):
                 continue
         client.post("/admin/gpu", json={"simulated_pressure_mib": 0})
         client.close()
+
+    def _inject(self, client: httpx.Client, kind: str, status: dict) -> bool:
+        """One fault of this kind; False when there was nothing to inject it into."""
+        if kind == "gpu_killed":
+            gpu = next((w for w in status["workers"] if w["role"] == "gpu" and w["pid"]), None)
+            if gpu:
+                os.kill(gpu["pid"], self.random.choice([signal.SIGKILL, signal.SIGABRT]))
+            return gpu is not None
+        if kind == "pressure_changed":
+            if not status["gpu"].get("simulated"):
+                return False
+            total = status["gpu"]["total_mib"]
+            mib = self.random.choice([0, 0, total * 0.3, total * 0.6, total * 0.95])
+            client.post("/admin/gpu", json={"simulated_pressure_mib": mib})
+            return True
+        if not status["requests"]:
+            return False
+        victim = self.random.choice(status["requests"])["id"]
+        return client.delete(f"/v1/requests/{victim}").status_code == 200
 
 
 # The soak's pressure tests admission against a worker that stays loaded.

@@ -1,7 +1,7 @@
 """The failover story on a real NVIDIA GPU, in one run; or the same script
 on the simulated device, so it can't rot between GPU loans.
 
-    python -m benchmarks.gpu_check.run --out DIR [--simulated] [--checks LIST]
+    python -m benchmarks.gpu_check.run --out DIR [--simulated] [--quick] [--checks LIST]
 
 Checks (each one starts its own service on a tiny generated model, through
 tests.harness.RunningService: `python -m tray_app serve`, real llama-server
@@ -27,6 +27,11 @@ On a real GPU the card is first made into a home-sized one (--card-mib,
 default 6 GiB): a ballast process holds the rest of its free memory, the way
 a game or a desktop does, and every check then works inside what is left.
 
+--quick runs each check at its smallest size (the test suite's run on the
+simulated device, so the kit can't rot at little cost): the same services,
+signals and code paths, with small contexts, short answers, one throughput
+round and a squeeze in big steps. The real-GPU run is the full size.
+
 Results: DIR/gpu_check.json and DIR/gpu_check.md. Exit 0 when every check
 passed, 1 otherwise.
 """
@@ -43,6 +48,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -61,9 +67,32 @@ BUDGET_S = {"start_oom": 30, "replay": 45, "pressure": 90, "estimator": 45, "thr
 # SmolLM2's <|endoftext|> and <|im_end|>: banned, so random weights can't end an answer early.
 NO_END = {"0": -100, "2": -100}
 SLOTS = 4
-# The tiny model's KV cache is 2 KiB per token (4 layers, 128-wide K and V,
-# f16); with 4 slots a 128k context per slot is 1 GiB.
-ESTIMATOR_CONTEXTS = (8_192, 32_768, 131_072)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much work each check does. The real GPU run is FULL; QUICK keeps
+    every check's code path (three estimator services, both signals' replays,
+    a yield and a reload, both paths' speed) at the least work that shows it."""
+
+    # The tiny model's KV cache is 2 KiB per token (4 layers, 128-wide K and V,
+    # f16); with 4 slots a 128k context per slot is 1 GiB.
+    estimator_contexts: tuple[int, ...]
+    # With the end tokens banned, the GPU is still decoding when the kill lands
+    # (it lands within milliseconds of "running"); the CPU then decodes it all again.
+    replay_tokens: int
+    throughput_rounds: int
+    throughput_tokens: int
+    # Full: take half the way to the reserve each step (at most 512 MiB), the
+    # way a game grows. Quick: straight to 64 MiB above the reserve, then
+    # 128 MiB steps, until the GPU gives way.
+    pressure_in_big_steps: bool
+
+
+FULL = Sizes(estimator_contexts=(8_192, 32_768, 131_072), replay_tokens=1500, throughput_rounds=3,
+             throughput_tokens=256, pressure_in_big_steps=False)
+QUICK = Sizes(estimator_contexts=(1_024, 2_048, 4_096), replay_tokens=200, throughput_rounds=1,
+              throughput_tokens=32, pressure_in_big_steps=True)
 SERVING_CONTEXT = 16_384
 KV_BYTES_PER_TOKEN = tiny_model.kv_bytes_per_token(n_layer=4, n_embd=128, n_head=4, n_head_kv=4)
 CARRIED_TOKENIZER = Path(".gpu_carry") / "tokenizer.json.gz"
@@ -195,13 +224,17 @@ def with_service(workdir: Path, name: str, config: str, body: Callable[[Service]
 
 # ----- the checks ----------------------------------------------------------------------
 
-def check_estimator(device: Device, model: Path, workdir: Path) -> dict[str, Any]:
+def check_estimator(device: Device, model: Path, workdir: Path, sizes: Sizes = FULL) -> dict[str, Any]:
     rows = []
-    for n_ctx in ESTIMATOR_CONTEXTS:
+    for n_ctx in sizes.estimator_contexts:
         before = None if device.simulated else device.memory()["used_mib"]
 
         def measure(service: Service) -> dict[str, Any]:
-            time.sleep(1.0)  # NVML's process list lags a load by a moment
+            if device.simulated:
+                # The worker is charged to the device from the sampler's next reading on.
+                service.wait_for(lambda s: s["gpu"]["used_mib"] > 0, timeout=30, what="the worker on the device")
+            else:
+                time.sleep(1.0)  # NVML's process list lags a load by a moment
             worker = service.gpu_worker()
             row: dict[str, Any] = {"n_ctx_per_slot": n_ctx, "slots": SLOTS,
                                    "estimated_mib": worker["estimated_vram_mib"]}
@@ -227,8 +260,9 @@ def check_estimator(device: Device, model: Path, workdir: Path) -> dict[str, Any
                                 else None)
             return row
 
-        rows.append(with_service(workdir, f"estimator-{n_ctx}",
-                                 service_config(device, model, gpu={"n_ctx": n_ctx}), measure, roles=("gpu",)))
+        # The CPU worker plays no part here: on demand, it never loads.
+        config = service_config(device, model, gpu={"n_ctx": n_ctx}, cpu={"keep": "on_demand"})
+        rows.append(with_service(workdir, f"estimator-{n_ctx}", config, measure, roles=("gpu",)))
     errors = [row["error_pct"] for row in rows if row["error_pct"] is not None]
     worst = max((abs(error) for error in errors), default=None)
     # Admission trusts the estimate: under-estimating by more than a tenth
@@ -240,7 +274,7 @@ def check_estimator(device: Device, model: Path, workdir: Path) -> dict[str, Any
             "router_holds_no_gpu_memory": router_clean}
 
 
-def check_start_oom(device: Device, model: Path, workdir: Path) -> dict[str, Any]:
+def check_start_oom(device: Device, model: Path, workdir: Path, sizes: Sizes = FULL) -> dict[str, Any]:
     # Twice the card's KV room per slot: the worker can't allocate at load.
     n_ctx = int(device.card_mib * 2 * 2**20 / (SLOTS * KV_BYTES_PER_TOKEN))
 
@@ -282,7 +316,7 @@ class OtherApp:
             self._service.http.post("/admin/gpu", json={"simulated_pressure_mib": 0})
 
 
-def check_pressure(device: Device, model: Path, workdir: Path) -> dict[str, Any]:
+def check_pressure(device: Device, model: Path, workdir: Path, sizes: Sizes = FULL) -> dict[str, Any]:
     config = service_config(device, model, gpu={"yield_to_other_apps": True, "reload_settle_s": 2,
                                                 "yield_drain_s": 5})
 
@@ -293,10 +327,14 @@ def check_pressure(device: Device, model: Path, workdir: Path) -> dict[str, Any]
             taken = 0.0
             redirected = None
             for _ in range(24):
-                # Halve the way to the reserve each step (at most 512 MiB), so
-                # the step that crosses it does not leave the card at zero.
                 gpu = service.status()["gpu"]
-                step = max(32.0, min(512.0, (gpu["free_mib"] - gpu["reserve_mib"]) / 2))
+                above_reserve = gpu["free_mib"] - gpu["reserve_mib"]
+                if sizes.pressure_in_big_steps:
+                    step = above_reserve - 64 if above_reserve > 128 else 128.0
+                else:
+                    # Halve the way to the reserve each step (at most 512 MiB), so
+                    # the step that crosses it does not leave the card at zero.
+                    step = max(32.0, min(512.0, above_reserve / 2))
                 asked = taken + step
                 taken = other.hold(asked)
                 time.sleep(2.5)  # the sampler confirms a yield over about a second
@@ -330,7 +368,7 @@ def check_pressure(device: Device, model: Path, workdir: Path) -> dict[str, Any]
     return with_service(workdir, "pressure", config, squeeze)
 
 
-def check_replay(device: Device, model: Path, workdir: Path) -> dict[str, Any]:
+def check_replay(device: Device, model: Path, workdir: Path, sizes: Sizes = FULL) -> dict[str, Any]:
     def kill_twice(service: Service) -> dict[str, Any]:
         rounds = []
         for sig in (signal.SIGKILL, signal.SIGABRT):
@@ -339,8 +377,8 @@ def check_replay(device: Device, model: Path, workdir: Path) -> dict[str, Any]:
                 pid = service.gpu_worker()["pid"]
                 request_id = f"replay-{sig.name}-{attempt}"
                 with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                    # 1500 tokens with the end tokens banned keep the GPU busy for a while.
-                    future = pool.submit(service.chat, 1500, {"X-Request-Id": request_id}, logit_bias=NO_END)
+                    future = pool.submit(service.chat, sizes.replay_tokens, {"X-Request-Id": request_id},
+                                         logit_bias=NO_END)
                     service.wait_for(lambda s: any(r["id"] == request_id and r["state"] == "running"
                                                    and r["path"] == "gpu" for r in s["requests"]),
                                      interval=0.005, what="running on the GPU")
@@ -367,15 +405,15 @@ def check_replay(device: Device, model: Path, workdir: Path) -> dict[str, Any]:
     return with_service(workdir, "replay", service_config(device, model), kill_twice)
 
 
-def check_throughput(device: Device, model: Path, workdir: Path) -> dict[str, Any]:
+def check_throughput(device: Device, model: Path, workdir: Path, sizes: Sizes = FULL) -> dict[str, Any]:
     def measure(service: Service) -> dict[str, Any]:
         rates = {}
         for path, headers in (("gpu", {}), ("cpu", {"X-Force-Path": "cpu"})):
             service.chat(8, headers)  # warm
             took, tokens = [], 0
-            for _ in range(3):
+            for _ in range(sizes.throughput_rounds):
                 started = time.perf_counter()
-                response = service.chat(256, headers, temperature=1.0)
+                response = service.chat(sizes.throughput_tokens, headers, temperature=1.0)
                 took.append(time.perf_counter() - started)
                 assert response.headers.get("x-served-by") == path, response.headers
                 tokens += response.json()["usage"]["completion_tokens"]
@@ -447,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="where gpu_check.json and gpu_check.md go")
     parser.add_argument("--simulated", action="store_true", help="the simulated device even if a GPU is present")
+    parser.add_argument("--quick", action="store_true",
+                        help="each check at its smallest size (the suite's simulated run; not for a real GPU's numbers)")
     parser.add_argument("--card-mib", type=int, default=6144, help="the home-sized card to make (default 6144)")
     parser.add_argument("--checks", default=",".join(CHECKS), help=f"a subset of {','.join(CHECKS)}")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json.gz (default: the carry's, else the bundled model's)")
@@ -461,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                "host": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
+                               "quick": args.quick,
                                "checks": {}}
     def left_s() -> float:
         return float("inf") if args.deadline_s is None else args.deadline_s - (time.monotonic() - started)
@@ -496,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                     if name == "drill":
                         result = check_drill(device, model, workdir, args.out, min(420.0, left_s() - 10))
                     else:
-                        result = globals()[f"check_{name}"](device, model, workdir)
+                        result = globals()[f"check_{name}"](device, model, workdir, QUICK if args.quick else FULL)
                 except Exception:  # noqa: BLE001 - one broken check must not hide the others' results
                     result = {"ok": False, "error": traceback.format_exc()[-3000:]}
                 result["seconds"] = round(time.monotonic() - began, 1)

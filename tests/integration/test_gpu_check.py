@@ -15,14 +15,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_gpu_check_passes_on_the_simulated_device(tmp_path):
-    # The drill has its own tests (test_drill.py); everything else runs here.
+    # The drill has its own tests (test_drill.py); everything else runs here,
+    # each check at its smallest size (--quick): the same code paths.
     checks = "estimator,start_oom,pressure,replay,throughput"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check.run", "--simulated", "--out", str(tmp_path),
-                          "--checks", checks], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check.run", "--simulated", "--quick",
+                          "--out", str(tmp_path), "--checks", checks],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     failed = {name: result for name, result in report["checks"].items() if not result["ok"]}
     assert run.returncode == 0 and not failed, (failed, run.stdout[-2000:], run.stderr[-2000:])
-    assert report["device"]["simulated"] is True
+    assert report["device"]["simulated"] is True and report["quick"] is True
     results = report["checks"]
     assert list(results) == checks.split(",")
     assert results["start_oom"]["exit_kind"] == "out_of_memory" and results["start_oom"]["breaker"] == "open"
