@@ -17,6 +17,9 @@ CPU seconds a process spent per token are not. Prints numbers; asserts nothing.
 One stream of --tokens tokens, then 4 concurrent streams of --tokens/4;
 in fake mode also 200 tiny requests (max_tokens 1) in a row: the CPU the
 service spends per request outside the relay.
+- hop: the client side of the hop to a worker alone, 200 tiny streamed
+  requests to llama-server: httpx's own transport against LoopbackTransport
+  (core/dispatch/loopback_http.py), the CPU per request.
 --code DIR runs another checkout of the code (the old one, from
 `git archive`), so before and after run back to back on one machine.
 """
@@ -263,6 +266,40 @@ def real_mode(tokens: int) -> None:
             direct.stop()
 
 
+# ----- the hop to a worker alone ------------------------------------------------------------
+
+def hop_mode(requests: int) -> None:
+    """The CPU a client spends on one tiny streamed request to llama-server
+    (what the service does once per request, towards its worker): httpx's
+    own transport against the service's LoopbackTransport, alternating."""
+    from benchmarks import anchors
+    from tray_app.core.dispatch.loopback_http import LoopbackTransport
+
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0, "stream": True}
+
+    async def run(transport: httpx.AsyncBaseTransport | None, url: str) -> float:
+        mounts = {"http://127.0.0.1": transport} if transport is not None else None
+        async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), trust_env=False,
+                                     mounts=mounts) as client:
+            started = time.process_time()
+            for _ in range(requests):
+                async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+                    async for _ in response.aiter_bytes():
+                        pass
+            return (time.process_time() - started) / requests
+
+    with tempfile.TemporaryDirectory(prefix="relay_cost_") as tmp:
+        direct = anchors.llama_server(Path(tmp) / "direct.log", n_ctx=512, parallel=1)
+        try:
+            asyncio.run(run(None, direct.url))
+            print(f"== the hop to a worker: client CPU per tiny streamed request ({requests} in a row), code {CODE} ==")
+            for _ in range(2):
+                for name, transport in (("httpx's own transport", None), ("LoopbackTransport", LoopbackTransport())):
+                    print(f"  {name:22}: {asyncio.run(run(transport, direct.url)) * 1e3:.3f} ms CPU each")
+        finally:
+            direct.stop()
+
+
 async def _warm(url: str) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await streams(client, STREAMS, 8)
@@ -270,7 +307,7 @@ async def _warm(url: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("fake", "real", "both"), default="both")
+    parser.add_argument("--mode", choices=("fake", "real", "both", "hop"), default="both")
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--code", default=None, help="the checkout whose code runs (default: this one)")
     args = parser.parse_args()
@@ -278,6 +315,8 @@ def main() -> int:
         asyncio.run(fake_mode(args.tokens))
     if args.mode in ("real", "both"):
         real_mode(args.tokens)
+    if args.mode == "hop":
+        hop_mode(TINY_REQUESTS)
     return 0
 
 

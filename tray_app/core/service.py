@@ -25,6 +25,7 @@ import httpx
 
 from .api.metrics import ServiceMetrics
 from .config import Config, ConfigError, log_dir as default_log_dir, peer_base_url, simulated_device_dir
+from .dispatch.loopback_http import LoopbackTransport
 from .dispatch.peer import Peer, Peers
 from .embeddings.setup import build_embedding_path
 from .embeddings.path import EmbeddingPath
@@ -104,9 +105,11 @@ class Service:
         self.started_at = time.time()
         # trust_env=False: no HTTP_PROXY from the environment. Workers are on
         # loopback, and a peer's Bearer key must not pass through a proxy.
+        # The hop to a worker on loopback is loopback_http's, lean (issue 32).
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=5.0),
                                       limits=httpx.Limits(max_connections=64, max_keepalive_connections=0),
-                                      trust_env=False, transport=http_transport)
+                                      trust_env=False, transport=http_transport,
+                                      mounts=None if http_transport else {"http://127.0.0.1": LoopbackTransport()})
         gpu_missing_reason = gpu_path_missing_reason(config.gpu.enabled, self.simulated is not None,
                                                      self.gpu_reader.read, self.offload_support)
         # Kept for the model hosts of models added later (rescan_models).

@@ -1,0 +1,124 @@
+"""LoopbackTransport: the lean hop to a worker, through a real httpx client
+against a real loopback socket that answers with scripted bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator, Awaitable, Callable
+
+import httpx
+import pytest
+
+from tray_app.core.dispatch.loopback_http import PIECE_BYTES, LoopbackTransport
+from tray_app.core.engine.worker import free_loopback_port
+
+Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def server(answer: Answer) -> AsyncIterator[dict]:
+    """A loopback server: each connection's request (head and body) is read
+    and recorded, then `answer` writes the response."""
+    seen: dict = {"requests": []}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        request = head + await reader.readexactly(length)
+        seen["requests"].append(request)
+        try:
+            await answer(reader, writer, request)
+        finally:
+            writer.close()
+
+    listening = await asyncio.start_server(handle, "127.0.0.1", 0)
+    seen["url"] = f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}"
+    async with listening:
+        yield seen
+
+
+def client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(mounts={"http://127.0.0.1": LoopbackTransport()}, trust_env=False)
+
+
+def replying(raw: bytes) -> Answer:
+    async def answer(reader, writer, request) -> None:
+        writer.write(raw)
+        await writer.drain()
+    return answer
+
+
+async def test_a_streamed_answer_arrives_chunk_by_chunk_and_the_request_whole():
+    body = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"8\r\ndata: a\n\r\n9;ext=1\r\ndata: bc\n\r\n0\r\nTrailer: x\r\n\r\n")
+    async with server(replying(body)) as seen, client() as http:
+        request = http.build_request("POST", f"{seen['url']}/v1/chat/completions?x=1", json={"n": 1},
+                                     headers={"Authorization": "Bearer k"})
+        response = await http.send(request, stream=True)
+        pieces = [piece async for piece in response.aiter_raw()]
+        await response.aclose()
+    assert response.status_code == 200 and response.headers["content-type"] == "text/event-stream"
+    assert pieces == [b"data: a\n", b"data: bc\n"]
+    sent = seen["requests"][0]
+    assert sent.startswith(b"POST /v1/chat/completions?x=1 HTTP/1.1\r\n")
+    assert b"\r\nAuthorization: Bearer k\r\n" in sent and b"\r\nConnection: close\r\n" in sent
+    assert sent.endswith(b'\r\n\r\n{"n":1}') or sent.endswith(b'\r\n\r\n{"n": 1}')
+
+
+async def test_a_sized_answer_a_large_chunk_and_an_answer_to_the_end():
+    large = b"x" * (PIECE_BYTES * 2 + 5)
+    cases = {
+        b"HTTP/1.1 400 Bad Request\r\nContent-Length: 11\r\n\r\n{\"error\":1}": [b'{"error":1}'],
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + f"{len(large):x}".encode() + b"\r\n" + large
+        + b"\r\n0\r\n\r\n": [large[:PIECE_BYTES], large[PIECE_BYTES:2 * PIECE_BYTES], large[2 * PIECE_BYTES:]],
+        b"HTTP/1.1 200 OK\r\n\r\nto the end": [b"to the end"],
+    }
+    for raw, expected in cases.items():
+        async with server(replying(raw)) as seen, client() as http:
+            async with http.stream("GET", seen["url"]) as response:
+                assert [piece async for piece in response.aiter_raw()] == expected
+                assert response.status_code == int(raw.split(b" ")[1])
+
+
+async def test_a_refused_connection_is_a_connect_error():
+    async with client() as http:
+        with pytest.raises(httpx.ConnectError):
+            await http.get(f"http://127.0.0.1:{free_loopback_port()}/health")
+
+
+@pytest.mark.parametrize("raw, error", [
+    (b"", httpx.RemoteProtocolError),  # closed before any answer: a worker that died
+    (b"SSH-2.0-OpenSSH\r\n\r\n", httpx.RemoteProtocolError),
+    (b"HTTP/1.1 200 OK\r\nbroken header\r\n\r\n", httpx.RemoteProtocolError),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nonly part", httpx.RemoteProtocolError),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", httpx.RemoteProtocolError),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", httpx.RemoteProtocolError),
+])
+async def test_a_broken_answer_is_the_transport_error_httpx_gives(raw, error):
+    # Backend's rules turn an httpx.TransportError into a WorkerFailure (replay
+    # before the first byte); anything else would escape as a 500.
+    async with server(replying(raw)) as seen, client() as http:
+        with pytest.raises(error):
+            async with http.stream("POST", seen["url"], json={}) as response:
+                async for _ in response.aiter_raw():
+                    pass
+
+
+async def test_closing_an_answer_early_closes_the_connection_so_the_worker_stops():
+    gone = asyncio.Event()
+
+    async def endless(reader, writer, request) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        # Until the client closes: then the read sees the end (a cancel, as llama-server sees it).
+        writer.write(b"5\r\ntoken\r\n")
+        await writer.drain()
+        await reader.read()
+        gone.set()
+
+    async with server(endless) as seen, client() as http:
+        response = await http.send(http.build_request("POST", seen["url"], json={}), stream=True)
+        assert await response.aiter_raw().__anext__() == b"token"
+        await response.aclose()
+        await asyncio.wait_for(gone.wait(), 10)

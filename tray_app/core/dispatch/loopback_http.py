@@ -1,0 +1,172 @@
+"""The HTTP hop to a worker on this machine, lean: one plain-HTTP/1.1
+request per connection on asyncio's own streams, as an httpx transport, so
+every caller keeps httpx's interface and errors.
+
+Why not httpx's own transport (httpcore, anyio, h11): measured against
+llama-server, a client spent 3.5-3.7 ms of CPU per tiny streamed request
+through it and 2.0 through this one, httpx's client layer included
+(benchmarks/relay_cost.py --mode hop); on 2 cores that CPU is taken from
+llama.cpp's threads (issue 32). A pool of kept connections doesn't help:
+llama-server closes its connection after every streamed answer, and
+reusing one it was closing broke a request.
+
+Only plain http to a loopback address comes here (Service mounts it for
+http://127.0.0.1); a peer on the LAN, TLS or a proxy go through httpx's
+own transport."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import httpx
+
+# The most of a response body held at once: a chunk announced larger
+# (a peer that misbehaves) is read and handed on in pieces of this size.
+PIECE_BYTES = 64 * 1024
+# The most a status line and headers may take (asyncio's own line limit).
+HEAD_LIMIT_BYTES = 64 * 1024
+
+
+class LoopbackTransport(httpx.AsyncBaseTransport):
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        timeouts = request.extensions.get("timeout", {})
+        host, port = request.url.host, request.url.port or 80
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port, limit=HEAD_LIMIT_BYTES), timeouts.get("connect"))
+        except asyncio.TimeoutError:
+            raise httpx.ConnectTimeout(f"no connection to {host}:{port} in time", request=request) from None
+        except OSError as exc:
+            raise httpx.ConnectError(str(exc) or type(exc).__name__, request=request) from None
+        try:
+            writer.write(_request_bytes(request, await request.aread()))
+            status, headers = await _read_head(reader, request)
+        except BaseException:
+            writer.close()
+            raise
+        body = _body(reader, request, status, headers)
+        return httpx.Response(status, headers=headers, stream=_Body(body, writer),
+                              extensions={"http_version": b"HTTP/1.1"})
+
+
+def _request_bytes(request: httpx.Request, content: bytes) -> bytes:
+    """The request in one write: head and body together (two writes cost
+    two wake-ups of the worker)."""
+    lines = [b"%s %s HTTP/1.1" % (request.method.encode(), request.url.raw_path)]
+    lines += [b"%s: %s" % (name, value) for name, value in request.headers.raw
+              if name.lower() != b"connection"]
+    # One request per connection: the worker needn't hold an HTTP thread for us.
+    lines.append(b"Connection: close")
+    return b"\r\n".join(lines) + b"\r\n\r\n" + content
+
+
+async def _read_head(reader: asyncio.StreamReader, request: httpx.Request) -> tuple[int, list[tuple[bytes, bytes]]]:
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request) from None
+    except asyncio.LimitOverrunError:
+        raise httpx.RemoteProtocolError("the response's headers are too long", request=request) from None
+    except OSError as exc:
+        raise httpx.ReadError(str(exc) or type(exc).__name__, request=request) from None
+    status_line, *header_lines = head[:-4].split(b"\r\n")
+    parts = status_line.split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        raise httpx.RemoteProtocolError(f"not an HTTP/1.1 status line: {status_line[:80]!r}", request=request)
+    headers = []
+    for line in header_lines:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name != name.strip():
+            raise httpx.RemoteProtocolError(f"a malformed header line: {line[:80]!r}", request=request)
+        headers.append((name, value.strip()))
+    return int(parts[1]), headers
+
+
+def _body(reader: asyncio.StreamReader, request: httpx.Request, status: int,
+          headers: list[tuple[bytes, bytes]]) -> AsyncIterator[bytes]:
+    framing = {name.lower(): value for name, value in headers}
+    if request.method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+        return _nothing()
+    if b"chunked" in framing.get(b"transfer-encoding", b"").lower():
+        return _chunked(reader, request)
+    length = framing.get(b"content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise httpx.RemoteProtocolError(f"a malformed Content-Length: {length[:40]!r}", request=request)
+        return _sized(reader, request, int(length))
+    return _to_end(reader, request)
+
+
+async def _nothing() -> AsyncIterator[bytes]:
+    return
+    yield  # an async generator that yields nothing
+
+
+async def _chunked(reader: asyncio.StreamReader, request: httpx.Request) -> AsyncIterator[bytes]:
+    with _read_errors(request):
+        while True:
+            size_line = await reader.readuntil(b"\r\n")
+            try:
+                size = int(size_line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                raise httpx.RemoteProtocolError(f"a malformed chunk size: {size_line[:40]!r}", request=request) from None
+            if size == 0:
+                # Trailers, if any, up to the empty line that ends the body.
+                while await reader.readuntil(b"\r\n") != b"\r\n":
+                    pass
+                return
+            while size > 0:
+                piece = await reader.readexactly(min(size, PIECE_BYTES))
+                size -= len(piece)
+                yield piece
+            if await reader.readexactly(2) != b"\r\n":
+                raise httpx.RemoteProtocolError("a chunk that doesn't end with CRLF", request=request)
+
+
+async def _sized(reader: asyncio.StreamReader, request: httpx.Request, length: int) -> AsyncIterator[bytes]:
+    with _read_errors(request):
+        while length > 0:
+            piece = await reader.readexactly(min(length, PIECE_BYTES))
+            length -= len(piece)
+            yield piece
+
+
+async def _to_end(reader: asyncio.StreamReader, request: httpx.Request) -> AsyncIterator[bytes]:
+    with _read_errors(request):
+        while piece := await reader.read(PIECE_BYTES):
+            yield piece
+
+
+class _read_errors:
+    """A connection that breaks mid-body as httpx (httpcore) says it."""
+
+    def __init__(self, request: httpx.Request) -> None:
+        self._request = request
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        if isinstance(exc, (asyncio.IncompleteReadError, asyncio.LimitOverrunError)):
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body",
+                                            request=self._request) from None
+        if isinstance(exc, OSError):
+            raise httpx.ReadError(str(exc) or type(exc).__name__, request=self._request) from None
+        return False
+
+
+class _Body(httpx.AsyncByteStream):
+    def __init__(self, pieces: AsyncIterator[bytes], writer: asyncio.StreamWriter) -> None:
+        self._pieces = pieces
+        self._writer = writer
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for piece in self._pieces:
+            yield piece
+
+    async def aclose(self) -> None:
+        # Closing before the end is how a cancel reaches the worker: it
+        # sees the connection go and stops generating.
+        self._writer.close()
+        await self._pieces.aclose()
