@@ -17,7 +17,7 @@ own transport."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable
 
 import httpx
 
@@ -39,15 +39,58 @@ class LoopbackTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectTimeout(f"no connection to {host}:{port} in time", request=request) from None
         except OSError as exc:
             raise httpx.ConnectError(str(exc) or type(exc).__name__, request=request) from None
+        read = _Reader(reader, timeouts.get("read"), request)
         try:
             writer.write(_request_bytes(request, await request.aread()))
-            status, headers = await _read_head(reader, request)
+            status, headers = await _read_head(read)
         except BaseException:
             writer.close()
             raise
-        body = _body(reader, request, status, headers)
-        return httpx.Response(status, headers=headers, stream=_Body(body, writer),
+        return httpx.Response(status, headers=headers, stream=_Body(_body(read, status, headers), writer),
                               extensions={"http_version": b"HTTP/1.1"})
+
+
+class _Reader:
+    """The connection's reads, each under httpx's read timeout (None: no
+    limit, the streamed hop's case, whose deadlines stream_attempt keeps),
+    and their failures as the httpx errors callers handle."""
+
+    def __init__(self, reader: asyncio.StreamReader, timeout_s: float | None, request: httpx.Request) -> None:
+        self._reader = reader
+        self._timeout_s = timeout_s
+        self.request = request
+
+    async def until(self, separator: bytes) -> bytes:
+        return await self._within(self._reader.readuntil(separator))
+
+    async def exactly(self, size: int) -> bytes:
+        return await self._within(self._reader.readexactly(size))
+
+    async def some(self, size: int) -> bytes:
+        return await self._within(self._reader.read(size))
+
+    def broken(self, message: str) -> httpx.RemoteProtocolError:
+        return httpx.RemoteProtocolError(message, request=self.request)
+
+    async def _within(self, read: Awaitable[bytes]) -> bytes:
+        try:
+            return await (read if self._timeout_s is None else asyncio.wait_for(read, self._timeout_s))
+        except asyncio.TimeoutError:
+            raise httpx.ReadTimeout(f"nothing read in {self._timeout_s:g} s", request=self.request) from None
+        except asyncio.IncompleteReadError as exc:
+            raise _Closed(exc.partial) from None
+        except asyncio.LimitOverrunError:
+            raise self.broken("a line longer than the limit") from None
+        except OSError as exc:
+            raise httpx.ReadError(str(exc) or type(exc).__name__, request=self.request) from None
+
+
+class _Closed(Exception):
+    """The connection ended before what was read was complete."""
+
+    def __init__(self, partial: bytes) -> None:
+        super().__init__()
+        self.partial = partial
 
 
 def _request_bytes(request: httpx.Request, content: bytes) -> bytes:
@@ -61,41 +104,37 @@ def _request_bytes(request: httpx.Request, content: bytes) -> bytes:
     return b"\r\n".join(lines) + b"\r\n\r\n" + content
 
 
-async def _read_head(reader: asyncio.StreamReader, request: httpx.Request) -> tuple[int, list[tuple[bytes, bytes]]]:
+async def _read_head(read: _Reader) -> tuple[int, list[tuple[bytes, bytes]]]:
     try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError:
-        raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request) from None
-    except asyncio.LimitOverrunError:
-        raise httpx.RemoteProtocolError("the response's headers are too long", request=request) from None
-    except OSError as exc:
-        raise httpx.ReadError(str(exc) or type(exc).__name__, request=request) from None
+        head = await read.until(b"\r\n\r\n")
+    except _Closed:
+        # As httpcore says it: a worker that died before it answered.
+        raise read.broken("Server disconnected without sending a response.") from None
     status_line, *header_lines = head[:-4].split(b"\r\n")
     parts = status_line.split(b" ", 2)
     if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-        raise httpx.RemoteProtocolError(f"not an HTTP/1.1 status line: {status_line[:80]!r}", request=request)
+        raise read.broken(f"not an HTTP/1.1 status line: {status_line[:80]!r}")
     headers = []
     for line in header_lines:
         name, colon, value = line.partition(b":")
         if not colon or not name or name != name.strip():
-            raise httpx.RemoteProtocolError(f"a malformed header line: {line[:80]!r}", request=request)
+            raise read.broken(f"a malformed header line: {line[:80]!r}")
         headers.append((name, value.strip()))
     return int(parts[1]), headers
 
 
-def _body(reader: asyncio.StreamReader, request: httpx.Request, status: int,
-          headers: list[tuple[bytes, bytes]]) -> AsyncIterator[bytes]:
+def _body(read: _Reader, status: int, headers: list[tuple[bytes, bytes]]) -> AsyncIterator[bytes]:
     framing = {name.lower(): value for name, value in headers}
-    if request.method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+    if read.request.method == "HEAD" or status in (204, 304) or 100 <= status < 200:
         return _nothing()
     if b"chunked" in framing.get(b"transfer-encoding", b"").lower():
-        return _chunked(reader, request)
+        return _whole(read, _chunked(read))
     length = framing.get(b"content-length")
     if length is not None:
         if not length.isdigit():
-            raise httpx.RemoteProtocolError(f"a malformed Content-Length: {length[:40]!r}", request=request)
-        return _sized(reader, request, int(length))
-    return _to_end(reader, request)
+            raise read.broken(f"a malformed Content-Length: {length[:40]!r}")
+        return _whole(read, _sized(read, int(length)))
+    return _to_end(read)
 
 
 async def _nothing() -> AsyncIterator[bytes]:
@@ -103,57 +142,45 @@ async def _nothing() -> AsyncIterator[bytes]:
     yield  # an async generator that yields nothing
 
 
-async def _chunked(reader: asyncio.StreamReader, request: httpx.Request) -> AsyncIterator[bytes]:
-    with _read_errors(request):
-        while True:
-            size_line = await reader.readuntil(b"\r\n")
-            try:
-                size = int(size_line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise httpx.RemoteProtocolError(f"a malformed chunk size: {size_line[:40]!r}", request=request) from None
-            if size == 0:
-                # Trailers, if any, up to the empty line that ends the body.
-                while await reader.readuntil(b"\r\n") != b"\r\n":
-                    pass
-                return
-            while size > 0:
-                piece = await reader.readexactly(min(size, PIECE_BYTES))
-                size -= len(piece)
-                yield piece
-            if await reader.readexactly(2) != b"\r\n":
-                raise httpx.RemoteProtocolError("a chunk that doesn't end with CRLF", request=request)
-
-
-async def _sized(reader: asyncio.StreamReader, request: httpx.Request, length: int) -> AsyncIterator[bytes]:
-    with _read_errors(request):
-        while length > 0:
-            piece = await reader.readexactly(min(length, PIECE_BYTES))
-            length -= len(piece)
+async def _whole(read: _Reader, pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A framed body: one that ends before its framing says is broken."""
+    try:
+        async for piece in pieces:
             yield piece
+    except _Closed:
+        raise read.broken("peer closed connection without sending complete message body") from None
 
 
-async def _to_end(reader: asyncio.StreamReader, request: httpx.Request) -> AsyncIterator[bytes]:
-    with _read_errors(request):
-        while piece := await reader.read(PIECE_BYTES):
+async def _chunked(read: _Reader) -> AsyncIterator[bytes]:
+    while True:
+        size_line = await read.until(b"\r\n")
+        try:
+            size = int(size_line.split(b";", 1)[0].strip(), 16)
+        except ValueError:
+            raise read.broken(f"a malformed chunk size: {size_line[:40]!r}") from None
+        if size == 0:
+            # Trailers, if any, up to the empty line that ends the body.
+            while await read.until(b"\r\n") != b"\r\n":
+                pass
+            return
+        while size > 0:
+            piece = await read.exactly(min(size, PIECE_BYTES))
+            size -= len(piece)
             yield piece
+        if await read.exactly(2) != b"\r\n":
+            raise read.broken("a chunk that doesn't end with CRLF")
 
 
-class _read_errors:
-    """A connection that breaks mid-body as httpx (httpcore) says it."""
+async def _sized(read: _Reader, length: int) -> AsyncIterator[bytes]:
+    while length > 0:
+        piece = await read.exactly(min(length, PIECE_BYTES))
+        length -= len(piece)
+        yield piece
 
-    def __init__(self, request: httpx.Request) -> None:
-        self._request = request
 
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, exc, traceback) -> bool:
-        if isinstance(exc, (asyncio.IncompleteReadError, asyncio.LimitOverrunError)):
-            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body",
-                                            request=self._request) from None
-        if isinstance(exc, OSError):
-            raise httpx.ReadError(str(exc) or type(exc).__name__, request=self._request) from None
-        return False
+async def _to_end(read: _Reader) -> AsyncIterator[bytes]:
+    while piece := await read.some(PIECE_BYTES):
+        yield piece
 
 
 class _Body(httpx.AsyncByteStream):

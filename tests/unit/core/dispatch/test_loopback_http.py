@@ -122,3 +122,15 @@ async def test_closing_an_answer_early_closes_the_connection_so_the_worker_stops
         assert await response.aiter_raw().__anext__() == b"token"
         await response.aclose()
         await asyncio.wait_for(gone.wait(), 10)
+
+
+async def test_a_read_timeout_is_kept_per_read():
+    # The embedding path gives its worker a read timeout: a hung worker must trip it.
+    async def silent_after_headers(reader, writer, request) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with server(silent_after_headers) as seen, client() as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post(seen["url"], json={}, timeout=httpx.Timeout(5.0, read=0.2))
