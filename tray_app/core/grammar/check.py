@@ -78,6 +78,7 @@ class GrammarChecker:
 
     async def _ask(self, line: bytes, retried: bool = False) -> tuple[Verdict, bool]:
         """The child's verdict, and whether the same input would always get it."""
+        started_before = self.children_started
         try:
             process = await self._ready_child()
         except (OSError, asyncio.TimeoutError, ConnectionError) as exc:
@@ -106,6 +107,12 @@ class GrammarChecker:
             return Verdict(problem="checking it failed; simplify it", code="grammar_too_complex"), True
         if not reply:
             returncode = await self._discard(process, "exited")
+            if self.children_started == started_before and not retried:
+                # A child that served earlier requests may have been killed
+                # from outside (the OOM killer, a user's kill) before this one
+                # arrived, and a pipe can't say when: a fresh child hears it
+                # once before the input is blamed and its verdict cached.
+                return await self._ask(line, retried=True)
             return Verdict(problem=f"llama.cpp's grammar parser failed on it (exit {returncode}); it is probably "
                            "nested too deeply or too large: simplify it", code="grammar_too_complex"), True
         answer = json.loads(reply)

@@ -130,6 +130,22 @@ async def test_a_child_killed_between_requests_costs_no_request_anything():
         await checker.close()
 
 
+async def test_a_child_that_dies_after_serving_is_not_the_next_inputs_fault(tmp_path):
+    """A warm child that dies on a request may have been killed before it
+    arrived (the pipe can't tell): the input gets one fresh child before it is
+    blamed. The stand-in answers its first request, then dies on the next,
+    as a child killed between requests looks from here."""
+    answer = "print(json.dumps({'grammar': 'root ::= \"a\"'}), flush=True)"
+    checker = GrammarChecker(MODEL, python=stand_in_child(tmp_path, answer + "\nsys.stdin.readline()\nos._exit(1)"))
+    try:
+        assert (await checker.check_grammar('root ::= "a"')).grammar is not None
+        verdict = await checker.check_grammar('root ::= "b"')
+        assert verdict.grammar is not None, verdict
+        assert checker.children_started == 2
+    finally:
+        await checker.close()
+
+
 async def test_close_ends_the_child():
     checker = GrammarChecker(MODEL)
     await checker.start()
