@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long_running]
 
 # The drill does little work (~45 requests), but on a busy 2-core machine
 # each one can take seconds; the limit is for a stuck drill, not a slow one.

@@ -14,7 +14,7 @@ import pytest
 
 from tests.harness import BASE_CONFIG, RunningService
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long_running]
 
 # Small context caps keep each generated completion short.
 FUZZ_CONFIG = BASE_CONFIG.replace("n_ctx = 1024", "n_ctx = 128").replace("n_ctx = 2048", "n_ctx = 128")

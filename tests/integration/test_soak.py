@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.soak import FAULT_KINDS, MIN_COMPLETED, MIN_FAULTS_EACH, run_local_soak
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long_running]
 
 SOAK_SECONDS = float(os.environ.get("TRAY_APP_SOAK_SECONDS", "30"))
 
