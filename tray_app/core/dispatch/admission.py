@@ -326,7 +326,9 @@ def _to_cpu(request: RequestShape, cpu: CpuView, why: Reason, detail: str,
                         f"the GPU path can't serve ({detail}) and {request.cpu_refusal}; "
                         "retry later", status=503,
                         retry_after_s=_retry_after(gpu_back_in_s if gpu_back_in_s is not None else 30.0))
-    if request.no_fallback and not request.is_replay:
+    # No GPU path (CPU_ONLY): the CPU is not a fallback here, so a client's
+    # "never fall back" has nothing to refuse.
+    if request.no_fallback and not request.is_replay and why is not Reason.CPU_ONLY:
         back = (f"; the GPU is expected back in about {gpu_back_in_s:.0f} s" if gpu_back_in_s is not None
                 else "; nobody can say when the GPU is back")
         return Decision(

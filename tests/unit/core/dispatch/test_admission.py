@@ -120,6 +120,9 @@ def test_no_gpu_path_is_cpu_only_not_a_gpu_failover():
     assert decision.route is Route.CPU and decision.reason is Reason.CPU_ONLY
     # Even when the client asks for the CPU: there is no GPU to pause.
     assert decide(replace(SHORT, force_cpu=True), None, CPU).reason is Reason.CPU_ONLY
+    # Nor is it a fallback a client can refuse (X-Fallback: never): the CPU serves it.
+    never = decide(replace(SHORT, no_fallback=True), None, CPU)
+    assert (never.route, never.reason) == (Route.CPU, Reason.CPU_ONLY)
     # A fallback peer (a GPU elsewhere on the LAN) still comes before the local CPU.
     routed, peer = offer_to_peer(decision, SHORT, [PeerView("desk", PeerRole.FALLBACK, 2.0)])
     assert peer == "desk" and routed.route is Route.PEER
