@@ -19,6 +19,15 @@ drift (thermal, page cache) hits both sides alike.
    slots and threads) against llama-server directly: one stream's decode
    and 4 streams' aggregate and TTFT p50.
 
+The direct llama-server gets the OpenMP settings (OMP_*, GOMP_*) the
+service's worker it is compared with runs under, read from that worker's
+environment: the simulated GPU worker shares the cores with the CPU worker
+and runs with a low spin count, which alone changes a tiny request's time.
+
+--pin: the service process (every thread) and this script on core 0, the
+workers and the direct llama-server on core 1 with one thread: what the
+service costs when it doesn't take its time from llama.cpp's cores.
+
 The load average is printed before and after: on a shared machine it says
 how much of a difference is the machine's.
 """
@@ -162,6 +171,41 @@ def report_streams(urls: dict[str, str], rounds: int, max_tokens: int) -> None:
           f"service/direct x{decode['service'] / decode['direct']:.3f} ==")
 
 
+def openmp_environment(pid: int) -> dict[str, str]:
+    """The OpenMP settings a process runs under, from its environment."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    pairs = (entry.decode(errors="replace").partition("=") for entry in raw if b"=" in entry)
+    return {key: value for key, _, value in pairs if key.startswith(("OMP_", "GOMP_", "KMP_"))}
+
+
+def worker_pid(service: RunningService, role: str) -> int:
+    return next(worker["pid"] for worker in service.status()["workers"] if worker["role"] == role)
+
+
+def pin(pid: int, core: int) -> None:
+    """Every thread of `pid` onto `core` (threads it starts later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), {core})
+
+
+def pin_sides(service: RunningService, direct_pid: int) -> None:
+    """The service and this script on core 0; workers and the anchor on core 1."""
+    import psutil
+
+    os.sched_setaffinity(0, {0})
+    pin(service.process.pid, 0)
+    for child in psutil.Process(service.process.pid).children(recursive=True):
+        pin(child.pid, 1)
+    pin(direct_pid, 1)
+
+
+def report_tiny(urls: dict[str, str], rounds: int) -> None:
+    small = {k: statistics.median(v) for k, v in measure(urls, rounds, lambda url: tiny(url, 30)).items()}
+    print(f"== a tiny request (max_tokens=1) p50: "
+          f"{', '.join(f'{side} {small[side] * 1000:.1f} ms' for side in urls)}; "
+          f"the service adds {(small['service'] - small['direct']) * 1000:+.1f} ms ==")
+
+
 def load_average() -> str:
     return " ".join(f"{value:.2f}" for value in os.getloadavg())
 
@@ -184,7 +228,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--pin", action="store_true",
+                        help="service on core 0, workers and the direct llama-server on core 1 (one thread)")
     args = parser.parse_args()
+    if args.pin:
+        if len(os.sched_getaffinity(0)) < 2:
+            raise SystemExit("--pin needs two cores")
+        args.threads = 1
 
     with tempfile.TemporaryDirectory(prefix="engine_bench_") as tmp:
         service = RunningService(Path(tmp) / "service", service_config(args.threads))
@@ -195,19 +245,20 @@ def main() -> int:
             if engine["runtime"] != "llama-server":
                 print(f"the service runs {engine['runtime']}: {engine['fallback_reason']}")
                 return 1
+            same_openmp = openmp_environment(worker_pid(service, "gpu"))
             direct = anchors.llama_server(Path(tmp) / "direct.log", n_ctx=N_CTX, parallel=SLOTS,
-                                          threads=args.threads)
+                                          threads=args.threads, env=same_openmp)
+            if args.pin:
+                pin_sides(service, direct.process.pid)
             urls = {"direct": direct.url, "service": service.url}
             print(f"engine: {engine['version']}; {SLOTS} slots x n_ctx {N_CTX}, {args.threads} threads, "
-                  f"{args.rounds} rounds, alternating; load average {load_average()}")
+                  f"{args.rounds} rounds, alternating{', pinned' if args.pin else ''}; OpenMP on both sides: "
+                  f"{same_openmp or 'llama.cpp default'}; load average {load_average()}")
             for url in urls.values():  # warm both
                 asyncio.run(concurrent(url, SLOTS, 8))
 
             report_streams(urls, args.rounds, args.max_tokens)
-            small = {k: statistics.median(v) for k, v in measure(urls, args.rounds, lambda url: tiny(url, 30)).items()}
-            print(f"== a tiny request (max_tokens=1) p50: "
-                  f"{', '.join(f'{side} {small[side] * 1000:.1f} ms' for side in urls)}; "
-                  f"the service adds {(small['service'] - small['direct']) * 1000:+.1f} ms ==")
+            report_tiny(urls, args.rounds)
 
             print(f"== burst of {BURST} requests, max_tokens 8, sent at once ==")
             took = {}
@@ -245,13 +296,18 @@ def cpu_only(tmp: Path, args: argparse.Namespace) -> None:
     direct = None
     try:
         service.wait_ready(roles=("cpu",))
-        direct = anchors.llama_server(tmp / "direct-cpu.log", n_ctx=N_CTX, parallel=SLOTS, threads=args.threads)
+        same_openmp = openmp_environment(worker_pid(service, "cpu"))
+        direct = anchors.llama_server(tmp / "direct-cpu.log", n_ctx=N_CTX, parallel=SLOTS, threads=args.threads,
+                                      env=same_openmp)
+        if args.pin:
+            pin_sides(service, direct.process.pid)
         urls = {"direct": direct.url, "service": service.url}
         for url in urls.values():  # warm both
             asyncio.run(concurrent(url, SLOTS, 8))
         print(f"== CPU only: the service's CPU worker ({SLOTS} slots, no GPU path) against llama-server; "
-              f"load average {load_average()} ==")
+              f"OpenMP on both sides: {same_openmp or 'llama.cpp default'}; load average {load_average()} ==")
         report_streams(urls, args.rounds, args.max_tokens)
+        report_tiny(urls, args.rounds)
     finally:
         service.stop()
         if direct is not None:
