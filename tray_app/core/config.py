@@ -223,7 +223,10 @@ class CpuConfig:
     max_concurrency: int = 2
     # A memory guard, as [gpu] queue_limit; the time budget refuses the rest.
     queue_limit: int = 256
-    n_threads: int = 0  # 0 = let llama.cpp choose
+    # Both workers' threads. 0: llama.cpp's default (all the cores), or half
+    # of them each when the two workers compute on the same cores
+    # (launch_env.threads_when_sharing).
+    n_threads: int = 0
     # The CPU path refuses work that would leave less RAM than this available.
     ram_floor_mib: int = 1024
     # Prior for latency estimates until a real CPU request has been measured.

@@ -167,4 +167,8 @@ def estimate(load: PathLoad, own: Work) -> Estimate:
         running = still
         if finished_own:
             assert wait is not None
+            import os, json, time as _t  # TEMP DEBUG
+            if os.environ.get("ESTIMATE_DEBUG"):
+                with open(os.environ["ESTIMATE_DEBUG"], "a") as f:
+                    f.write(json.dumps({"t": _t.time(), "slots": load.slots, "running": [[w.prompt_tokens, w.answer_tokens] for w in load.running], "queued": [[w.prompt_tokens, w.answer_tokens] for w in load.queued], "own": [own.prompt_tokens, own.answer_tokens], "single": speeds.single_tokens_per_s, "prompt": speeds.prompt_tokens_per_s, "measured": speeds.measured, "nb": load.not_before_s, "wait": wait, "latency": now}) + "\n")
             return Estimate(round(wait, 3), round(now, 3))

@@ -51,6 +51,18 @@ def workers_share_cores(*, gpu_worker: bool, simulated: bool, layers_offloaded: 
     return gpu_worker and (simulated or layers_offloaded < layers_total)
 
 
+def threads_when_sharing(cores: int) -> int:
+    """llama.cpp's threads for each of two workers that compute on the same
+    `cores` at once: half each. At its default every worker takes all of
+    them, and two such workers decoding together oversubscribe the cores:
+    each barrier of a decode step then waits for a thread the other process
+    has descheduled. Measured on 2 cores, two llama-server processes writing
+    100 tokens at once took 11.5 s at 2 threads each (0.7 s alone, each
+    burning a whole core) and 0.8 s at 1 thread each, which alone takes
+    0.84 s: decode is bound by memory bandwidth, not by threads."""
+    return max(1, cores // 2)
+
+
 def openmp_waiting(user: Mapping[str, str], shares: bool) -> dict[str, str]:
     """The OpenMP spin setting a worker gets: the low count when it shares
     its cores, llama.cpp's default (nothing set) otherwise or when the user

@@ -483,6 +483,15 @@ def hold_simulated_vram(directory: Path, mib: float) -> Path:
 # --------------------------------------------------------------------------
 
 
+def usable_cores() -> int:
+    """The cores llama.cpp's threads can use: its default counts physical
+    cores, and a CPU affinity mask (taskset, a container) may allow fewer."""
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    if hasattr(os, "sched_getaffinity"):
+        cores = min(cores, len(os.sched_getaffinity(0)))
+    return cores
+
+
 def read_host(pids: Iterable[int] = ()) -> HostReading:
     """Host RAM and swap, plus the RSS of each given pid that still exists."""
     virtual = psutil.virtual_memory()

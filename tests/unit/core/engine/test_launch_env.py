@@ -13,9 +13,10 @@ import pytest
 
 from tests.fakes.service import in_process_service, isolate_user_folders
 from tests.harness import BASE_CONFIG
-from tray_app.core.engine.launch_env import (OPENMP_SPIN_SHARED, WorkerSpec, openmp_waiting, worker_environment,
-                                             workers_share_cores)
+from tray_app.core.engine.launch_env import (OPENMP_SPIN_SHARED, WorkerSpec, openmp_waiting, threads_when_sharing,
+                                             worker_environment, workers_share_cores)
 from tray_app.core.engine.runtime import LaunchRequest
+from tray_app.core.memory.telemetry import usable_cores
 from tray_app.core.engine.worker import Worker, WorkerState
 from tray_app.core.base.policies import RestartPolicy
 
@@ -32,6 +33,11 @@ LAYERS = 25  # SmolLM2-135M: 24 blocks and the output layer
 def test_only_workers_beside_another_cpu_bound_worker_share_the_cores(gpu_worker, simulated, offloaded, shares):
     assert workers_share_cores(gpu_worker=gpu_worker, simulated=simulated, layers_offloaded=offloaded,
                                layers_total=LAYERS) is shares
+
+
+@pytest.mark.parametrize("cores, each", [(1, 1), (2, 1), (3, 1), (8, 4), (16, 8)])
+def test_two_workers_sharing_the_cores_get_half_of_them_each(cores, each):
+    assert threads_when_sharing(cores) == each
 
 
 def test_the_low_spin_count_only_when_sharing_and_the_users_own_setting_wins():
@@ -55,6 +61,15 @@ async def test_on_a_simulated_device_both_workers_share_the_cores(tmp_path, monk
     isolate_user_folders(monkeypatch, tmp_path)
     async with in_process_service(tmp_path) as rig:
         assert rig.workers["gpu"].spec.shares_cores and rig.workers["cpu"].spec.shares_cores
+        # Half the cores each, so the two never decode on more threads than there are cores.
+        half = threads_when_sharing(usable_cores())
+        assert rig.workers["gpu"].spec.n_threads == rig.workers["cpu"].spec.n_threads == half
+
+
+async def test_the_users_own_thread_count_wins_over_the_split(tmp_path, monkeypatch):
+    isolate_user_folders(monkeypatch, tmp_path)
+    async with in_process_service(tmp_path, BASE_CONFIG.replace("[cpu]\n", "[cpu]\nn_threads = 3\n", 1)) as rig:
+        assert rig.workers["gpu"].spec.n_threads == rig.workers["cpu"].spec.n_threads == 3
 
 
 async def test_a_cpu_worker_without_a_gpu_path_has_its_cores(tmp_path, monkeypatch):
@@ -62,6 +77,7 @@ async def test_a_cpu_worker_without_a_gpu_path_has_its_cores(tmp_path, monkeypat
     config = BASE_CONFIG.replace("simulate_mib = 2048", "simulate_mib = 0").replace("[gpu]\n", "[gpu]\nenabled = false\n", 1)
     async with in_process_service(tmp_path, config) as rig:
         assert "gpu" not in rig.workers.built and not rig.workers["cpu"].spec.shares_cores
+        assert rig.workers["cpu"].spec.n_threads == 0  # llama.cpp's default: all the cores
 
 
 class EnvironmentDumper:
