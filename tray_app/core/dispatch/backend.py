@@ -208,6 +208,8 @@ class Backend:
         attempt.outcome = "completed"
         first = attempt.first_token_at or attempt.ended_at
         self.speed.observe(attempt.tokens, attempt.ended_at - first, job.prompt_tokens, first - attempt.started_at)
+        if attempt.first_token_at is not None:
+            self.busy_speeds.first_token.observe(job.prompt_tokens, attempt.first_token_at - attempt.started_at)
         if attempt.tokens >= 4 and attempt.ended_at > first:
             busy = mean_busy(first, attempt.ended_at, ((n.started_at, n.ended_at) for n in attempt.neighbours))
             self.busy_speeds.observe(busy, (attempt.tokens - 1) / (attempt.ended_at - first))

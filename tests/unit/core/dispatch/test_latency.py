@@ -8,7 +8,9 @@ import pytest
 from tray_app.core.dispatch.admission import (
     CpuView, GpuView, LaneState, RequestShape, Route, decide, estimate_cpu_latency_s,
 )
-from tray_app.core.dispatch.latency import BusySpeeds, PathLoad, SpeedCurve, Work, estimate, mean_busy
+from tray_app.core.dispatch.latency import (
+    BusySpeeds, FirstToken, FirstTokenFit, PathLoad, SpeedCurve, Work, estimate, mean_busy,
+)
 
 # One stream alone writes 100 tokens/s; two together 60 each (120 in all, not 200).
 SHARED_CORES = SpeedCurve(single_tokens_per_s=100.0, prompt_tokens_per_s=1e9, measured=((1, 100.0), (2, 60.0)))
@@ -26,9 +28,20 @@ def test_each_busy_count_keeps_its_own_ewma_and_rounds_the_mean_count():
 
 
 def test_mean_busy_weighs_each_neighbour_by_its_overlap():
-    # 10 s of decoding: one neighbour there for its first 5 s, one still running from 8 s.
-    assert mean_busy(0.0, 10.0, [(-5.0, 5.0), (8.0, None), (11.0, 12.0)]) == pytest.approx(1.7)
+    # 10 s of decoding: one neighbour there for its first 5 s, one still
+    # running from 8 s: 2 busy for 5 s, 1 for 3 s, 2 for 2 s.
+    assert mean_busy(0.0, 10.0, [(-5.0, 5.0), (8.0, None), (11.0, 12.0)]) == pytest.approx(10 / (5 / 2 + 3 + 2 / 2))
     assert mean_busy(3.0, 3.0, [(0.0, 9.0)]) == 1.0
+
+
+def test_an_answer_half_alone_and_half_among_four_is_booked_at_the_count_whose_speed_it_had():
+    # 120 tokens/s shared by the busy slots: 5 s among four writes 150
+    # tokens, 5 s alone 600, so the answer averaged 75 tokens/s, which is
+    # one stream's speed with 1.6 slots busy. The plain mean said 2.5 (48
+    # tokens/s there), and so made 2 and 3 busy slots look that much faster.
+    busy = mean_busy(0.0, 10.0, [(0.0, 5.0)] * 3)
+    assert busy == pytest.approx(1.6)
+    assert 120 / busy == pytest.approx((150 + 600) / 10)
 
 
 def test_unmeasured_counts_share_the_nearest_measured_aggregate():
@@ -41,6 +54,56 @@ def test_unmeasured_counts_share_the_nearest_measured_aggregate():
     assert only_four.decode_tokens_per_s(1) == pytest.approx(100.0)
     slow_single_prior = replace(only_four, single_tokens_per_s=10.0)
     assert slow_single_prior.decode_tokens_per_s(1) == pytest.approx(20.0)  # alone is no slower than among 4
+
+
+def test_a_count_between_two_measured_ones_draws_the_aggregate_between_them():
+    # 2 busy: 60 tokens/s each (120 in all); 4 busy: 40 each (160 in all).
+    # 3 busy lies between: 140 in all. Sharing the 2-slot aggregate alone
+    # said 40 each, as slow as 4 busy.
+    batching = replace(SHARED_CORES, measured=((2, 60.0), (4, 40.0)))
+    assert batching.decode_tokens_per_s(3) == pytest.approx(140 / 3)
+    assert batching.decode_tokens_per_s(6) == pytest.approx(160 / 6)   # above them all: the highest's aggregate
+
+
+def test_time_to_first_token_is_a_fixed_part_and_a_part_per_prompt_token():
+    # A 38-token prompt's first token after 0.1 s, a 366-token one's after
+    # 0.2 s: 0.088 s fixed and 0.3 ms a token. Prompt tokens over the time
+    # alone (380 tokens/s from the short ones) priced the long prompt at 0.96 s.
+    fit = FirstTokenFit(alpha=0.1)
+    for _ in range(10):
+        fit.observe(38, 0.1)
+        fit.observe(366, 0.2)
+    line = fit.fit(prior_prompt_tokens_per_s=380.0)
+    assert line is not None
+    assert line.seconds(366) == pytest.approx(0.2, rel=0.01)
+    assert line.seconds(38) == pytest.approx(0.1, rel=0.01)
+    assert line.seconds(0) == 0.0   # a request already past its prompt
+
+
+def test_time_to_first_token_with_one_prompt_length_takes_its_slope_from_the_prior():
+    fit = FirstTokenFit()
+    assert fit.fit(1000.0) is None
+    fit.observe(100, 0.4)
+    fit.observe(100, 0.4)
+    line = fit.fit(prior_prompt_tokens_per_s=1000.0)
+    assert line == FirstToken(pytest.approx(0.3), pytest.approx(0.001))   # through 0.4 s at 100 tokens
+    # Samples whose line would fall with length: the prior's slope again.
+    falling = FirstTokenFit()
+    falling.observe(10, 1.0)
+    falling.observe(1000, 0.5)
+    assert falling.fit(1000.0).per_token_s == pytest.approx(0.001)
+
+
+def test_the_estimate_reads_a_prompt_at_the_measured_time_to_first_token():
+    speeds = BusySpeeds()
+    for _ in range(5):
+        speeds.first_token.observe(38, 0.1)
+        speeds.first_token.observe(366, 0.2)
+    # The path's prompt speed (prompt tokens over time to first token) says 380 tokens/s.
+    curve = replace(speeds.curve(100.0, 380.0), measured=((1, 100.0),))
+    result = estimate(PathLoad(slots=1, running=(), queued=(Work(366, 100),), speeds=curve), Work(366, 100))
+    assert result.wait_s == pytest.approx(0.2 + 1.0, rel=0.01)
+    assert result.latency_s == pytest.approx(2 * (0.2 + 1.0), rel=0.01)
 
 
 def test_eighth_of_eight_on_two_slots_runs_in_pairs_at_the_shared_speed():
