@@ -28,7 +28,7 @@ from .dispatch.jobs import Attempt, Job, PathSpeed
 from .dispatch.lanes import Lane
 from .engine.exits import ExitKind
 from .engine.runtime import IMAGE_MAX_TOKENS, WorkerRuntime
-from .engine.launch_env import threads_when_sharing, workers_share_cores
+from .engine.launch_env import worker_threads, workers_share_cores
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
 from .catalog.library import LibraryModel
 from .memory import estimate
@@ -203,14 +203,6 @@ class ModelHost:
             ours_elsewhere_mib=lambda reading: service.residency.vram_of_other_models(self, reading),
         )
 
-    def _worker_threads(self) -> int:
-        """[cpu] n_threads when set; else, when this model's two workers
-        compute on the same cores, half of them each; else llama.cpp's
-        default (0)."""
-        if self.service.config.cpu.n_threads or not self.workers_share_cores:
-            return self.service.config.cpu.n_threads
-        return threads_when_sharing(usable_cores())
-
     def _backend(self, path: str, runtime: WorkerRuntime, hooks: WorkerHooks, fingerprint: str) -> Backend:
         service = self.service
         config = service.config
@@ -219,7 +211,8 @@ class ModelHost:
         slots = self.slots[path]
         spec = WorkerSpec(path, info.path, info.path.stem, model.gpu_n_ctx if path == "gpu" else model.cpu_n_ctx,
                           model.gpu_layers if path == "gpu" else 0, config.worker.n_batch,
-                          self._worker_threads(), parallel=slots,
+                          worker_threads(config.cpu.n_threads, self.workers_share_cores, usable_cores()),
+                          parallel=slots,
                           rpc_servers=self.rpc_servers if path == "gpu" else (),
                           shares_cores=self.workers_share_cores,
                           mmproj=self.projector_path(path))

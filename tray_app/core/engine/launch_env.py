@@ -63,6 +63,15 @@ def threads_when_sharing(cores: int) -> int:
     return max(1, cores // 2)
 
 
+def worker_threads(configured: int, shares: bool, cores: int) -> int:
+    """A worker's --threads: the user's ([cpu] n_threads) when set; else half
+    the cores when the model's two workers share them; else 0, llama.cpp's
+    default (all the cores)."""
+    if configured or not shares:
+        return configured
+    return threads_when_sharing(cores)
+
+
 def openmp_waiting(user: Mapping[str, str], shares: bool) -> dict[str, str]:
     """The OpenMP spin setting a worker gets: the low count when it shares
     its cores, llama.cpp's default (nothing set) otherwise or when the user

@@ -14,7 +14,7 @@ import pytest
 from tests.fakes.service import in_process_service, isolate_user_folders
 from tests.harness import BASE_CONFIG
 from tray_app.core.engine.launch_env import (OPENMP_SPIN_SHARED, WorkerSpec, openmp_waiting, threads_when_sharing,
-                                             worker_environment, workers_share_cores)
+                                             worker_environment, worker_threads, workers_share_cores)
 from tray_app.core.engine.runtime import LaunchRequest
 from tray_app.core.memory.telemetry import usable_cores
 from tray_app.core.engine.worker import Worker, WorkerState
@@ -38,6 +38,9 @@ def test_only_workers_beside_another_cpu_bound_worker_share_the_cores(gpu_worker
 @pytest.mark.parametrize("cores, each", [(1, 1), (2, 1), (3, 1), (8, 4), (16, 8)])
 def test_two_workers_sharing_the_cores_get_half_of_them_each(cores, each):
     assert threads_when_sharing(cores) == each
+    assert worker_threads(0, shares=True, cores=cores) == each
+    assert worker_threads(0, shares=False, cores=cores) == 0  # alone: llama.cpp's default
+    assert worker_threads(3, shares=True, cores=cores) == worker_threads(3, shares=False, cores=cores) == 3
 
 
 def test_the_low_spin_count_only_when_sharing_and_the_users_own_setting_wins():
