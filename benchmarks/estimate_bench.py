@@ -15,13 +15,19 @@ estimate promises:
 
 Warm-up rounds (not counted) let each path measure its speed per number of
 busy slots. A request's ratio is estimate / actual (1.0 = exact; the target
-is 0.75-1.25); actual runs from the client's send to its last byte.
+is 0.75-1.25); actual runs from the client's send to its last byte. Each
+row also has its round, its wait for a slot (X-Queue-Wait), why it went
+where it did (X-Route-Reason: gpu-mixed requests the CPU is expected to
+finish first go there) and the 1-minute load average when its mix was
+sent: the machine's cores are shared, and a round that ran while others
+loaded them is slower than the speeds the estimate learned before it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -57,6 +63,10 @@ class Measured:
     served_by: str
     estimate_s: float | None
     actual_s: float
+    queue_wait_s: float
+    route_reason: str
+    round: int = 0
+    load_average: float = 0.0
 
     @property
     def ratio(self) -> float | None:
@@ -82,11 +92,21 @@ async def one(client: httpx.AsyncClient, mix: str, index: int, sent: Sent) -> Me
     response.raise_for_status()
     estimate = response.headers.get("x-estimated-latency")
     return Measured(mix, index, sent, response.headers.get("x-served-by", "?"),
-                    float(estimate) if estimate not in (None, "unknown") else None, actual)
+                    float(estimate) if estimate not in (None, "unknown") else None, actual,
+                    float(response.headers.get("x-queue-wait", 0.0)), response.headers.get("x-route-reason", "?"))
 
 
-async def send_mix(url: str, mix: str) -> list[Measured]:
+def load_average() -> float:
+    """The machine's 1-minute load average (0 where /proc has none)."""
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+async def send_mix(url: str, mix: str, round_number: int = 0) -> list[Measured]:
     sent = MIXES[mix]
+    load = load_average()
     async with httpx.AsyncClient(base_url=url, timeout=600,
                                  limits=httpx.Limits(max_connections=len(sent))) as client:
         # One at a time into the service, a millisecond apart, so the order
@@ -95,7 +115,8 @@ async def send_mix(url: str, mix: str) -> list[Measured]:
         for index, request in enumerate(sent):
             tasks.append(asyncio.create_task(one(client, mix, index, request)))
             await asyncio.sleep(0.001)
-        return list(await asyncio.gather(*tasks))
+        return [dataclasses.replace(row, round=round_number, load_average=load)
+                for row in await asyncio.gather(*tasks)]
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -132,22 +153,27 @@ def main() -> int:
                 for mix in mixes:
                     asyncio.run(send_mix(service.url, mix))
             rows: list[Measured] = []
-            for _ in range(args.rounds):
+            for round_number in range(args.rounds):
                 for mix in mixes:
-                    rows.extend(asyncio.run(send_mix(service.url, mix)))
-            print(f"{'mix':10} {'#':>2} {'path':4} {'max_tok':>7} {'prompt':6} {'estimate s':>10} "
-                  f"{'actual s':>8} {'ratio':>6}")
+                    rows.extend(asyncio.run(send_mix(service.url, mix, round_number)))
+            print(f"{'round':5} {'load':>4} {'mix':10} {'#':>2} {'path':4} {'max_tok':>7} {'prompt':6} "
+                  f"{'estimate s':>10} {'actual s':>8} {'ratio':>6} {'wait s':>6} reason")
             for row in rows:
                 estimate = f"{row.estimate_s:10.2f}" if row.estimate_s is not None else f"{'-':>10}"
                 ratio = f"{row.ratio:6.2f}" if row.ratio is not None else f"{'-':>6}"
-                print(f"{row.mix:10} {row.index:2} {row.served_by:4} {row.sent.max_tokens:7} "
-                      f"{'long' if row.sent.prompt is LONG_PROMPT else 'short':6} {estimate} "
-                      f"{row.actual_s:8.2f} {ratio}")
+                print(f"{row.round:5} {row.load_average:4.1f} {row.mix:10} {row.index:2} {row.served_by:4} "
+                      f"{row.sent.max_tokens:7} {'long' if row.sent.prompt is LONG_PROMPT else 'short':6} "
+                      f"{estimate} {row.actual_s:8.2f} {ratio} {row.queue_wait_s:6.2f} {row.route_reason}")
             print("== estimate / actual ==")
             for mix in mixes:
                 print(f"  {mix:10} {summary([r for r in rows if r.mix == mix])}")
             for path in ("cpu", "gpu"):
                 print(f"  {path + ' path':10} {summary([r for r in rows if r.served_by == path])}")
+                for round_number in range(args.rounds):
+                    in_round = [r for r in rows if r.served_by == path and r.round == round_number]
+                    loads = sorted({r.load_average for r in in_round})
+                    load_text = f"{loads[0]:.1f}-{loads[-1]:.1f}" if loads else "-"
+                    print(f"    round {round_number} (load {load_text}): {summary(in_round)}")
             speeds = service.status().get("speeds", {})
             print(f"speeds: {speeds}")
         finally:
