@@ -344,6 +344,8 @@ class HttpApp:
                 # An image is as many tokens as its projector makes of one (model_host.image_tokens).
                 return await _counted(counter, prompt) + job.images * model_host.image_tokens
             return await _counted(counter, counter.text_prompt(job.body["prompt"]))
+        except _Invalid:  # the tokenizer's child refused it (prompt_not_tokenizable): say so, not "messages"
+            raise
         except Exception as exc:  # a template can reject odd message shapes
             raise _Invalid(400, f"the messages can't be rendered with the model's chat template: {exc}",
                            "invalid_messages", "messages") from None

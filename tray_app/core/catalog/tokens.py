@@ -4,11 +4,14 @@ Admission needs the prompt's length in the worker's tokens, not characters.
 We load only the vocabulary (no weights, ~0.15 s for SmolLM2) and render chat
 messages with the GGUF's own Jinja template, the way llama-cpp-python's server
 does, so the count matches what the worker will evaluate.
+
+The file is the user's own, so its vocabulary, metadata and template are read
+here; the text and token ids clients send are tokenized in a child process
+(tokenizer_process.py), where a crash in llama.cpp ends one request only.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import threading
 from dataclasses import dataclass
@@ -18,9 +21,12 @@ from typing import Any, Sequence
 import llama_cpp
 from llama_cpp import llama_chat_format
 
-# A prompt up to this many bytes is counted on the caller's thread, in about
-# a quarter of a millisecond; a longer one is worth a worker thread, whose
-# hand-off costs more than that for a short one (see HttpApp._count_prompt).
+from .tokenizer_process import TokenizerProcess
+
+# A prompt up to this many bytes is counted on the caller's thread: a round
+# trip to the tokenizer's warm child, well under a millisecond; a longer one
+# is worth a worker thread, whose hand-off costs more than that for a short
+# one (see HttpApp._count_prompt).
 QUICK_COUNT_BYTES = 1024
 
 
@@ -46,6 +52,7 @@ class PromptCounter:
     def __init__(self, model_path: Path) -> None:
         self._lock = threading.Lock()
         self._llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
+        self._child = TokenizerProcess(model_path)
         metadata = self._llm.metadata
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
         self.eos_token = self._token_text(self._llm.token_eos())
@@ -84,11 +91,13 @@ class PromptCounter:
 
     def count_if_free(self, prompt: Prompt) -> int | None:
         """The count, or None when another thread is tokenizing now: the
-        caller (the event loop) must not wait on this lock."""
+        caller (the event loop) must not wait on this lock, nor on a
+        child that is starting or hung: None then too."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            return len(self._tokens(prompt))
+            tokens = self._child.tokenize_if_warm(prompt.data, prompt.add_bos, prompt.special)
+            return None if tokens is None else len(tokens)
         finally:
             self._lock.release()
 
@@ -104,40 +113,18 @@ class PromptCounter:
             return self._tokens(Prompt(text.encode("utf-8"), add_bos=add_special, special=parse_special))
 
     def _tokens(self, prompt: Prompt) -> list[int]:
-        """Tokenized once (the lock held). llama-cpp-python's own tokenize
-        sizes its first buffer by n_ctx_train, which a vocabulary-only load
-        reads as 0, so it tokenized every text twice. A token is at least
-        one byte, so the text's length plus the few tokens the tokenizer
-        may add (BOS, EOS, a leading space) always fits."""
-        vocab = self._llm._model.vocab
-        capacity = len(prompt.data) + 8
-        for _ in range(2):
-            buffer = (llama_cpp.llama_token * capacity)()
-            n_tokens = llama_cpp.llama_tokenize(vocab, prompt.data, len(prompt.data), buffer, capacity,
-                                                prompt.add_bos, prompt.special)
-            if n_tokens >= 0:
-                return buffer[:n_tokens]
-            capacity = -n_tokens  # too small after all: it says how many
-        raise RuntimeError(f"llama.cpp could not tokenize a text of {len(prompt.data)} bytes")
+        """Tokenized by the child (the lock held)."""
+        return self._child.tokenize(prompt.data, prompt.add_bos, prompt.special)
 
     def pieces(self, tokens: Sequence[int]) -> list[bytes]:
         """Each token's bytes, special tokens written out, as llama-server's
         common_token_to_piece gives them. Every id must be below n_vocab:
-        llama.cpp reads its token table unchecked, in this process."""
+        llama.cpp reads its token table unchecked."""
         bad = next((t for t in tokens if not 0 <= t < self.n_vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is not in this vocabulary (0 to {self.n_vocab - 1})")
         with self._lock:
-            vocab = self._llm._model.vocab
-            buffer = ctypes.create_string_buffer(64)
-            out = []
-            for token in tokens:
-                size = llama_cpp.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, True)
-                if size < 0:  # the piece is longer than the buffer: it says how long
-                    buffer = ctypes.create_string_buffer(-size)
-                    size = llama_cpp.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, True)
-                out.append(buffer.raw[:size])
-            return out
+            return self._child.pieces(tokens)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """The tokens' text, as llama-server's /detokenize writes it (bytes
@@ -162,6 +149,7 @@ class PromptCounter:
 
     def close(self) -> None:
         with self._lock:
+            self._child.close()
             self._llm.close()
 
 

@@ -100,16 +100,21 @@ class Checker:
         return f"llama.cpp can't parse it as a GBNF grammar with a 'root' rule: {detail}"
 
 
+def limit_memory(mib: int) -> None:
+    """Called once the model is loaded: from here on a runaway request meets
+    this limit (heap and anonymous maps; the model file's mapping doesn't
+    count) and fails with a MemoryError or dies, in this child only."""
+    limit = mib * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m tray_app.core.grammar.child MODEL.gguf", file=sys.stderr)
         return 2
     checker = Checker(args[0])
-    # Loaded; from here on a runaway conversion or parse meets this limit
-    # (heap and anonymous maps; the model file's mapping doesn't count).
-    limit = bounds.GRAMMAR_CHECK_MEMORY_MIB * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    limit_memory(bounds.GRAMMAR_CHECK_MEMORY_MIB)
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()

@@ -6,6 +6,7 @@ import llama_cpp
 import llama_cpp.llama_cpp
 import pytest
 
+from tray_app.core.catalog.tokenizer_child import Tokenizer
 from tray_app.core.catalog.tokens import QUICK_COUNT_BYTES, PromptCounter
 from tray_app.core.config import bundled_model_path
 
@@ -21,9 +22,9 @@ TEXTS = ["", "Hi", "caf\u00e9 \U0001F600 \u2028 quoted \"text\"", "   spaced   o
          "<|im_start|>user\nhi<|im_end|>", "word " * 3000]
 
 
-def test_a_count_tokenizes_once_and_agrees_with_llama_cpp(counter, monkeypatch):
-    # llama-cpp-python's own tokenize sized its first buffer by n_ctx_train,
-    # which a vocabulary-only load reads as 0: every count tokenized twice.
+@pytest.fixture
+def tokenize_calls(monkeypatch):
+    """Every call of llama.cpp's tokenizer in this process."""
     calls = []
     real = llama_cpp.llama_cpp.llama_tokenize
 
@@ -33,17 +34,34 @@ def test_a_count_tokenizes_once_and_agrees_with_llama_cpp(counter, monkeypatch):
 
     monkeypatch.setattr(llama_cpp.llama_cpp, "llama_tokenize", counting)
     monkeypatch.setattr(llama_cpp, "llama_tokenize", counting)
+    return calls
+
+
+def test_counts_agree_with_llama_cpp_and_client_text_is_never_tokenized_in_this_process(counter, tokenize_calls):
+    """The text clients send is tokenized in the child (tokenizer_process.py):
+    a crash in llama.cpp's tokenizer must not take the service with it."""
+    reference = llama_cpp.Llama(str(bundled_model_path()), vocab_only=True, verbose=False)
     for text in TEXTS:
         for special in (False, True):
-            tokens = counter._llm.tokenize(text.encode(), add_bos=True, special=special)
+            tokens = reference.tokenize(text.encode(), add_bos=True, special=special)
             assert counter.tokenize(text, add_special=True, parse_special=special) == tokens
-        expected = len(counter._llm.tokenize(text.encode(), add_bos=True))
-        calls.clear()
-        assert counter.count_text(text) == expected
-        assert len(calls) == 1
-    calls.clear()
+        assert counter.count_text(text) == len(reference.tokenize(text.encode(), add_bos=True))
     assert counter.count_chat([{"role": "user", "content": "Write a short poem."}]) > 5
-    assert len(calls) == 1
+    reference.close()
+    tokenize_calls.clear()  # the reference's own calls
+    counter.count_text("Hello")
+    counter.detokenize(counter.tokenize("Hello", add_special=True, parse_special=True))
+    assert tokenize_calls == []
+
+
+def test_the_child_tokenizes_each_text_once(tokenize_calls):
+    # llama-cpp-python's own tokenize sized its first buffer by n_ctx_train,
+    # which a vocabulary-only load reads as 0: every count tokenized twice.
+    tokenizer = Tokenizer(str(bundled_model_path()))
+    for text in TEXTS:
+        tokenize_calls.clear()
+        tokenizer.tokenize(text.encode(), True, False)
+        assert len(tokenize_calls) == 1
 
 
 def test_a_count_on_the_event_loop_never_waits_for_the_tokenizer(counter):
@@ -52,5 +70,16 @@ def test_a_count_on_the_event_loop_never_waits_for_the_tokenizer(counter):
     # Another thread is tokenizing: the caller is told to count in a thread, not blocked.
     with counter._lock:
         assert counter.count_if_free(prompt) is None
-    assert counter.count_if_free(prompt) == counter.count(prompt) == counter.count_chat([{"role": "user",
-                                                                                         "content": "Hi"}])
+    expected = counter.count(prompt)
+    assert counter.count_if_free(prompt) == expected == counter.count_chat([{"role": "user", "content": "Hi"}])
+
+
+def test_a_count_on_the_event_loop_never_waits_for_the_child_to_start():
+    counter = PromptCounter(bundled_model_path())
+    try:
+        prompt = counter.text_prompt("Hi")
+        assert counter.count_if_free(prompt) is None  # the child is still loading: count in a thread
+        expected = counter.count(prompt)  # waits for it
+        assert counter.count_if_free(prompt) == expected
+    finally:
+        counter.close()
