@@ -58,6 +58,8 @@ class TokenizerUnavailable(InvalidRequest):
 class _ChildGone(Exception):
     """The child closed its pipes: it died before or while answering."""
 
+    returncode: int | None = None
+
 
 class TokenizerProcess:
     def __init__(self, model_path: Path, *, python: str = sys.executable,
@@ -97,12 +99,8 @@ class TokenizerProcess:
             return None
         message = _message({"tokenize": True, "add_bos": add_bos, "special": special}, data)
         try:
-            header, body = _exchange(process, message, time.monotonic() + QUICK_TIMEOUT_S)
-        except TimeoutError:
-            self._discard(f"took longer than {QUICK_TIMEOUT_S} s on a short text")
-            return None
-        except _ChildGone:
-            self._discard("exited")
+            header, body = self._answer(process, message, QUICK_TIMEOUT_S)
+        except (TimeoutError, _ChildGone):
             return None
         return None if "problem" in header else _token_list(body)
 
@@ -120,22 +118,37 @@ class TokenizerProcess:
         was_warm = self.warm
         process = self._ready_child()
         try:
-            header, body = _exchange(process, message, time.monotonic() + timeout_s)
+            header, body = self._answer(process, message, timeout_s)
         except TimeoutError:
-            self._discard(f"took longer than {timeout_s:.0f} s")
             raise PromptNotTokenizable(f"tokenizing it took longer than {timeout_s:.0f} s") from None
-        except _ChildGone:
-            returncode = self._discard("exited")
+        except _ChildGone as gone:
             if was_warm and not retried:
                 # A child that served earlier requests may have been killed
                 # from outside (the OOM killer, a user's kill) before this
                 # one arrived, and a pipe can't say when: a fresh child hears
                 # it once before the input is blamed.
                 return self._ask(message, size, retried=True)
-            raise PromptNotTokenizable(f"llama.cpp's tokenizer failed on it (exit {returncode})") from None
+            raise PromptNotTokenizable(f"llama.cpp's tokenizer failed on it (exit {gone.returncode})") from None
         if "problem" in header:
             raise PromptNotTokenizable(f"it can't be tokenized: {header['problem']}")
         return header, body
+
+    def _answer(self, process: subprocess.Popen, message: bytes, timeout_s: float) -> tuple[dict[str, Any], bytes]:
+        """The child's answer; a child that fails to give one is discarded
+        (TimeoutError, or _ChildGone with its exit status)."""
+        try:
+            return _exchange(process, message, time.monotonic() + timeout_s)
+        except TimeoutError:
+            self._discard(f"took longer than {timeout_s:.1f} s")
+            raise
+        except _ChildGone as gone:
+            gone.returncode = self._discard("exited")
+            raise
+        except BaseException:
+            # Part of an answer may still be in the pipe, which would be read
+            # as the next request's: this child can't be asked again.
+            self._discard("was left mid-answer")
+            raise
 
     def _spawn(self) -> None:
         self._process = subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -155,11 +168,10 @@ class TokenizerProcess:
         assert self._process is not None
         if not self._ready:
             try:
-                header, _ = _exchange(self._process, b"", time.monotonic() + _STARTUP_TIMEOUT_S)
-            except (TimeoutError, _ChildGone) as exc:
-                self._discard(f"did not start ({type(exc).__name__})")
+                self._answer(self._process, b"", _STARTUP_TIMEOUT_S)
+            except (TimeoutError, _ChildGone):
                 raise TokenizerUnavailable("the server's tokenizer could not start; retry shortly") from None
-            self._ready = bool(header.get("ready"))
+            self._ready = True
         return self._process
 
     def _discard(self, why: str) -> int | None:
@@ -183,6 +195,8 @@ class TokenizerProcess:
         if process is None:
             return
         assert process.stdin is not None and process.stdout is not None
+        if not self._ready:
+            process.kill()  # still loading: nothing to finish
         process.stdin.close()
         try:
             process.wait(2.0)
