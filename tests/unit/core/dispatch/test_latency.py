@@ -49,11 +49,17 @@ def test_unmeasured_counts_share_the_nearest_measured_aggregate():
     assert SHARED_CORES.decode_tokens_per_s(4) == pytest.approx(30.0)    # 120 tok/s over 4 streams
     nothing = SpeedCurve(single_tokens_per_s=100.0, prompt_tokens_per_s=1000.0)
     assert nothing.decode_tokens_per_s(2) == pytest.approx(50.0)
-    only_four = replace(nothing, measured=((4, 20.0),))
-    assert only_four.decode_tokens_per_s(2) == pytest.approx(50.0)
-    assert only_four.decode_tokens_per_s(1) == pytest.approx(100.0)
-    slow_single_prior = replace(only_four, single_tokens_per_s=10.0)
-    assert slow_single_prior.decode_tokens_per_s(1) == pytest.approx(20.0)  # alone is no slower than among 4
+
+
+def test_fewer_busy_slots_than_any_measured_get_the_middle_of_the_two_bounds():
+    # Only 4 busy measured, 20 tokens/s each (80 in all). Alone, a stream is
+    # no slower than 20 and no faster than 80; cores that are shared make it
+    # 80, a GPU that batches nearly 20. The geometric middle, 40, is off by
+    # 2x at worst; the slow bound (what a path that never ran alone was
+    # given, its speeds blended over all counts at most) by 4x.
+    only_four = SpeedCurve(single_tokens_per_s=25.0, prompt_tokens_per_s=1000.0, measured=((4, 20.0),))
+    assert only_four.decode_tokens_per_s(1) == pytest.approx(40.0)
+    assert only_four.decode_tokens_per_s(2) == pytest.approx(20.0 * 2 ** 0.5)
 
 
 def test_a_count_between_two_measured_ones_draws_the_aggregate_between_them():
