@@ -32,10 +32,13 @@ from typing import Any, BinaryIO
 
 from ..grammar.child import limit_memory
 
-# Heap for one request beyond the loaded vocabulary: llama.cpp holds a 4 MiB
-# prompt a few times over while it splits and merges it (about 120 MiB at
-# the peak, measured), so this is generous for anything the body limits let in.
-TOKENIZER_MEMORY_MIB = 1024
+# The child's heap, the loaded vocabulary included (about 210 MiB for
+# SmolLM2's). llama.cpp holds a prompt many times over while it splits and
+# merges it: a 4 MiB prompt (the default [server] max_body_bytes) of one
+# repeated character peaked at 540 MiB resident, measured. A larger
+# vocabulary needs more at rest, so there is room; past it a runaway
+# allocation fails here, not in the machine's other processes.
+TOKENIZER_MEMORY_MIB = 2048
 
 
 class Tokenizer:
