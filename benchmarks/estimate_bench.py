@@ -11,7 +11,10 @@ estimate promises:
 - cpu: 8 requests forced onto the CPU (X-Force-Path: cpu), 100 tokens each
   (the case issue 32 measured at 0.38-0.68 of the actual time);
 - cpu-mixed: 8 CPU requests of 40 to 160 tokens, short and long prompts;
-- gpu-mixed: 12 requests on the simulated GPU's 4 slots, 40 to 160 tokens.
+- gpu-mixed: 12 requests on the simulated GPU's 4 slots, 40 to 160 tokens
+  (those the CPU is expected to finish first go there: about half);
+- gpu-queue: the same 12 with X-Fallback: never, so all of them wait in
+  the GPU's queue (8 deep) and the GPU's estimate is measured over it.
 
 Warm-up rounds (not counted) let each path measure its speed per number of
 busy slots. A request's ratio is estimate / actual (1.0 = exact; the target
@@ -53,6 +56,7 @@ class Sent:
     max_tokens: int
     prompt: str
     force_cpu: bool
+    gpu_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,17 +77,19 @@ class Measured:
         return self.estimate_s / self.actual_s if self.estimate_s is not None else None
 
 
+GPU_MIXED = [Sent(tokens, LONG_PROMPT if i % 4 == 0 else SHORT_PROMPT, False)
+             for i, tokens in enumerate((40, 160, 100, 60, 120, 80, 160, 40, 100, 140, 60, 120))]
 MIXES: dict[str, list[Sent]] = {
     "cpu": [Sent(100, SHORT_PROMPT, True)] * 8,
     "cpu-mixed": [Sent(tokens, LONG_PROMPT if i % 3 == 0 else SHORT_PROMPT, True)
                   for i, tokens in enumerate((40, 160, 100, 60, 120, 80, 160, 40))],
-    "gpu-mixed": [Sent(tokens, LONG_PROMPT if i % 4 == 0 else SHORT_PROMPT, False)
-                  for i, tokens in enumerate((40, 160, 100, 60, 120, 80, 160, 40, 100, 140, 60, 120))],
+    "gpu-mixed": GPU_MIXED,
+    "gpu-queue": [dataclasses.replace(sent, gpu_only=True) for sent in GPU_MIXED],
 }
 
 
 async def one(client: httpx.AsyncClient, mix: str, index: int, sent: Sent) -> Measured:
-    headers = {"X-Force-Path": "cpu"} if sent.force_cpu else {}
+    headers = {"X-Force-Path": "cpu"} if sent.force_cpu else {"X-Fallback": "never"} if sent.gpu_only else {}
     started = time.perf_counter()
     response = await client.post("/v1/chat/completions", headers=headers, json={
         "messages": [{"role": "user", "content": sent.prompt}], "max_tokens": sent.max_tokens,
