@@ -373,7 +373,7 @@ class ModelHost:
             self.counter.close()
 
     def _check_fallback_equivalence(self) -> dict[str, Any]:
-        fallback = PromptCounter(self.fallback_info.path)
+        fallback = PromptCounter(self.fallback_info.path, tokenizes=False)
         try:
             assert self.counter is not None
             differences = []

@@ -49,10 +49,12 @@ def short_chat(messages: Sequence[dict[str, Any]]) -> bool:
 
 
 class PromptCounter:
-    def __init__(self, model_path: Path) -> None:
+    def __init__(self, model_path: Path, *, tokenizes: bool = True) -> None:
+        """`tokenizes=False`: the file's template and vocabulary only (to
+        compare two models), without starting a tokenizer child."""
         self._lock = threading.Lock()
         self._llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
-        self._child = TokenizerProcess(model_path)
+        self._child_process = TokenizerProcess(model_path) if tokenizes else None
         metadata = self._llm.metadata
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
         self.eos_token = self._token_text(self._llm.token_eos())
@@ -66,6 +68,12 @@ class PromptCounter:
             if self.chat_template
             else None
         )
+
+    @property
+    def _child(self) -> TokenizerProcess:
+        if self._child_process is None:
+            raise RuntimeError("this PromptCounter was built with tokenizes=False")
+        return self._child_process
 
     def _token_text(self, token_id: int) -> str:
         if token_id < 0:
@@ -149,7 +157,8 @@ class PromptCounter:
 
     def close(self) -> None:
         with self._lock:
-            self._child.close()
+            if self._child_process is not None:
+                self._child_process.close()
             self._llm.close()
 
 

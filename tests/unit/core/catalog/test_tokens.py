@@ -83,3 +83,19 @@ def test_a_count_on_the_event_loop_never_waits_for_the_child_to_start():
         assert counter.count_if_free(prompt) == expected
     finally:
         counter.close()
+
+
+def test_a_counter_that_only_compares_models_starts_no_child(counter):
+    import psutil
+
+    before = {child.pid for child in psutil.Process().children()}
+    reader = PromptCounter(bundled_model_path(), tokenizes=False)
+    try:
+        assert {child.pid for child in psutil.Process().children()} == before
+        # What the model host compares: the template and the vocabulary.
+        assert reader.chat_template == counter.chat_template
+        assert reader.vocabulary_fingerprint() == counter.vocabulary_fingerprint()
+        with pytest.raises(RuntimeError, match="tokenizes=False"):
+            reader.count_text("Hi")
+    finally:
+        reader.close()
