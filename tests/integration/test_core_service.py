@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-from tests.harness import RunningService, wait_gone
+from tests.harness import RunningService, running, wait_gone
 
 pytestmark = pytest.mark.integration
 
@@ -224,3 +224,14 @@ def test_status_command_without_a_service_says_how_to_start_one():
     result = subprocess.run([sys.executable, "-m", "tray_app", "status", "--url", "http://127.0.0.1:9"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "tray-app serve" in result.stderr
+
+
+def test_the_restart_is_answered_once_it_has_begun(tmp_path):
+    # The tray reads /status as soon as the answer comes, to show the restart
+    # on its icon; a worker still "ready" with its old process then hid it.
+    with running(tmp_path) as service:
+        before = {worker["role"]: worker["pid"] for worker in service.status()["workers"]}
+        assert service.http.post("/admin/restart").json() == {"restarting": True}
+        after = {worker["role"]: worker for worker in service.status()["workers"]}
+        assert not [role for role, worker in after.items()
+                    if worker["state"] == "ready" and worker["pid"] == before[role]], after

@@ -387,15 +387,17 @@ class ModelHost:
             return {"equivalent": False, "detail": "not equivalent: " + ", ".join(differences)}
         return {"equivalent": True, "detail": "same tokenizer and chat template as the main model"}
 
-    def restart_workers(self) -> None:
-        """Restart the loaded workers. A GPU worker that was given away or
-        unloaded stays so, and so does an on-demand CPU worker at rest."""
-        for worker in self.workers():
-            if worker.role == "gpu" and self.sharing is not None and self.sharing.residency.hold is not None:
-                continue
-            if worker.role == "cpu" and self.on_demand_cpu is not None and worker.state is WorkerState.STOPPED:
-                continue
+    def restart_workers(self) -> list[Worker]:
+        """Restart the loaded workers, and say which. A GPU worker that was given
+        away or unloaded stays so, and so does an on-demand CPU worker at rest."""
+        restarted = [worker for worker in self.workers()
+                     if not (worker.role == "gpu" and self.sharing is not None
+                             and self.sharing.residency.hold is not None)
+                     and not (worker.role == "cpu" and self.on_demand_cpu is not None
+                              and worker.state is WorkerState.STOPPED)]
+        for worker in restarted:
             worker.restart("restart requested by the user")
+        return restarted
 
     # ----- worker hooks ---------------------------------------------------------------
 

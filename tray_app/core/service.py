@@ -371,14 +371,14 @@ class Service:
                 model_host.sharing.set_yield_to_other_apps(enabled)
         self.observer.note("yield_to_other_apps", enabled=enabled)
 
-    def restart_workers(self) -> None:
-        """Restart the loaded workers. A GPU worker that was given away or
-        unloaded stays so, and so does an on-demand worker at rest."""
-        for model_host in self.model_hosts.values():
-            model_host.restart_workers()
+    def restart_workers(self) -> list[Worker]:
+        """Restart the loaded workers; the models' workers restarted. A GPU worker
+        that was given away or unloaded stays so, and so does an on-demand worker at rest."""
+        restarted = [worker for host in self.model_hosts.values() for worker in host.restart_workers()]
         if self.embeddings is not None:
             self.embeddings.restart("restart requested by the user")
         self.observer.note("workers_restarted")
+        return restarted
 
     def set_simulated_pressure(self, mib: float) -> None:
         if self.simulated is None:

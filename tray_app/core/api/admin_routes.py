@@ -4,17 +4,26 @@ off /admin/*; a cancel checks here whose request it is (key_access.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ..engine.worker import WorkerState
 from ..service import Service
 from ..status_build import model_summary
 from .errors import error_response
 from .key_access import KeyAccess
 from .openai_request import InvalidRequest
 from .requests import PRESSURE_RULE, ModelNames, read_json_object, unknown_model_message
+
+
+# The states a worker shows once it has taken a restart command.
+RESTARTING = (WorkerState.STOPPING, WorkerState.STARTING, WorkerState.STOPPED, WorkerState.UNHEALTHY)
+# How long POST /admin/restart waits for that: a worker's owner takes a command at once, unless stuck.
+RESTART_BEGUN_WAIT_S = 2.0
 
 
 class AdminRoutes:
@@ -99,5 +108,12 @@ class AdminRoutes:
         return JSONResponse(await self.service.rescan_models())
 
     async def restart(self, request: Request) -> Response:
-        self.service.restart_workers()
+        restarted = self.service.restart_workers()
+        # Answered once each worker has left "ready" (the owner took the
+        # command), so a status read right after the answer shows the
+        # restart: the tray reads one at once, and a quick restart could
+        # otherwise start and finish between two of its reads.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(worker.wait_for_state(*RESTARTING) for worker in restarted)),
+                                   RESTART_BEGUN_WAIT_S)
         return JSONResponse({"restarting": True})
