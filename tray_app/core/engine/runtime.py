@@ -8,6 +8,7 @@ supervisor and service only use this interface.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -180,7 +181,10 @@ class LlamaCppPythonRuntime:
         return await answers_ok(client, f"{base_url}/v1/models")
 
 
+@functools.cache
 def _llama_cpp_python_version() -> str:
+    # Cached: /status names the engine on every read (the tray's every 5 s),
+    # and reading a distribution's metadata parses its METADATA file anew.
     try:
         from importlib.metadata import version
         return version("llama_cpp_python")
