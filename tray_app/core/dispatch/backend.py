@@ -131,7 +131,30 @@ class Backend:
         place = lane.join(job.id, front=job.replayed and self.path == "cpu", slots=job.choices)
         job.joined_lane(self.path, queued=place is not None)
         self._on_change()
-        acquire = asyncio.ensure_future(lane.wait(job.id, place) if place is not None else _no_wait())
+        if place is None:
+            # A free slot: nothing to wait for, so no tasks and no asyncio.wait
+            # (a few loop turns of every request's CPU, issue 32).
+            job.got_slot(0.0)
+        else:
+            await self._wait_in_queue(job, lane, place)
+        try:
+            why_not = still_open()
+            if why_not is not None:
+                raise Redirected(why_not)
+            job.running_on(self.path)
+            self._on_change()
+            return await self._stream(job, sink, still_open)
+        except WorkerFailure:
+            # Marked before the slot is freed: the next request in the lane
+            # must not be sent to the process that just broke.
+            self._failed_process = job.attempts[-1].worker_exits if job.attempts else self.worker.exits
+            raise
+        finally:
+            lane.release(job.id)
+
+    async def _wait_in_queue(self, job: Job, lane: Lane, place: asyncio.Future) -> None:
+        """Wait for the lane's slot, or leave the queue when the job is canceled."""
+        acquire = asyncio.ensure_future(lane.wait(job.id, place))
         canceled = asyncio.ensure_future(job.canceled.wait())
         try:
             done, _ = await asyncio.wait({acquire, canceled}, return_when=asyncio.FIRST_COMPLETED)
@@ -148,20 +171,6 @@ class Backend:
             lane.leave(job.id)
             raise canceled_error(job, f"while it waited in the {self.path} queue")
         job.got_slot(acquire.result())
-        try:
-            why_not = still_open()
-            if why_not is not None:
-                raise Redirected(why_not)
-            job.running_on(self.path)
-            self._on_change()
-            return await self._stream(job, sink, still_open)
-        except WorkerFailure:
-            # Marked before the slot is freed: the next request in the lane
-            # must not be sent to the process that just broke.
-            self._failed_process = job.attempts[-1].worker_exits if job.attempts else self.worker.exits
-            raise
-        finally:
-            lane.release(job.id)
 
     async def _stream(self, job: Job, sink: Sink, still_open: Callable[[], str | None]) -> Attempt:
         worker = self.worker
@@ -333,6 +342,3 @@ def _raise_upstream_failure(message: str) -> None:
         raise JobFailed(400, "invalid_request", f"the model server rejected the request: {message}")
     raise WorkerRequestError(message)
 
-
-async def _no_wait() -> float:
-    return 0.0
