@@ -14,7 +14,6 @@ shape, an error answer's text) is here too.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn, Protocol
@@ -90,6 +89,7 @@ async def stream_attempt(http: httpx.AsyncClient, url: str, body: dict[str, Any]
     cancel and the rules' failures for the rest. The attempt's outcome and
     end time are set on every way out."""
     canceled = asyncio.ensure_future(job.canceled.wait())
+    watch = UpstreamWatch(canceled, rules.liveness, clock)
     first_deadline = clock() + first_token_s
 
     def silent_s() -> float:
@@ -97,7 +97,7 @@ async def stream_attempt(http: httpx.AsyncClient, url: str, body: dict[str, Any]
 
     async def wait(awaitable: Awaitable[Any]) -> Any:
         limit_s = attempt.wait_limit_s(first_deadline, between_tokens_s, clock())
-        result = await wait_on_upstream(awaitable, canceled, limit_s, rules.liveness, clock)
+        result = await watch.wait(awaitable, limit_s)
         if result is _CANCELED:
             attempt.outcome = "canceled"
             raise canceled_error(job, rules.canceled_where)
@@ -129,6 +129,7 @@ async def stream_attempt(http: httpx.AsyncClient, url: str, body: dict[str, Any]
         attempt.outcome = f"failed: {type(exc).__name__}"
         raise failure from None
     finally:
+        watch.close()
         canceled.cancel()
         attempt.ended_at = clock()
 
@@ -503,36 +504,132 @@ def canceled_error(job: Job, where: str) -> JobFailed:
 # ----- waiting on an upstream ---------------------------------------------------------------
 
 _CANCELED = object()
+_TIMED_OUT = object()
 
 
-async def wait_on_upstream(awaitable: Awaitable[Any], canceled: asyncio.Future, timeout: float,
-                           liveness: Callable[[], str | None], clock: Callable[[], float]) -> Any:
-    """The result of `awaitable` (the response, or the next SSE line: None at
-    the end), or _CANCELED if the job was canceled meanwhile. Raises
-    TimeoutError when the upstream gives nothing for `timeout` seconds of
-    `clock`, and the liveness problem's failure (WorkerFailure) as soon as
-    `liveness` names one."""
-    pending = asyncio.ensure_future(awaitable)
-    deadline = clock() + timeout
-    problem = None
-    while True:
-        wait_s = min(LIVENESS_INTERVAL_S, max(0.0, deadline - clock()))
-        done, _ = await asyncio.wait({pending, canceled}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-        if done:
-            break
-        problem = liveness()
-        if problem is not None or clock() >= deadline:
-            break
-    if pending in done:
+class UpstreamWatch:
+    """The deadline, the liveness question and the job's cancel over every
+    wait of one attempt, kept by one timer that interrupts the waiting task.
+
+    Each wait (the response, then each chunk of the stream) is a plain await
+    in the attempt's own task. A task and an asyncio.wait per chunk cost a
+    quarter of the relay's CPU and several loop turns of every request
+    (issue 32); here a chunk costs a float written. The timer fires every
+    LIVENESS_INTERVAL_S of silence, or sooner at the deadline, and reads
+    the injected clock each time, as the old wait loop did."""
+
+    def __init__(self, canceled: asyncio.Future, liveness: Callable[[], str | None],
+                 clock: Callable[[], float]) -> None:
+        self._canceled = canceled
+        self._liveness = liveness
+        self._clock = clock
+        self._loop = asyncio.get_running_loop()
+        self._task: asyncio.Task | None = None
+        self._deadline = 0.0
+        self._silent_since = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        # Why the waiting task was interrupted: _CANCELED, _TIMED_OUT or a liveness problem.
+        self._why: object | None = None
+        canceled.add_done_callback(self._on_cancel)
+
+    async def wait(self, awaitable: Awaitable[Any], timeout: float) -> Any:
+        """The result of `awaitable` (None for an iterator's end), or
+        _CANCELED if the job was canceled meanwhile. Raises TimeoutError when
+        the upstream gives nothing for `timeout` seconds of the clock, and
+        WorkerFailure as soon as liveness names a problem."""
+        if self._canceled.done():
+            _discard(awaitable)
+            return _CANCELED
+        now = self._clock()
+        if timeout <= 0:
+            _discard(awaitable)
+            return self._verdict(self._liveness() or _TIMED_OUT)
+        self._deadline = now + timeout
+        self._silent_since = self._loop.time()
+        self._arm(min(LIVENESS_INTERVAL_S, timeout))
+        task = self._task = asyncio.current_task()
+        assert task is not None
+        why = None
         try:
-            return pending.result()
+            result = await awaitable
         except StopAsyncIteration:
+            result = None
+        except BaseException:
+            self._task = None
+            why = self._settle(task)
+            if why is None:
+                raise
+        if why is not None:
+            return self._verdict(why)
+        self._task = None
+        # An interruption that raced the answer: the answer counts.
+        self._settle(task)
+        return result
+
+    def _settle(self, task: asyncio.Task) -> object | None:
+        """This watch's interruption of the last wait, if it made one, its
+        cancel taken back; None when a cancel from outside (a shutdown)
+        came too, which must go on up."""
+        why, self._why = self._why, None
+        if why is not None and task.uncancel() > 0:
             return None
-    pending.cancel()
-    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, httpx.HTTPError):
-        await pending
-    if canceled in done:
-        return _CANCELED
-    if problem is not None:
-        raise WorkerFailure(problem)
-    raise asyncio.TimeoutError
+        return why
+
+    def close(self) -> None:
+        self._canceled.remove_done_callback(self._on_cancel)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _verdict(self, why: object) -> Any:
+        if why is _CANCELED:
+            return _CANCELED
+        if why is _TIMED_OUT:
+            raise asyncio.TimeoutError
+        raise WorkerFailure(str(why))
+
+    def _arm(self, delay_s: float) -> None:
+        """The timer at `delay_s` from now, unless it already fires sooner."""
+        at = self._loop.time() + delay_s
+        if self._timer is not None:
+            if self._timer_at <= at:
+                return
+            self._timer.cancel()
+        self._timer = self._loop.call_at(at, self._tick)
+        self._timer_at = at
+
+    def _tick(self) -> None:
+        self._timer = None
+        if self._task is None:
+            return  # between waits: the next wait arms it again
+        now = self._clock()
+        if now >= self._deadline:
+            self._interrupt(_TIMED_OUT)
+            return
+        # Asked after each LIVENESS_INTERVAL_S of silence (the loop's time,
+        # as the old wait loop's slices were), however the clock moves; a
+        # timer may fire a hair early.
+        if self._loop.time() - self._silent_since >= LIVENESS_INTERVAL_S * 0.999:
+            problem = self._liveness()
+            if problem is not None:
+                self._interrupt(problem)
+                return
+            self._silent_since = self._loop.time()
+        self._arm(min(LIVENESS_INTERVAL_S, self._deadline - now))
+
+    def _on_cancel(self, _: asyncio.Future) -> None:
+        if self._task is not None and not self._canceled.cancelled():
+            self._interrupt(_CANCELED)
+
+    def _interrupt(self, why: object) -> None:
+        if self._task is not None and self._why is None:
+            self._why = why
+            self._task.cancel()
+
+
+def _discard(awaitable: Awaitable[Any]) -> None:
+    """An awaitable that won't be awaited, closed so it leaves no warning."""
+    close = getattr(awaitable, "close", None)
+    if close is not None:
+        close()
