@@ -229,7 +229,7 @@ class ModelHost:
         else:
             deadlines = Deadlines(lambda job: CPU_FIRST_TOKEN_TIMEOUT_S, CPU_FIRST_TOKEN_TIMEOUT_S,
                                   config.worker.ready_timeout_s)
-        return Backend(path, worker, lane, speed, service.http, deadlines, clock=self._clock,
+        return Backend(path, worker, lane, speed, service.hop, deadlines, clock=self._clock,
                        fingerprint=fingerprint,
                        on_change=lambda: service.observer.advance())
 

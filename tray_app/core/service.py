@@ -25,7 +25,8 @@ import httpx
 
 from .api.metrics import ServiceMetrics
 from .config import Config, ConfigError, log_dir as default_log_dir, peer_base_url, simulated_device_dir
-from .dispatch.loopback_http import LoopbackTransport
+from .dispatch.loopback_http import LoopbackHop, LoopbackTransport
+from .dispatch.upstream import Hop, HttpxHop
 from .dispatch.peer import Peer, Peers
 from .embeddings.setup import build_embedding_path
 from .embeddings.path import EmbeddingPath
@@ -103,13 +104,13 @@ class Service:
         # A request may run on either path, so both must offer what it asks.
         self.supports_logprobs = runtime.supports_logprobs and gpu_runtime.supports_logprobs
         self.started_at = time.time()
-        # trust_env=False: no HTTP_PROXY from the environment. Workers are on
-        # loopback, and a peer's Bearer key must not pass through a proxy.
-        # The hop to a worker on loopback is loopback_http's, lean (issue 32).
+        # trust_env=False: no HTTP_PROXY from the environment, so a peer's Bearer key can't pass through a proxy.
+        # A relay's hop to a worker is loopback_http's, with no httpx objects (issue 32); a test's, its transport.
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=5.0),
                                       limits=httpx.Limits(max_connections=64, max_keepalive_connections=0),
                                       trust_env=False, transport=http_transport,
                                       mounts=None if http_transport else {"http://127.0.0.1": LoopbackTransport()})
+        self.hop: Hop = HttpxHop(self.http) if http_transport else LoopbackHop()
         gpu_missing_reason = gpu_path_missing_reason(config.gpu.enabled, self.simulated is not None,
                                                      self.gpu_reader.read, self.offload_support)
         # Kept for the model hosts of models added later (rescan_models).

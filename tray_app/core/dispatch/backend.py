@@ -34,8 +34,8 @@ from ..engine.worker import WorkerState
 from .jobs import Attempt, Job, JobFailed, PathSpeed, WorkerFailure, WorkerRequestError
 from .lanes import Lane, Redirected
 from .latency import BusySpeeds, mean_busy
-from .upstream import (Sink, UpstreamRules, Waiter, canceled_error, response_id, stream_attempt, upstream_error_message,
-                       worker_body)
+from .upstream import (Hop, Sink, UpstreamResponse, UpstreamRules, Waiter, canceled_error, response_id,
+                       stream_attempt, upstream_error_message, worker_body)
 
 # After a connection breaks, how long to wait for the worker's exit status,
 # which says whether the request crashed it (SIGSEGV) or something else did.
@@ -53,7 +53,7 @@ class Deadlines:
 
 
 class Backend:
-    def __init__(self, path: str, worker: WorkerHandle, lane: Lane, speed: PathSpeed, http: httpx.AsyncClient,
+    def __init__(self, path: str, worker: WorkerHandle, lane: Lane, speed: PathSpeed, hop: Hop,
                  deadlines: Deadlines, *, fingerprint: str, clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[], None] = lambda: None) -> None:
         self.path = path
@@ -63,7 +63,7 @@ class Backend:
         # Decode speed by how many slots were busy: what the latency estimate uses.
         self.busy_speeds = BusySpeeds()
         self.fingerprint = fingerprint
-        self._http = http
+        self._hop = hop
         self._deadlines = deadlines
         self._clock = clock
         self._on_change = on_change
@@ -189,7 +189,7 @@ class Backend:
         self._enter_process(job.id, attempt)
         try:
             done_seen = await stream_attempt(
-                self._http, f"{worker.base_url}{job.kind.upstream_path}", worker_body(job), worker.auth_headers,
+                self._hop, f"{worker.base_url}{job.kind.upstream_path}", worker_body(job), worker.auth_headers,
                 job, attempt, sink, _WorkerRules(self), clock=self._clock,
                 first_token_s=self._deadlines.first_token_s(job), between_tokens_s=self._deadlines.between_tokens_s,
                 model=worker.spec.model_name, fingerprint=self.fingerprint)
@@ -285,7 +285,7 @@ class _WorkerRules(UpstreamRules):
         self._path = backend.path
         self.liveness = backend.worker.liveness_problem
 
-    async def refused(self, response: httpx.Response, wait: Waiter, silent_s: Callable[[], float]) -> NoReturn:
+    async def refused(self, response: UpstreamResponse, wait: Waiter, silent_s: Callable[[], float]) -> NoReturn:
         await _upstream_error(response)
         raise AssertionError("unreachable")
 
@@ -306,7 +306,7 @@ class _WorkerRules(UpstreamRules):
                              process_may_have_died=True)
 
 
-async def _upstream_error(response: httpx.Response) -> None:
+async def _upstream_error(response: UpstreamResponse) -> None:
     message = await upstream_error_message(response)
     if 400 <= response.status_code < 500:
         raise JobFailed(response.status_code, "invalid_request", f"the model server rejected the request: {message}")

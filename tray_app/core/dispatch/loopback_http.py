@@ -1,23 +1,32 @@
 """The HTTP hop to a worker on this machine, lean: one plain-HTTP/1.1
-request per connection on asyncio's own streams, as an httpx transport, so
-every caller keeps httpx's interface and errors.
+request per connection on asyncio's own streams.
 
-Why not httpx's own transport (httpcore, anyio, h11): measured against
-llama-server, a client spent 3.5-3.7 ms of CPU per tiny streamed request
-through it and 2.0 through this one, httpx's client layer included
-(benchmarks/relay_cost.py --mode hop); on 2 cores that CPU is taken from
-llama.cpp's threads (issue 32). A pool of kept connections doesn't help:
+Two faces of one exchange:
+- `LoopbackHop.post`, the relay's hop to a worker (Backend): a JSON body out,
+  a `HopResponse` back (status_code, aiter_bytes, aread, aclose: what
+  upstream.stream_attempt reads), no httpx objects on the way. Measured
+  against llama-server, a client spent 1.54 ms of CPU per tiny streamed
+  request through httpx's client and this transport, 1.06 through the
+  transport alone with httpx's Request and Response, and 0.73 here
+  (benchmarks/relay_cost.py --mode hop); on 2 cores that CPU is taken from
+  llama.cpp's threads and adds to every request's latency (issue 32).
+- `LoopbackTransport`, the same exchange as an httpx transport, for callers
+  that keep httpx's interface (Service mounts it for http://127.0.0.1).
+
+Both raise httpx's errors (ConnectError, ReadError, RemoteProtocolError...),
+which the callers already handle. A pool of kept connections doesn't help:
 llama-server closes its connection after every streamed answer, and
 reusing one it was closing broke a request.
 
-Only plain http to a loopback address comes here (Service mounts it for
-http://127.0.0.1); a peer on the LAN, TLS or a proxy go through httpx's
-own transport."""
+Only plain http to a loopback address comes here; a peer on the LAN, TLS
+or a proxy go through httpx's own transport."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Awaitable
+import json
+from typing import Any, AsyncIterator, Awaitable, Mapping
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -26,28 +35,80 @@ import httpx
 PIECE_BYTES = 64 * 1024
 # The most a status line and headers may take (asyncio's own line limit).
 HEAD_LIMIT_BYTES = 64 * 1024
+# As the service's httpx client: a worker on this machine answers a connect at once or not at all.
+CONNECT_TIMEOUT_S = 5.0
+
+
+class HopResponse:
+    """A worker's answer as the relay reads it: the status, the headers, and
+    the body once, streamed (aiter_bytes) or whole (aread)."""
+
+    def __init__(self, status_code: int, headers: list[tuple[bytes, bytes]], pieces: AsyncIterator[bytes],
+                 writer: asyncio.StreamWriter) -> None:
+        self.status_code = status_code
+        self.headers = headers
+        self._pieces = pieces
+        self._writer = writer
+
+    def aiter_bytes(self) -> AsyncIterator[bytes]:
+        return self._pieces
+
+    async def aread(self) -> bytes:
+        return b"".join([piece async for piece in self._pieces])
+
+    async def aclose(self) -> None:
+        # Closing before the end is how a cancel reaches the worker: it
+        # sees the connection go and stops generating.
+        self._writer.close()
+        await self._pieces.aclose()  # type: ignore[attr-defined]
+
+
+class LoopbackHop:
+    """POSTs a JSON body to a worker on loopback; the answer streamed."""
+
+    async def post(self, url: str, body: Any, headers: Mapping[str, str]) -> HopResponse:
+        parts = urlsplit(url)
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        # As httpx writes JSON (compact, UTF-8, NaN refused), so a worker sees the same bytes.
+        content = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        pairs = [(b"Host", parts.netloc.encode()), (b"Content-Type", b"application/json"),
+                 (b"Content-Length", str(len(content)).encode()),
+                 *((name.encode(), value.encode()) for name, value in headers.items())]
+        status, head, pieces, writer = await _exchange(parts.hostname or "127.0.0.1", parts.port or 80, "POST",
+                                                       target.encode(), pairs, content, CONNECT_TIMEOUT_S, None, None)
+        return HopResponse(status, head, pieces, writer)
 
 
 class LoopbackTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         timeouts = request.extensions.get("timeout", {})
-        host, port = request.url.host, request.url.port or 80
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, limit=HEAD_LIMIT_BYTES), timeouts.get("connect"))
-        except asyncio.TimeoutError:
-            raise httpx.ConnectTimeout(f"no connection to {host}:{port} in time", request=request) from None
-        except OSError as exc:
-            raise httpx.ConnectError(str(exc) or type(exc).__name__, request=request) from None
-        read = _Reader(reader, timeouts.get("read"), request)
-        try:
-            writer.write(_request_bytes(request, await request.aread()))
-            status, headers = await _read_head(read)
-        except BaseException:
-            writer.close()
-            raise
-        return httpx.Response(status, headers=headers, stream=_Body(_body(read, status, headers), writer),
+        status, headers, pieces, writer = await _exchange(
+            request.url.host, request.url.port or 80, request.method, request.url.raw_path, request.headers.raw,
+            await request.aread(), timeouts.get("connect"), timeouts.get("read"), request)
+        return httpx.Response(status, headers=headers, stream=_Body(pieces, writer),
                               extensions={"http_version": b"HTTP/1.1"})
+
+
+async def _exchange(host: str, port: int, method: str, target: bytes, headers: Any, content: bytes,
+                    connect_timeout_s: float | None, read_timeout_s: float | None, request: httpx.Request | None
+                    ) -> tuple[int, list[tuple[bytes, bytes]], AsyncIterator[bytes], asyncio.StreamWriter]:
+    """One request on a new connection: (status, headers, the body's pieces, the writer to close)."""
+    try:
+        # asyncio.timeout, not wait_for: no task of its own for every request.
+        async with asyncio.timeout(connect_timeout_s):
+            reader, writer = await asyncio.open_connection(host, port, limit=HEAD_LIMIT_BYTES)
+    except TimeoutError:
+        raise httpx.ConnectTimeout(f"no connection to {host}:{port} in time", request=request) from None
+    except OSError as exc:
+        raise httpx.ConnectError(str(exc) or type(exc).__name__, request=request) from None
+    read = _Reader(reader, read_timeout_s, method, request)
+    try:
+        writer.write(_request_bytes(method, target, headers, content))
+        status, head = await _read_head(read)
+        return status, head, _body(read, status, head), writer
+    except BaseException:
+        writer.close()
+        raise
 
 
 class _Reader:
@@ -55,9 +116,11 @@ class _Reader:
     limit, the streamed hop's case, whose deadlines stream_attempt keeps),
     and their failures as the httpx errors callers handle."""
 
-    def __init__(self, reader: asyncio.StreamReader, timeout_s: float | None, request: httpx.Request) -> None:
+    def __init__(self, reader: asyncio.StreamReader, timeout_s: float | None, method: str,
+                 request: httpx.Request | None) -> None:
         self._reader = reader
         self._timeout_s = timeout_s
+        self.method = method
         self.request = request
 
     async def until(self, separator: bytes) -> bytes:
@@ -93,12 +156,11 @@ class _Closed(Exception):
         self.partial = partial
 
 
-def _request_bytes(request: httpx.Request, content: bytes) -> bytes:
+def _request_bytes(method: str, target: bytes, headers: Any, content: bytes) -> bytes:
     """The request in one write: head and body together (two writes cost
     two wake-ups of the worker)."""
-    lines = [b"%s %s HTTP/1.1" % (request.method.encode(), request.url.raw_path)]
-    lines += [b"%s: %s" % (name, value) for name, value in request.headers.raw
-              if name.lower() != b"connection"]
+    lines = [b"%s %s HTTP/1.1" % (method.encode(), target)]
+    lines += [b"%s: %s" % (name, value) for name, value in headers if name.lower() != b"connection"]
     # One request per connection: the worker needn't hold an HTTP thread for us.
     lines.append(b"Connection: close")
     return b"\r\n".join(lines) + b"\r\n\r\n" + content
@@ -125,7 +187,7 @@ async def _read_head(read: _Reader) -> tuple[int, list[tuple[bytes, bytes]]]:
 
 def _body(read: _Reader, status: int, headers: list[tuple[bytes, bytes]]) -> AsyncIterator[bytes]:
     framing = {name.lower(): value for name, value in headers}
-    if read.request.method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+    if read.method == "HEAD" or status in (204, 304) or 100 <= status < 200:
         return _nothing()
     if b"chunked" in framing.get(b"transfer-encoding", b"").lower():
         return _whole(read, _chunked(read))

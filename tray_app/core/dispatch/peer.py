@@ -45,7 +45,8 @@ from .backlog import remaining_work
 from .jobs import Attempt, Job, PathSpeed
 from .latency import PathLoad, SpeedCurve, Work, estimate
 from .upstream import (
-    MAX_SSE_LINE_BYTES, Sink, UpstreamRules, Waiter, client_safe, stream_attempt, upstream_error_text, worker_body,
+    MAX_SSE_LINE_BYTES, HttpxHop, Sink, UpstreamRules, Waiter, client_safe, stream_attempt, upstream_error_text,
+    worker_body,
 )
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class Peer:
         self.role = PeerRole(settings.role)
         self.base_url = base_url
         self._http = http
+        self._hop = HttpxHop(http)
         self._clock = clock
         self.breaker = CircuitBreaker(breaker, clock)
         self.health = PeerHealth()
@@ -267,7 +269,7 @@ class Peer:
         self._running.add(job)
         try:
             done_seen = await stream_attempt(
-                self._http, f"{self.base_url}{job.kind.upstream_path}", body, headers, job, attempt, sink,
+                self._hop, f"{self.base_url}{job.kind.upstream_path}", body, headers, job, attempt, sink,
                 _PeerRules(self, job), clock=self._clock, first_token_s=first_wait_s,
                 between_tokens_s=self.settings.token_timeout_s, model=model, fingerprint=fingerprint)
         finally:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, NoReturn, Protocol
 
 import httpx
 
@@ -52,7 +52,7 @@ class UpstreamRules:
         """Why the upstream can't make progress any more, or None (asked every LIVENESS_INTERVAL_S)."""
         return None
 
-    async def refused(self, response: httpx.Response, wait: "Waiter", silent_s: Callable[[], float]) -> NoReturn:
+    async def refused(self, response: "UpstreamResponse", wait: "Waiter", silent_s: Callable[[], float]) -> NoReturn:
         """The upstream answered an HTTP error status: raise what that means."""
         raise NotImplementedError
 
@@ -69,7 +69,7 @@ class UpstreamRules:
         or None to let it propagate as it is."""
         return None
 
-    def answer(self, response: httpx.Response) -> Any:
+    def answer(self, response: "UpstreamResponse") -> Any:
         """The answer as relay_answer reads it (a peer's is capped)."""
         return response
 
@@ -81,7 +81,38 @@ class UpstreamRules:
 Waiter = Callable[[Awaitable[Any]], Awaitable[Any]]
 
 
-async def stream_attempt(http: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str], job: Job,
+class UpstreamResponse(Protocol):
+    """What the relay reads of an upstream's answer: httpx.Response has it,
+    and so does loopback_http.HopResponse."""
+
+    status_code: int
+
+    def aiter_bytes(self) -> AsyncIterator[bytes]: ...
+
+    async def aread(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Hop(Protocol):
+    """How an attempt reaches its upstream: POST a JSON body, the answer streamed."""
+
+    async def post(self, url: str, body: Any, headers: Mapping[str, str]) -> UpstreamResponse: ...
+
+
+class HttpxHop:
+    """The hop through an httpx client: a peer's (the LAN, TLS, a proxy), and
+    a test's (an httpx.MockTransport). A worker on loopback takes the lean
+    loopback_http.LoopbackHop."""
+
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        self._http = http
+
+    async def post(self, url: str, body: Any, headers: Mapping[str, str]) -> httpx.Response:
+        return await self._http.send(self._http.build_request("POST", url, json=body, headers=headers), stream=True)
+
+
+async def stream_attempt(hop: Hop, url: str, body: dict[str, Any], headers: dict[str, str], job: Job,
                          attempt: Attempt, sink: Sink, rules: UpstreamRules, *, clock: Callable[[], float],
                          first_token_s: float, between_tokens_s: float, model: str, fingerprint: str) -> bool:
     """POST `body` to `url` and relay the streamed answer into `sink`.
@@ -104,8 +135,7 @@ async def stream_attempt(http: httpx.AsyncClient, url: str, body: dict[str, Any]
         return result
 
     try:
-        request = http.build_request("POST", url, json=body, headers=headers)
-        response = await wait(http.send(request, stream=True))
+        response = await wait(hop.post(url, body, headers))
         try:
             attempt.reached_worker = True
             if response.status_code >= 400:
@@ -245,7 +275,7 @@ _scan_string = json.decoder.scanstring
 _encode_string = json.encoder.encode_basestring_ascii
 
 
-async def relay_answer(response: httpx.Response, job: Job, attempt: Attempt, sink: Sink,
+async def relay_answer(response: UpstreamResponse, job: Job, attempt: Attempt, sink: Sink,
                        wait: Callable[[Any], Awaitable[Any]], *, fail: Callable[[str], NoReturn], model: str,
                        fingerprint: str, clock: Callable[[], float]) -> bool:
     """Relay an upstream's streamed answer (a worker's or a peer's) to the
@@ -370,7 +400,7 @@ def worker_body(job: Job) -> dict[str, Any]:
     return body
 
 
-async def upstream_error_message(response: httpx.Response) -> str:
+async def upstream_error_message(response: UpstreamResponse) -> str:
     """An upstream's error answer as one client-safe line."""
     return upstream_error_text(await response.aread())
 

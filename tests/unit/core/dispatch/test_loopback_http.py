@@ -1,5 +1,6 @@
-"""LoopbackTransport: the lean hop to a worker, through a real httpx client
-against a real loopback socket that answers with scripted bytes."""
+"""The lean hop to a worker, against a real loopback socket that answers with
+scripted bytes: LoopbackTransport through a real httpx client, and
+LoopbackHop, the relay's, with no httpx objects."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
-from tray_app.core.dispatch.loopback_http import PIECE_BYTES, LoopbackTransport
+from tray_app.core.dispatch.loopback_http import PIECE_BYTES, LoopbackHop, LoopbackTransport
 from tray_app.core.engine.worker import free_loopback_port
 
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[None]]
@@ -88,14 +89,17 @@ async def test_a_refused_connection_is_a_connect_error():
             await http.get(f"http://127.0.0.1:{free_loopback_port()}/health")
 
 
-@pytest.mark.parametrize("raw, error", [
+BROKEN_ANSWERS = [
     (b"", httpx.RemoteProtocolError),  # closed before any answer: a worker that died
     (b"SSH-2.0-OpenSSH\r\n\r\n", httpx.RemoteProtocolError),
     (b"HTTP/1.1 200 OK\r\nbroken header\r\n\r\n", httpx.RemoteProtocolError),
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nonly part", httpx.RemoteProtocolError),
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", httpx.RemoteProtocolError),
     (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", httpx.RemoteProtocolError),
-])
+]
+
+
+@pytest.mark.parametrize("raw, error", BROKEN_ANSWERS)
 async def test_a_broken_answer_is_the_transport_error_httpx_gives(raw, error):
     # Backend's rules turn an httpx.TransportError into a WorkerFailure (replay
     # before the first byte); anything else would escape as a 500.
@@ -134,3 +138,73 @@ async def test_a_read_timeout_is_kept_per_read():
     async with server(silent_after_headers) as seen, client() as http:
         with pytest.raises(httpx.ReadTimeout):
             await http.post(seen["url"], json={}, timeout=httpx.Timeout(5.0, read=0.2))
+
+
+# ----- LoopbackHop: the relay's hop, no httpx objects ------------------------------------------
+
+
+async def test_the_hop_posts_compact_json_in_one_request_and_streams_the_answer():
+    body = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"8\r\ndata: a\n\r\n9\r\ndata: bc\n\r\n0\r\n\r\n")
+    async with server(replying(body)) as seen:
+        response = await LoopbackHop().post(f"{seen['url']}/v1/chat/completions",
+                                             {"messages": [{"role": "user", "content": "h\u00e9"}], "n": 1},
+                                             {"Authorization": "Bearer k"})
+        pieces = [piece async for piece in response.aiter_bytes()]
+        await response.aclose()
+    assert response.status_code == 200
+    assert pieces == [b"data: a\n", b"data: bc\n"]
+    sent = seen["requests"][0]
+    head, _, content = sent.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST /v1/chat/completions HTTP/1.1"
+    host = seen["url"].removeprefix("http://").encode()
+    assert {b"Host: " + host, b"Content-Type: application/json", b"Authorization: Bearer k",
+            b"Connection: close", b"Content-Length: %d" % len(content)} <= set(lines[1:])
+    # As httpx's json= writes it: compact and UTF-8, so a worker sees the same bytes as before.
+    assert content == '{"messages":[{"role":"user","content":"hé"}],"n":1}'.encode()
+
+
+async def test_the_hop_reads_an_error_answer_whole():
+    async with server(replying(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 11\r\n\r\n{\"error\":1}")) as seen:
+        response = await LoopbackHop().post(seen["url"], {}, {})
+        assert response.status_code == 400
+        assert await response.aread() == b'{"error":1}'
+        await response.aclose()
+
+
+@pytest.mark.parametrize("raw, error", BROKEN_ANSWERS)
+async def test_the_hops_broken_answer_is_the_transport_error_httpx_gives(raw, error):
+    async with server(replying(raw)) as seen:
+        with pytest.raises(error):
+            response = await LoopbackHop().post(seen["url"], {}, {})
+            try:
+                async for _ in response.aiter_bytes():
+                    pass
+            finally:
+                await response.aclose()
+
+
+async def test_the_hop_to_a_closed_port_is_a_connect_error_and_nan_is_refused_before_sending():
+    with pytest.raises(httpx.ConnectError):
+        await LoopbackHop().post(f"http://127.0.0.1:{free_loopback_port()}/v1/chat/completions", {}, {})
+    async with server(replying(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")) as seen:
+        with pytest.raises(ValueError):
+            await LoopbackHop().post(seen["url"], {"temperature": float("nan")}, {})
+        assert seen["requests"] == []
+
+
+async def test_closing_the_hops_answer_early_closes_the_connection_so_the_worker_stops():
+    gone = asyncio.Event()
+
+    async def endless(reader, writer, request) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\ntoken\r\n")
+        await writer.drain()
+        await reader.read()
+        gone.set()
+
+    async with server(endless) as seen:
+        response = await LoopbackHop().post(seen["url"], {}, {})
+        assert await response.aiter_bytes().__anext__() == b"token"
+        await response.aclose()
+        await asyncio.wait_for(gone.wait(), 10)

@@ -22,6 +22,7 @@ from tray_app.core.dispatch.breaker import BreakerPolicy
 from tray_app.core.dispatch.jobs import Attempt, Job, PathSpeed, WorkerFailure
 from tray_app.core.dispatch.lanes import Lane
 from tray_app.core.dispatch.peer import Peer, PeerFailure
+from tray_app.core.dispatch.upstream import HttpxHop
 
 FIRST_TOKEN_S = 30.0
 BETWEEN_TOKENS_S = 10.0
@@ -57,7 +58,7 @@ class Path:
             self.name = "gpu"
             deadlines = Deadlines(first_token_s=lambda job: first_token_s, between_tokens_s=between_tokens_s,
                                   ready_s=5.0)
-            self.backend = Backend("gpu", FakeWorker("gpu"), Lane("gpu", 1, 2, clock), PathSpeed(10.0, 100.0), http,
+            self.backend = Backend("gpu", FakeWorker("gpu"), Lane("gpu", 1, 2, clock), PathSpeed(10.0, 100.0), HttpxHop(http),
                                    deadlines, fingerprint="fp_test", clock=clock)
             self.failure: type[Exception] = WorkerFailure
         else:
