@@ -18,8 +18,9 @@ One stream of --tokens tokens, then 4 concurrent streams of --tokens/4;
 in fake mode also 200 tiny requests (max_tokens 1) in a row: the CPU the
 service spends per request outside the relay.
 - hop: the client side of the hop to a worker alone, 200 tiny streamed
-  requests to llama-server: httpx's own transport against LoopbackTransport
-  (core/dispatch/loopback_http.py), the CPU per request.
+  requests to llama-server, the CPU per request by how it is made: httpx
+  (its own transport, and over LoopbackTransport), LoopbackTransport alone,
+  LoopbackHop (core/dispatch/loopback_http.py, the relay's), raw streams.
 --code DIR runs another checkout of the code (the old one, from
 `git archive`), so before and after run back to back on one machine.
 """
@@ -33,6 +34,7 @@ import io
 import json
 import os
 import pstats
+import statistics
 import sys
 import tempfile
 import time
@@ -270,32 +272,79 @@ def real_mode(tokens: int) -> None:
 
 def hop_mode(requests: int) -> None:
     """The CPU a client spends on one tiny streamed request to llama-server
-    (what the service does once per request, towards its worker): httpx's
-    own transport against the service's LoopbackTransport, alternating."""
+    (what the service does once per request, towards its worker), by how
+    it is made, alternating: httpx's own transport; httpx's client over the
+    service's LoopbackTransport; that transport called directly (httpx's
+    Request and Response, no client); LoopbackHop, the relay's hop (no httpx
+    objects); and, as the floor, asyncio's streams read to the end."""
     from benchmarks import anchors
-    from tray_app.core.dispatch.loopback_http import LoopbackTransport
+    from tray_app.core.dispatch.loopback_http import LoopbackHop, LoopbackTransport
 
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0, "stream": True}
+    raw_body = json.dumps(body, separators=(",", ":")).encode()
 
-    async def run(transport: httpx.AsyncBaseTransport | None, url: str) -> float:
+    async def through_client(url: str, transport: httpx.AsyncBaseTransport | None) -> None:
         mounts = {"http://127.0.0.1": transport} if transport is not None else None
         async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), trust_env=False,
                                      mounts=mounts) as client:
-            started = time.process_time()
             for _ in range(requests):
                 async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
                     async for _ in response.aiter_bytes():
                         pass
-            return (time.process_time() - started) / requests
+
+    async def through_transport(url: str) -> None:
+        transport = LoopbackTransport()
+        for _ in range(requests):
+            response = await transport.handle_async_request(httpx.Request(
+                "POST", f"{url}/v1/chat/completions", json=body, extensions={"timeout": {"connect": 5.0}}))
+            async for _ in response.stream:
+                pass
+            await response.aclose()
+
+    async def through_hop(url: str) -> None:
+        hop = LoopbackHop()
+        for _ in range(requests):
+            response = await hop.post(f"{url}/v1/chat/completions", body, {})
+            async for _ in response.aiter_bytes():
+                pass
+            await response.aclose()
+
+    async def raw_streams(url: str) -> None:
+        port = int(url.rsplit(":", 1)[1])
+        for _ in range(requests):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(raw_body)
+                         + raw_body)
+            while await reader.read(65536):
+                pass
+            writer.close()
+
+    ways = {
+        "httpx's own transport": lambda url: through_client(url, None),
+        "httpx + LoopbackTransport": lambda url: through_client(url, LoopbackTransport()),
+        "LoopbackTransport alone": through_transport,
+        "LoopbackHop (the relay's)": through_hop,
+        "raw asyncio streams": raw_streams,
+    }
+
+    def cpu_each(run, url: str) -> float:
+        started = time.process_time()
+        asyncio.run(run(url))
+        return (time.process_time() - started) / requests
 
     with tempfile.TemporaryDirectory(prefix="relay_cost_") as tmp:
         direct = anchors.llama_server(Path(tmp) / "direct.log", n_ctx=512, parallel=1)
         try:
-            asyncio.run(run(None, direct.url))
+            for run in ways.values():  # warm
+                cpu_each(run, direct.url)
             print(f"== the hop to a worker: client CPU per tiny streamed request ({requests} in a row), code {CODE} ==")
-            for _ in range(2):
-                for name, transport in (("httpx's own transport", None), ("LoopbackTransport", LoopbackTransport())):
-                    print(f"  {name:22}: {asyncio.run(run(transport, direct.url)) * 1e3:.3f} ms CPU each")
+            results: dict[str, list[float]] = {name: [] for name in ways}
+            for round_index in range(3):
+                for name in (list(ways) if round_index % 2 == 0 else reversed(list(ways))):
+                    results[name].append(cpu_each(ways[name], direct.url))
+            for name, values in results.items():
+                print(f"  {name:26}: {statistics.median(values) * 1e3:.3f} ms CPU each (median of 3)")
         finally:
             direct.stop()
 

@@ -5,10 +5,11 @@ Two faces of one exchange:
 - `LoopbackHop.post`, the relay's hop to a worker (Backend): a JSON body out,
   a `HopResponse` back (status_code, aiter_bytes, aread, aclose: what
   upstream.stream_attempt reads), no httpx objects on the way. Measured
-  against llama-server, a client spent 1.54 ms of CPU per tiny streamed
-  request through httpx's client and this transport, 1.06 through the
-  transport alone with httpx's Request and Response, and 0.73 here
-  (benchmarks/relay_cost.py --mode hop); on 2 cores that CPU is taken from
+  against llama-server (benchmarks/relay_cost.py --mode hop), a client's
+  CPU per tiny streamed request: 2.37 ms through httpx's own transport,
+  1.67 through httpx's client over this transport, 1.12 through the
+  transport alone with httpx's Request and Response, 0.94 here, and 0.77
+  reading raw bytes to the end. On 2 cores that CPU is taken from
   llama.cpp's threads and adds to every request's latency (issue 32).
 - `LoopbackTransport`, the same exchange as an httpx transport, for callers
   that keep httpx's interface (Service mounts it for http://127.0.0.1).
