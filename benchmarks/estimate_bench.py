@@ -1,7 +1,7 @@
 """How close the latency estimate (X-Estimated-Latency) comes to the actual
 time, on both paths. Prints numbers; asserts nothing.
 
-    .venv/bin/python benchmarks/estimate_bench.py [--rounds 2] [--warm 1]
+    .venv/bin/python benchmarks/estimate_bench.py [--rounds 2] [--warm 1] [--stream]
 
 The real service on the tiny model, with its simulated GPU (4 slots) and a
 CPU worker with 2 slots. Each mix is sent at once, every request writing
@@ -18,7 +18,11 @@ estimate promises:
 
 Warm-up rounds (not counted) let each path measure its speed per number of
 busy slots. A request's ratio is estimate / actual (1.0 = exact; the target
-is 0.75-1.25); actual runs from the client's send to its last byte. Each
+is 0.75-1.25); actual runs from the client's send to its last byte.
+Without --stream the answers are whole, and their estimate is the one made
+at admission; with it they are streamed, and the estimate is the one their
+headers carry, made again when the first event goes out (by then the
+requests that came after it are known). Each
 row also has its round, its wait for a slot (X-Queue-Wait), why it went
 where it did (X-Route-Reason: gpu-mixed requests the CPU is expected to
 finish first go there) and the 1-minute load average when its mix was
@@ -88,14 +92,17 @@ MIXES: dict[str, list[Sent]] = {
 }
 
 
-async def one(client: httpx.AsyncClient, mix: str, index: int, sent: Sent) -> Measured:
+async def one(client: httpx.AsyncClient, mix: str, index: int, sent: Sent, stream: bool) -> Measured:
+    """One request; streamed, its headers (and so its estimate) come with its first event."""
     headers = {"X-Force-Path": "cpu"} if sent.force_cpu else {"X-Fallback": "never"} if sent.gpu_only else {}
+    body = {"messages": [{"role": "user", "content": sent.prompt}], "max_tokens": sent.max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": stream}
     started = time.perf_counter()
-    response = await client.post("/v1/chat/completions", headers=headers, json={
-        "messages": [{"role": "user", "content": sent.prompt}], "max_tokens": sent.max_tokens,
-        "temperature": 0, "ignore_eos": True})
+    async with client.stream("POST", "/v1/chat/completions", headers=headers, json=body) as response:
+        response.raise_for_status()
+        async for _ in response.aiter_bytes():
+            pass
     actual = time.perf_counter() - started
-    response.raise_for_status()
     estimate = response.headers.get("x-estimated-latency")
     return Measured(mix, index, sent, response.headers.get("x-served-by", "?"),
                     float(estimate) if estimate not in (None, "unknown") else None, actual,
@@ -110,7 +117,7 @@ def load_average() -> float:
         return 0.0
 
 
-async def send_mix(url: str, mix: str, round_number: int = 0) -> list[Measured]:
+async def send_mix(url: str, mix: str, round_number: int = 0, stream: bool = False) -> list[Measured]:
     sent = MIXES[mix]
     load = load_average()
     async with httpx.AsyncClient(base_url=url, timeout=600,
@@ -119,7 +126,7 @@ async def send_mix(url: str, mix: str, round_number: int = 0) -> list[Measured]:
         # of arrival (and so each one's place in the queue) is the list's.
         tasks = []
         for index, request in enumerate(sent):
-            tasks.append(asyncio.create_task(one(client, mix, index, request)))
+            tasks.append(asyncio.create_task(one(client, mix, index, request, stream)))
             await asyncio.sleep(0.001)
         return [dataclasses.replace(row, round=round_number, load_average=load)
                 for row in await asyncio.gather(*tasks)]
@@ -148,6 +155,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warm", type=int, default=1, help="warm-up rounds of every mix, not counted")
     parser.add_argument("--mix", action="append", choices=sorted(MIXES), help="only these mixes (repeatable)")
+    parser.add_argument("--stream", action="store_true",
+                        help="streamed requests: the estimate a streaming client gets, re-estimated when its "
+                             "first event (and so its headers) goes out")
     args = parser.parse_args()
     mixes = args.mix or list(MIXES)
 
@@ -157,11 +167,11 @@ def main() -> int:
             service.wait_ready()
             for _ in range(args.warm):
                 for mix in mixes:
-                    asyncio.run(send_mix(service.url, mix))
+                    asyncio.run(send_mix(service.url, mix, stream=args.stream))
             rows: list[Measured] = []
             for round_number in range(args.rounds):
                 for mix in mixes:
-                    rows.extend(asyncio.run(send_mix(service.url, mix, round_number)))
+                    rows.extend(asyncio.run(send_mix(service.url, mix, round_number, args.stream)))
             print(f"{'round':5} {'load':>4} {'mix':10} {'#':>2} {'path':4} {'max_tok':>7} {'prompt':6} "
                   f"{'estimate s':>10} {'actual s':>8} {'ratio':>6} {'wait s':>6} reason")
             for row in rows:

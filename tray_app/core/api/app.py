@@ -383,6 +383,7 @@ class HttpApp:
         if first_kind == "failed":
             watcher.cancel()
             return protocol.failed(first_value, _route_headers(job, model_host))
+        model_host.dispatcher.refresh_estimate(job)
         headers = _route_headers(job, model_host)
         stream = RecordedStream(headers, protocol.stream_media_type)
         # Decided now, with the first event: a replay before the first byte is already done.

@@ -24,7 +24,7 @@ from .admission import (
     token_limit,
 )
 from .backend import Backend
-from .backlog import EXPECTED_ANSWER_TOKENS, backlog_s, path_load
+from .backlog import EXPECTED_ANSWER_TOKENS, backlog_s, path_load, remaining_work
 from .breaker import BreakerState, CircuitBreaker
 from .failover import (
     record_completion, rejection, replay_after_gpu_failure, run_on_cpu, run_on_peer, settle_gpu_probe,
@@ -216,6 +216,23 @@ class Dispatcher:
         """What a new CPU request of this size would wait for its answer now."""
         load = path_load(self.cpu, self.jobs, self._cpu_load_eta_s())
         return estimate(load, Work(prompt_tokens, max_tokens)).latency_s
+
+    def refresh_estimate(self, job: Job) -> None:
+        """Re-estimate a running job from where it stands: the time it has
+        taken so far and what the rest will take among the requests beside
+        and behind it now. A streamed answer's headers (X-Estimated-Latency)
+        and its degraded note carry the estimate, and they go out with its
+        first event: by then the requests that arrived after admission are
+        known, and those were what the admission estimate couldn't see
+        (its worst decile, issue 32). Other answers keep admission's."""
+        backend = self._backend(job.path)
+        if backend is None or job.state is not JobState.RUNNING or job.choices != 1:
+            return
+        others = {job_id: other for job_id, other in self.jobs.items() if job_id != job.id}
+        # The prompt is read by the first event; what is left is the answer.
+        rest = Work(0, remaining_work(job)[0].answer_tokens)
+        job.estimated_latency_s = round(job.age_s() + estimate(path_load(backend, others), rest,
+                                                                holds_slot=True).latency_s, 2)
 
     def request_status(self) -> list[dict[str, Any]]:
         # Jobs still being admitted hold their id but have no path or place yet.

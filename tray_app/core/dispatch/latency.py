@@ -216,11 +216,13 @@ class Estimate:
     latency_s: float   # until its last token
 
 
-def estimate(load: PathLoad, own: Work) -> Estimate:
+def estimate(load: PathLoad, own: Work, *, holds_slot: bool = False) -> Estimate:
     """When a new request behind everything in `load` gets a slot and
     finishes: the queue played forward, each request reading its prompt and
     then writing its answer at the speed for the number of slots busy at
-    the time, a freed slot going to the next in line."""
+    the time, a freed slot going to the next in line. `holds_slot`: the
+    request is already running (`load` is the others): it keeps its slot
+    and the queue fills the others' as they free up."""
     slots = max(1, load.slots)
     speeds = load.speeds
     queued = list(load.queued)
@@ -232,12 +234,18 @@ def estimate(load: PathLoad, own: Work) -> Estimate:
         aggregate = speeds.decode_tokens_per_s(slots) * slots
         skipped_s = sum(w.answer_tokens / aggregate + speeds.prompt_s(w.prompt_tokens) / slots for w in rest)
     # Each running entry: [seconds to its first token, answer tokens left, is it ours].
-    running = [[speeds.prompt_s(w.prompt_tokens), float(w.answer_tokens), False] for w in load.running[:slots]]
-    queued = list(load.running[slots:]) + queued
+    others = slots - 1 if holds_slot else slots
+    running = [[speeds.prompt_s(w.prompt_tokens), float(w.answer_tokens), False] for w in load.running[:others]]
+    queued = list(load.running[others:]) + queued
     pending = [[speeds.prompt_s(w.prompt_tokens), float(w.answer_tokens), False] for w in queued]
-    pending.append([speeds.prompt_s(own.prompt_tokens), float(own.answer_tokens), True])
+    ours = [speeds.prompt_s(own.prompt_tokens), float(own.answer_tokens), True]
     now = load.not_before_s + skipped_s
     wait = None
+    if holds_slot:
+        running.append(ours)
+        wait = now
+    else:
+        pending.append(ours)
     while True:
         while pending and len(running) < slots:
             entry = pending.pop(0)

@@ -1183,3 +1183,34 @@ async def test_waiters_that_prefer_the_gpu_keep_their_places_while_it_loads():
     gate.release.set()
     await asyncio.gather(first, waiting)
     assert rig.cpu.calls == ["patient"]
+
+
+async def test_a_running_answers_estimate_is_refreshed_with_the_requests_that_came_after_it():
+    # What a streamed answer's X-Estimated-Latency carries, sent with its first event.
+    rig = make_rig(cpu_slots=2)
+    release = asyncio.Event()
+
+    async def held(job: Job, sink, attempt: Attempt) -> None:
+        await release.wait()
+
+    rig.cpu.script = held
+    first = make_job("first", force_cpu=True, prompt=10, max_tokens=100)
+    first_task = start(rig, first)
+    await until(lambda: first.state is JobState.RUNNING)
+    # Admitted alone: its prompt, then 100 tokens at the CPU's single-stream speed.
+    assert first.estimated_latency_s == pytest.approx(10 / CPU_PROMPT_TOKENS_PER_S + 100 / CPU_TOKENS_PER_S, abs=0.02)
+    second = make_job("second", force_cpu=True, prompt=10, max_tokens=100)
+    second_task = start(rig, second)
+    await until(lambda: second.state is JobState.RUNNING)
+    queued = make_job("queued", force_cpu=True, prompt=10, max_tokens=100)
+    queued_task = start(rig, queued)
+    await until(lambda: queued.state is JobState.QUEUED)
+    rig.dispatcher.refresh_estimate(first)
+    # Two answers share the CPU now: its 100 tokens at half the speed (the prompt is read).
+    assert first.estimated_latency_s == pytest.approx(100 / (CPU_TOKENS_PER_S / 2), abs=0.05)
+    # A job not running keeps admission's estimate.
+    before = queued.estimated_latency_s
+    rig.dispatcher.refresh_estimate(queued)
+    assert queued.estimated_latency_s == before
+    release.set()
+    await asyncio.gather(first_task, second_task, queued_task)

@@ -160,3 +160,15 @@ def test_a_gpu_request_gets_an_estimate_too():
                   load=PathLoad(slots=4, running=(Work(0, 1000),), queued=(), speeds=SHARED_CORES))
     decision = decide(RequestShape(prompt_tokens=0, max_tokens=120), gpu, BUSY_CPU)
     assert decision.route is Route.GPU and decision.estimated_latency_s == pytest.approx(2.0)
+
+
+def test_a_running_request_keeps_its_slot_and_the_queue_keeps_the_others_busy():
+    # Two slots: one other request running 60 tokens, one queued behind it.
+    load = PathLoad(2, running=(Work(0, 60),), queued=(ANSWER,), speeds=SHARED_CORES)
+    rest = estimate(load, ANSWER, holds_slot=True)
+    # Already running: no wait, and both slots stay busy to its end (the queued
+    # one takes the freed slot), so all 100 tokens go at 60/s.
+    assert rest.wait_s == 0
+    assert rest.latency_s == pytest.approx(100 / 60, abs=1e-3)
+    # As a new arrival the same request would wait for a slot behind the queue.
+    assert estimate(load, ANSWER).wait_s == pytest.approx(1.0)
