@@ -255,8 +255,10 @@ async def _read_limited(request: Request, limit: int, timeout: float) -> bytes:
             chunks.append(chunk)
 
     try:
-        await asyncio.wait_for(read(), timeout)
-    except asyncio.TimeoutError:
+        # asyncio.timeout, not wait_for: the read stays in the request's task (no task per request).
+        async with asyncio.timeout(timeout):
+            await read()
+    except TimeoutError:
         raise _Invalid(408, f"the request body did not arrive within {timeout:g} s "
                        "([server] body_timeout_s)", "request_timeout") from None
     return b"".join(chunks)
