@@ -1,7 +1,7 @@
 """The llama-server engine through the service, against llama-server started
 directly. Prints numbers and ratios measured in one run; asserts nothing.
 
-    .venv/bin/python benchmarks/engine_bench.py [--rounds 3] [--threads N]
+    .venv/bin/python benchmarks/engine_bench.py [--rounds 5] [--threads N]
 
 Both servers run the same binary on the same model file with the same
 thread count and slots (4, n_ctx 2048 each). The service's other worker
@@ -156,19 +156,30 @@ def measure(urls: dict[str, str], rounds: int, run) -> dict[str, list]:
     return values
 
 
+def round_ratios(values: dict[str, list[float]]) -> str:
+    """Each round's service/direct ratio, as a range: the two sides of a
+    round ran back to back, so drift between rounds cancels in it, and the
+    range says how far one run's ratio can be trusted."""
+    ratios = sorted(s / d for s, d in zip(values["service"], values["direct"]))
+    return f"rounds x{ratios[0]:.2f} to x{ratios[-1]:.2f}"
+
+
 def report_streams(urls: dict[str, str], rounds: int, max_tokens: int) -> None:
     """4 concurrent streams, then one stream's decode: medians, and the ratios."""
     both = measure(urls, rounds, lambda url: concurrent(url, SLOTS, max_tokens))
-    tps = {k: statistics.median(v[0] for v in vs) for k, vs in both.items()}
-    ttft = {k: statistics.median(v[1] for v in vs) for k, vs in both.items()}
+    tps_runs = {k: [v[0] for v in vs] for k, vs in both.items()}
+    ttft_runs = {k: [v[1] for v in vs] for k, vs in both.items()}
+    tps = {k: statistics.median(v) for k, v in tps_runs.items()}
+    ttft = {k: statistics.median(v) for k, v in ttft_runs.items()}
     print(f"== {SLOTS} concurrent streams x {max_tokens} tokens (medians) ==")
     for side in urls:
         print(f"  {side:8} {tps[side]:7.1f} tokens/s   TTFT p50 {ttft[side] * 1000:7.1f} ms")
-    print(f"  service/direct: tokens/s x{tps['service'] / tps['direct']:.3f}, "
-          f"TTFT x{ttft['service'] / ttft['direct']:.3f}")
-    decode = {k: statistics.median(v) for k, v in measure(urls, rounds, lambda url: single(url, max_tokens)).items()}
+    print(f"  service/direct: tokens/s x{tps['service'] / tps['direct']:.3f} ({round_ratios(tps_runs)}), "
+          f"TTFT x{ttft['service'] / ttft['direct']:.3f} ({round_ratios(ttft_runs)})")
+    decode_runs = measure(urls, rounds, lambda url: single(url, max_tokens))
+    decode = {k: statistics.median(v) for k, v in decode_runs.items()}
     print(f"== one stream: decode {', '.join(f'{side} {decode[side]:.1f}' for side in urls)} tokens/s; "
-          f"service/direct x{decode['service'] / decode['direct']:.3f} ==")
+          f"service/direct x{decode['service'] / decode['direct']:.3f} ({round_ratios(decode_runs)}) ==")
 
 
 def openmp_environment(pid: int) -> dict[str, str]:
@@ -200,10 +211,13 @@ def pin_sides(service: RunningService, direct_pid: int) -> None:
 
 
 def report_tiny(urls: dict[str, str], rounds: int) -> None:
-    small = {k: statistics.median(v) for k, v in measure(urls, rounds, lambda url: tiny(url, 30)).items()}
+    runs = measure(urls, rounds, lambda url: tiny(url, 30))
+    small = {k: statistics.median(v) for k, v in runs.items()}
+    added = sorted((s - d) * 1000 for s, d in zip(runs["service"], runs["direct"]))
     print(f"== a tiny request (max_tokens=1) p50: "
           f"{', '.join(f'{side} {small[side] * 1000:.1f} ms' for side in urls)}; "
-          f"the service adds {(small['service'] - small['direct']) * 1000:+.1f} ms ==")
+          f"the service adds {(small['service'] - small['direct']) * 1000:+.1f} ms "
+          f"(rounds {added[0]:+.1f} to {added[-1]:+.1f} ms) ==")
 
 
 def load_average() -> str:
@@ -225,7 +239,7 @@ async def burst(url: str, requests: int) -> tuple[int, int, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--pin", action="store_true",
