@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -14,6 +15,10 @@ from ..base.files import PrivateRotatingFileHandler, make_private_dir
 LOG_TAIL_LINES = 200
 LOG_FILE_BYTES = 2 * 1024 * 1024
 LOG_FILE_BACKUPS = 3
+# Read at once from the worker's output: every whole line in it goes to the file in one write.
+READ_BYTES = 64 * 1024
+# A line longer than this (no newline in sight) is cut and kept in pieces of this size.
+MAX_LINE_BYTES = 64 * 1024
 
 
 class WorkerLog:
@@ -31,7 +36,8 @@ class WorkerLog:
             log_dir / f"{name}-worker.log", maxBytes=LOG_FILE_BYTES, backupCount=LOG_FILE_BACKUPS,
             encoding="utf-8",
         )
-        self._handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        # Each line carries its time, written here (_stamped): a batch of lines is one record.
+        self._handler.setFormatter(logging.Formatter("%(message)s"))
         self._logger.addHandler(self._handler)
 
     @property
@@ -53,24 +59,49 @@ class WorkerLog:
 
     def note(self, message: str, *args: object) -> None:
         """A line of ours in the file (a start, an exit), not in the tail."""
-        self._logger.info(message, *args)
+        self._logger.info("%s", _stamped([message % args if args else message]))
 
     def new_process(self) -> None:
         """The tail is one process's: a new one starts it afresh."""
         self._tail.clear()
 
     async def capture(self, stream: asyncio.StreamReader, on_line: Callable[[str], None]) -> None:
-        """Read the process's output to its end into the tail and the file."""
+        """Read the process's output to its end into the tail and the file:
+        whatever is there at each read, whole lines, in one record. A line
+        each took a logging record, its rollover check (two stats and a
+        seek) and a write: llama-server writes its lines about a request
+        together, and every wake-up of the service comes out of that
+        request's time (issue 32)."""
+        partial = b""
         while True:
-            line = await stream.readline()
-            if not line:
+            chunk = await stream.read(READ_BYTES)
+            data = partial + chunk
+            if chunk:
+                *whole, partial = data.split(b"\n")
+                if len(partial) > MAX_LINE_BYTES:
+                    whole.append(partial)
+                    partial = b""
+            else:
+                whole, partial = ([data] if data else []), b""
+            if whole:
+                self._take([raw.decode("utf-8", "replace") for raw in whole], on_line)
+            if not chunk:
                 return
-            text = line.decode("utf-8", "replace").rstrip("\n")
+
+    def _take(self, lines: list[str], on_line: Callable[[str], None]) -> None:
+        for text in lines:
             on_line(text)
             self._tail.append(text)
-            self._lines += 1
-            self._logger.info("%s", text)
+        self._lines += len(lines)
+        self._logger.info("%s", _stamped(lines))
 
     def close(self) -> None:
         self._logger.removeHandler(self._handler)
         self._handler.close()
+
+
+def _stamped(lines: list[str]) -> str:
+    """The lines, each after the time it was read (as logging's asctime writes it)."""
+    now = time.time()
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f",{int(now * 1000) % 1000:03d}"
+    return "\n".join(f"{stamp} {line}" for line in lines)
