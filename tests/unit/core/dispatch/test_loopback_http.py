@@ -83,6 +83,40 @@ async def test_a_sized_answer_a_large_chunk_and_an_answer_to_the_end():
                 assert response.status_code == int(raw.split(b" ")[1])
 
 
+async def test_a_chunked_stream_split_anywhere_reads_the_same():
+    # llama-server's chunks can arrive cut at any byte: the size line, the data, the CRLF.
+    events = [b"data: {\"n\":%d}\n\n" % i for i in range(5)]
+    body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\nX-Trailer: 1\r\n\r\n"
+    raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body
+
+    for cut in (1, 2, 3, 7, 13):
+        async def trickle(reader, writer, request, cut=cut) -> None:
+            for at in range(0, len(raw), cut):
+                writer.write(raw[at:at + cut])
+                await writer.drain()
+                await asyncio.sleep(0)
+
+        async with server(trickle) as seen:
+            response = await LoopbackHop().post(seen["url"], {}, {})
+            got = b"".join([piece async for piece in response.aiter_bytes()])
+            await response.aclose()
+        assert got == b"".join(events), cut
+
+
+@pytest.mark.parametrize("bad", [b"-5\r\nxxxxx\r\n0\r\n\r\n", b"zz\r\n", b"5\r\nxxxxxYY0\r\n\r\n",
+                                 b"f" * 70000])
+async def test_a_malformed_chunk_is_a_protocol_error(bad):
+    raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + bad
+    async with server(replying(raw)) as seen:
+        with pytest.raises(httpx.RemoteProtocolError):
+            response = await LoopbackHop().post(seen["url"], {}, {})
+            try:
+                async for _ in response.aiter_bytes():
+                    pass
+            finally:
+                await response.aclose()
+
+
 async def test_a_refused_connection_is_a_connect_error():
     async with client() as http:
         with pytest.raises(httpx.ConnectError):
