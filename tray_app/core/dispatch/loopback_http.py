@@ -41,13 +41,11 @@ CONNECT_TIMEOUT_S = 5.0
 
 
 class HopResponse:
-    """A worker's answer as the relay reads it: the status, the headers, and
-    the body once, streamed (aiter_bytes) or whole (aread)."""
+    """A worker's answer as the relay reads it: the status, and the body
+    once, streamed (aiter_bytes) or whole (aread)."""
 
-    def __init__(self, status_code: int, headers: list[tuple[bytes, bytes]], pieces: AsyncIterator[bytes],
-                 writer: asyncio.StreamWriter) -> None:
+    def __init__(self, status_code: int, pieces: AsyncIterator[bytes], writer: asyncio.StreamWriter) -> None:
         self.status_code = status_code
-        self.headers = headers
         self._pieces = pieces
         self._writer = writer
 
@@ -75,9 +73,9 @@ class LoopbackHop:
         pairs = [(b"Host", parts.netloc.encode()), (b"Content-Type", b"application/json"),
                  (b"Content-Length", str(len(content)).encode()),
                  *((name.encode(), value.encode()) for name, value in headers.items())]
-        status, head, pieces, writer = await _exchange(parts.hostname or "127.0.0.1", parts.port or 80, "POST",
-                                                       target.encode(), pairs, content, CONNECT_TIMEOUT_S, None, None)
-        return HopResponse(status, head, pieces, writer)
+        status, _, pieces, writer = await _exchange(parts.hostname or "127.0.0.1", parts.port or 80, "POST",
+                                                    target.encode(), pairs, content, CONNECT_TIMEOUT_S, None, None)
+        return HopResponse(status, pieces, writer)
 
 
 class LoopbackTransport(httpx.AsyncBaseTransport):

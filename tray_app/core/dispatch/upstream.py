@@ -586,15 +586,14 @@ class UpstreamWatch:
         except StopAsyncIteration:
             result = None
         except BaseException:
-            self._task = None
             why = self._settle(task)
             if why is None:
                 raise
+        finally:
+            self._task = None
         if why is not None:
             return self._verdict(why)
-        self._task = None
-        # An interruption that raced the answer: the answer counts.
-        self._settle(task)
+        self._settle(task)  # an interruption that raced the answer: the answer counts
         return result
 
     def _settle(self, task: asyncio.Task) -> object | None:
