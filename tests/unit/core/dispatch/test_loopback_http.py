@@ -51,6 +51,15 @@ def replying(raw: bytes) -> Answer:
     return answer
 
 
+async def hop_body(url: str) -> bytes:
+    """The body LoopbackHop reads from `url`, whole; the answer closed however it ends."""
+    response = await LoopbackHop().post(url, {}, {})
+    try:
+        return b"".join([piece async for piece in response.aiter_bytes()])
+    finally:
+        await response.aclose()
+
+
 async def test_a_streamed_answer_arrives_chunk_by_chunk_and_the_request_whole():
     body = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
             b"8\r\ndata: a\n\r\n9;ext=1\r\ndata: bc\n\r\n0\r\nTrailer: x\r\n\r\n")
@@ -97,9 +106,7 @@ async def test_a_chunked_stream_split_anywhere_reads_the_same():
                 await asyncio.sleep(0)
 
         async with server(trickle) as seen:
-            response = await LoopbackHop().post(seen["url"], {}, {})
-            got = b"".join([piece async for piece in response.aiter_bytes()])
-            await response.aclose()
+            got = await hop_body(seen["url"])
         assert got == b"".join(events), cut
 
 
@@ -109,12 +116,7 @@ async def test_a_malformed_chunk_is_a_protocol_error(bad):
     raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + bad
     async with server(replying(raw)) as seen:
         with pytest.raises(httpx.RemoteProtocolError):
-            response = await LoopbackHop().post(seen["url"], {}, {})
-            try:
-                async for _ in response.aiter_bytes():
-                    pass
-            finally:
-                await response.aclose()
+            await hop_body(seen["url"])
 
 
 async def test_a_refused_connection_is_a_connect_error():
@@ -211,12 +213,7 @@ async def test_the_hop_reads_an_error_answer_whole():
 async def test_the_hops_broken_answer_is_the_transport_error_httpx_gives(raw, error):
     async with server(replying(raw)) as seen:
         with pytest.raises(error):
-            response = await LoopbackHop().post(seen["url"], {}, {})
-            try:
-                async for _ in response.aiter_bytes():
-                    pass
-            finally:
-                await response.aclose()
+            await hop_body(seen["url"])
 
 
 async def test_the_hop_to_a_closed_port_is_a_connect_error_and_nan_is_refused_before_sending():

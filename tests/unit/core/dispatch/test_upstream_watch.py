@@ -5,6 +5,8 @@ a task and an asyncio.wait per chunk were a quarter of the relay's CPU)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from typing import AsyncIterator, Callable
 
 import pytest
 
@@ -37,11 +39,21 @@ def run(test) -> None:
     asyncio.run(asyncio.wait_for(test(), 10))
 
 
+@contextlib.asynccontextmanager
+async def watching(liveness: Callable[[], str | None] = lambda: None, clock: FakeClock | None = None,
+                   cancel: asyncio.Event | None = None) -> AsyncIterator[UpstreamWatch]:
+    """A watch over the job's cancel (`cancel`, set by the test), as stream_attempt keeps one."""
+    canceled = asyncio.ensure_future((cancel or asyncio.Event()).wait())
+    watch = UpstreamWatch(canceled, liveness, clock or FakeClock())
+    try:
+        yield watch
+    finally:
+        watch.close()
+        canceled.cancel()
+
+
 def test_each_wait_returns_what_came_and_starts_no_task() -> None:
     async def test() -> None:
-        canceled = asyncio.ensure_future(asyncio.Event().wait())
-        watch = UpstreamWatch(canceled, lambda: None, FakeClock())
-        tasks_before = len(asyncio.all_tasks())
         most_tasks = 0
 
         async def chunk(i: int) -> int:
@@ -50,9 +62,9 @@ def test_each_wait_returns_what_came_and_starts_no_task() -> None:
             most_tasks = max(most_tasks, len(asyncio.all_tasks()))
             return i
 
-        got = [await watch.wait(chunk(i), 5.0) for i in range(100)]
-        watch.close()
-        canceled.cancel()
+        async with watching() as watch:
+            tasks_before = len(asyncio.all_tasks())
+            got = [await watch.wait(chunk(i), 5.0) for i in range(100)]
         assert got == list(range(100))
         # The old wait made a task of every chunk (and asyncio.wait a waiter).
         assert most_tasks == tasks_before
@@ -62,16 +74,12 @@ def test_each_wait_returns_what_came_and_starts_no_task() -> None:
 
 def test_an_iterator_that_ends_is_none() -> None:
     async def test() -> None:
-        canceled = asyncio.ensure_future(asyncio.Event().wait())
-        watch = UpstreamWatch(canceled, lambda: None, FakeClock())
-
         async def empty():
             return
             yield
 
-        assert await watch.wait(empty().__anext__(), 5.0) is None
-        watch.close()
-        canceled.cancel()
+        async with watching() as watch:
+            assert await watch.wait(empty().__anext__(), 5.0) is None
 
     run(test)
 
@@ -79,18 +87,15 @@ def test_an_iterator_that_ends_is_none() -> None:
 def test_silence_past_the_deadline_on_the_clock_is_a_timeout() -> None:
     async def test() -> None:
         clock = FakeClock()
-        canceled = asyncio.ensure_future(asyncio.Event().wait())
-        watch = UpstreamWatch(canceled, lambda: None, clock)
         upstream = Silent()
-        waiting = asyncio.ensure_future(watch.wait(upstream.next(), 30.0))
-        await asyncio.sleep(0.05)
-        assert not waiting.done()  # the wall clock moved, the path's clock didn't
-        clock.advance(30.0)
-        with pytest.raises(asyncio.TimeoutError):
-            await waiting
+        async with watching(clock=clock) as watch:
+            waiting = asyncio.ensure_future(watch.wait(upstream.next(), 30.0))
+            await asyncio.sleep(0.05)
+            assert not waiting.done()  # the wall clock moved, the path's clock didn't
+            clock.advance(30.0)
+            with pytest.raises(asyncio.TimeoutError):
+                await waiting
         assert upstream.ended
-        watch.close()
-        canceled.cancel()
 
     run(test)
 
@@ -98,17 +103,14 @@ def test_silence_past_the_deadline_on_the_clock_is_a_timeout() -> None:
 def test_a_liveness_problem_ends_a_silent_wait_as_a_worker_failure() -> None:
     async def test() -> None:
         problem: list[str] = []
-        canceled = asyncio.ensure_future(asyncio.Event().wait())
-        watch = UpstreamWatch(canceled, lambda: problem[0] if problem else None, FakeClock())
         upstream = Silent()
-        waiting = asyncio.ensure_future(watch.wait(upstream.next(), 30.0))
-        await asyncio.sleep(0.05)
-        problem.append("the worker process exited")
-        with pytest.raises(WorkerFailure, match="exited"):
-            await waiting
+        async with watching(liveness=lambda: problem[0] if problem else None) as watch:
+            waiting = asyncio.ensure_future(watch.wait(upstream.next(), 30.0))
+            await asyncio.sleep(0.05)
+            problem.append("the worker process exited")
+            with pytest.raises(WorkerFailure, match="exited"):
+                await waiting
         assert upstream.ended
-        watch.close()
-        canceled.cancel()
 
     run(test)
 
@@ -116,38 +118,29 @@ def test_a_liveness_problem_ends_a_silent_wait_as_a_worker_failure() -> None:
 def test_the_jobs_cancel_ends_the_wait_with_canceled() -> None:
     async def test() -> None:
         cancel = asyncio.Event()
-        canceled = asyncio.ensure_future(cancel.wait())
-        watch = UpstreamWatch(canceled, lambda: None, FakeClock())
         upstream = Silent()
-        waiting = asyncio.ensure_future(watch.wait(upstream.next(), 30.0))
-        await asyncio.sleep(0.02)
-        cancel.set()
-        assert await waiting is _CANCELED
-        assert upstream.ended
-        # Once canceled, a later wait doesn't start its upstream read at all.
-        later = Silent()
-        assert await watch.wait(later.next(), 30.0) is _CANCELED
-        assert not later.ended
-        watch.close()
+        async with watching(cancel=cancel) as watch:
+            waiting = asyncio.ensure_future(watch.wait(upstream.next(), 30.0))
+            await asyncio.sleep(0.02)
+            cancel.set()
+            assert await waiting is _CANCELED
+            assert upstream.ended
+            # Once canceled, a later wait doesn't start its upstream read at all.
+            later = Silent()
+            assert await watch.wait(later.next(), 30.0) is _CANCELED
+            assert not later.ended
 
     run(test)
 
 
 def test_a_cancel_from_outside_goes_on_up_and_is_not_taken_for_ours() -> None:
     async def test() -> None:
-        canceled = asyncio.ensure_future(asyncio.Event().wait())
-        watch = UpstreamWatch(canceled, lambda: None, FakeClock())
-
-        async def attempt() -> object:
-            return await watch.wait(Silent().next(), 30.0)
-
-        task = asyncio.ensure_future(attempt())
-        await asyncio.sleep(0.02)
-        task.cancel()  # a shutdown
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        watch.close()
-        canceled.cancel()
+        async with watching() as watch:
+            task = asyncio.ensure_future(watch.wait(Silent().next(), 30.0))
+            await asyncio.sleep(0.02)
+            task.cancel()  # a shutdown
+            with pytest.raises(asyncio.CancelledError):
+                await task
 
     run(test)
 
@@ -157,14 +150,12 @@ def test_after_an_interruption_the_task_can_wait_again() -> None:
     # still await its cleanup (closing the response) without a stray cancel.
     async def test() -> None:
         clock = FakeClock()
-        canceled = asyncio.ensure_future(asyncio.Event().wait())
-        watch = UpstreamWatch(canceled, lambda: None, clock)
 
         async def move_the_clock() -> None:
             await asyncio.sleep(0.02)
             clock.advance(31.0)
 
-        async def attempt() -> str:
+        async def attempt(watch: UpstreamWatch) -> str:
             mover = asyncio.ensure_future(move_the_clock())
             with pytest.raises(asyncio.TimeoutError):
                 await watch.wait(Silent().next(), 30.0)
@@ -174,8 +165,7 @@ def test_after_an_interruption_the_task_can_wait_again() -> None:
             await mover
             return "closed cleanly"
 
-        assert await attempt() == "closed cleanly"
-        watch.close()
-        canceled.cancel()
+        async with watching(clock=clock) as watch:
+            assert await attempt(watch) == "closed cleanly"
 
     run(test)
