@@ -53,7 +53,7 @@ from .requests import (
     Checked, ModelNames, Routing, check_model, clean_request_id, client_name, read_json_object, requested_limit,
     routing_headers, validate,
 )
-from .sinks import AggregatingSink, QueueSink, RecordedStream
+from .sinks import AggregatingSink, QueueSink, RecordedStream, Write
 from . import degraded_note
 
 _Invalid = InvalidRequest
@@ -389,7 +389,8 @@ class HttpApp:
         # Decided now, with the first event: a replay before the first byte is already done.
         note = self._degraded_note(request, job, model_host)
         lead = degraded_note.note_chunk(note, first_value) if note is not None else None
-        stream.relay(_relay(job, sink, task, watcher, (first_kind, first_value), protocol, stream, lead))
+        stream.relay(lambda write: _relay(write, job, sink, task, watcher, (first_kind, first_value), protocol,
+                                          stream, lead))
         return stream
 
     def _degraded_note(self, request: Request, job: Job, model_host: ModelHost) -> str | None:
@@ -468,36 +469,36 @@ async def _replay_idempotent(store: IdempotencyStore, entry, base_headers: dict[
     return StreamingResponse(replay(), media_type=media_type, headers=headers)
 
 
-async def _relay(job: Job, sink: QueueSink, task: asyncio.Task, watcher: asyncio.Task,
-             first: tuple[str, Any], protocol: Protocol, stream: RecordedStream,
-             lead: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
+async def _relay(write: Write, job: Job, sink: QueueSink, task: asyncio.Task, watcher: asyncio.Task,
+                 first: tuple[str, Any], protocol: Protocol, stream: RecordedStream,
+                 lead: dict[str, Any] | None = None) -> None:
+    """Write the job's events to the client as they come, in its protocol's
+    framing, until the job is done or failed."""
     kind, value = first
     finished = False
     last_event: dict[str, Any] = {}
     encoder = protocol.encoder(job)
     try:
         if lead is not None:
-            yield encoder.event(lead)
+            await write(encoder.event(lead))
         while True:
             if kind == "event":
                 last_event = value
-                data = encoder.event(value)
+                await write(encoder.event(value))
             elif kind == "done":
                 stream.completed = True
                 finished = True
-                yield encoder.done(job, last_event)
+                await write(encoder.done(job, last_event))
                 return
             else:
                 finished = True
-                yield encoder.failed(value)
+                await write(encoder.failed(value))
                 return
-            if data:
-                yield data
             kind, value = await sink.queue.get()
     finally:
         watcher.cancel()
         if not finished:
-            # The client went away mid-stream: stop the worker generating.
+            # The client went away mid-stream (or the server is stopping): stop the worker generating.
             job.cancel("the client disconnected")
         await asyncio.shield(task)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from typing import Any, Awaitable, Callable
 
-from starlette.responses import StreamingResponse
+from starlette.responses import Response
 
 from ..dispatch.upstream import response_id, sse_bytes
 from ..dispatch.jobs import Job, JobKind
@@ -161,32 +161,55 @@ class QueueSink:
         assert not self.job.committed, "a committed stream can't be reset"
 
 
+# Sends one chunk of a streamed answer to the client (RecordedStream).
+Write = Callable[[bytes], Awaitable[None]]
+
 # One SSE event's bytes; a relayed plain delta's were made on the fast path (upstream.PlainDeltas).
 sse = sse_bytes
 
 
-class RecordedStream(StreamingResponse):
-    """A streamed response that keeps what it sent, for Idempotency-Key
-    replays. `completed` is set by the relay once the answer has ended
-    normally; only then is the recording worth replaying."""
+class RecordedStream(Response):
+    """A streamed response written straight to ASGI's send, that keeps
+    what it sent, for Idempotency-Key replays. `completed` is set by the
+    relay once the answer has ended normally; only then is the recording
+    worth replaying.
+
+    Not Starlette's StreamingResponse: that puts two async generators, its
+    own loop and a task group (a second listener for the disconnect, which
+    the route's watcher already hears) between every token and the socket.
+    Here the relay awaits `write` for each chunk, in the request's task
+    (issue 32: the service's work per streamed token)."""
 
     def __init__(self, headers: dict[str, str], media_type: str) -> None:
         self.chunks: list[bytes] = []
         self.on_finish = None
         self.completed = False
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
         self._route_headers = headers
-        self._media_type = media_type
-        super().__init__(iter(()), media_type=media_type, headers=headers)
+        self._produce: Callable[[Write], Awaitable[None]] | None = None
+        # No body: no Content-Length, the answer goes out chunked.
+        self.init_headers(headers)
 
-    def relay(self, content: AsyncIterator[bytes]) -> None:
-        async def recording() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in content:
-                    self.chunks.append(chunk)
-                    yield chunk
-            finally:
-                if self.on_finish is not None:
-                    self.on_finish(("stream", self._route_headers, list(self.chunks), self._media_type),
-                                   self.completed)
+    def relay(self, produce: Callable[[Write], Awaitable[None]]) -> None:
+        """`produce(write)` writes the answer's chunks, in order, and returns at its end."""
+        self._produce = produce
 
-        self.body_iterator = recording()
+    async def __call__(self, scope, receive, send) -> None:
+        assert self._produce is not None, "relay() names what the stream sends"
+        chunks = self.chunks
+
+        async def write(chunk: bytes) -> None:
+            if not chunk:
+                return
+            chunks.append(chunk)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await self._produce(write)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            if self.on_finish is not None:
+                self.on_finish(("stream", self._route_headers, list(chunks), self.media_type), self.completed)
