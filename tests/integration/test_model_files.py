@@ -5,6 +5,7 @@ file deleted under the running service does not break the model list."""
 from __future__ import annotations
 
 import asyncio
+import io
 import shutil
 import threading
 
@@ -42,7 +43,7 @@ async def test_a_rescan_reads_the_folder_in_a_thread_and_adds_each_file_once(tmp
         shutil.copyfile(bundled_model_path(), folder / "fresh.gguf")
         (folder / "broken.gguf").write_bytes(b"GGUF cut short")
         # Two rescans at once, as two `tray-app pull`s finishing together would ask.
-        first, second = await asyncio.gather(service.rescan_models(), service.rescan_models())
+        first, second = await within(60, asyncio.gather(service.rescan_models(), service.rescan_models()))
         assert first["added"] + second["added"] == ["fresh"]
         assert disk_threads and loop_thread not in disk_threads
         assert [m.name for m in service.library].count("fresh") == 1 and "fresh" in service.model_hosts
@@ -51,7 +52,24 @@ async def test_a_rescan_reads_the_folder_in_a_thread_and_adds_each_file_once(tmp
         assert skipped and all(line.startswith("broken.gguf: not a readable GGUF") for line in skipped)
         assert not any(str(folder) in line for line in skipped)
     finally:
-        await service.http.aclose()
+        await within(30, service.http.aclose())
+
+
+async def within(seconds: float, awaitable):
+    """`awaitable` under a deadline. Once in a clean-clone run this test
+    sat on an idle event loop (no thread left to wake it) until pytest's own
+    timeout: should it happen again, the failure names every pending task
+    and where it waits, which pytest's thread dump can't show."""
+    task = asyncio.ensure_future(awaitable)
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if done:
+        return task.result()
+    stacks = io.StringIO()  # before the cancel, while each task still waits where it hung
+    for pending in asyncio.all_tasks():
+        pending.print_stack(file=stacks)
+    threads = sorted(thread.name for thread in threading.enumerate())
+    task.cancel()
+    pytest.fail(f"no answer in {seconds} s; threads {threads}; pending tasks:\n{stacks.getvalue()}")
 
 
 def test_a_model_file_deleted_while_serving_leaves_the_model_list_working(tmp_path):
