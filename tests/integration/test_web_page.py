@@ -319,10 +319,14 @@ def test_chat_streams_an_answer_with_its_route_line(fresh, page):
 
 
 def test_the_services_text_is_shown_as_text_never_as_markup(fresh, page):
+    # A name no picker offers, so the service's refusal quotes it back. Put
+    # into the request on its way out: an option edited in the page is put
+    # back by the page's next status refresh (renderModels), which raced the click.
+    def hostile_model(route):
+        route.continue_(post_data=json.dumps({**json.loads(route.request.post_data or "{}"), "model": HOSTILE_NAME}))
+    page.route("**/v1/chat/completions", hostile_model)
     page.goto(f"{fresh.url}/ui")
     expect(page.locator("#chat-model option")).not_to_have_count(0)
-    # A name no picker offers, so the service's refusal quotes it back.
-    page.locator("#chat-model option").first.evaluate("(option, name) => { option.value = name; }", HOSTILE_NAME)
     page.get_by_label("Message").fill("Say hello.")
     page.get_by_role("button", name="Send").click()
     expect(page.locator("#chat-answer")).to_contain_text(HOSTILE_NAME)
