@@ -196,15 +196,21 @@ class LlamaReportGpuReader:
 
 class RedetectingGpuReader:
     """No reader sees a GPU yet: unknown, with what each one was missing, and another look
-    every `retry_after_s`, as NVML's reader retries its init: a driver that finishes loading
+    after `retry_after_s`, as NVML's reader retries its init: a driver that finishes loading
     after the tray started, or an update that needed a reboot, is found without a restart.
-    From the first look that finds a device on, reads go through that reader."""
+    Each look that finds nothing doubles the wait, up to `max_retry_after_s`: a look may run
+    `llama-server --list-devices`, a process that loads all of ggml (about 18 ms of CPU), and
+    on a machine with no GPU at all it would otherwise run every minute for as long as the
+    service does (issue 32's idle). From the first look that finds a device on, reads go
+    through that reader."""
 
     def __init__(self, reason: str, find: Callable[[], tuple[GpuReader | None, str]], *,
-                 retry_after_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 retry_after_s: float = 30.0, max_retry_after_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._reason = reason
         self._find = find
         self._retry_after_s = retry_after_s
+        self._max_retry_after_s = max_retry_after_s
         self._clock = clock
         self._looked_at = clock()
         self._found: GpuReader | None = None
@@ -215,6 +221,8 @@ class RedetectingGpuReader:
             if self._found is None and self._clock() - self._looked_at >= self._retry_after_s:
                 self._looked_at = self._clock()
                 self._found, self._reason = self._find()
+                if self._found is None:
+                    self._retry_after_s = min(self._retry_after_s * 2, self._max_retry_after_s)
             found, reason = self._found, self._reason
         return found.read() if found is not None else UNKNOWN_GPU(reason)
 

@@ -565,6 +565,28 @@ def test_a_driver_that_comes_up_later_is_found_without_a_restart(roots: tuple[Pa
     assert reader.read() == NVIDIA and reader.read().devices[0].name == "NVIDIA GeForce RTX 4090"
 
 
+def test_a_machine_without_a_gpu_is_looked_at_less_and_less_often(roots: tuple[Path, Path]) -> None:
+    """A look may start llama-server --list-devices (all of ggml loaded, ~18 ms of CPU): with no
+    GPU at all it backs off to one look in 5 minutes instead of running every minute forever."""
+    sys_root, proc_root = roots
+    now = [0.0]
+    looks: list[float] = []
+
+    def probe() -> None:
+        looks.append(now[0])
+        return None
+
+    reader = detect_gpu_reader(nvml=FakeNvml(NO_NVML), sys_root=sys_root, proc_root=proc_root, probe=probe,
+                               clock=lambda: now[0])
+    looks.clear()  # the look at the start
+    for second in range(0, 3600):
+        now[0] = float(second)
+        assert not reader.read().available
+    assert looks[:5] == [30.0, 90.0, 210.0, 450.0, 750.0]
+    assert [b - a for a, b in zip(looks[4:], looks[5:])] == [300.0] * (len(looks) - 5)
+    assert len(looks) == 14
+
+
 def test_an_amdgpu_card_without_numbers_falls_through_to_llama_cpp(roots: tuple[Path, Path]) -> None:
     sys_root, proc_root = roots
     add_card(sys_root, "card0", driver="amdgpu", slot=AMD_SLOT, pci_id="1002:6798")
