@@ -6,7 +6,7 @@
   kernel publishes it, else from llama.cpp's device list (`DrmFdinfoGpuReader`).
 - Anything else llama.cpp can drive (Windows, macOS, a driver without fdinfo): llama.cpp's own
   device list, from a probe process (`LlamaReportGpuReader`).
-- Nothing: an explicit unknown with what each was missing, looked at again every 30 s
+- Nothing: an explicit unknown with what each was missing, looked at again after 30 s, then less often (up to 5 min)
   (`RedetectingGpuReader`).
 
 Every reader fills the same `GpuReading` NVML's does, so "other apps", the give-back to games
