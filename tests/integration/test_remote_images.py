@@ -25,15 +25,19 @@ FETCHING = '[server]\nallow_remote_images = true\nremote_image_hosts = ["127.0.0
 
 
 class ImageServer:
-    """Serves PNG at /cat.png and counts the requests it gets."""
+    """Serves PNG at /cat.png and counts the requests it gets; while `down`, answers 503."""
 
     def __init__(self) -> None:
         self.requests: list[str] = []
+        self.down = False
         served = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 served.requests.append(self.path)
+                if served.down:
+                    self.send_error(503)
+                    return
                 self.send_response(200)
                 self.send_header("Content-Type", "image/png")
                 self.send_header("Content-Length", str(len(PNG)))
@@ -80,6 +84,42 @@ def test_a_remote_image_from_a_trusted_host_is_fetched_once_and_run(fetching, im
     # The worker ran the fetched image: its 16 tokens are in the prompt.
     assert reply.usage.prompt_tokens == text_prompt_tokens(fetching, "What is in the picture?") + IMAGE_TOKENS
     assert images.requests == ["/cat.png"]
+
+
+def test_a_retry_with_its_idempotency_key_is_answered_without_fetching_again(fetching, images):
+    """The retry of a request whose answer got lost on the way back: replayed from the first
+    run, even while the image's server is down now, and the image is not fetched twice."""
+    images.requests.clear()
+    body = {"model": MODEL, "messages": ask("What is in the picture?", images.url()), "max_tokens": 2}
+    headers = {"Idempotency-Key": "camera-snapshot-1"}
+    first = fetching.http.post("/v1/chat/completions", json=body, headers=headers)
+    assert first.status_code == 200, first.text
+    images.down = True
+    try:
+        again = fetching.http.post("/v1/chat/completions", json=body, headers=headers)
+    finally:
+        images.down = False
+    assert again.status_code == 200, again.text
+    assert again.headers["X-Idempotent-Replay"] == "true" and again.json() == first.json()
+    assert images.requests == ["/cat.png"]
+
+
+def test_an_image_that_could_not_be_fetched_does_not_use_up_its_idempotency_key(fetching, images):
+    images.requests.clear()
+    body = {"model": MODEL, "messages": ask("What is in the picture?", images.url()), "max_tokens": 2}
+    headers = {"Idempotency-Key": "camera-snapshot-2"}
+    images.down = True
+    try:
+        failed = fetching.http.post("/v1/chat/completions", json=body, headers=headers)
+    finally:
+        images.down = False
+    assert failed.status_code == 400 and failed.json()["error"]["code"] == "remote_image_http_error"
+    assert failed.json()["error"]["param"] == "messages[0].content[1]"
+    # The server is back: the retry with the same key runs for real, not the failure replayed.
+    retried = fetching.http.post("/v1/chat/completions", json=body, headers=headers)
+    assert retried.status_code == 200, retried.text
+    assert "X-Idempotent-Replay" not in retried.headers
+    assert images.requests == ["/cat.png", "/cat.png"]
 
 
 def test_the_same_address_under_an_unlisted_name_is_refused(fetching, images):

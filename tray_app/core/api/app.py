@@ -221,8 +221,6 @@ class HttpApp:
                 return self._load_only(translated, protocol)
             checked = validate(body, kind, self.model_names, self.largest_context,
                                logprobs=self.service.supports_logprobs, remote_images=self.remote_images.allowed)
-            # Before admission and the fingerprint: the body carries the bytes, so a replay never fetches.
-            await self.remote_images.fetch_into(body, checked.remote_images)
             await self._constrain(body, checked)
             routing = routing_headers(request)
             request.state.degraded_note = degraded_note.wanted(request.headers.get(degraded_note.NOTE_HEADER),
@@ -238,7 +236,12 @@ class HttpApp:
 
         idempotency_key = request.headers.get("idempotency-key")
         if not idempotency_key:
+            unfetched = await self._unfetched(translated, checked, protocol, request_id)
+            if unfetched is not None:
+                return unfetched
             return await self._admit_and_run(request, translated, request_id, routing, checked, protocol)
+        # The request as the client sent it, image addresses and not their bytes: a retry with
+        # its key is answered from the first run's result without fetching anything again.
         fingerprint = hashlib.sha256(json.dumps([protocol.name, kind.value, body, translated.context_cap,
                                                  translated.keep_alive_s], sort_keys=True).encode()).hexdigest()
         try:
@@ -251,6 +254,12 @@ class HttpApp:
         # and waits for this result instead of running again.
         claim = self.idempotency.claim(idempotency_key, fingerprint, request_id)
         try:
+            unfetched = await self._unfetched(translated, checked, protocol, request_id)
+            if unfetched is not None:
+                # Not kept for the key: an image server that was down may be up for the retry.
+                self.idempotency.forget(idempotency_key, request_id)
+                _resolve(claim, _recorded_json(unfetched))
+                return unfetched
             response = await self._admit_and_run(request, translated, request_id, routing, checked, protocol)
         except BaseException:
             self.idempotency.forget(idempotency_key, request_id)
@@ -260,6 +269,19 @@ class HttpApp:
             raise
         _settle_claim(self.idempotency, claim, idempotency_key, request_id, response)
         return response
+
+    async def _unfetched(self, translated: Translated, checked: Checked, protocol: Protocol,
+                         request_id: str) -> Response | None:
+        """The request's remote images fetched into its body; None when they
+        all came, else the 400 naming the first that didn't. Before admission,
+        so a replay after a worker's fault carries the bytes and never
+        fetches; after an Idempotency-Key's lookup, so a retry doesn't either."""
+        try:
+            await self.remote_images.fetch_into(translated.body, checked.remote_images)
+        except _Invalid as bad:
+            return protocol.error(bad.status, bad.message, bad.code, param=bad.param,
+                                  headers={"X-Request-Id": request_id})
+        return None
 
     def _load_only(self, translated: Translated, protocol: Protocol) -> Response:
         check_model(translated.body.get("model"), self.model_names)
@@ -449,7 +471,12 @@ def _settle_claim(store: IdempotencyStore, claim: asyncio.Future, key: str, requ
         return
     if response.status_code >= 500 or response.status_code in (408, 409, 499):
         store.forget(key, request_id)
-    _resolve(claim, ("json", response.status_code, dict(response.headers), response.body))
+    _resolve(claim, _recorded_json(response))
+
+
+def _recorded_json(response: Response) -> tuple[str, int, dict[str, str], bytes]:
+    """A whole answer as the idempotency store keeps it for a key's twins."""
+    return "json", response.status_code, dict(response.headers), response.body
 
 
 async def _replay_idempotent(store: IdempotencyStore, entry, base_headers: dict[str, str]) -> Response:
