@@ -19,10 +19,10 @@ estimate promises:
 Warm-up rounds (not counted) let each path measure its speed per number of
 busy slots. A request's ratio is estimate / actual (1.0 = exact; the target
 is 0.75-1.25); actual runs from the client's send to its last byte.
-Without --stream the answers are whole, and their estimate is the one made
-at admission; with it they are streamed, and the estimate is the one their
-headers carry, made again when the first event goes out (by then the
-requests that came after it are known). Each
+Either way the estimate is the one the answer's headers carry, made again
+at its first event (by then the requests that came after admission are
+known): without --stream the answers are whole, and their header comes at
+the end; with it they are streamed, and it goes out with the first event. Each
 row also has its round, its wait for a slot (X-Queue-Wait), why it went
 where it did (X-Route-Reason: gpu-mixed requests the CPU is expected to
 finish first go there) and the 1-minute load average when its mix was

@@ -373,7 +373,9 @@ class HttpApp:
                            "invalid_messages", "messages") from None
 
     async def _aggregate(self, request: Request, job: Job, protocol: Protocol, model_host: ModelHost) -> Response:
-        sink = AggregatingSink()
+        # Estimated again at the first token, as a stream is: the banner's time left and
+        # X-Estimated-Latency then count the requests that came after admission.
+        sink = AggregatingSink(on_first_event=lambda: model_host.dispatcher.refresh_estimate(job))
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
         try:
             await self.access.run_counted(model_host, job, sink, request.state.usage_name)

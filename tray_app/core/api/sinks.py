@@ -14,12 +14,17 @@ from ..dispatch.jobs import Job, JobKind
 
 
 class AggregatingSink:
-    """Collects a worker's stream into one OpenAI response object."""
+    """Collects a worker's stream into one OpenAI response object.
+    `on_first_event` runs when an attempt's first event comes (again after
+    a reset): the job's estimate is made again then, as a stream's is."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_first_event: Callable[[], None] | None = None) -> None:
         self.events: list[dict[str, Any]] = []
+        self._on_first_event = on_first_event
 
     def emit(self, event: dict[str, Any]) -> None:
+        if not self.events and self._on_first_event is not None:
+            self._on_first_event()
         self.events.append(event)
 
     def reset(self) -> None:

@@ -220,11 +220,12 @@ class Dispatcher:
     def refresh_estimate(self, job: Job) -> None:
         """Re-estimate a running job from where it stands: the time it has
         taken so far and what the rest will take among the requests beside
-        and behind it now. A streamed answer's headers (X-Estimated-Latency)
-        and its degraded note carry the estimate, and they go out with its
-        first event: by then the requests that arrived after admission are
-        known, and those were what the admission estimate couldn't see
-        (its worst decile, issue 32). Other answers keep admission's."""
+        and behind it now. Done at each answer's first event: by then the
+        requests that arrived after admission are known, and those were
+        what the admission estimate couldn't see (its worst decile, issue
+        32). A streamed answer's headers (X-Estimated-Latency) and its
+        degraded note go out then; a whole answer's header carries it at
+        the end, and the banner's time left uses it while it runs."""
         backend = self._backend(job.path)
         if backend is None or job.state is not JobState.RUNNING or job.choices != 1:
             return
