@@ -318,7 +318,8 @@ _SECTIONS: dict[str, type] = {
 _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("server", "port"): (0, 65535),
     ("server", "ollama_port"): (0, 65535),
-    ("server", "max_body_bytes"): (1024, None),
+    # Every queued request holds its body: queue_limit (256) of 256 MiB would already be 64 GiB.
+    ("server", "max_body_bytes"): (1024, 256 * 1024 * 1024),
     ("server", "header_timeout_s"): (0.1, None),
     ("server", "body_timeout_s"): (0.1, None),
     ("server", "max_connections"): (1, 65536),

@@ -29,6 +29,7 @@ def test_toml_overrides_defaults():
     ("[gpu]\nbogus = 1\n", "unknown key [gpu] bogus"),
     ("[nope]\nx = 1\n", "unknown section [nope]"),
     ("[server]\nport = 70000\n", "[server] port must be at most 65535"),
+    ("[server]\nmax_body_bytes = 1073741824\n", "[server] max_body_bytes must be at most 268435456"),
     ("[gpu]\nenabled = 1\n", "must be true or false"),
     ("[gpu\n", "not valid TOML"),
     ("[worker]\nbackoff_base_s = 5\nbackoff_cap_s = 1\n", "backoff_cap_s must be at least"),
