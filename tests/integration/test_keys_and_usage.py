@@ -154,12 +154,16 @@ def test_over_its_concurrency_a_key_gets_429_with_retry_after_in_each_protocols_
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         blocker = hold(keys, pool, key, "one-blocker")
         try:
+            # Its estimate is made again at its first token: wait for that, so Retry-After
+            # and /status below read the same one.
+            keys.wait_for(lambda s: any(r["id"] == "one-blocker" and r["attempts"] and r["attempts"][-1]["tokens"]
+                                        for r in s["requests"]), what="one-blocker's first token")
             with openai.OpenAI(base_url=f"{keys.url}/v1", api_key=key, max_retries=0) as client:
                 with pytest.raises(openai.RateLimitError) as limited:
                     client.chat.completions.create(model=model, messages=HI, max_tokens=2)
             assert limited.value.body["code"] == "key_concurrency_limit"
-            # When its one request is expected to end: admission's estimate for
-            # it, less its age (read after the 429, so at most what was left then).
+            # When its one request is expected to end: its estimate, less its
+            # age (read after the 429, so at most what was left then).
             blocker_now = next(r for r in keys.status()["requests"] if r["id"] == "one-blocker")
             estimate, age = blocker_now["estimated_latency_s"], blocker_now["age_s"]
             assert estimate is not None and estimate - age > 1, blocker_now  # so the 1 s default can't pass
