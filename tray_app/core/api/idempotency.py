@@ -102,9 +102,12 @@ class IdempotencyStore:
         self._entries[key] = entry
         future.add_done_callback(lambda done: self._recorded(key, entry))
         while len(self._entries) > self._max_entries:
-            # The oldest goes first: under a flood of fresh keys a retry of a
-            # recent request still finds its result.
-            self._drop_oldest()
+            # The oldest recorded answer goes first: under a flood of fresh keys a
+            # retry of a recent request still finds its result, and a claim still
+            # running keeps its key (dropping it would let a twin run a second
+            # time), unless every entry is running: the count bound holds anyway.
+            oldest_recorded = next((k for k, e in self._entries.items() if e.done.done()), None)
+            self._drop(oldest_recorded if oldest_recorded is not None else next(iter(self._entries)))
         return future
 
     def forget(self, key: str, job_id: str | None = None) -> None:

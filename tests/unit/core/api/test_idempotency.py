@@ -50,6 +50,22 @@ async def test_a_running_claim_keeps_its_key_when_room_is_made():
     assert store.recorded_bytes == 7_000 + 2 * len("json") + 2 * len("x-request-id") + 2
 
 
+async def test_a_flood_of_new_keys_drops_recorded_answers_before_a_running_claim():
+    """A claim may run for a while (its remote images fetched first): fresh keys
+    arriving meanwhile push recorded answers out, not the claim a twin waits on."""
+    store = IdempotencyStore(FakeClock(), max_entries=3)
+    running = store.claim("running", "fp", "req-running")
+    for key in ("done-1", "done-2", "done-3"):
+        await record(store, key, json_answer(10))
+    assert store.lookup("running", "fp") is not None and store.lookup("done-1", "fp") is None
+    assert len(store) == 3
+    # All running: the oldest claim goes, so the count bound still holds.
+    store = IdempotencyStore(FakeClock(), max_entries=2)
+    for key in ("a", "b", "c"):
+        store.claim(key, "fp", f"req-{key}")
+    assert store.lookup("a", "fp") is None and len(store) == 2
+
+
 async def test_an_answer_larger_than_the_cap_is_not_kept_but_its_twins_get_it():
     store = IdempotencyStore(FakeClock(), max_bytes=10_000)
     await record(store, "small", json_answer(100))
