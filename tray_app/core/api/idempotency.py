@@ -107,7 +107,10 @@ class IdempotencyStore:
             # running keeps its key (dropping it would let a twin run a second
             # time), unless every entry is running: the count bound holds anyway.
             oldest_recorded = next((k for k, e in self._entries.items() if e.done.done()), None)
-            self._drop(oldest_recorded if oldest_recorded is not None else next(iter(self._entries)))
+            if oldest_recorded is not None:
+                self._drop(oldest_recorded)
+            else:
+                self._drop_oldest()
         return future
 
     def forget(self, key: str, job_id: str | None = None) -> None:

@@ -191,7 +191,6 @@ class RecordedStream(Response):
         self.completed = False
         self.status_code = 200
         self.media_type = media_type
-        self.background = None
         self._route_headers = headers
         self._produce: Callable[[Write], Awaitable[None]] | None = None
         # No body: no Content-Length, the answer goes out chunked.
