@@ -121,8 +121,11 @@ class GpuSharing:
         """A load we asked for is under way (or waits for an unload to end
         first). A worker backing off after a failed start is not loading:
         it is unhealthy, and says why."""
-        return (self._task is not None and not self._task.done() and self._task_is_load
-                and self._worker.state in (WorkerState.STOPPED, WorkerState.STOPPING, WorkerState.STARTING))
+        return self._load_task_running() and self._worker.state in (WorkerState.STOPPED, WorkerState.STOPPING,
+                                                                    WorkerState.STARTING)
+
+    def _load_task_running(self) -> bool:
+        return self._task is not None and not self._task.done() and self._task_is_load
 
     @property
     def releasing(self) -> bool:
@@ -339,9 +342,12 @@ class GpuSharing:
         if hold is not None:
             return {HoldKind.YIELDED: "given_away", HoldKind.IDLE: "unloaded_idle",
                     HoldKind.USER: "given_back_by_user"}[hold.kind]
-        if self._worker.state is WorkerState.READY:
+        ready = self._worker.state is WorkerState.READY
+        if ready and not self._load_task_running():
             return "loaded"
-        if self._worker.state is WorkerState.STARTING or self._loading():
+        # Ready, its load's task not yet resumed: "loaded" comes with that load's numbers
+        # (last_load_s), never before them.
+        if ready or self._worker.state is WorkerState.STARTING or self._loading():
             return "loading"
         return self._worker.state.value
 
