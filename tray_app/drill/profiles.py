@@ -32,6 +32,7 @@ from ..core.engine.worker import free_loopback_port
 from ..core.base.http_basics import sse_lines
 from ..core.memory.estimate import MIB, WorkerSettings, estimate_worker
 from ..core.memory.gguf_info import ModelInfo, read_model_info
+from .units import quantity
 
 PROFILE_CTX = 2048
 RUNS = 3
@@ -183,9 +184,9 @@ def render_profiles(results: list[ProfileResult], *, real_gpu: bool, device: str
     rows = []
     for r in results:
         rows.append([
-            r.title, str(r.n_gpu_layers), r.layers_on_gpu, _fmt(r.load_s, "s"),
-            _fmt(r.vram_mib, "MiB", 0) + ("" if real_gpu or r.vram_mib is None else " (est.)"),
-            _fmt(r.ram_mib, "MiB", 0), _fmt(r.ttft_s, "s", 3), _fmt(r.tokens_per_s, "", 1),
+            r.title, str(r.n_gpu_layers), r.layers_on_gpu, quantity(r.load_s, "s"),
+            quantity(r.vram_mib, "MiB", 0) + ("" if real_gpu or r.vram_mib is None else " (est.)"),
+            quantity(r.ram_mib, "MiB", 0), quantity(r.ttft_s, "s", 3), quantity(r.tokens_per_s, "", 1),
         ] if r.error is None else [r.title, str(r.n_gpu_layers), r.layers_on_gpu, "failed: " + r.error, "", "", "", ""])
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)), "-" * (sum(widths) + 2 * (len(widths) - 1))]
@@ -199,13 +200,6 @@ def harness_note(real_gpu: bool, device: str) -> str:
     return ("No NVIDIA GPU here: this is the harness on the simulated device. llama.cpp is a CPU build, so all three "
             "profiles run on the CPU and their speeds are the CPU's; VRAM is the memory model's estimate, not a "
             "measurement. Run it on a machine with a GPU for the real comparison.")
-
-
-def _fmt(value: float | None, unit: str, digits: int = 2) -> str:
-    if value is None:
-        return "n/a"
-    text = f"{value:,.{digits}f}"
-    return f"{text} {unit}".strip()
 
 
 def run_profiles(args: argparse.Namespace) -> int:

@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .units import mib, percent, seconds
+
 PLOT_FILE = "latency.png"
 
 # One colour per way a request was routed, so the plot reads like the route table.
@@ -31,18 +33,6 @@ def route_of(record: Mapping[str, Any]) -> str:
     return f"{record.get('served_by')}/{record.get('route_reason')}"
 
 
-def _s(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f} s"
-
-
-def _mib(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:,.0f} MiB"
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{value * 100:.1f}%"
-
-
 def summary_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
     """(metric, value) lines shared by the terminal table and report.md."""
     n = report["numbers"]
@@ -50,41 +40,41 @@ def summary_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
     agreement = n["token_agreement"]
     rows = [
         ("success rate", f"{success['answered']}/{success['accepted']} accepted requests answered "
-                         f"({_pct(success['success_rate'])}); {success['rejected']} rejected at admission, "
+                         f"({percent(success['success_rate'])}); {success['rejected']} rejected at admission, "
                          f"{success['canceled']} canceled, clean errors: {success['clean_errors']}"),
         ("lost requests", str(n["lost_requests"])),
         ("duplicated side effects", f"{n['duplicated_side_effects']} (tool calls run twice: "
                                     f"{len(n['tool_calls_ran_twice'])} of {len(n['tool_executions'])} actions)"),
         ("token agreement GPU vs CPU", f"{agreement['identical_pairs']}/{agreement['pairs']} pairs identical; "
-                                       f"{_pct(agreement['token_agreement'])} of {agreement['tokens_compared']} "
+                                       f"{percent(agreement['token_agreement'])} of {agreement['tokens_compared']} "
                                        f"tokens ({agreement['prefix_pairs']} cut-short streams, "
                                        f"{agreement['text_pairs']} JSON pairs by text)"),
     ]
     for path, summary in n["latency_by_path"].items():
-        rows.append((f"latency {path} p50 / p95", f"{_s(summary['p50_s'])} / {_s(summary['p95_s'])} (n={summary['n']})"))
+        rows.append((f"latency {path} p50 / p95", f"{seconds(summary['p50_s'])} / {seconds(summary['p95_s'])} (n={summary['n']})"))
     for path, summary in n["ttft_by_path"].items():
-        rows.append((f"first token {path} p50 / p95", f"{_s(summary['p50_s'])} / {_s(summary['p95_s'])} "
+        rows.append((f"first token {path} p50 / p95", f"{seconds(summary['p50_s'])} / {seconds(summary['p95_s'])} "
                                                      f"(n={summary['n']} streams)"))
     oldest = [(lane, value) for lane, value in n["oldest_queue_age_s"].items() if value]
     if oldest:
         lane, value = max(oldest, key=lambda pair: pair[1]["value"])
-        rows.append(("oldest request age in queue", f"{_s(value['value'])} ({lane} queue, at t={value['at_s']:.1f} s)"))
+        rows.append(("oldest request age in queue", f"{seconds(value['value'])} ({lane} queue, at t={value['at_s']:.1f} s)"))
     else:
         rows.append(("oldest request age in queue", "n/a"))
     ram = n["min_available_ram_mib"]
-    rows.append(("minimum available host RAM", f"{_mib(ram['value'])} (at t={ram['at_s']:.1f} s)" if ram else "n/a"))
+    rows.append(("minimum available host RAM", f"{mib(ram['value'])} (at t={ram['at_s']:.1f} s)" if ram else "n/a"))
     recoveries = [r for r in n["gpu_recovery"] if r["recovery_s"] is not None]
     if n["gpu_recovery"]:
         worst = max((r["recovery_s"] for r in recoveries), default=None)
         service = [r["service_gpu_recovery_s"] for r in recoveries if r.get("service_gpu_recovery_s") is not None]
-        rows.append(("GPU recovery time", f"max {_s(worst)} over {len(recoveries)}/{len(n['gpu_recovery'])} faults "
-                                          f"(each: {', '.join(_s(r['recovery_s'], 1) for r in n['gpu_recovery'])})"
+        rows.append(("GPU recovery time", f"max {seconds(worst)} over {len(recoveries)}/{len(n['gpu_recovery'])} faults "
+                                          f"(each: {', '.join(seconds(r['recovery_s'], 1) for r in n['gpu_recovery'])})"
                                           + (f"; service's gpu_recovery_s: {service[-1]} s" if service else "")))
     else:
         rows.append(("GPU recovery time", "n/a (no fault injected)"))
     for fault, failover in (n.get("failover_by_fault") or {}).items():
         rows.append((f"failover after a {fault.replace('_', '-')}",
-                     f"first CPU token p50 {_s(failover['p50_s'])}, max {_s(failover['max_s'])} (n={failover['n']})"))
+                     f"first CPU token p50 {seconds(failover['p50_s'])}, max {seconds(failover['max_s'])} (n={failover['n']})"))
     degraded = n["degraded"]
     rows.append(("degraded status visible", f"{degraded['visible_intervals']}/{len(degraded['intervals'])} intervals, "
                                             f"{degraded['samples_in_intervals']} samples; "
@@ -191,7 +181,7 @@ def markdown(report: Mapping[str, Any], plot_written: bool, plot_note: str | Non
                     "| step | spare above reserve | free VRAM | short | long | parallel |", "|---|---|---|---|---|---|"]
             for step in phase["data"]["steps"]:
                 spare = "none taken" if step["spare_mib"] is None else f"{step['spare_mib']:g} MiB"
-                out.append(f"| {step['step']} | {spare} | {_mib(step['free_mib'])} | {step['short']} | {step['long']} "
+                out.append(f"| {step['step']} | {spare} | {mib(step['free_mib'])} | {step['short']} | {step['long']} "
                            f"| {', '.join(step['parallel'])} |")
         if extra:
             out += ["", f"### Phase {phase['number']} notes", ""] + [f"- {_md(n)}" for n in extra]
@@ -203,7 +193,7 @@ def markdown(report: Mapping[str, Any], plot_written: bool, plot_note: str | Non
             back = "not seen" if f["recovered_at_s"] is None else f"{f['recovered_at_s']:.1f} s"
             signal_name = f" ({f['signal']})" if f.get("signal") else ""
             out.append(f"| {f['phase']} | {f['kind']}{signal_name} | {f['at_s']:.1f} s | {f['cleared_s']:.1f} s | "
-                       f"{back} | {_s(f['recovery_s'])} |")
+                       f"{back} | {seconds(f['recovery_s'])} |")
     out += ["", "## Requests", "",
             "Every request: route, outcome, the first failure, the retry decision, when the CPU started on it "
             "(after the request was sent; from the /status samples, so to within ~0.15 s), whether the client's "
@@ -215,7 +205,7 @@ def markdown(report: Mapping[str, Any], plot_written: bool, plot_note: str | Non
                                       if r["tool_calls"] else (r.get("error_code") or ""))
         cpu = "" if r["cpu_started_s"] is None else f"+{max(0.0, r['cpu_started_s'] - r['started_s']):.2f} s"
         out.append(f"| {r['id'].split('-', 2)[-1]} | {r['phase']} | {_md(r['label'])} | {route_of(r)} | {r['outcome']} | "
-                   f"{_s(r['latency_s'])} | {_md((r['first_failure'] or '')[:80])} | {_md(r['retry_decision'][:90])} | "
+                   f"{seconds(r['latency_s'])} | {_md((r['first_failure'] or '')[:80])} | {_md(r['retry_decision'][:90])} | "
                    f"{cpu} | {'yes' if r['connection_survived'] else 'NO'} | {_md(output[:50])} |")
     return "\n".join(out) + "\n"
 

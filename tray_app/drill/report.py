@@ -8,6 +8,7 @@ from typing import Any
 
 from . import stats
 from .records import EXPECTATION, FINDING, INVARIANT
+from .units import percent
 
 REPORT_VERSION = 1
 # Route reasons under which the CPU serves because the GPU path can't (the
@@ -234,7 +235,7 @@ def global_checks(records: Sequence[Mapping[str, Any]], numbers: Mapping[str, An
     check("temperature-0 answers agree between the GPU and the CPU path",
           agreement["identical_pairs"] == agreement["pairs"],
           f"{agreement['identical_pairs']}/{agreement['pairs']} pairs identical; "
-          f"{_pct(agreement['token_agreement'])} of {agreement['tokens_compared']} streamed tokens"
+          f"{percent(agreement['token_agreement'])} of {agreement['tokens_compared']} streamed tokens"
           + (f"; differ: {', '.join(differing[:4])}" if differing else "")
           + ("" if agreement["pairs"] else " (no prompt was served by both paths)"), FINDING)
     unexpected = [f"{r['id']} ({r['label']}): expected {r['expect']}, got {r['outcome']}"
@@ -274,6 +275,3 @@ def decide_verdict(checks: Sequence[Mapping[str, Any]]) -> tuple[str, int]:
         return "FAIL", 3
     return "PASS", 0
 
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{value * 100:.1f}%"

@@ -14,6 +14,7 @@ from ..prompts import OVER_CAP_QUESTIONS, SHORT_PROMPTS, STORY
 from ..records import PhaseResult
 from ..session import RECOVERY_WAIT_S, STATUS_WAIT_S, DrillSession, answered, chat_body
 from ..target import gpu_worker
+from ..units import mib, seconds
 from .faults import RESET_TOKENS
 
 # Phase 10: the other app, what it is called, and how long it keeps the memory.
@@ -156,11 +157,11 @@ def other_app_takes_vram(drill: DrillSession, phase: PhaseResult) -> None:
         drill.client.admin_gpu({"yield_to_other_apps": yielding_before})
     drill.check_nothing_lost(phase, result, duplicates_before)
     phase.notes.append(
-        f"the other app took {result['took_mib']:.0f} MiB; VRAM released {result['release_s']:.2f} s after it "
-        f"allocated (the service measured {result['service_release_s']:.2f} s); reloaded "
-        f"{result['reload_s']:.2f} s after it let go (settle {result['settle_s']:g} s, load "
-        f"{result['service_load_s']:.2f} s); first GPU answer {result['first_gpu_answer_after_let_go_s']:.2f} s "
-        "after it let go")
+        f"the other app took {mib(result.get('took_mib'))}; VRAM released {seconds(result.get('release_s'))} after "
+        f"it allocated (the service measured {seconds(result.get('service_release_s'))}); reloaded "
+        f"{seconds(result.get('reload_s'))} after it let go (settle {seconds(result.get('settle_s'), 1)}, load "
+        f"{seconds(result.get('service_load_s'))}); first GPU answer "
+        f"{seconds(result.get('first_gpu_answer_after_let_go_s'))} after it let go")
 
 
 def second_model(drill: DrillSession, phase: PhaseResult) -> None:
@@ -246,7 +247,7 @@ def second_model(drill: DrillSession, phase: PhaseResult) -> None:
             app.quit()
     drill.check_nothing_lost(phase, result, duplicates_before)
     phase.notes.append(
-        f"{second} loaded {result.get('loaded_after_first_answer_s', 0):.2f} s after its first (CPU) answer "
-        f"(the service measured {result.get('load_s') or 0:.2f} s); with another app holding "
-        f"{result.get('other_app_mib', 0):.0f} MiB, {default} was back on the GPU "
-        f"{result.get('default_back_s', 0):.2f} s after it was asked for")
+        f"{second} loaded {seconds(result.get('loaded_after_first_answer_s'))} after its first (CPU) answer "
+        f"(the service measured {seconds(result.get('load_s'))}); with another app holding "
+        f"{mib(result.get('other_app_mib'))}, {default} was back on the GPU "
+        f"{seconds(result.get('default_back_s'))} after it was asked for")
