@@ -9,6 +9,7 @@ under a name that is not listed, stays refused."""
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -149,3 +150,24 @@ def test_with_the_setting_off_a_remote_image_is_a_400_naming_the_setting(tmp_pat
     assert error["code"] == "remote_image_refused" and error["param"] == "messages[0].content[1]"
     assert "allow_remote_images" in error["message"]
     assert images.requests == []
+
+
+def test_a_fetched_image_counts_against_max_body_bytes(tmp_path_factory, images):
+    """Inline, a fetched image may not make a request bigger than a client could have sent:
+    queue_limit x max_body_bytes is what bounds a queue's memory."""
+    tmp = tmp_path_factory.mktemp("remote-images-body")
+    images.requests.clear()
+    service = RunningService(tmp, image_config(tmp, cpu_sees=True) + FETCHING + "max_body_bytes = 1024\n")
+    try:
+        service.wait_ready(roles=())  # refused before admission: no worker needs to be ready
+        question = "What is in the picture? " + "Look closely. " * 56
+        body = {"model": MODEL, "messages": ask(question, images.url()), "max_tokens": 2}
+        sent = len(json.dumps(body))
+        assert 900 < sent < 1024  # under the limit as sent; the 74-byte image inline would take it over
+        refused = service.http.post("/v1/chat/completions", json=body)
+    finally:
+        service.stop()
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "image_too_large" and error["param"] == "messages[0].content[1]"
+    assert "max_body_bytes" in error["message"]

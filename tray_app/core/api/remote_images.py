@@ -188,26 +188,43 @@ class RemoteImageFetcher:
         return cls(allowed=server.allow_remote_images,
                    trusted_hosts=frozenset(host.lower() for host in server.remote_image_hosts))
 
-    async def fetch_into(self, body: dict[str, Any], remote: tuple[RemoteImage, ...]) -> None:
+    async def fetch_into(self, body: dict[str, Any], remote: tuple[RemoteImage, ...],
+                         body_room: int | None = None) -> None:
         """Each remote image in a checked body fetched, checked and put in its
         place as a data: URI; a 400 naming the first part that fails.
 
         The request's images share one deadline and one byte budget, so a
-        body that lists many URLs can't multiply what a fetch may cost."""
+        body that lists many URLs can't multiply what a fetch may cost.
+        body_room is what [server] max_body_bytes leaves of the body as sent:
+        inline, the fetched images may not make the request hold more than a
+        client could have sent, which is what bounds a queue's memory."""
         until = asyncio.get_running_loop().time() + self.deadline_s
-        room = self.max_bytes
+        budget = self.max_bytes  # what the request's remote images may still bring, as bytes
         for image in remote:
-            raw = await self.fetch(image.url, image.where, until=until, room=room)
-            room -= len(raw)
-            body["messages"][image.message]["content"][image.part]["image_url"]["url"] = \
-                image_bytes_uri(raw, image.where)
+            room, limit = budget, (f"{_size(budget)} limit for a request's remote images" if budget == self.max_bytes
+                                   else f"{_size(budget)} left of the {_size(self.max_bytes)} a request's "
+                                   "remote images may bring")
+            # Inline, the image's data: URI takes the place of its URL.
+            if body_room is not None and _raw_fitting(body_room + len(image.url)) < room:
+                room = _raw_fitting(body_room + len(image.url))
+                limit = f"{_size(room)} that [server] max_body_bytes leaves this request, counted inline"
+            raw = await self.fetch(image.url, image.where, until=until, room=room, limit=limit)
+            budget -= len(raw)
+            uri = image_bytes_uri(raw, image.where)
+            if body_room is not None:
+                body_room -= len(uri) - len(image.url)
+            body["messages"][image.message]["content"][image.part]["image_url"]["url"] = uri
 
-    async def fetch(self, url: str, where: str, *, until: float | None = None, room: int | None = None) -> bytes:
-        """The bytes at url, or a 400 naming the part and why."""
+    async def fetch(self, url: str, where: str, *, until: float | None = None, room: int | None = None,
+                    limit: str | None = None) -> bytes:
+        """The bytes at url, or a 400 naming the part and why: over room
+        bytes, it is over the limit the words name."""
         until = asyncio.get_running_loop().time() + self.deadline_s if until is None else until
+        room = self.max_bytes if room is None else room
+        limit = f"{_size(room)} limit for a request's remote images" if limit is None else limit
         try:
             async with asyncio.timeout_at(until):
-                return await self._fetch(url, self.max_bytes if room is None else room)
+                return await self._fetch(url, room, limit)
         except TimeoutError:
             why, code = (f"it did not arrive within the {self.deadline_s:g} s a request's remote images have",
                          "remote_image_timeout")
@@ -217,7 +234,9 @@ class RemoteImageFetcher:
             why, code = f"it could not be fetched ({type(error).__name__}: {error})", "remote_image_unreachable"
         raise InvalidRequest(400, f"{where}: the image at {_shown(url)} was not fetched: {why}", code, where)
 
-    async def _fetch(self, url: str, room: int) -> bytes:
+    async def _fetch(self, url: str, room: int, limit: str) -> bytes:
+        if room <= 0:  # no image fits: don't ask its server for one
+            raise Refused(f"it is over the {limit}", "image_too_large")
         transport = _CheckedTransport(self.resolver, self.trusted_hosts)
         # trust_env off: a proxy from the environment would make the
         # connection the check never sees.
@@ -233,12 +252,11 @@ class RemoteImageFetcher:
                         continue
                     if response.status_code >= 400:
                         raise Refused(f"its server answered HTTP {response.status_code}", "remote_image_http_error")
-                    return await self._read_bounded(response, room)
+                    return await self._read_bounded(response, room, limit)
             raise Refused(f"it redirects more than {MAX_REDIRECTS} times", "remote_image_refused")
 
-    async def _read_bounded(self, response: httpx.Response, room: int) -> bytes:
-        too_large = Refused(f"it is over the {self.max_bytes / (1024 * 1024):g} MiB limit for a request's remote "
-                            "images", "image_too_large")
+    async def _read_bounded(self, response: httpx.Response, room: int, limit: str) -> bytes:
+        too_large = Refused(f"it is over the {limit}", "image_too_large")
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > room:
             raise too_large
@@ -248,6 +266,17 @@ class RemoteImageFetcher:
             if len(received) > room:
                 raise too_large  # stop reading: the connection closes with the stream
         return bytes(received)
+
+
+def _raw_fitting(encoded_room: int) -> int:
+    """The most image bytes whose data: URI (base64, 4 characters per 3
+    bytes, after a head of at most 23: "data:image/jpeg;base64,") fits in
+    encoded_room."""
+    return max(0, (encoded_room - 23) // 4 * 3)
+
+
+def _size(count: int) -> str:
+    return f"{count / (1024 * 1024):.3g} MiB" if count >= 1024 * 1024 else f"{max(count, 0):,} bytes"
 
 
 def _shown(url: str) -> str:

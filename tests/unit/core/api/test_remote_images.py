@@ -19,7 +19,7 @@ import pytest
 from tests.tiny_projector import tiny_png
 from tray_app.core.api.anthropic import translate_messages
 from tray_app.core.api.ollama import OllamaChat, OllamaGenerate
-from tray_app.core.api.openai_request import InvalidRequest, RemoteImage
+from tray_app.core.api.openai_request import InvalidRequest, RemoteImage, image_bytes_uri
 from tray_app.core.api.remote_images import RemoteImageFetcher, refused_address
 from tray_app.core.api.requests import ModelNames, validate
 from tray_app.core.api.responses import translate_request
@@ -280,3 +280,33 @@ def test_a_remote_url_is_left_for_the_router_to_fetch_while_it_is_on():
     assert checked.remote_images == (RemoteImage(0, 1, "messages.0.content.1", REMOTE),)
     # What reaches a worker carries no client-side name.
     assert body["messages"][0]["content"][1] == {"type": "image_url", "image_url": {"url": REMOTE}}
+
+
+async def test_fetched_images_count_against_what_max_body_bytes_leaves(server):
+    # Inline, the images may not make the request hold more than a client
+    # could have sent: that is what bounds the memory of a queue of them.
+    server.routes["/cat.png"] = answer(PNG)
+    images = (RemoteImage(0, 0, "messages[0].content[0]", server.url("/cat.png")),
+              RemoteImage(0, 1, WHERE, server.url("/cat.png")))
+
+    def body() -> dict:
+        return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
+                                                          {"type": "image_url", "image_url": {"url": "x"}}]}]}
+
+    inline = len(image_bytes_uri(PNG, WHERE)) - len(server.url("/cat.png"))
+    fits = body()
+    # A character of slack each: the room is judged for the longest head (JPEG's), PNG's is one shorter.
+    await fetcher().fetch_into(fits, images, body_room=2 * (inline + 1))
+    assert all(part["image_url"]["url"].startswith("data:") for part in fits["messages"][0]["content"])
+    with pytest.raises(InvalidRequest) as refused:
+        await fetcher().fetch_into(body(), images, body_room=2 * inline - 40)
+    assert refused.value.code == "image_too_large" and refused.value.param == WHERE
+    assert "max_body_bytes" in refused.value.message
+
+
+async def test_a_body_sent_at_max_body_bytes_has_room_only_for_its_urls_length(server):
+    server.routes["/cat.png"] = answer(PNG)
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    with pytest.raises(InvalidRequest) as refused:
+        await fetcher().fetch_into(body, (RemoteImage(0, 0, WHERE, server.url("/cat.png")),), body_room=0)
+    assert refused.value.code == "image_too_large" and "max_body_bytes" in refused.value.message
