@@ -28,7 +28,7 @@ from .dispatch.jobs import Attempt, Job, PathSpeed
 from .dispatch.lanes import Lane
 from .engine.exits import ExitKind
 from .engine.runtime import IMAGE_MAX_TOKENS, WorkerRuntime
-from .engine.launch_env import worker_threads, workers_share_cores
+from .engine.launch_env import worker_threads, workers_oversubscribe, workers_share_cores
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
 from .catalog.library import LibraryModel
 from .memory import estimate
@@ -154,6 +154,7 @@ class ModelHost:
             gpu_worker=gpu_missing_reason is None, simulated=service.simulated is not None,
             layers_offloaded=estimate.layers_offloaded(self.model_info, model.gpu_layers),
             layers_total=self.model_info.n_layer + 1)
+        self.worker_threads = worker_threads(config.cpu.n_threads, self.workers_share_cores, usable_cores())
         hooks = _ModelHostHooks(self)
         backends = {"cpu": self._backend("cpu", runtime, hooks, files.cpu_fingerprint)}
         if gpu_missing_reason is None:
@@ -163,7 +164,8 @@ class ModelHost:
         self.dispatcher = Dispatcher(
             Limits(model.gpu_n_ctx, model.cpu_n_ctx, config.gpu.reserve_mib, config.cpu.ram_floor_mib,
                    queue_budget_s=config.server.queue_timeout_s,
-                   cpu_load_prior_s=prior_load_s(self.fallback_info.file_size / MIB)),
+                   cpu_load_prior_s=prior_load_s(self.fallback_info.file_size / MIB),
+                   cpu_slows_gpu=workers_oversubscribe(self.workers_share_cores, self.worker_threads, usable_cores())),
             backends, self.breaker, observer.latest,
             Costs(gpu_mib=lambda tokens: estimate.request_vram_bytes(self.model_info, self.local_gpu_settings(),
                                                                      tokens) / MIB,
@@ -211,7 +213,7 @@ class ModelHost:
         slots = self.slots[path]
         spec = WorkerSpec(path, info.path, info.path.stem, model.gpu_n_ctx if path == "gpu" else model.cpu_n_ctx,
                           model.gpu_layers if path == "gpu" else 0, config.worker.n_batch,
-                          worker_threads(config.cpu.n_threads, self.workers_share_cores, usable_cores()),
+                          self.worker_threads,
                           parallel=slots,
                           rpc_servers=self.rpc_servers if path == "gpu" else (),
                           shares_cores=self.workers_share_cores,

@@ -190,6 +190,10 @@ class CpuView:
     # The work on the CPU's slots and in its queue, with its measured speeds
     # per busy slot count; None: the single-stream speed and backlog_s.
     load: PathLoad | None = None
+    # Its worker and the GPU's oversubscribe the same cores: running here
+    # slows every GPU answer down, so it is not where a GPU's overflow goes
+    # to finish sooner (earliest_finish).
+    slows_gpu: bool = False
 
 
 @dataclass(frozen=True)
@@ -298,10 +302,16 @@ def earliest_finish(request: RequestShape, gpu: GpuView, cpu: CpuView, gpu_wait:
     (latency.estimate), so a GPU 10x faster is waited for behind a short
     queue and left for an idle CPU behind a long one. The number of requests
     waiting doesn't decide. Without the GPU's load (no speeds to play it
-    forward with) the request waits, as it always did. A peer that would
-    finish sooner still is offer_to_peer's to choose."""
+    forward with) the request waits, as it always did; so it does when the
+    CPU worker would slow the GPU's (CpuView.slows_gpu): each estimate is
+    one path's alone, and can't see that cost. A peer that would finish
+    sooner still is offer_to_peer's to choose."""
     if gpu.load is None or gpu_wait.estimated_latency_s is None:
         return gpu_wait
+    if cpu.slows_gpu:
+        return dataclasses.replace(
+            gpu_wait, detail="waiting for a GPU slot: the CPU worker's threads and the GPU worker's share the "
+                             "same cores, so running on the CPU would slow the GPU's answers by more than it adds")
     if cpu.lane.slots_wanted > cpu.lane.concurrency:
         # More choices (n) than the CPU has slots: only the GPU can run it.
         return gpu_wait

@@ -54,6 +54,9 @@ class Limits:
     queue_budget_s: float | None = None
     # The CPU worker's load time until one has been measured.
     cpu_load_prior_s: float = 5.0
+    # Running on the CPU slows the GPU worker down by more than it adds
+    # (launch_env.workers_oversubscribe): overflow waits for a GPU slot.
+    cpu_slows_gpu: bool = False
 
 
 @dataclass(frozen=True)
@@ -326,6 +329,7 @@ class Dispatcher:
             load_ram_mib=self._costs.cpu_load_mib(),
             evictable_ram_mib=self._costs.cpu_evictable_mib(),
             load=path_load(self.cpu, self.jobs, self._cpu_load_eta_s()),
+            slows_gpu=self.limits.cpu_slows_gpu,
         )
 
     def _peer_views(self, job: Job) -> list[PeerView]:

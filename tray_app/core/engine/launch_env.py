@@ -72,6 +72,18 @@ def worker_threads(configured: int, shares: bool, cores: int) -> int:
     return threads_when_sharing(cores)
 
 
+def workers_oversubscribe(shares: bool, threads: int, cores: int) -> bool:
+    """Whether a model's two workers, both computing on the host's cores,
+    have more threads together than there are cores (each has `threads`,
+    worker_threads' answer; 0 is llama.cpp's default, every core). Then the
+    CPU path is no extra capacity: while both decode, each step's barrier
+    waits for threads the other process has descheduled. A burst of 64
+    short requests on 2 cores at 2 threads each took 1.5 to 2.4 times as
+    long as llama-server alone when the overflow ran on the CPU worker, and
+    0.96 times when it waited for the GPU worker's slots."""
+    return shares and 2 * (threads or cores) > cores
+
+
 def openmp_waiting(user: Mapping[str, str], shares: bool) -> dict[str, str]:
     """The OpenMP spin setting a worker gets: the low count when it shares
     its cores, llama.cpp's default (nothing set) otherwise or when the user

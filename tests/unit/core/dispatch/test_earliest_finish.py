@@ -57,6 +57,18 @@ def test_a_long_gpu_queue_sends_the_request_to_the_idle_cpu():
     assert "CPU is expected to finish first (about 20.0 s against 24.0 s" in decision.detail
 
 
+def test_a_cpu_worker_that_would_slow_the_gpu_is_not_where_overflow_goes():
+    # The same 40-deep queue that an idle CPU would take, but the two workers'
+    # threads oversubscribe the same cores: the request waits for a GPU slot.
+    decision = decide(REQUEST, busy_gpu(queued=40), idle_cpu(slows_gpu=True))
+    assert (decision.route, decision.reason) == (Route.GPU_QUEUE, Reason.ADMITTED)
+    assert decision.estimated_latency_s == 24.0 and "share the same cores" in decision.detail
+    # Only earliest finish defers to it: a wait over the client's budget still runs on the CPU.
+    over_budget = decide(replace(REQUEST, queue_budget_s=5.0), replace(busy_gpu(queued=40), backlog_s=22.0),
+                         idle_cpu(slows_gpu=True))
+    assert (over_budget.route, over_budget.reason) == (Route.CPU, Reason.GPU_BUSY)
+
+
 def test_the_cpus_own_backlog_and_refusals_count_against_it():
     gpu = busy_gpu(queued=40)
     assert decide(REQUEST, gpu, idle_cpu()).route is Route.CPU

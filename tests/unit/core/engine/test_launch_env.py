@@ -14,7 +14,8 @@ import pytest
 from tests.fakes.service import in_process_service, isolate_user_folders
 from tests.harness import BASE_CONFIG
 from tray_app.core.engine.launch_env import (OPENMP_SPIN_SHARED, WorkerSpec, openmp_waiting, threads_when_sharing,
-                                             worker_environment, worker_threads, workers_share_cores)
+                                             worker_environment, worker_threads, workers_oversubscribe,
+                                             workers_share_cores)
 from tray_app.core.engine.runtime import LaunchRequest
 from tray_app.core.memory.telemetry import usable_cores
 from tray_app.core.engine.worker import Worker, WorkerState
@@ -41,6 +42,19 @@ def test_two_workers_sharing_the_cores_get_half_of_them_each(cores, each):
     assert worker_threads(0, shares=True, cores=cores) == each
     assert worker_threads(0, shares=False, cores=cores) == 0  # alone: llama.cpp's default
     assert worker_threads(3, shares=True, cores=cores) == worker_threads(3, shares=False, cores=cores) == 3
+
+
+@pytest.mark.parametrize("shares, threads, cores, oversubscribed", [
+    (True, 1, 2, False),    # the default split: a core each
+    (True, 4, 8, False),
+    (True, 2, 2, True),     # the user's n_threads = 2 on 2 cores: four threads on two cores
+    (True, 5, 8, True),
+    (True, 0, 8, True),     # 0 is llama.cpp's default, every core, for each of the two
+    (False, 8, 8, False),   # a worker alone, or beside a fully offloaded GPU, has the cores to itself
+])
+def test_two_workers_oversubscribe_when_their_threads_together_exceed_the_cores(shares, threads, cores,
+                                                                                 oversubscribed):
+    assert workers_oversubscribe(shares, threads, cores) is oversubscribed
 
 
 def test_the_low_spin_count_only_when_sharing_and_the_users_own_setting_wins():
@@ -71,8 +85,19 @@ async def test_on_a_simulated_device_both_workers_share_the_cores(tmp_path, monk
 
 async def test_the_users_own_thread_count_wins_over_the_split(tmp_path, monkeypatch):
     isolate_user_folders(monkeypatch, tmp_path)
+    monkeypatch.setattr("tray_app.core.model_host.usable_cores", lambda: 4)
     async with in_process_service(tmp_path, BASE_CONFIG.replace("[cpu]\n", "[cpu]\nn_threads = 3\n", 1)) as rig:
         assert rig.workers["gpu"].spec.n_threads == rig.workers["cpu"].spec.n_threads == 3
+        # Six threads on four cores: the GPU's overflow waits for its slots instead of the CPU.
+        assert rig.service.default_model_host.dispatcher.limits.cpu_slows_gpu
+
+
+async def test_the_default_split_leaves_the_cpu_path_as_extra_capacity(tmp_path, monkeypatch):
+    isolate_user_folders(monkeypatch, tmp_path)
+    monkeypatch.setattr("tray_app.core.model_host.usable_cores", lambda: 4)
+    async with in_process_service(tmp_path) as rig:
+        assert rig.workers["gpu"].spec.n_threads == rig.workers["cpu"].spec.n_threads == 2
+        assert not rig.service.default_model_host.dispatcher.limits.cpu_slows_gpu
 
 
 async def test_a_cpu_worker_without_a_gpu_path_has_its_cores(tmp_path, monkeypatch):
