@@ -19,9 +19,10 @@ estimate promises:
 Warm-up rounds (not counted) let each path measure its speed per number of
 busy slots. A request's ratio is estimate / actual (1.0 = exact; the target
 is 0.75-1.25); actual runs from the client's send to its last byte.
-Either way the estimate is the one the answer's headers carry, made again
-at its first event (by then the requests that came after admission are
-known): without --stream the answers are whole, and their header comes at
+Admission's own estimate (what decided the route, from /status's
+recent_decisions) is printed beside it. The answer's estimate is the one
+its headers carry, made again at its first event (by then the requests
+that came after admission are known): without --stream the answers are whole, and their header comes at
 the end; with it they are streamed, and it goes out with the first event. Each
 row also has its round, its wait for a slot (X-Queue-Wait), why it went
 where it did (X-Route-Reason: gpu-mixed requests the CPU is expected to
@@ -75,10 +76,17 @@ class Measured:
     route_reason: str
     round: int = 0
     load_average: float = 0.0
+    request_id: str = ""
+    # Admission's own estimate (/status recent_decisions), which decided where it went.
+    admission_s: float | None = None
 
     @property
     def ratio(self) -> float | None:
         return self.estimate_s / self.actual_s if self.estimate_s is not None else None
+
+    @property
+    def admission_ratio(self) -> float | None:
+        return self.admission_s / self.actual_s if self.admission_s is not None else None
 
 
 GPU_MIXED = [Sent(tokens, LONG_PROMPT if i % 4 == 0 else SHORT_PROMPT, False)
@@ -92,9 +100,11 @@ MIXES: dict[str, list[Sent]] = {
 }
 
 
-async def one(client: httpx.AsyncClient, mix: str, index: int, sent: Sent, stream: bool) -> Measured:
+async def one(client: httpx.AsyncClient, mix: str, index: int, sent: Sent, stream: bool,
+              request_id: str) -> Measured:
     """One request; streamed, its headers (and so its estimate) come with its first event."""
     headers = {"X-Force-Path": "cpu"} if sent.force_cpu else {"X-Fallback": "never"} if sent.gpu_only else {}
+    headers["X-Request-Id"] = request_id
     body = {"messages": [{"role": "user", "content": sent.prompt}], "max_tokens": sent.max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": stream}
     started = time.perf_counter()
@@ -106,7 +116,8 @@ async def one(client: httpx.AsyncClient, mix: str, index: int, sent: Sent, strea
     estimate = response.headers.get("x-estimated-latency")
     return Measured(mix, index, sent, response.headers.get("x-served-by", "?"),
                     float(estimate) if estimate not in (None, "unknown") else None, actual,
-                    float(response.headers.get("x-queue-wait", 0.0)), response.headers.get("x-route-reason", "?"))
+                    float(response.headers.get("x-queue-wait", 0.0)), response.headers.get("x-route-reason", "?"),
+                    request_id=request_id)
 
 
 def load_average() -> float:
@@ -126,10 +137,17 @@ async def send_mix(url: str, mix: str, round_number: int = 0, stream: bool = Fal
         # of arrival (and so each one's place in the queue) is the list's.
         tasks = []
         for index, request in enumerate(sent):
-            tasks.append(asyncio.create_task(one(client, mix, index, request, stream)))
+            request_id = f"bench-{round_number}-{mix}-{index}-{time.monotonic_ns()}"
+            tasks.append(asyncio.create_task(one(client, mix, index, request, stream, request_id)))
             await asyncio.sleep(0.001)
-        return [dataclasses.replace(row, round=round_number, load_average=load)
-                for row in await asyncio.gather(*tasks)]
+        rows = await asyncio.gather(*tasks)
+        # Admission's estimates: the first decision of each (a replay decides again).
+        decisions = (await client.get("/status")).json()["recent_decisions"]
+        admitted: dict[str, float | None] = {}
+        for decision in decisions:
+            admitted.setdefault(decision["id"], decision.get("estimated_latency_s"))
+        return [dataclasses.replace(row, round=round_number, load_average=load,
+                                    admission_s=admitted.get(row.request_id)) for row in rows]
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -137,8 +155,8 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def summary(rows: list[Measured]) -> str:
-    ratios = [r.ratio for r in rows if r.ratio is not None]
+def summary(rows: list[Measured], admission: bool = False) -> str:
+    ratios = [ratio for r in rows if (ratio := r.admission_ratio if admission else r.ratio) is not None]
     if not ratios:
         return "no estimates"
     # The worst decile: the tenth of the requests whose estimate is furthest off.
@@ -173,16 +191,21 @@ def main() -> int:
                 for mix in mixes:
                     rows.extend(asyncio.run(send_mix(service.url, mix, round_number, args.stream)))
             print(f"{'round':5} {'load':>4} {'mix':10} {'#':>2} {'path':4} {'max_tok':>7} {'prompt':6} "
-                  f"{'estimate s':>10} {'actual s':>8} {'ratio':>6} {'wait s':>6} reason")
+                  f"{'admitted s':>10} {'estimate s':>10} {'actual s':>8} {'ratio':>6} {'wait s':>6} reason")
             for row in rows:
                 estimate = f"{row.estimate_s:10.2f}" if row.estimate_s is not None else f"{'-':>10}"
+                admitted = f"{row.admission_s:10.2f}" if row.admission_s is not None else f"{'-':>10}"
                 ratio = f"{row.ratio:6.2f}" if row.ratio is not None else f"{'-':>6}"
                 print(f"{row.round:5} {row.load_average:4.1f} {row.mix:10} {row.index:2} {row.served_by:4} "
                       f"{row.sent.max_tokens:7} {'long' if row.sent.prompt is LONG_PROMPT else 'short':6} "
-                      f"{estimate} {row.actual_s:8.2f} {ratio} {row.queue_wait_s:6.2f} {row.route_reason}")
-            print("== estimate / actual ==")
+                      f"{admitted} {estimate} {row.actual_s:8.2f} {ratio} {row.queue_wait_s:6.2f} {row.route_reason}")
+            print("== estimate / actual (the answer's X-Estimated-Latency) ==")
             for mix in mixes:
                 print(f"  {mix:10} {summary([r for r in rows if r.mix == mix])}")
+            print("== admission's estimate / actual (what decided the route) ==")
+            for path in ("cpu", "gpu"):
+                print(f"  {path + ' path':10} {summary([r for r in rows if r.served_by == path], admission=True)}")
+            print("== estimate / actual per path and round ==")
             for path in ("cpu", "gpu"):
                 print(f"  {path + ' path':10} {summary([r for r in rows if r.served_by == path])}")
                 for round_number in range(args.rounds):

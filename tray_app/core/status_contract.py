@@ -272,6 +272,9 @@ class DecisionRecord(TypedDict):
     reason: str
     detail: str | None
     client: str | None  # who sent it (X-Client-Name, else the User-Agent's product); None: unnamed
+    # Admission's estimate of the seconds to its last token (None: none made). The answer's
+    # X-Estimated-Latency is made again at its first event, once the requests after it are known.
+    estimated_latency_s: float | None
     model: str | None  # the library model it was for
 
 

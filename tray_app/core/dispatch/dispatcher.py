@@ -296,6 +296,7 @@ class Dispatcher:
         self.recent.append({
             "t": round(time.time(), 3), "id": job.id, "route": decision.route.value,
             "reason": decision.reason.value, "detail": decision.detail, "client": job.client,
+            "estimated_latency_s": decision.estimated_latency_s,
         })
         self.events.decided(job, decision)
 
