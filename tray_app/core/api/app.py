@@ -50,7 +50,7 @@ from .remote_images import RemoteImageFetcher
 from .responses import ResponsesRoutes
 from .service_routes import ServiceRoutes
 from .requests import (
-    Checked, ModelNames, Routing, body_room, check_model, clean_request_id, client_name, read_json_object,
+    Checked, ModelNames, Routing, check_model, clean_request_id, client_name, read_json_object,
     requested_limit, routing_headers, validate,
 )
 from .sinks import AggregatingSink, QueueSink, RecordedStream, Write
@@ -138,7 +138,7 @@ class HttpApp:
             translated = protocol.translate(body, JobKind.CHAT)
             checked = validate(translated.body, JobKind.CHAT, self.model_names, self.largest_context,
                                remote_images=self.remote_images.allowed)
-            await self.remote_images.fetch_into(translated.body, checked.remote_images, body_room(request))
+            await self.remote_images.fetch_into(translated.body, checked.remote_images)
             await self._constrain(translated.body, checked)
             job = Job(JobRequest(id=new_request_id(), kind=JobKind.CHAT, body=translated.body, stream=False,
                                  images=checked.images))
@@ -236,7 +236,7 @@ class HttpApp:
 
         idempotency_key = request.headers.get("idempotency-key")
         if not idempotency_key:
-            unfetched = await self._unfetched(request, translated, checked, protocol, request_id)
+            unfetched = await self._unfetched(translated, checked, protocol, request_id)
             if unfetched is not None:
                 return unfetched
             return await self._admit_and_run(request, translated, request_id, routing, checked, protocol)
@@ -254,7 +254,7 @@ class HttpApp:
         # and waits for this result instead of running again.
         claim = self.idempotency.claim(idempotency_key, fingerprint, request_id)
         try:
-            unfetched = await self._unfetched(request, translated, checked, protocol, request_id)
+            unfetched = await self._unfetched(translated, checked, protocol, request_id)
             if unfetched is not None:
                 # Not kept for the key: an image server that was down may be up for the retry.
                 self.idempotency.forget(idempotency_key, request_id)
@@ -270,14 +270,14 @@ class HttpApp:
         _settle_claim(self.idempotency, claim, idempotency_key, request_id, response)
         return response
 
-    async def _unfetched(self, request: Request, translated: Translated, checked: Checked, protocol: Protocol,
+    async def _unfetched(self, translated: Translated, checked: Checked, protocol: Protocol,
                          request_id: str) -> Response | None:
         """The request's remote images fetched into its body; None when they
         all came, else the 400 naming the first that didn't. Before admission,
         so a replay after a worker's fault carries the bytes and never
         fetches; after an Idempotency-Key's lookup, so a retry doesn't either."""
         try:
-            await self.remote_images.fetch_into(translated.body, checked.remote_images, body_room(request))
+            await self.remote_images.fetch_into(translated.body, checked.remote_images)
         except _Invalid as bad:
             return protocol.error(bad.status, bad.message, bad.code, param=bad.param,
                                   headers={"X-Request-Id": request_id})

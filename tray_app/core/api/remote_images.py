@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 import socket
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -182,24 +183,30 @@ class RemoteImageFetcher:
     resolver: Resolver = system_resolver
     deadline_s: float = FETCH_DEADLINE_S
     max_bytes: int = MAX_IMAGE_BYTES
+    # [server] max_body_bytes: a body with its images inline is no bigger (None: no such bound).
+    max_body_bytes: int | None = None
 
     @classmethod
     def from_config(cls, server: Any) -> RemoteImageFetcher:
         return cls(allowed=server.allow_remote_images,
-                   trusted_hosts=frozenset(host.lower() for host in server.remote_image_hosts))
+                   trusted_hosts=frozenset(host.lower() for host in server.remote_image_hosts),
+                   max_body_bytes=server.max_body_bytes)
 
-    async def fetch_into(self, body: dict[str, Any], remote: tuple[RemoteImage, ...],
-                         body_room: int | None = None) -> None:
+    async def fetch_into(self, body: dict[str, Any], remote: tuple[RemoteImage, ...]) -> None:
         """Each remote image in a checked body fetched, checked and put in its
         place as a data: URI; a 400 naming the first part that fails.
 
         The request's images share one deadline and one byte budget, so a
-        body that lists many URLs can't multiply what a fetch may cost.
-        body_room is what [server] max_body_bytes leaves of the body as sent:
-        inline, the fetched images may not make the request hold more than a
-        client could have sent, which is what bounds a queue's memory."""
+        body that lists many URLs can't multiply what a fetch may cost. The
+        body with its images inline may not be bigger than max_body_bytes,
+        what a client could have sent, which is what bounds a queue's
+        memory. The body measured is the one the worker will get: a Responses
+        follow-up's stored conversation counts too."""
+        if not remote:
+            return
         until = asyncio.get_running_loop().time() + self.deadline_s
         budget = self.max_bytes  # what the request's remote images may still bring, as bytes
+        body_room = None if self.max_body_bytes is None else self.max_body_bytes - json_size(body)
         for image in remote:
             room, limit = budget, (f"{_size(budget)} limit for a request's remote images" if budget == self.max_bytes
                                    else f"{_size(budget)} left of the {_size(self.max_bytes)} a request's "
@@ -207,7 +214,8 @@ class RemoteImageFetcher:
             # Inline, the image's data: URI takes the place of its URL.
             if body_room is not None and _raw_fitting(body_room + len(image.url)) < room:
                 room = _raw_fitting(body_room + len(image.url))
-                limit = f"{_size(room)} that [server] max_body_bytes leaves this request, counted inline"
+                limit = (f"{_size(room)} that [server] max_body_bytes ({_size(self.max_body_bytes or 0)}) leaves this "
+                         "request for it, counted inline as base64")
             raw = await self.fetch(image.url, image.where, until=until, room=room, limit=limit)
             budget -= len(raw)
             uri = image_bytes_uri(raw, image.where)
@@ -236,7 +244,7 @@ class RemoteImageFetcher:
 
     async def _fetch(self, url: str, room: int, limit: str) -> bytes:
         if room <= 0:  # no image fits: don't ask its server for one
-            raise Refused(f"it is over the {limit}", "image_too_large")
+            raise Refused(f"no image fits in the {limit}", "image_too_large")
         transport = _CheckedTransport(self.resolver, self.trusted_hosts)
         # trust_env off: a proxy from the environment would make the
         # connection the check never sees.
@@ -275,8 +283,16 @@ def _raw_fitting(encoded_room: int) -> int:
     return max(0, (encoded_room - 23) // 4 * 3)
 
 
+def json_size(body: Any) -> int:
+    """A body's size as compact JSON: what it holds, near enough, and what a client's would have been."""
+    return len(json.dumps(body, separators=(",", ":")))
+
+
 def _size(count: int) -> str:
-    return f"{count / (1024 * 1024):.3g} MiB" if count >= 1024 * 1024 else f"{max(count, 0):,} bytes"
+    """Whole MiB as MiB; anything else to the byte, so a limit read after a
+    first image (20 MiB less 5 kB) isn't rounded back up to the whole."""
+    count = max(count, 0)
+    return f"{count // 2**20} MiB" if count and count % 2**20 == 0 else f"{count:,} bytes"
 
 
 def _shown(url: str) -> str:

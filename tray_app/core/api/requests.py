@@ -267,19 +267,12 @@ async def _read_limited(request: Request, limit: int, timeout: float) -> bytes:
 async def read_json_object(request: Request) -> dict[str, Any]:
     server = request.app.state.service.config.server
     raw = await _read_limited(request, server.max_body_bytes, server.body_timeout_s)
-    request.state.body_bytes = len(raw)
     if not raw:
         raise _Invalid(400, "the request body is empty; send a JSON object", "invalid_json")
     body = parse_json_body(raw)
     if not isinstance(body, dict):
         raise _Invalid(400, "the request body must be a JSON object", "invalid_json")
     return body
-
-
-def body_room(request: Request) -> int:
-    """What [server] max_body_bytes leaves of a request whose body
-    read_json_object read: the room its fetched remote images may take."""
-    return request.app.state.service.config.server.max_body_bytes - request.state.body_bytes
 
 
 # Deeper than any real request (tool schemas nest a dozen levels at most);

@@ -80,7 +80,8 @@ def workers_oversubscribe(shares: bool, threads: int, cores: int) -> bool:
     waits for threads the other process has descheduled. A burst of 64
     short requests on 2 cores at 2 threads each took 1.5 to 2.4 times as
     long as llama-server alone when the overflow ran on the CPU worker, and
-    0.96 times when it waited for the GPU worker's slots."""
+    1.06 to 1.16 times when it waited for the GPU worker's slots. On one
+    core even the default split (a thread each) oversubscribes it."""
     return shares and 2 * (threads or cores) > cores
 
 

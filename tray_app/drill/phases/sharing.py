@@ -159,7 +159,7 @@ def other_app_takes_vram(drill: DrillSession, phase: PhaseResult) -> None:
     phase.notes.append(
         f"the other app took {mib(result.get('took_mib'))}; VRAM released {seconds(result.get('release_s'))} after "
         f"it allocated (the service measured {seconds(result.get('service_release_s'))}); reloaded "
-        f"{seconds(result.get('reload_s'))} after it let go (settle {seconds(result.get('settle_s'), 1)}, load "
+        f"{seconds(result.get('reload_s'))} after it let go (settle {seconds(result.get('settle_s'))}, load "
         f"{seconds(result.get('service_load_s'))}); first GPU answer "
         f"{seconds(result.get('first_gpu_answer_after_let_go_s'))} after it let go")
 

@@ -20,7 +20,7 @@ from tests.tiny_projector import tiny_png
 from tray_app.core.api.anthropic import translate_messages
 from tray_app.core.api.ollama import OllamaChat, OllamaGenerate
 from tray_app.core.api.openai_request import InvalidRequest, RemoteImage, image_bytes_uri
-from tray_app.core.api.remote_images import RemoteImageFetcher, refused_address
+from tray_app.core.api.remote_images import RemoteImageFetcher, json_size, refused_address
 from tray_app.core.api.requests import ModelNames, validate
 from tray_app.core.api.responses import translate_request
 from tray_app.core.dispatch.jobs import JobKind
@@ -283,30 +283,50 @@ def test_a_remote_url_is_left_for_the_router_to_fetch_while_it_is_on():
 
 
 async def test_fetched_images_count_against_what_max_body_bytes_leaves(server):
-    # Inline, the images may not make the request hold more than a client
-    # could have sent: that is what bounds the memory of a queue of them.
+    # Inline, the images may not make the body bigger than a client could have
+    # sent: that is what bounds the memory of a queue of them.
     server.routes["/cat.png"] = answer(PNG)
-    images = (RemoteImage(0, 0, "messages[0].content[0]", server.url("/cat.png")),
-              RemoteImage(0, 1, WHERE, server.url("/cat.png")))
+    url = server.url("/cat.png")
+    images = (RemoteImage(0, 0, "messages[0].content[0]", url), RemoteImage(0, 1, WHERE, url))
 
     def body() -> dict:
-        return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
-                                                          {"type": "image_url", "image_url": {"url": "x"}}]}]}
+        return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                          {"type": "image_url", "image_url": {"url": url}}]}]}
 
-    inline = len(image_bytes_uri(PNG, WHERE)) - len(server.url("/cat.png"))
+    # What each image adds once its data: URI takes its URL's place; the room is judged
+    # for the longest head (JPEG's), one character longer than PNG's: hence the + 1.
+    inline = len(image_bytes_uri(PNG, WHERE)) - len(url)
     fits = body()
-    # A character of slack each: the room is judged for the longest head (JPEG's), PNG's is one shorter.
-    await fetcher().fetch_into(fits, images, body_room=2 * (inline + 1))
+    await fetcher(max_body_bytes=json_size(body()) + 2 * inline + 1).fetch_into(fits, images)
     assert all(part["image_url"]["url"].startswith("data:") for part in fits["messages"][0]["content"])
     with pytest.raises(InvalidRequest) as refused:
-        await fetcher().fetch_into(body(), images, body_room=2 * inline - 40)
+        await fetcher(max_body_bytes=json_size(body()) + 2 * inline).fetch_into(body(), images)
     assert refused.value.code == "image_too_large" and refused.value.param == WHERE
     assert "max_body_bytes" in refused.value.message
 
 
-async def test_a_body_sent_at_max_body_bytes_has_room_only_for_its_urls_length(server):
+async def test_a_body_already_at_max_body_bytes_asks_for_no_image(server):
     server.routes["/cat.png"] = answer(PNG)
-    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    url = server.url("/cat.png")
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
     with pytest.raises(InvalidRequest) as refused:
-        await fetcher().fetch_into(body, (RemoteImage(0, 0, WHERE, server.url("/cat.png")),), body_room=0)
-    assert refused.value.code == "image_too_large" and "max_body_bytes" in refused.value.message
+        # Less room than a data: URI's head, even counting the URL's characters it frees.
+        await fetcher(max_body_bytes=json_size(body) - len(url) + 20).fetch_into(
+            body, (RemoteImage(0, 0, WHERE, url),))
+    assert refused.value.code == "image_too_large" and "no image fits" in refused.value.message
+    assert "max_body_bytes" in refused.value.message
+    assert server.requests == []
+
+
+async def test_a_limit_left_after_a_first_image_is_told_to_the_byte(server):
+    # 1 MiB less a small first image is not "1 MiB left of the 1 MiB".
+    server.routes["/cat.png"] = answer(PNG)
+    server.routes["/big.png"] = answer(b"x" * 2**20)
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
+                                                      {"type": "image_url", "image_url": {"url": "x"}}]}]}
+    images = (RemoteImage(0, 0, "messages[0].content[0]", server.url("/cat.png")),
+              RemoteImage(0, 1, WHERE, server.url("/big.png")))
+    with pytest.raises(InvalidRequest) as refused:
+        await fetcher(max_bytes=2**20).fetch_into(body, images)
+    assert refused.value.code == "image_too_large"
+    assert f"over the {2**20 - len(PNG):,} bytes left of the 1 MiB a request's remote images" in refused.value.message
