@@ -305,6 +305,16 @@ class ModelHost:
         worker = self.gpu_worker
         return worker is not None and worker.state is not WorkerState.STOPPED
 
+    def rest_tokenizer_if_cold(self) -> None:
+        """A library model with no worker loaded and no request gives its
+        tokenizer child's memory back; its next request, which loads a worker
+        anyway, starts one again. The default model keeps its own."""
+        if (self.model.is_default or self.counter is None or self.dispatcher.jobs
+                or any(worker.state is not WorkerState.STOPPED for worker in self.workers())):
+            return
+        if self.counter.rest():
+            self.note("tokenizer_rested")
+
     # ----- the local GPU's share, with llama.cpp RPC devices ---------------------------
 
     @property

@@ -191,15 +191,28 @@ class TokenizerProcess:
                     returncode)
         return returncode
 
+    def rest(self) -> bool:
+        """End a warm child between requests to give its memory back; the next
+        request starts a new one, as after a crash. False when there was none."""
+        if self._closed or not self.warm:
+            return False
+        self._end()
+        return True
+
     def close(self) -> None:
-        """End the child: its stdin closed, it exits at once (between requests)."""
+        """End the child for good: a request after this one is refused."""
         self._closed = True
+        self._end()
+
+    def _end(self) -> None:
+        """The child ended: its stdin closed, it exits at once (between requests)."""
         process, self._process = self._process, None
         if process is None:
             return
         assert process.stdin is not None and process.stdout is not None
         if not self._ready:
             process.kill()  # still loading: nothing to finish
+        self._ready = False
         process.stdin.close()
         try:
             process.wait(2.0)

@@ -155,6 +155,17 @@ class PromptCounter:
                 digest.update(b"\0")
         return digest.hexdigest()[:16]
 
+    def rest(self) -> bool:
+        """The tokenizer child ended while nothing uses it (it costs about
+        60 MiB; the next count starts it again). False if it was in use or
+        not running."""
+        if self._child_process is None or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self._child_process.rest()
+        finally:
+            self._lock.release()
+
     def close(self) -> None:
         with self._lock:
             if self._child_process is not None:

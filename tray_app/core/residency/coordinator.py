@@ -48,6 +48,8 @@ class ResidentModel(Protocol):
 
     def cpu_load_ram_mib(self) -> float: ...
 
+    def rest_tokenizer_if_cold(self) -> None: ...
+
 
 class ResidencyCoordinator:
     def __init__(self, models: Mapping[str, ResidentModel], *, read_gpu: Callable[[], GpuReading],
@@ -82,6 +84,7 @@ class ResidencyCoordinator:
                 releasing = releasing or sharing.releasing
             if model.on_demand_cpu is not None:
                 model.on_demand_cpu.on_sample()
+            model.rest_tokenizer_if_cold()
 
     async def make_vram_room(self, model: ResidentModel) -> str | None:
         """Before `model`'s GPU worker loads: unload other models until it

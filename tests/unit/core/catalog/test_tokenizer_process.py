@@ -162,6 +162,21 @@ def test_close_ends_the_child_and_refuses_later_requests():
         child.tokenize(b"Hello", False, False)
 
 
+def test_a_rested_child_gives_its_process_back_and_the_next_request_starts_one():
+    child = TokenizerProcess(MODEL)
+    try:
+        expected = child.tokenize(b"Hello world", True, False)
+        pid = child.pid
+        assert child.rest() and not psutil.pid_exists(pid) and not child.warm
+        assert not child.rest()  # nothing left to end
+        # Not warm: the event loop's quick path says so instead of starting a child itself.
+        assert child.tokenize_if_warm(b"Hello world", True, False) is None
+        assert child.tokenize(b"Hello world", True, False) == expected
+        assert child.children_started == 2 and child.pid != pid and child.warm
+    finally:
+        child.close()
+
+
 def test_closing_a_child_that_has_not_said_ready_leaves_no_process():
     child = TokenizerProcess(MODEL)
     pid = child.pid

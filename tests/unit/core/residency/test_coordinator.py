@@ -46,6 +46,9 @@ class Model:
     def in_flight(self) -> int:
         return self._in_flight
 
+    def rest_tokenizer_if_cold(self) -> None:
+        self.tokenizer_looks = getattr(self, "tokenizer_looks", 0) + 1
+
 
 def coordinator(models: list[Model], *, free_mib: float = 0.0, reserve_mib: float = 512.0):
     notes: list[tuple[str, dict]] = []
@@ -112,3 +115,11 @@ async def test_a_model_that_fits_unloads_nothing():
     chosen, _, counted = coordinator([big, idle], free_mib=1000, reserve_mib=500)
     assert await chosen.make_vram_room(big) is None
     assert idle.sharing.evicted_for == [] and counted == []
+
+
+def test_every_reading_lets_each_model_rest_its_tokenizer_if_it_is_cold():
+    models = [Model("a", mib=100.0), Model("b")]
+    chosen, _, _ = coordinator(models)
+    chosen.on_sample(None)
+    chosen.on_sample(None)
+    assert [m.tokenizer_looks for m in models] == [2, 2]
