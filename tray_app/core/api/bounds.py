@@ -59,6 +59,86 @@ SAMPLING = {
     "repeat_penalty": Range(False, 0),
 }
 
+# llama.cpp's own samplers (SillyTavern and other llama.cpp front ends send
+# them). Each bound is llama.cpp's own where it has one, and otherwise far
+# past any useful setting but short of what hurts a worker: the penalty
+# windows are ring buffers allocated at their full size (2^31 tokens would be
+# 8 GiB), and a value llama.cpp only clamps is a typo worth a 400.
+MAX_PENALTY_WINDOW = 1 << 20
+LLAMA_SAMPLING = {
+    "repeat_last_n": Range(True, 0, MAX_PENALTY_WINDOW),
+    "dry_penalty_last_n": Range(True, 0, MAX_PENALTY_WINDOW),
+    "dry_allowed_length": Range(True, 0, MAX_PENALTY_WINDOW),
+    "dry_multiplier": Range(False, 0, 100),
+    "dry_base": Range(False, 0, 10),
+    "mirostat": Range(True, 0, 2),
+    "mirostat_tau": Range(False, 0, 100),
+    "mirostat_eta": Range(False, 0, 1),
+    "dynatemp_range": Range(False, 0, 2),
+    "dynatemp_exponent": Range(False, 0, 10),
+    "xtc_probability": Range(False, 0, 1),
+    "xtc_threshold": Range(False, 0, 1),
+    "top_n_sigma": Range(False, -1, 100),
+    "min_keep": Range(True, 0, 1024),
+}
+
+# DRY's sequence breakers: llama.cpp tokenizes each one and matches it
+# after every token.
+MAX_DRY_BREAKERS = 32
+MAX_DRY_BREAKER_CHARS = 64
+
+# The sampler chain's order, by llama.cpp's names (common/sampling.cpp) or
+# its one-letter codes. Not "infill" (a fill-in-the-middle sampler for FIM
+# prompts, which this server doesn't serve) nor "adaptive_p" (its settings
+# are not passed on).
+SAMPLER_NAMES = ("dry", "top_k", "top_p", "top_n_sigma", "typ_p", "min_p", "temperature", "xtc", "penalties")
+_SAMPLER_ALIASES = frozenset(
+    {name for canonical in SAMPLER_NAMES
+     for name in (canonical, canonical.replace("_", "-"), canonical.replace("_", ""))}
+    | {"nucleus", "temp", "typ"})
+SAMPLER_CODES = "dkpsymtxe"
+MAX_SAMPLERS = 16
+
+
+def dry_breakers_problem(value: Any) -> str | None:
+    if (not isinstance(value, list) or not 0 < len(value) <= MAX_DRY_BREAKERS
+            or not all(isinstance(i, str) and 0 < len(i) <= MAX_DRY_BREAKER_CHARS for i in value)):
+        return (f"must be a list of 1 to {MAX_DRY_BREAKERS} non-empty strings of at most "
+                f"{MAX_DRY_BREAKER_CHARS} characters")
+    return None
+
+
+def samplers_problem(value: Any) -> str | None:
+    if isinstance(value, str):
+        if 0 < len(value) <= MAX_SAMPLERS and all(c in SAMPLER_CODES for c in value):
+            return None
+    elif (isinstance(value, list) and 0 < len(value) <= MAX_SAMPLERS
+          and all(isinstance(i, str) and i.lower() in _SAMPLER_ALIASES for i in value)):
+        return None
+    return (f"must be a list of 1 to {MAX_SAMPLERS} sampler names ({', '.join(SAMPLER_NAMES)}), "
+            f"or a string of their letters ({SAMPLER_CODES})")
+
+
+# chat_template_kwargs: extra variables for the model's chat template
+# (enable_thinking and the like): plain values only, a few of them.
+MAX_TEMPLATE_KWARGS = 16
+MAX_TEMPLATE_KWARG_CHARS = 1000
+
+
+def template_kwargs_problem(value: Any) -> str | None:
+    problem = (f"must be an object of at most {MAX_TEMPLATE_KWARGS} names, each a string, a number, "
+               f"true or false (strings up to {MAX_TEMPLATE_KWARG_CHARS} characters)")
+    if not isinstance(value, dict) or len(value) > MAX_TEMPLATE_KWARGS:
+        return problem
+    for name, item in value.items():
+        if len(name) > 64 or not (item is None or isinstance(item, (bool, int, float))
+                                  or (isinstance(item, str) and len(item) <= MAX_TEMPLATE_KWARG_CHARS)):
+            return problem
+        if isinstance(item, float) and not math.isfinite(item):
+            return problem
+    return None
+
+
 # max_tokens and max_completion_tokens; the top is the largest context the
 # server offers, known only at run time (Range._replace(high=...)).
 TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
@@ -109,7 +189,7 @@ def request_properties(max_tokens: int) -> dict[str, Any]:
     """The OpenAPI schema of the checked fields that both completion routes take."""
     return {
         **{field: TOKENS._replace(high=max_tokens).schema() for field in TOKEN_LIMIT_FIELDS},
-        **{field: bounds.schema() for field, bounds in SAMPLING.items()},
+        **{field: bounds.schema() for field, bounds in (SAMPLING | LLAMA_SAMPLING).items()},
         "n": N.schema(),
         "stop": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
                  "maxItems": MAX_STOP},

@@ -19,13 +19,15 @@ Supported on /completion: `prompt` as a string or as token ids (turned back
 into text, refused when the text would not give back the same tokens),
 `n_predict` (or `max_tokens`; -1 and -2: until the context is full), `stop`,
 `grammar`, `json_schema`, the sampling fields (temperature, top_k, top_p,
-min_p, seed, repeat_penalty, presence_penalty, frequency_penalty and the
-rest of llama-server's, passed through), `cache_prompt` (accepted; the
+min_p, seed, repeat_penalty, presence_penalty, frequency_penalty, and
+llama.cpp's own: mirostat, dry_*, xtc_*, dynatemp_*, repeat_last_n,
+top_n_sigma, min_keep, samplers, ignore_eos; each bounded), `cache_prompt` (accepted; the
 workers cache prompts anyway), `stream`.
-Not supported (a 400 naming the field): what would take a decision from the
-service (`id_slot` other than -1, `n_probs` other than 0, `n_cmpl`,
-`return_tokens`, `response_fields`...), several prompts in one request,
-prompts mixing text and token ids, images (`multimodal_data`).
+Not supported (a 400 naming the field): llama-server's other fields, at any
+value but their default (engine/request_fields.py has the one list and the
+rule: `id_slot` other than -1, `n_probs` other than 0, `grammar_triggers`,
+`lora`, `n_keep`...), several prompts in one request, prompts mixing text
+and token ids, images (`multimodal_data`).
 """
 
 from __future__ import annotations
@@ -54,13 +56,9 @@ _Invalid = InvalidRequest
 MAX_TOKENIZE_BYTES = 256 * 1024
 MAX_TOKEN_IDS = 128 * 1024
 
-# llama-server's fields that the service decides, at the value that leaves
-# the decision to it: sent by clients that write every field, they change
-# nothing and are dropped. Any other value stays refused (SERVICE_OWNED_FIELDS).
-_NEUTRAL_VALUES = {"id_slot": -1, "n_probs": 0, "n_cmpl": 1, "return_tokens": False, "return_progress": False,
-                   "timings_per_token": False, "post_sampling_probs": False,
-                   # llama.cpp's "a random seed", its default: the service's seed field is 0 to 2^32-1.
-                   "seed": -1}
+# llama.cpp's "a random seed", its default; the service's seed field is 0
+# to 2^32-1, and no seed is a random one there too.
+_RANDOM_SEED = -1
 
 # Names the checks after the translation use, as this route calls them.
 _NATIVE_NAMES = {"response_format.json_schema.schema": "json_schema", "response_format": "json_schema",
@@ -137,9 +135,8 @@ def translate_completion(body: dict[str, Any], largest_context: int) -> dict[str
     """A /completion body (its prompt already text) as an OpenAI completion body."""
     out = {key: value for key, value in body.items()
            if key not in ("n_predict", "max_tokens", "json_schema", "cache_prompt")}
-    for field, neutral in _NEUTRAL_VALUES.items():
-        if field in out and out[field] == neutral and type(out[field]) is type(neutral):
-            del out[field]
+    if out.get("seed") == _RANDOM_SEED and type(out["seed"]) is int:
+        del out["seed"]
     if not isinstance(body.get("prompt"), str):
         raise _Invalid(400, "'prompt' is required: a string, or a list of token ids", "missing_field", "prompt")
     if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):

@@ -14,7 +14,8 @@ from typing import Any, Callable
 from starlette.requests import Request
 
 from ..dispatch.jobs import JobKind
-from . import bounds, reasoning
+from ..engine import request_fields
+from . import bounds, grammar_bounds, reasoning
 from .openai_request import (Constraint, InvalidRequest, RemoteImage, Vision, constrain_output, flatten_content,
                              force_named_tool)
 
@@ -78,15 +79,51 @@ def _of_type(kind: type, name: str):
     return lambda value: None if isinstance(value, kind) else f"must be {name}"
 
 
+# Tools: the worker turns each one's parameters into a grammar with
+# llama.cpp's own converter, natively and recursively, so they are held to
+# the bounds of any schema the service converts (grammar_bounds).
+MAX_TOOLS = 128
+MAX_TOOL_NAME_CHARS = 128
+MAX_TOOL_DESCRIPTION_CHARS = 16 * 1024
+
+
+def tools_problem(tools: Any) -> str | None:
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        return f"must be a list of at most {MAX_TOOLS} tools"
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type", "function") != "function":
+            return f"item {index} must be {{\"type\": \"function\", \"function\": {{\"name\", \"parameters\"}}}}"
+        name, description = function.get("name"), function.get("description")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_TOOL_NAME_CHARS:
+            return f"item {index}: function.name must be a string of 1 to {MAX_TOOL_NAME_CHARS} characters"
+        if description is not None and (not isinstance(description, str)
+                                        or len(description) > MAX_TOOL_DESCRIPTION_CHARS):
+            return f"item {index}: function.description must be a string of at most {MAX_TOOL_DESCRIPTION_CHARS} characters"
+        parameters = function.get("parameters")
+        if parameters is not None:
+            if not isinstance(parameters, dict):
+                return f"item {index}: function.parameters must be a JSON schema (an object)"
+            problem = grammar_bounds.schema_problem(parameters)
+            if problem:
+                return f"item {index}: function.parameters is too large to constrain the answer: {problem}"
+    return None
+
+
 # Fields passed through to the worker: checked here so a bad value is a 400
 # that names the field, not an exception inside the model server.
 SAMPLING_RULES = {
-    **{field: rule.problem for field, rule in bounds.SAMPLING.items()},
+    **{field: rule.problem for field, rule in (bounds.SAMPLING | bounds.LLAMA_SAMPLING).items()},
+    "dry_sequence_breakers": bounds.dry_breakers_problem,
+    "samplers": bounds.samplers_problem,
+    "ignore_eos": _of_type(bool, "true or false"),
+    "parallel_tool_calls": _of_type(bool, "true or false"),
+    "chat_template_kwargs": bounds.template_kwargs_problem,
     "stop": bounds.stop_problem,
     "logit_bias": _logit_bias,
     "user": _of_type(str, "a string"),
     "response_format": _of_type(dict, "an object"),
-    "tools": _of_type(list, "a list"),
+    "tools": lambda value: tools_problem(value),
     "stream_options": _of_type(dict, "an object"),
     # llama-server answers an unknown name with a 500, as if it had failed.
     "reasoning_format": lambda value: None if value in bounds.REASONING_FORMATS else (
@@ -116,21 +153,13 @@ class Checked:
         return self.constraint.tool if self.constraint is not None else None
 
 
-# Fields llama-server reads that would override what the service decided for
-# the request (its slot, its limit, its number of answers, the response's
-# shape), with what to send instead.
-SERVICE_OWNED_FIELDS = {
-    "n_predict": "send max_tokens",
-    "n_cmpl": "send one request per answer",
-    "id_slot": "slots are the service's to assign",
-    "n_probs": "send logprobs and top_logprobs",
-    "json_schema": "send response_format",
-    "response_fields": "responses have OpenAI's shape here",
-    "return_progress": "responses have OpenAI's shape here",
-    "return_tokens": "responses have OpenAI's shape here",
-    "post_sampling_probs": "send logprobs and top_logprobs",
-    "timings_per_token": "responses have OpenAI's shape here",
-}
+def screen_llama_server_fields(body: dict[str, Any]) -> None:
+    """Rule 2 of engine/request_fields.py: a llama-server field the service
+    doesn't pass on is dropped at its neutral value and refused at any other."""
+    for field in [f for f in body if f in request_fields.LLAMA_SERVER_ONLY]:
+        if not request_fields.is_neutral(field, body[field]):
+            raise _Invalid(400, request_fields.refusal(field), "unsupported_parameter", field)
+        del body[field]
 
 
 def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_context: int, *,
@@ -138,9 +167,7 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
     """Check a chat or completion body field by field, in place turning
     what clients send into what a worker runs (content parts, structured
     output). Raises InvalidRequest naming the field."""
-    for field, instead in SERVICE_OWNED_FIELDS.items():
-        if field in body:
-            raise _Invalid(400, f"'{field}' is not accepted here: {instead}", "unsupported_parameter", field)
+    screen_llama_server_fields(body)
     check_model(body.get("model"), models)
     images, remote = 0, ()
     if kind is JobKind.CHAT:

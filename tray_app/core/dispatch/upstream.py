@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, NoReturn, P
 import httpx
 
 from ..base.http_basics import SseLineSplitter, SseLineTooLong, aiter_sse_lines
+from ..engine import request_fields
 from .jobs import Attempt, Job, JobFailed, JobKind, WorkerFailure
 
 # How often a request that waits on an upstream asks whether it can still
@@ -382,17 +383,16 @@ def shape_event(event: dict[str, Any], job: Job, named_tool_calls: set[tuple[int
 
 
 def worker_body(job: Job) -> dict[str, Any]:
-    body = dict(job.body)
-    body.pop("model", None)
+    """What the worker gets: the checked fields it may see (request_fields'
+    rule) and the service's own settings."""
+    body = request_fields.for_worker(job.kind.value, job.body)
     # Always an explicit limit, the one admission planned with: the worker's
     # own default may be none at all, and it does not know the current API's
     # name max_completion_tokens.
-    body.pop("max_completion_tokens", None)
     body["max_tokens"] = job.max_tokens
     # Always streamed from the worker: that gives cancellation, hang
     # detection, token metering and replay while nothing was sent.
     body["stream"] = True
-    body.pop("stream_options", None)
     if job.top_logprobs is not None:
         # See _trim_logprobs: at least one, or llama-server sends none.
         key = "top_logprobs" if job.kind.value == "chat" else "logprobs"

@@ -124,9 +124,28 @@ INPUT_CRASH_SIGNALS = frozenset({
 })
 
 
+# An abort is the input's fault when llama.cpp says it failed a check on what
+# it was given: a GGML_ASSERT (`grammar_triggers` with an unknown type
+# reaches one in common/sampling.cpp) or a C++ exception nobody caught. The
+# aborts that are not (a failed allocation, a lost device, a CUDA error)
+# print their own cause, which wins: memory is classified before this, and a
+# device's fault is named here so it is never blamed on the request.
+INPUT_ABORT_PATTERNS: tuple[str, ...] = ("ggml_assert", "terminate called after throwing")
+DEVICE_FAULT_PATTERNS: tuple[str, ...] = (
+    "cuda error", "hip error", "rocm error", "devicelost", "device lost", "illegal memory access",
+    "launch failure", "vk::", "metal error", "sycl error",
+)
+_ABORT_SIGNALS = frozenset({"SIGABRT", "STATUS_STACK_BUFFER_OVERRUN"})
+
+
 def is_input_crash(report: ExitReport) -> bool:
     """True when a worker that died mid-request most likely died of the request."""
-    return report.kind is ExitKind.CRASH and report.signal_name in INPUT_CRASH_SIGNALS
+    if report.kind is not ExitKind.CRASH:
+        return False
+    if report.signal_name in INPUT_CRASH_SIGNALS:
+        return True
+    return (report.signal_name in _ABORT_SIGNALS and report.evidence is not None
+            and _matches(report.evidence, INPUT_ABORT_PATTERNS) and not _matches(report.evidence, DEVICE_FAULT_PATTERNS))
 
 
 def classify_exit(returncode: int | None, log_tail: Sequence[str], stop_requested: bool) -> ExitReport:
@@ -150,6 +169,11 @@ def classify_exit(returncode: int | None, log_tail: Sequence[str], stop_requeste
         return report(ExitKind.CLEAN_STOP)
     clue = _last_line_matching(log_tail, _CLUE_PATTERNS)
     if signal_name is not None:
+        if signal_name in _ABORT_SIGNALS:
+            # The device's fault if it names one; else the failed check
+            # itself, not the backtrace lines after it.
+            clue = (_first_line_matching(log_tail, DEVICE_FAULT_PATTERNS)
+                    or _last_line_matching(log_tail, INPUT_ABORT_PATTERNS) or clue)
         return report(ExitKind.CRASH, clue)
     return report(ExitKind.ERROR, clue)
 

@@ -11,6 +11,7 @@ from tray_app.core.api.llamacpp import (
     LlamaCppCompletion, error_body, prompt_token_ids, round_trip_problem, token_ids_problem, translate_completion,
 )
 from tray_app.core.api.openai_request import InvalidRequest
+from tray_app.core.api.requests import screen_llama_server_fields
 from tray_app.core.dispatch.jobs import Attempt, Job, JobFailed, JobKind, JobRequest
 
 CONTEXT = 2048
@@ -56,6 +57,8 @@ def test_sampling_fields_pass_and_neutral_router_fields_are_dropped():
                 "presence_penalty": 0.2, "frequency_penalty": 0.3, "stop": ["\n"], "mirostat": 2}
     body = translate_completion({"prompt": "x", "stream": True, "cache_prompt": False, "id_slot": -1,
                                  "n_probs": 0, "return_tokens": False, **sampling}, CONTEXT)
+    # llama-server's own fields at their defaults are the shared check's to drop (requests.validate).
+    screen_llama_server_fields(body)
     assert body == {"prompt": "x", "stream": True, **sampling}
     # A value that takes the decision stays in the body, for the router's check to refuse by name.
     assert translate_completion({"prompt": "x", "id_slot": 2}, CONTEXT)["id_slot"] == 2

@@ -824,6 +824,30 @@ async def test_input_crash_is_quarantined_not_replayed(rig):
     assert rig.dispatcher.quarantined(make_job("later", fingerprint="fp-crasher")) is None
 
 
+ASSERT_ABORT = ExitReport(ExitKind.CRASH, -6, "SIGABRT",
+                          'sampling.cpp:254: GGML_ASSERT(false && "unknown trigger type") failed')
+PLAIN_ABORT = ExitReport(ExitKind.CRASH, -6, "SIGABRT", None)
+
+
+async def test_an_abort_on_a_failed_assert_is_quarantined_not_replayed(rig):
+    """The GGML_ASSERT a request field reached kills the CPU worker the same
+    way: no replay."""
+    rig.gpu.script = raising(WorkerFailure("connection broke", process_may_have_died=True), reached=True)
+    rig.gpu.worker.exit_report = ASSERT_ABORT
+    error = await failed(rig, make_job(fingerprint="fp-assert"))
+    assert error.code == "request_crashed_worker" and "SIGABRT" in error.message
+    assert rig.cpu.calls == []
+
+
+async def test_an_abort_without_a_failed_check_is_the_gpus_and_replayed(rig):
+    """A SIGABRT from outside (the drill, a lost device) is not the request's."""
+    rig.gpu.script = raising(WorkerFailure("connection broke", process_may_have_died=True), reached=True)
+    rig.gpu.worker.exit_report = PLAIN_ABORT
+    job = make_job(fingerprint="fp-abort")
+    await run_job(rig, job)
+    assert job.replayed and rig.cpu.calls == [job.id]
+
+
 async def test_input_crash_on_cpu_is_quarantined_too(rig):
     rig.cpu.script = raising(WorkerFailure("connection broke", process_may_have_died=True))
     rig.cpu.worker.exit_report = SIGSEGV

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tray_app.core.engine.exits import ExitKind, classify_exit
+from tray_app.core.engine.exits import ExitKind, classify_exit, is_input_crash
 
 SIGABRT, SIGKILL, SIGTERM, SIGSEGV, SIGILL = 6, 9, 15, 11, 4
 
@@ -313,3 +313,63 @@ def test_evidence_is_capped_to_one_readable_line() -> None:
     assert report.evidence is not None
     assert len(report.evidence) <= 300
     assert "\n" not in report.describe()
+
+
+# --- Aborts: the input's or the device's ------------------------------------
+
+# Captured here, 2026-12-06: the vendored llama-server, sent
+# {"grammar_triggers": [{"type": 9, "value": "x"}]}; gdb's backtrace follows.
+ASSERT_ON_REQUEST_FIELD = lines("""
+0.01.038.806 I slot get_availabl: id  3 | task -1 | selected slot by LRU, t_last = -1
+/tmp/pip-wheel-67nnop6_/llama-cpp-python/vendor/llama.cpp/common/sampling.cpp:254: GGML_ASSERT(false && "unknown trigger type") failed
+[New LWP 10569]
+#2  0x00007fa1597a17de in ggml_abort () from /venv/lib/python3.11/site-packages/lib/libggml-base.so.0
+#4  0x00007fa15956f694 in server_context_impl::launch_slot_with_task(server_slot&, server_task&&) ()
+[Inferior 1 (process 10565) detached]
+""")
+
+UNCAUGHT_EXCEPTION = lines("""
+terminate called after throwing an instance of 'nlohmann::json_abi_v3_11_3::detail::type_error'
+  what():  [json.exception.type_error.302] type must be string, but is number
+""")
+
+VULKAN_DEVICE_LOST = lines("""
+terminate called after throwing an instance of 'vk::DeviceLostError'
+  what():  vk::Device::waitForFences: ErrorDeviceLost
+""")
+
+CUDA_LAUNCH_FAILURE = lines("""
+CUDA error: unspecified launch failure
+  current device: 0, in function ggml_backend_cuda_synchronize at ggml-cuda.cu:2628
+/llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu:88: CUDA error
+""")
+
+
+@pytest.mark.parametrize("log, evidence", [
+    (ASSERT_ON_REQUEST_FIELD, 'GGML_ASSERT(false && "unknown trigger type") failed'),
+    (UNCAUGHT_EXCEPTION, "terminate called after throwing an instance of"),
+])
+def test_an_abort_on_a_failed_check_is_the_inputs_fault(log, evidence):
+    """The request is quarantined, not replayed on the other worker: the same
+    check fails there too. The evidence is the failed check, not a backtrace line."""
+    report = classify_exit(-SIGABRT, log, stop_requested=False)
+    assert report.kind is ExitKind.CRASH and report.signal_name == "SIGABRT"
+    assert evidence in (report.evidence or "")
+    assert is_input_crash(report)
+
+
+@pytest.mark.parametrize("log", [VULKAN_DEVICE_LOST, CUDA_LAUNCH_FAILURE, [], HEALTHY_LOG_THEN_SIGILL[:1]])
+def test_an_abort_from_the_device_or_from_outside_is_not_the_inputs_fault(log):
+    """A lost device, a CUDA error, or a SIGABRT sent from outside (the drill's
+    fault) is the GPU's: the request is replayed on the CPU once."""
+    report = classify_exit(-SIGABRT, log, stop_requested=False)
+    assert report.kind is ExitKind.CRASH
+    assert not is_input_crash(report)
+
+
+def test_an_out_of_memory_abort_is_never_the_inputs_fault():
+    assert not is_input_crash(classify_exit(-SIGABRT, CUDA_OOM_DURING_COMPUTE, stop_requested=False))
+
+
+def test_a_segfault_is_the_inputs_fault():
+    assert is_input_crash(classify_exit(-SIGSEGV, [], stop_requested=False))
