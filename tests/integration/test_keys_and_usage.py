@@ -374,3 +374,29 @@ def test_embeddings_and_tokenizer_routes_go_through_a_keys_models_and_concurrenc
             keys.http.delete("/v1/requests/embed-blocker")
             assert blocker.result().status_code == 499
     assert httpx.post(f"{keys.url}/tokenize", headers=bearer(one), json={"content": "hello"}).status_code == 200
+
+
+def test_revoking_the_last_key_never_turns_the_key_check_off(tmp_path):
+    """No [server] api_key: the named keys are the only lock. Revoking the
+    last one used to open every route, /admin/keys included, to anyone."""
+    service = RunningService(tmp_path, BASE_CONFIG)
+    try:
+        service.wait_ready()
+        phone = add_key(service, "phone")
+        assert httpx.get(f"{service.url}/admin/keys", timeout=30).status_code == 401
+        keys_command(service, "revoke", "phone")
+        for method, path, body in (("GET", "/admin/keys", None), ("POST", "/admin/keys", {"name": "x", "scope": "admin"}),
+                                   ("POST", "/v1/chat/completions", {"messages": HI, "max_tokens": 2})):
+            answer = httpx.request(method, f"{service.url}{path}", json=body, timeout=30)
+            assert answer.status_code == 401, (path, answer.text)
+        assert chat(service, phone).status_code == 401
+        # The last admin key stays, and every door says why.
+        owner = add_key(service, "owner", "--scope", "admin")
+        refused = httpx.delete(f"{service.url}/admin/keys/owner", headers=bearer(owner), timeout=30)
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "last_admin_key"
+        cli = subprocess.run([sys.executable, "-m", "tray_app", "keys", "revoke", "owner"], env=service.env,
+                             capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 2 and "last admin key" in cli.stderr
+        assert httpx.get(f"{service.url}/admin/keys", headers=bearer(owner), timeout=30).status_code == 200
+    finally:
+        service.stop()

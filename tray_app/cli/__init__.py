@@ -159,18 +159,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The service: its tokenizer's llama.cpp must not open a GPU. First,
         # before anything loads llama.cpp; the GPU worker gets the user's values.
         hide_gpus_from_this_process()
-    if command in ("status", "usage"):
+    if command in ("status", "usage", "keys"):
         from ..core.api.security import effective_api_key
 
         try:
-            configured_key = load_config(args.config).server.api_key
+            configured_key = load_config(getattr(args, "config", None)).server.api_key
         except ConfigError as exc:
             return _fail(str(exc))
         if command == "usage":
             return run_usage(args, effective_api_key(configured_key))
+        if command == "keys":
+            return run_keys(args, legacy_key_set=bool(effective_api_key(configured_key)))
         return print_status(args.url, args.json, effective_api_key(configured_key))
-    if command == "keys":
-        return run_keys(args)
     if command == "models":
         return run_models(args)
     if command == "pull":
@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..core.access.keys import KeyStore
 
         api_key = effective_api_key(config.server.api_key)
-        named_keys = KeyStore().has_keys()
+        named_keys = KeyStore().required()
         problem = (bind_problem(config.server.host, api_key, named_keys)
                    or lan_api_key_problem(config.server.host, api_key))
         if problem:

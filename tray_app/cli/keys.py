@@ -38,7 +38,7 @@ def add_keys_parser(sub) -> None:
     revoke.add_argument("name")
 
 
-def run_keys(args: argparse.Namespace, store: KeyStore | None = None) -> int:
+def run_keys(args: argparse.Namespace, store: KeyStore | None = None, legacy_key_set: bool = False) -> int:
     store = store or KeyStore()
     try:
         if args.keys_command == "add":
@@ -49,7 +49,7 @@ def run_keys(args: argparse.Namespace, store: KeyStore | None = None) -> int:
                   "to the app as its API key ('Authorization: Bearer <key>' or 'x-api-key').", file=sys.stderr)
             return 0
         if args.keys_command == "revoke":
-            store.revoke(args.name)
+            store.revoke(args.name, other_admin=legacy_key_set)
             print(f"tray-app: key {args.name!r} revoked; the service refuses it from its next request on",
                   file=sys.stderr)
             return 0

@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
 
 from ..core.config import Config, ConfigError, apply_overrides, default_config_path, load_config, save_config
 from ..core.access.keys import ApiKey, KeyProblem, KeyStore
+from ..core.api.security import effective_api_key
 from . import colors
 from . import theme
 from . import viewmodel as vm
@@ -141,7 +142,8 @@ class SettingsDialog(QDialog):
         root.addWidget(self.note)
         root.addStretch(1)
         self.tabs.addTab(service_tab, "&Service")
-        self.keys = KeysSection(keys or KeyStore(), self)
+        self.keys = KeysSection(keys or KeyStore(), self,
+                                legacy_key_set=bool(effective_api_key(config.server.api_key)))
         self.tabs.addTab(self.keys, "API &keys")
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
         self.save_button = buttons.button(QDialogButtonBox.StandardButton.Save)
@@ -401,9 +403,10 @@ class KeysSection(QWidget):
 
     changed = Signal()  # a key was added or revoked
 
-    def __init__(self, store: KeyStore, parent: QWidget | None = None) -> None:
+    def __init__(self, store: KeyStore, parent: QWidget | None = None, legacy_key_set: bool = False) -> None:
         super().__init__(parent)
         self.store = store
+        self.legacy_key_set = legacy_key_set  # [server] api_key: the last named admin key may go
         self.add_dialog: AddKeyDialog | None = None
         self.new_key_dialog: NewKeyDialog | None = None
         self.confirm_revoke: QMessageBox | None = None
@@ -520,7 +523,7 @@ class KeysSection(QWidget):
     def _revoke(self, name: str) -> None:
         self.confirm_revoke = None
         try:
-            self.store.revoke(name)
+            self.store.revoke(name, other_admin=self.legacy_key_set)
         except (KeyProblem, OSError) as problem:  # revoked meanwhile (a shell, the web page), or not writable
             self.refresh()
             self.problem.setText(str(problem))

@@ -53,6 +53,10 @@ class KeyExists(KeyProblem):
     """A new key's name is taken (POST /admin/keys answers 409)."""
 
 
+class LastAdminKey(KeyProblem):
+    """The key to revoke is the last admin key (DELETE /admin/keys answers 409)."""
+
+
 @dataclass(frozen=True)
 class ApiKey:
     name: str
@@ -121,6 +125,7 @@ class KeyStore:
         self._keys: dict[str, ApiKey] = {}
         self._seen: tuple[int, int, int] | None = None
         self._read_once = False
+        self._required = False
 
     def keys(self) -> dict[str, ApiKey]:
         self._refresh()
@@ -129,6 +134,15 @@ class KeyStore:
     def has_keys(self) -> bool:
         self._refresh()
         return bool(self._keys)
+
+    def required(self) -> bool:
+        """Whether requests need a key because of this file. Once it has held
+        a key, it stays on: revoking the last key leaves the file saying so
+        (`"required": true`), and a running service that saw it on keeps it on
+        even if the file goes. Turning keys off is a deliberate act with the
+        service stopped: deleting the file by hand."""
+        self._refresh()
+        return self._required
 
     def get(self, name: str) -> ApiKey | None:
         self._refresh()
@@ -164,11 +178,21 @@ class KeyStore:
         self._write(keys)
         return raw
 
-    def revoke(self, name: str) -> ApiKey:
+    def revoke(self, name: str, other_admin: bool = False) -> ApiKey:
+        """Remove a key. The last admin key stays unless `other_admin` (the
+        [server] api_key is set): without one, nobody could manage keys over
+        HTTP, and the service keeps requiring a key either way."""
         keys = self._read()
         if name not in keys:
             known = ", ".join(sorted(keys)) or "none"
             raise KeyProblem(f"no key named {name!r} (keys: {known})")
+        if keys[name].is_admin and not other_admin and not any(
+                key.is_admin for key in keys.values() if key.name != name):
+            raise LastAdminKey(
+                f"{name!r} is the last admin key: without it nobody could manage keys over HTTP, and the "
+                "service would still require a key (revoking a key never turns the check off). Add another "
+                "admin key first (tray-app keys add NAME --scope admin), or set [server] api_key; to turn "
+                f"keys off, stop the service and delete {self.path} by hand")
         revoked = keys.pop(name)
         self._write(keys)
         return revoked
@@ -205,9 +229,11 @@ class KeyStore:
             self._seen = seen
             return
         self._keys, self._seen, self._read_once = keys, seen, True
+        self._required = self._required or bool(keys) or data.get("required") is True
 
     def _write(self, keys: dict[str, ApiKey]) -> None:
         entries = [{**asdict(key), "models": list(key.models)} for key in keys.values()]
-        write_atomically(self.path, json.dumps({"keys": entries}, indent=2).encode(), mode=PRIVATE_FILE_MODE)
+        document = {"keys": entries, "required": self._required or bool(keys)}
+        write_atomically(self.path, json.dumps(document, indent=2).encode(), mode=PRIVATE_FILE_MODE)
         self._seen = None
         self._refresh()

@@ -36,7 +36,7 @@ from .errors import error_response_for_path
 from .admin_routes import AdminRoutes
 from .idempotency import IdempotencyStore
 from .key_access import KeyAccess, Refusal, model_allowed, model_host_named, usage_name
-from .security import principal_of
+from .security import effective_api_key, principal_of
 from .openai_request import InvalidRequest, text_only
 from .anthropic import AnthropicMessages
 from .ollama import DEFAULT_TAG
@@ -608,7 +608,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> Starlette:
         HttpRoute("/admin/models/{name:path}", admin.model, methods=["POST"]),
         HttpRoute("/admin/library/rescan", admin.rescan, methods=["POST"]),
         HttpRoute("/admin/logs", worker_logs(service), methods=["GET"]),
-        *key_routes(),
+        *key_routes(legacy_key_set=bool(effective_api_key(service.config.server.api_key))),
         # Ollama's API (see ollama.py), for apps that speak only it.
         HttpRoute("/api/chat", ollama.chat, methods=["POST"]),
         HttpRoute("/api/generate", ollama.generate, methods=["POST"]),

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..access.keys import SCOPES, KeyExists, KeyProblem, KeyStore
+from ..access.keys import SCOPES, KeyExists, KeyProblem, KeyStore, LastAdminKey
 from .errors import error_response
 from .openai_request import InvalidRequest
 from .requests import read_json_object
@@ -56,8 +56,11 @@ def key_to_add(body: dict[str, Any]) -> tuple[str, str, tuple[str, ...], int | N
 
 
 class KeyRoutes:
-    def __init__(self, store: KeyStore) -> None:
+    def __init__(self, store: KeyStore, legacy_key_set: bool = False) -> None:
         self.store = store
+        # [server] api_key is an admin key of its own: with it, the last
+        # named admin key may go.
+        self.legacy_key_set = legacy_key_set
 
     async def list(self, request: Request) -> Response:
         keys = sorted(self.store.keys().values(), key=lambda key: key.name)
@@ -87,15 +90,17 @@ class KeyRoutes:
             known = ", ".join(sorted(self.store.keys())) or "none"
             return error_response(404, f"no key named {name!r} (keys: {known})", "key_not_found")
         try:
-            revoked = self.store.revoke(name)
+            revoked = self.store.revoke(name, other_admin=self.legacy_key_set)
+        except LastAdminKey as problem:
+            return error_response(409, str(problem), "last_admin_key")
         except KeyProblem as problem:  # revoked by someone else meanwhile
             return error_response(404, str(problem), "key_not_found")
         return JSONResponse({"revoked": revoked.public()})
 
 
-def key_routes(store: KeyStore | None = None) -> list[Route]:
+def key_routes(store: KeyStore | None = None, legacy_key_set: bool = False) -> list[Route]:
     """The three routes; by default over the keys file the access guard reads
     (keys.py's default path), so a key added here works on the next request."""
-    keys = KeyRoutes(store or KeyStore())
+    keys = KeyRoutes(store or KeyStore(), legacy_key_set)
     return [Route("/admin/keys", keys.list, methods=["GET"]), Route("/admin/keys", keys.add, methods=["POST"]),
             Route("/admin/keys/{name}", keys.revoke, methods=["DELETE"])]

@@ -124,7 +124,7 @@ class AccessPolicy:
 
     @property
     def key_required(self) -> bool:
-        return bool(self.api_key) or (self.keys is not None and self.keys.has_keys())
+        return bool(self.api_key) or (self.keys is not None and self.keys.required())
 
     def legacy_key(self) -> ApiKey:
         """The old single key: an admin key, so setups from before named keys

@@ -103,3 +103,36 @@ def test_the_trays_own_key_is_an_admin_key_when_named_keys_close_the_port(store)
     passed, tray = policy.authenticate(f"Bearer {process_admin_key()}")
     assert passed and tray is not None and tray.name == "tray" and tray.is_admin
     assert policy.principal_named("tray") == tray
+
+
+def test_revoking_the_last_key_leaves_the_check_on(store):
+    """Revoking every key never opens the port: the file says keys are
+    required, a fresh store (a restart, the CLI) reads that, and a running
+    store keeps it even when the file is deleted under it."""
+    policy = AccessPolicy.build(api_key="", bind_address="127.0.0.1", allowed_hosts=(), cors_origins=(), keys=store)
+    store.add("phone")
+    store.revoke("phone")
+    assert not store.has_keys()
+    assert policy.key_required and policy.authenticate(None) == (False, None)
+    assert KeyStore(store.path).required()
+    store.path.unlink()
+    assert policy.key_required
+    # Deleting the file with the service stopped is how keys are turned off.
+    assert not KeyStore(store.path).required()
+
+
+def test_the_last_admin_key_is_not_revoked(store):
+    store.add("ops", "admin")
+    store.add("phone")
+    with pytest.raises(KeyProblem, match="last admin key") as refused:
+        store.revoke("ops")
+    assert "keys.json" in str(refused.value) and "[server] api_key" in str(refused.value)
+    assert store.get("ops") is not None
+    store.revoke("phone")  # an inference key may go
+    store.add("ops2", "admin")
+    store.revoke("ops")  # another admin key remains
+    with pytest.raises(KeyProblem, match="last admin key"):
+        store.revoke("ops2")
+    # With [server] api_key set, that key is an admin of its own.
+    store.revoke("ops2", other_admin=True)
+    assert not store.has_keys() and store.required()

@@ -65,3 +65,12 @@ async def test_a_taken_name_is_a_409(http):
     again = await http.post("/admin/keys", json={"name": "phone", "scope": "admin"})
     assert again.status_code == 409
     assert again.json()["error"]["code"] == "key_exists" and again.json()["error"]["param"] == "name"
+
+
+async def test_revoking_the_last_admin_key_is_a_409_that_says_why(http, store):
+    store.add("ops", "admin")
+    answer = await http.delete("/admin/keys/ops")
+    assert answer.status_code == 409, answer.text
+    assert answer.json()["error"]["code"] == "last_admin_key"
+    assert "stop the service and delete" in answer.json()["error"]["message"]
+    assert store.get("ops") is not None
