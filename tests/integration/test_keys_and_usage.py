@@ -11,6 +11,7 @@ import concurrent.futures
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anthropic
@@ -400,3 +401,28 @@ def test_revoking_the_last_key_never_turns_the_key_check_off(tmp_path):
         assert httpx.get(f"{service.url}/admin/keys", headers=bearer(owner), timeout=30).status_code == 200
     finally:
         service.stop()
+
+
+def test_an_inference_keys_keep_alive_neither_unloads_nor_loads_past_its_models(keys):
+    """Ollama's load-only requests count as using the model: a key can't load
+    a model outside its list, and can't unload one other keys are using."""
+    model = keys.status()["service"]["model"]
+    elsewhere = add_key(keys, "loads-elsewhere", "--models", "some-other-model")
+    here = add_key(keys, "loads-here", "--models", model)
+
+    def load_only(key: str, keep_alive: int) -> httpx.Response:
+        return httpx.post(f"{keys.url}/api/generate", headers=bearer(key), timeout=60,
+                          json={"model": model, "prompt": "", "keep_alive": keep_alive, "stream": False})
+
+    refused = load_only(elsewhere, -1)
+    assert refused.status_code == 404 and "loads-elsewhere" in refused.json()["error"]
+    unload = load_only(here, 0)
+    assert unload.status_code == 403 and "admin key" in unload.json()["error"]
+    assert load_only(here, -1).status_code == 200
+    # keep_alive 0 on a generation: answered, and the model stays loaded.
+    answered = httpx.post(f"{keys.url}/api/generate", headers=bearer(here), timeout=60, json={
+        "model": model, "prompt": "Hi", "keep_alive": 0, "stream": False, "options": {"num_predict": 2}})
+    assert answered.status_code == 200, answered.text
+    time.sleep(1.0)
+    residency = keys.status()["gpu"]["residency"]
+    assert residency["state"] == "loaded", residency

@@ -218,7 +218,7 @@ class HttpApp:
             translated = protocol.translate(body, kind)
             kind, body = translated.kind, translated.body
             if translated.load_only:
-                return self._load_only(translated, protocol)
+                return self._load_only(request, translated, protocol)
             checked = validate(body, kind, self.model_names, self.largest_context,
                                logprobs=self.service.supports_logprobs, remote_images=self.remote_images.allowed)
             await self._constrain(body, checked)
@@ -283,11 +283,21 @@ class HttpApp:
                                   headers={"X-Request-Id": request_id})
         return None
 
-    def _load_only(self, translated: Translated, protocol: Protocol) -> Response:
+    def _load_only(self, request: Request, translated: Translated, protocol: Protocol) -> Response:
+        """Ollama's empty prompt: load the model, or with keep_alive 0 unload
+        it. It counts as using the model: the key's model list applies."""
         check_model(translated.body.get("model"), self.model_names)
-        model_host = self._model_host(translated.body.get("model"))
-        self.service.keep_alive(translated.keep_alive_s, model_host)
-        if translated.keep_alive_s != 0:
+        principal = principal_of(request.scope)
+        try:
+            model_host = self.access.usable_model_host(principal, self._model_host(translated.body.get("model")))
+        except Refusal as refusal:
+            return protocol.error(refusal.status, refusal.message, refusal.code, headers=refusal.headers)
+        keep_alive = self.access.keep_alive(principal, translated.keep_alive_s)
+        if translated.keep_alive_s == 0 and keep_alive != 0:
+            return protocol.error(403, "unloading a model takes an admin key: other keys may be using it. It "
+                                  "unloads after the server's idle time ([gpu] idle_unload_s)", "insufficient_scope")
+        self.service.keep_alive(keep_alive, model_host)
+        if keep_alive != 0:
             self.service.preload(model_host)
         return protocol.load_answer(translated)
 
@@ -346,7 +356,8 @@ class HttpApp:
         job.sized(prompt_tokens, max_tokens)
         # Every request sets how long its model stays loaded after it, as in
         # Ollama: its own keep_alive, or (None) the configured idle time.
-        self.service.keep_alive(translated.keep_alive_s, model_host)
+        self.service.keep_alive(self.access.keep_alive(principal_of(request.scope), translated.keep_alive_s),
+                                model_host)
         model_host.last_used = self.service.clock()
         # From here the dispatcher owns the job: it decides, runs, and unregisters it.
         if job.stream:

@@ -221,6 +221,15 @@ class KeyAccess:
         jobs = sum(1 for job, owner in self._owners.values() if owner == name and self._live(job))
         return jobs + self._leases[name]
 
+    @staticmethod
+    def keep_alive(principal: ApiKey | None, seconds: float | None) -> float | None:
+        """The keep_alive a request may set on its model's residency. An
+        inference key's is the server's own idle time (None): a key shares
+        the GPU with every other key, so it may load a model it can use, but
+        not unload one another key is using, nor pin one past the idle time
+        over the admin's Load. An admin key, or no keys, sets it as Ollama does."""
+        return seconds if principal is None or principal.is_admin else None
+
     def usable_model_host(self, principal: ApiKey | None, model_host: "ModelHost") -> "ModelHost":
         """`model_host`, or a Refusal when `principal` may not use its model."""
         refusal = model_refusal(principal, model_host)
