@@ -72,6 +72,15 @@ class ApiKey:
     def is_admin(self) -> bool:
         return self.scope == "admin"
 
+    @property
+    def identity(self) -> str:
+        """Who this key is, for what is kept per key (stored responses,
+        idempotency, web sessions, request ids, running requests): its hash,
+        so a key revoked and added again under the same name is someone
+        else; the name for the [server] api_key and the tray's own key,
+        which have no stored hash."""
+        return self.sha256 or self.name
+
     def public(self) -> dict[str, Any]:
         """What `keys list` shows: everything but the hash."""
         return {"name": self.name, "scope": self.scope, "models": list(self.models),
@@ -147,6 +156,11 @@ class KeyStore:
     def get(self, name: str) -> ApiKey | None:
         self._refresh()
         return self._keys.get(name)
+
+    def with_identity(self, identity: str) -> ApiKey | None:
+        """The named key that is `identity` (ApiKey.identity), if it still exists."""
+        self._refresh()
+        return next((key for key in self._keys.values() if key.sha256 == identity), None)
 
     def match(self, raw_key: str) -> ApiKey | None:
         """The key whose hash this is. Every entry is compared, in constant

@@ -10,6 +10,7 @@ invisible to the client when the GPU fails before answering.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import json
 from contextlib import asynccontextmanager
@@ -28,7 +29,7 @@ from ..dispatch.peer import HOP_HEADER
 from ..dispatch.quarantine import request_fingerprint
 from ..grammar.check import GrammarChecker
 from ..model_host import ModelHost
-from ..access.keys import ApiKey
+from ..access.keys import ApiKey, KeyStore
 from ..service import Service
 from ..access.usage import Outcome, UsageStore
 from .embeddings import openai_embeddings
@@ -61,16 +62,22 @@ _Invalid = InvalidRequest
 # The key of the request a llama.cpp tokenizer route is answering: the
 # route's model lookup (HttpApp.tokenizer_model_host, called by llamacpp.py) is
 # given a model name, not the request.
+# X-Request-Ids remembered to tell a fresh id from a reused one: as many as
+# the execution ledger counts.
+REMEMBERED_REQUEST_IDS = 10_000
+
 _TOKENIZING_KEY: ContextVar[ApiKey | None] = ContextVar("tokenizing_key", default=None)
 
 
 class HttpApp:
     def __init__(self, service: Service, usage: UsageStore | None = None) -> None:
         self.service = service
-        self.access = KeyAccess(service, usage or UsageStore())
+        self.access = KeyAccess(service, usage or UsageStore(), KeyStore())
         self._names_for: tuple[Any, ModelNames] | None = None
         self.largest_context = max(max(m.gpu_n_ctx, m.cpu_n_ctx) for m in service.library)
         self.idempotency = IdempotencyStore()
+        # X-Request-Id -> the identity of the key that used it ("" without keys).
+        self._id_owners: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.anthropic = AnthropicMessages(self.largest_context)
         self.openai = Protocol()
         self.openai.reasoning_field = service.config.server.reasoning_field
@@ -210,7 +217,7 @@ class HttpApp:
         translate to an OpenAI body, check, then admit and run it (or replay
         an Idempotency-Key's result)."""
         protocol = protocol or self.openai
-        request_id = clean_request_id(request.headers.get("x-request-id")) or new_request_id()
+        request_id = self._request_id(request)
         base_headers = {"X-Request-Id": request_id}
         try:
             body = await read_json_object(request)
@@ -219,8 +226,9 @@ class HttpApp:
             kind, body = translated.kind, translated.body
             if translated.load_only:
                 return self._load_only(request, translated, protocol)
-            checked = validate(body, kind, self.model_names, self.largest_context,
-                               logprobs=self.service.supports_logprobs, remote_images=self.remote_images.allowed)
+            checked = validate(body, kind, self.access.names_seen_by(principal_of(request.scope), self.model_names),
+                               self.largest_context, logprobs=self.service.supports_logprobs,
+                               remote_images=self.remote_images.allowed)
             await self._constrain(body, checked)
             routing = routing_headers(request)
             request.state.degraded_note = degraded_note.wanted(request.headers.get(degraded_note.NOTE_HEADER),
@@ -240,35 +248,61 @@ class HttpApp:
             if unfetched is not None:
                 return unfetched
             return await self._admit_and_run(request, translated, request_id, routing, checked, protocol)
+        # Each API key's Idempotency-Keys are its own: another key sending the same one (and
+        # body) runs its own request, and learns nothing of the first.
+        principal = principal_of(request.scope)
+        owner = principal.identity if principal is not None else ""
         # The request as the client sent it, image addresses and not their bytes: a retry with
         # its key is answered from the first run's result without fetching anything again.
         fingerprint = hashlib.sha256(json.dumps([protocol.name, kind.value, body, translated.context_cap,
                                                  translated.keep_alive_s], sort_keys=True).encode()).hexdigest()
         try:
-            entry = self.idempotency.lookup(idempotency_key, fingerprint)
+            entry = self.idempotency.lookup(idempotency_key, fingerprint, owner)
             if entry is not None:
                 return await _replay_idempotent(self.idempotency, entry, base_headers)
         except JobFailed as failure:
             return protocol.failed(failure, base_headers)
         # Claimed before any await: a twin arriving meanwhile finds the claim
         # and waits for this result instead of running again.
-        claim = self.idempotency.claim(idempotency_key, fingerprint, request_id)
+        claim = self.idempotency.claim(idempotency_key, fingerprint, request_id, owner)
         try:
             unfetched = await self._unfetched(translated, checked, protocol, request_id)
             if unfetched is not None:
                 # Not kept for the key: an image server that was down may be up for the retry.
-                self.idempotency.forget(idempotency_key, request_id)
+                self.idempotency.forget(idempotency_key, request_id, owner)
                 _resolve(claim, _recorded_json(unfetched))
                 return unfetched
             response = await self._admit_and_run(request, translated, request_id, routing, checked, protocol)
         except BaseException:
-            self.idempotency.forget(idempotency_key, request_id)
+            self.idempotency.forget(idempotency_key, request_id, owner)
             _resolve(claim, ("json", 500, {}, protocol.error(
                 500, "the first request with this Idempotency-Key failed inside the server; retry it",
                 "internal_error").body))
             raise
-        _settle_claim(self.idempotency, claim, idempotency_key, request_id, response)
+        _settle_claim(self.idempotency, claim, idempotency_key, owner, request_id, response)
         return response
+
+    def _request_id(self, request: Request) -> str:
+        """The client's X-Request-Id while it names no other request: one
+        never used, or the same key's still in flight (a twin, refused with
+        a 409). An id an ended request or another key used gets a new one
+        (the answer's X-Request-Id says which): ids stay unique, so no key
+        reads another's decisions or cancels its work, and reusing one is
+        not taken for a second execution of the first."""
+        asked = clean_request_id(request.headers.get("x-request-id"))
+        if asked is None or asked not in self._id_owners:
+            return asked or new_request_id()
+        principal = principal_of(request.scope)
+        if self._id_owners[asked] == (principal.identity if principal is not None else "") \
+                and self.service.request_in_flight(asked):
+            return asked
+        return new_request_id()
+
+    def _remember_id(self, request_id: str, principal: ApiKey | None) -> None:
+        self._id_owners[request_id] = principal.identity if principal is not None else ""
+        self._id_owners.move_to_end(request_id)
+        while len(self._id_owners) > REMEMBERED_REQUEST_IDS:
+            self._id_owners.popitem(last=False)
 
     async def _unfetched(self, translated: Translated, checked: Checked, protocol: Protocol,
                          request_id: str) -> Response | None:
@@ -327,6 +361,7 @@ class HttpApp:
             return protocol.error(409, f"a request with X-Request-Id {request_id!r} is already in flight; "
                                   "send a new id, or an Idempotency-Key to share its result", "duplicate_request_id",
                                   headers=base_headers)
+        self._remember_id(request_id, principal_of(request.scope))
         request.state.usage_name = usage_name(principal_of(request.scope), job.client)
         try:
             self.access.admit(request, job, model_host)
@@ -471,19 +506,19 @@ def _route_headers(job: Job, model_host: ModelHost) -> dict[str, str]:
     return headers
 
 
-def _settle_claim(store: IdempotencyStore, claim: asyncio.Future, key: str, request_id: str,
+def _settle_claim(store: IdempotencyStore, claim: asyncio.Future, key: str, owner: str, request_id: str,
                   response: Response) -> None:
     """Keep a result (an answer, or a client error that would repeat); let
     go of the key after a failure, so a retry with it runs for real."""
     if isinstance(response, RecordedStream):
         def finished(recorded, completed: bool) -> None:
             if not completed:
-                store.forget(key, request_id)
+                store.forget(key, request_id, owner)
             _resolve(claim, recorded)
         response.on_finish = finished
         return
     if response.status_code >= 500 or response.status_code in (408, 409, 499):
-        store.forget(key, request_id)
+        store.forget(key, request_id, owner)
     _resolve(claim, _recorded_json(response))
 
 

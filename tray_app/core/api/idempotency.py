@@ -61,7 +61,9 @@ class IdempotencyStore:
         self._max_entries = max_entries
         self._max_bytes = max_bytes
         self._wait_timeout_s = wait_timeout_s
-        self._entries: collections.OrderedDict[str, IdempotencyEntry] = collections.OrderedDict()
+        # (owner, key) -> its entry: an owner is an API key's identity ("" with
+        # no keys), so one key's Idempotency-Keys are not another's.
+        self._entries: collections.OrderedDict[tuple[str, str], IdempotencyEntry] = collections.OrderedDict()
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -81,22 +83,23 @@ class IdempotencyStore:
                             f"(this one has {len(key)}); a UUID is a good key",
                             param="Idempotency-Key")
 
-    def lookup(self, key: str, fingerprint: str) -> IdempotencyEntry | None:
-        """The entry a retry should answer from, None if the key is new.
-        Raises JobFailed (422) for a key reused with another body."""
+    def lookup(self, key: str, fingerprint: str, owner: str = "") -> IdempotencyEntry | None:
+        """The entry a retry should answer from, None if the key is new to
+        its owner. Raises JobFailed (422) for a key reused with another body."""
         self.check_key(key)
         self._expire()
-        entry = self._entries.get(key)
+        entry = self._entries.get((owner, key))
         if entry is not None and entry.fingerprint != fingerprint:
             raise JobFailed(422, "idempotency_key_reused",
                             f"Idempotency-Key {key!r} was already used with a different request body in the last "
                             f"{self._ttl_s / 60:g} minutes; use a new key for a new request")
         return entry
 
-    def claim(self, key: str, fingerprint: str, job_id: str) -> asyncio.Future:
+    def claim(self, key: str, fingerprint: str, job_id: str, owner: str = "") -> asyncio.Future:
         """Take the key for a request about to run. Call with no await since
         lookup(), so a twin arriving meanwhile finds the claim and waits."""
         future = asyncio.get_running_loop().create_future()
+        key = (owner, key)
         self._drop(key)
         entry = IdempotencyEntry(fingerprint, self._clock(), job_id, future)
         self._entries[key] = entry
@@ -113,14 +116,14 @@ class IdempotencyStore:
                 self._drop_oldest()
         return future
 
-    def forget(self, key: str, job_id: str | None = None) -> None:
+    def forget(self, key: str, job_id: str | None = None, owner: str = "") -> None:
         """Let go of a key after a failure, so a retry with it runs for real.
         With job_id, only that request's claim (not a newer one) is dropped."""
-        entry = self._entries.get(key)
+        entry = self._entries.get((owner, key))
         if entry is not None and (job_id is None or entry.job_id == job_id):
-            self._drop(key)
+            self._drop((owner, key))
 
-    def _recorded(self, key: str, entry: IdempotencyEntry) -> None:
+    def _recorded(self, key: tuple[str, str], entry: IdempotencyEntry) -> None:
         """Count an answer's bytes once it is recorded, and make room for it.
         Twins already waiting have it through the future either way."""
         if self._entries.get(key) is not entry or entry.done.cancelled() or entry.done.exception() is not None:
@@ -136,7 +139,7 @@ class IdempotencyStore:
         while self._bytes > self._max_bytes:
             self._drop(next(recorded))
 
-    def _drop(self, key: str) -> None:
+    def _drop(self, key: tuple[str, str]) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._bytes -= entry.recorded_bytes

@@ -9,6 +9,7 @@ requests it may cancel, and the usage each request is counted under.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -21,10 +22,11 @@ from starlette.requests import Request
 from ..dispatch.admission import Reason
 from ..dispatch.jobs import Job, JobFailed
 from ..embeddings.path import EmbeddingResult
-from ..access.keys import ApiKey
+from ..access.keys import LEGACY_KEY_NAME, TRAY_KEY_NAME, ApiKey, KeyStore
 from ..access.usage import Outcome, UsageStore
 from .ollama import DEFAULT_TAG
-from .requests import client_name
+from ..dispatch.upstream import path_names_only
+from .requests import ModelNames, client_name
 from .security import principal_of
 
 if TYPE_CHECKING:
@@ -43,6 +45,11 @@ UNKNOWN_CLIENT = "unknown"
 # inference key still finds its own among /status's recent decisions and
 # events (20 of each): a few hundred is plenty, and bounded.
 RECENT_OWNERS = 512
+# How often a named key's running requests look for its revocation: one
+# stat of the keys file, only while such a request runs.
+REVOCATION_CHECK_S = 1.0
+# Keys that no file revokes: [server] api_key and the tray's own.
+_UNREVOCABLE = frozenset({LEGACY_KEY_NAME, TRAY_KEY_NAME})
 
 
 class Refusal(Exception):
@@ -93,8 +100,8 @@ def model_refusal(principal: ApiKey | None, model_host: "ModelHost") -> Refusal 
     # 404 as OpenAI ("does not exist or you do not have access to it"),
     # Anthropic and Ollama answer a model a key can't use: the client's
     # handling of an unusable model name applies.
-    return Refusal(404, f"the key {principal.name!r} may not use the model {model_host.model_id!r}; it may use: "
-                   f"{', '.join(principal.models)}", "model_not_found")
+    return Refusal(404, f"the model {model_host.model_id!r} does not exist, or the key {principal.name!r} may not "
+                   f"use it; it may use: {', '.join(principal.models)}", "model_not_found")
 
 
 def retry_after_s(expected_ends: Iterable[float | None], now: float) -> int:
@@ -129,6 +136,35 @@ def visible_status(status: dict[str, Any], viewer: str, owns: Callable[[str], bo
     return seen
 
 
+# Numbers that say how the machine runs its processes, not how it serves.
+_PROCESS_FIELDS = frozenset({"pid", "gpu_pid", "port"})
+
+
+def layout_hidden(status: dict[str, Any], visible_model: Callable[[str], bool]) -> dict[str, Any]:
+    """/status without how the machine is laid out, for an inference key:
+    no folders in any path (a model's or a log's file name stays), no
+    process ids or loopback ports, no peers' addresses, and only the library
+    models the key may use. What it needs to use the service stays: states,
+    memory, queues, contexts, reasons."""
+    def scrub(value: Any, key: str = "") -> Any:
+        if key in _PROCESS_FIELDS:
+            return None
+        if isinstance(value, str):
+            return path_names_only(value)
+        if isinstance(value, dict):
+            return {k: scrub(v, k) for k, v in value.items() if k != "simulated_device_dir"}
+        if isinstance(value, list):
+            return [scrub(item) for item in value]
+        return value
+
+    seen = scrub(status)
+    seen["service"]["pid"] = 0  # always a number in the contract
+    seen["ram"]["rss_mib_by_pid"] = {}
+    seen["peers"] = []
+    seen["models"] = [model for model in seen["models"] if visible_model(model["name"])]
+    return seen
+
+
 def visible_metrics(text: str, viewer: str) -> str:
     """/metrics as an inference key sees it: the usage series of its own
     key only (key names are [A-Za-z0-9._-], so the label needs no escaping)."""
@@ -153,17 +189,20 @@ def outcome_of(job: Job, failure: JobFailed | None) -> Outcome:
 
 
 class KeyAccess:
-    def __init__(self, service: "Service", usage: UsageStore) -> None:
+    def __init__(self, service: "Service", usage: UsageStore, keys: KeyStore | None = None) -> None:
         self.service = service
         self.usage = usage
-        # request id -> (its job, the key name that owns it); an entry lives
-        # while its job is registered with a dispatcher, no longer.
+        # request id -> (its job, the identity of the key that owns it); an
+        # entry lives while its job is registered with a dispatcher, no longer.
         self._owners: dict[str, tuple[Job, str]] = {}
-        # Key name -> its slots held by work that is no dispatcher's job.
+        # Key identity -> its slots held by work that is no dispatcher's job.
         self._leases: Counter[str] = Counter()
-        # Request id -> key name, the last RECENT_OWNERS requests admitted.
+        # Request id -> key identity, the last RECENT_OWNERS requests admitted.
         self._recent_owners: OrderedDict[str, str] = OrderedDict()
         self._saving: asyncio.Future | None = None
+        # The named keys, read to end a revoked key's running requests.
+        self._keys = keys
+        self._revocation_watch: asyncio.Task | None = None
 
     # ----- limits ---------------------------------------------------------------
 
@@ -177,8 +216,10 @@ class KeyAccess:
             return
         self._check(principal, model_host)
         self._prune()
-        self._owners[job.id] = (job, principal.name)
-        self._remember(job.id, principal.name)
+        self._owners[job.id] = (job, principal.identity)
+        self._remember(job.id, principal.identity)
+        if principal.sha256 and self._keys is not None and self._revocation_watch is None:
+            self._revocation_watch = asyncio.get_running_loop().create_task(self._end_revoked())
 
     @contextmanager
     def holding(self, request: Request, model_host: "ModelHost | None" = None) -> Iterator[None]:
@@ -196,8 +237,8 @@ class KeyAccess:
         if principal is None:
             return None
         self._check(principal, model_host)
-        self._leases[principal.name] += 1
-        return principal.name
+        self._leases[principal.identity] += 1
+        return principal.identity
 
     def _release(self, holder: str | None) -> None:
         if holder is not None:
@@ -207,19 +248,19 @@ class KeyAccess:
         refusal = model_refusal(principal, model_host) if model_host is not None else None
         if refusal is not None:
             raise refusal
-        running = self.running(principal.name)
+        running = self.running(principal.identity)
         if principal.max_concurrency is not None and running >= principal.max_concurrency:
             # On Job.created_at's clock.
             ends = [expected_end(job) for job, owner in self._owners.values()
-                    if owner == principal.name and self._live(job)]
+                    if owner == principal.identity and self._live(job)]
             wait_s = retry_after_s(ends, time.monotonic())
             raise Refusal(429, f"the key {principal.name!r} has {running} requests in flight, its limit "
                           f"(max concurrency {principal.max_concurrency}); retry when one finishes",
                           "key_concurrency_limit", {"Retry-After": str(wait_s)})
 
-    def running(self, name: str) -> int:
-        jobs = sum(1 for job, owner in self._owners.values() if owner == name and self._live(job))
-        return jobs + self._leases[name]
+    def running(self, identity: str) -> int:
+        jobs = sum(1 for job, owner in self._owners.values() if owner == identity and self._live(job))
+        return jobs + self._leases[identity]
 
     @staticmethod
     def keep_alive(principal: ApiKey | None, seconds: float | None) -> float | None:
@@ -230,6 +271,14 @@ class KeyAccess:
         over the admin's Load. An admin key, or no keys, sets it as Ollama does."""
         return seconds if principal is None or principal.is_admin else None
 
+    def names_seen_by(self, principal: ApiKey | None, names: ModelNames) -> ModelNames:
+        """The model names as a key sees them: an unknown model's 404 lists
+        only the models the key may use, as /v1/models does."""
+        if principal is None or not principal.models:
+            return names
+        served = frozenset(n for n in names.served if model_allowed(principal, model_host_named(self.service, n)))
+        return dataclasses.replace(names, served=served)
+
     def usable_model_host(self, principal: ApiKey | None, model_host: "ModelHost") -> "ModelHost":
         """`model_host`, or a Refusal when `principal` may not use its model."""
         refusal = model_refusal(principal, model_host)
@@ -237,12 +286,12 @@ class KeyAccess:
             raise refusal
         return model_host
 
-    def owns(self, name: str, request_id: str) -> bool:
-        """Whether `request_id` (running, or among the recently ended) was `name`'s."""
-        return self._recent_owners.get(request_id) == name
+    def owns(self, identity: str, request_id: str) -> bool:
+        """Whether `request_id` (running, or among the recently ended) was the key `identity`'s."""
+        return self._recent_owners.get(request_id) == identity
 
-    def _remember(self, request_id: str, name: str) -> None:
-        self._recent_owners[request_id] = name
+    def _remember(self, request_id: str, identity: str) -> None:
+        self._recent_owners[request_id] = identity
         self._recent_owners.move_to_end(request_id)
         while len(self._recent_owners) > RECENT_OWNERS:
             self._recent_owners.popitem(last=False)
@@ -257,10 +306,29 @@ class KeyAccess:
         principal = principal_of(request.scope)
         if principal is None or principal.is_admin or not self.service.request_in_flight(request_id):
             return None
-        if self.owner_of(request_id) == principal.name:
+        if self.owner_of(request_id) == principal.identity:
             return None
         return (f"the request {request_id!r} is not one of the key {principal.name!r}'s; an inference key "
                 "cancels only its own requests (an admin key cancels any)")
+
+    async def _end_revoked(self) -> None:
+        """While a named key's requests run, look at the keys file each
+        REVOCATION_CHECK_S: a key revoked (by the CLI, the tray or the web
+        page) ends its running requests, as it refuses its next ones."""
+        assert self._keys is not None
+        try:
+            while True:
+                await asyncio.sleep(REVOCATION_CHECK_S)
+                self._prune()
+                named = {owner for _, owner in self._owners.values() if owner not in _UNREVOCABLE}
+                if not named:
+                    return
+                for owner in named:
+                    if self._keys.with_identity(owner) is None:
+                        for request_id in [rid for rid, (_, who) in self._owners.items() if who == owner]:
+                            self.service.cancel(request_id, "its API key was revoked")
+        finally:
+            self._revocation_watch = None
 
     def _live(self, job: Job) -> bool:
         return any(model_host.dispatcher.jobs.get(job.id) is job for model_host in self.service.model_hosts.values())
@@ -310,6 +378,8 @@ class KeyAccess:
 
     async def close(self) -> None:
         """Save what the debounce held back: a restart loses no usage."""
+        if self._revocation_watch is not None:
+            self._revocation_watch.cancel()
         if self._saving is not None:
             await asyncio.shield(self._saving)
         await asyncio.to_thread(self.usage.save)

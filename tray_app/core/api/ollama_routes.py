@@ -158,13 +158,16 @@ class OllamaRoutes:
         listed_name, info, sees_images = found[0]
         # A key limited to other models learns nothing of this one: the
         # refusal a chat with it gets (/api/tags doesn't list it either).
-        refusal = model_refusal(principal_of(request.scope), model_host_named(self.service, listed_name))
+        principal = principal_of(request.scope)
+        refusal = model_refusal(principal, model_host_named(self.service, listed_name))
         if refusal is not None:
             return error(refusal.status, refusal.message)
         service = self.service
         capabilities = model_capabilities(sees_images)
+        # The file's folder is the machine's layout: an admin's to see.
+        source = info.path if principal is None or principal.is_admin else info.path.name
         return JSONResponse({
-            "license": "", "modelfile": f"# served by tray-app from {info.path.name}\nFROM {info.path}\n",
+            "license": "", "modelfile": f"# served by tray-app from {info.path.name}\nFROM {source}\n",
             "parameters": f"num_ctx {service.config.gpu.n_ctx}",
             "template": info.chat_template or "", "details": model_details(info),
             "model_info": model_info_fields(info, service.config.gpu.n_ctx),

@@ -27,13 +27,12 @@ item references.
 from __future__ import annotations
 
 import collections
-import copy
 import hashlib
 import json
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -44,14 +43,20 @@ from .errors import error_response
 from .ollama_routes import Complete
 from .openai_request import IMAGE_PART_TYPES, InvalidRequest, assemble_content, image_data_uri, image_part
 from .protocol import Protocol, StreamEncoder, Translated
+from .security import principal_of
 
 _Invalid = InvalidRequest
 
 # Past responses kept for previous_response_id and GET /v1/responses/{id}:
-# bounded by count and by bytes, the oldest dropped first. A follow-up whose
-# previous response was dropped gets a 404 and resends the conversation.
+# bounded by count and by bytes, per caller and in all. A caller past its own
+# bound drops its own oldest; past the whole store's, the caller holding the
+# most drops its oldest, so one key's traffic can't push out another's. A
+# follow-up whose previous response was dropped gets a 404 and resends the
+# conversation.
 MAX_STORED_RESPONSES = 512
 MAX_STORED_BYTES = 64 * 1024 * 1024
+MAX_STORED_RESPONSES_PER_CALLER = 128
+MAX_STORED_BYTES_PER_CALLER = 16 * 1024 * 1024
 
 # Why a stored response may be gone, for the 404s.
 _WHY_GONE = "it was sent with store false, deleted, dropped to make room, or made before a restart"
@@ -71,18 +76,26 @@ TRUNCATION_MODES = ("auto", "disabled")
 class StoredResponse:
     response: dict[str, Any]           # the Response object as it was answered
     conversation: list[dict[str, Any]]  # its input and output as chat messages, for a follow-up
-    size: int
 
 
 class ResponseStore:
     """Past responses, keyed by (caller, id) so one caller can't read or
-    continue another's. In memory only: a restart forgets them."""
+    continue another's. Each is held as its JSON text, the size counted:
+    parsed objects take ten times their text, and a bound on text must be a
+    bound on memory. In memory only: a restart forgets them."""
 
-    def __init__(self, max_responses: int = MAX_STORED_RESPONSES, max_bytes: int = MAX_STORED_BYTES) -> None:
+    def __init__(self, max_responses: int = MAX_STORED_RESPONSES, max_bytes: int = MAX_STORED_BYTES,
+                 per_caller_responses: int = MAX_STORED_RESPONSES_PER_CALLER,
+                 per_caller_bytes: int = MAX_STORED_BYTES_PER_CALLER) -> None:
         self._max_responses = max_responses
         self._max_bytes = max_bytes
-        self._entries: collections.OrderedDict[tuple[str, str], StoredResponse] = collections.OrderedDict()
+        self._per_caller_responses = per_caller_responses
+        self._per_caller_bytes = per_caller_bytes
+        # (caller, id) -> the JSON text of [response, conversation]; insertion order is age.
+        self._entries: collections.OrderedDict[tuple[str, str], bytes] = collections.OrderedDict()
         self._bytes = 0
+        self._by_caller: collections.Counter[str] = collections.Counter()        # bytes held per caller
+        self._count_by_caller: collections.Counter[str] = collections.Counter()  # responses per caller
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -92,38 +105,57 @@ class ResponseStore:
         return self._bytes
 
     def put(self, caller: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
-        """Keep a response; False when it alone is over the byte cap (it is
-        then not kept: a follow-up naming it gets a 404)."""
-        # Serialized once: the size to count, and a copy no caller can change later.
-        text = json.dumps([response, conversation], separators=(",", ":"))
-        size = len(text)
-        if size > self._max_bytes:
+        """Keep a response; False when it alone is over the caller's byte cap
+        (it is then not kept: a follow-up naming it gets a 404)."""
+        text = json.dumps([response, conversation], separators=(",", ":")).encode()
+        if len(text) > min(self._per_caller_bytes, self._max_bytes):
             return False
-        kept_response, kept_conversation = json.loads(text)
         self.delete(caller, response["id"])
-        self._entries[(caller, response["id"])] = StoredResponse(kept_response, kept_conversation, size)
-        self._bytes += size
+        self._entries[(caller, response["id"])] = text
+        self._held(caller, len(text), 1)
+        while (self._by_caller[caller] > self._per_caller_bytes
+               or self._count_by_caller[caller] > self._per_caller_responses):
+            self._drop_oldest_of(caller)
         while len(self._entries) > self._max_responses or self._bytes > self._max_bytes:
-            _, dropped = self._entries.popitem(last=False)
-            self._bytes -= dropped.size
+            self._drop_oldest_of(self._by_caller.most_common(1)[0][0])
         return True
 
     def get(self, caller: str, response_id: str) -> StoredResponse | None:
-        return self._entries.get((caller, response_id))
+        text = self._entries.get((caller, response_id))
+        if text is None:
+            return None
+        response, conversation = json.loads(text)
+        return StoredResponse(response, conversation)
 
     def delete(self, caller: str, response_id: str) -> bool:
-        entry = self._entries.pop((caller, response_id), None)
-        if entry is None:
+        text = self._entries.pop((caller, response_id), None)
+        if text is None:
             return False
-        self._bytes -= entry.size
+        self._held(caller, -len(text), -1)
         return True
 
+    def _held(self, caller: str, size: int, count: int) -> None:
+        self._bytes += size
+        self._by_caller[caller] += size
+        self._count_by_caller[caller] += count
+        if not self._count_by_caller[caller]:
+            del self._by_caller[caller], self._count_by_caller[caller]
 
-def caller_of(headers: Mapping[str, str]) -> str:
-    """Whose stored responses a request may use: a hash of the API key it
-    offered (Authorization: Bearer, or x-api-key). The server has one key
-    today, so every keyed client shares one namespace; without a key
-    configured, clients that send different placeholder keys are kept apart."""
+    def _drop_oldest_of(self, caller: str) -> None:
+        oldest = next(key for key in self._entries if key[0] == caller)
+        self.delete(*oldest)
+
+
+def caller_of(request: Request) -> str:
+    """Whose stored responses a request may use: its key's identity (a web
+    page's session is its login's key), so each key, and each key made
+    again under an old name, has its own. With no keys, a hash of the
+    placeholder key the client sent, so clients that send different ones
+    are kept apart."""
+    principal = principal_of(request.scope)
+    if principal is not None:
+        return f"key:{principal.identity}"
+    headers = request.headers
     authorization = headers.get("authorization") or ""
     offered = (authorization[7:] if authorization.lower().startswith("bearer ") else headers.get("x-api-key")) or ""
     return hashlib.sha256(offered.strip().encode()).hexdigest()
@@ -278,6 +310,26 @@ def _response_format(text: Any) -> dict[str, Any] | None:
         return {"type": "json_schema", "json_schema": {"name": name, "schema": fmt["schema"]}}
     raise _Invalid(400, "'text.format.type' must be 'text', 'json_object' or 'json_schema'", "invalid_value",
                    "text.format.type")
+
+
+# What a Response object echoes of the request's text and tools: the fields
+# they define, not whatever else a client put in them (it would be stored,
+# and sent back on every GET).
+_FORMAT_FIELDS = ("type", "name", "description", "schema", "strict")
+_TOOL_FIELDS = ("type", "name", "description", "parameters", "strict")
+
+
+def _echoed_text(text: Any) -> dict[str, Any]:
+    fmt = text.get("format") if isinstance(text, dict) else None
+    echoed: dict[str, Any] = {"format": {k: fmt[k] for k in _FORMAT_FIELDS if k in fmt}
+                              if isinstance(fmt, dict) else {"type": "text"}}
+    if isinstance(text, dict) and isinstance(text.get("verbosity"), str):
+        echoed["verbosity"] = text["verbosity"]
+    return echoed
+
+
+def _echoed_tools(tools: Any) -> list[dict[str, Any]]:
+    return [{k: tool[k] for k in _TOOL_FIELDS if k in tool} for tool in tools or [] if isinstance(tool, dict)]
 
 
 # Fields that ask for something this server does not do, with what to do instead.
@@ -458,7 +510,7 @@ class ResponsesProtocol(Protocol):
             if stored is None:
                 raise _Invalid(404, f"no stored response has id {previous!r}: {_WHY_GONE}; resend the conversation "
                                "as input", "previous_response_not_found", "previous_response_id")
-            prefix = copy.deepcopy(stored.conversation)
+            prefix = stored.conversation  # parsed anew from the store's text: this request's own
         chat, self._turn = translate_request(body, self._largest_context, prefix)
         self._request = body
         return Translated(JobKind.CHAT, chat)
@@ -486,8 +538,8 @@ class ResponsesProtocol(Protocol):
             "previous_response_id": request.get("previous_response_id"),
             "reasoning": {"effort": (request.get("reasoning") or {}).get("effort"), "summary": None},
             "store": request.get("store", True) is not False,
-            "temperature": request.get("temperature"), "text": request.get("text") or {"format": {"type": "text"}},
-            "tool_choice": request.get("tool_choice", "auto"), "tools": request.get("tools") or [],
+            "temperature": request.get("temperature"), "text": _echoed_text(request.get("text")),
+            "tool_choice": request.get("tool_choice", "auto"), "tools": _echoed_tools(request.get("tools")),
             "top_p": request.get("top_p"), "truncation": request.get("truncation") or "disabled",
             "usage": usage, "user": request.get("user"), "metadata": request.get("metadata") or {},
         }
@@ -648,19 +700,19 @@ class ResponsesRoutes:
         self.store = store if store is not None else ResponseStore()
 
     async def create(self, request: Request) -> Response:
-        protocol = ResponsesProtocol(self.store, caller_of(request.headers), self._largest_context)
+        protocol = ResponsesProtocol(self.store, caller_of(request), self._largest_context)
         return await self._complete(request, JobKind.CHAT, protocol)
 
     async def retrieve(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        stored = self.store.get(caller_of(request.headers), response_id)
+        stored = self.store.get(caller_of(request), response_id)
         if stored is None:
             return _not_stored(response_id)
         return JSONResponse(stored.response)
 
     async def delete(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        if not self.store.delete(caller_of(request.headers), response_id):
+        if not self.store.delete(caller_of(request), response_id):
             return _not_stored(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 

@@ -18,7 +18,7 @@ import os
 import re
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -53,7 +53,10 @@ SESSION_COOKIE = "tray_app_session"
 CSRF_COOKIE = "tray_app_csrf"
 CSRF_HEADER = "x-csrf-token"
 SESSION_LIFETIME_S = 12 * 3600
-MAX_WEB_SESSIONS = 64
+# Logins held at once: per key (a key's ninth login ends its oldest), and
+# in all (the key with the most gives way), so one key can't log out others.
+MAX_WEB_SESSIONS = 256
+MAX_WEB_SESSIONS_PER_KEY = 8
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # The request line and headers together; the h11 parser enforces the same cap on
 # headers still arriving, this catches ones that arrive in a single packet.
@@ -131,14 +134,14 @@ class AccessPolicy:
         (and the tray, which sends it) keep every right they had."""
         return ApiKey(LEGACY_KEY_NAME, "admin")
 
-    def principal_named(self, name: str) -> ApiKey | None:
+    def principal_with_identity(self, identity: str) -> ApiKey | None:
         """A web session's key, looked up again on each request: a revoked
-        key's sessions end with it."""
-        if name == LEGACY_KEY_NAME:
+        key's sessions end with it, and a new key that took its name is not it."""
+        if identity == LEGACY_KEY_NAME:
             return self.legacy_key() if self.api_key else None
-        if name == TRAY_KEY_NAME:
+        if identity == TRAY_KEY_NAME:
             return ApiKey(TRAY_KEY_NAME, "admin")
-        return self.keys.get(name) if self.keys is not None else None
+        return self.keys.with_identity(identity) if self.keys is not None and identity else None
 
     def host_allowed(self, host_header: str | None) -> bool:
         if not host_header:
@@ -183,28 +186,43 @@ class AccessPolicy:
 class _WebSession:
     csrf_token: str
     expires_at: float
-    # The name of the key the page logged in with: its scope applies to the page.
-    key_name: str = ""
+    # The identity (ApiKey.identity) of the key the page logged in with: its
+    # scope applies to the page, and a key revoked and added again under the
+    # same name is not it.
+    key_identity: str = ""
 
 
 class WebSessions:
     """The web page's logins, kept in memory only: a restart logs the pages
     out, and nothing about them is written to disk."""
 
-    def __init__(self, lifetime_s: float = SESSION_LIFETIME_S, limit: int = MAX_WEB_SESSIONS) -> None:
+    def __init__(self, lifetime_s: float = SESSION_LIFETIME_S, limit: int = MAX_WEB_SESSIONS,
+                 per_key: int = MAX_WEB_SESSIONS_PER_KEY) -> None:
         self.lifetime_s = lifetime_s
         self.limit = limit
+        self.per_key = per_key
         self._sessions: OrderedDict[str, _WebSession] = OrderedDict()
 
-    def create(self, now: float, key_name: str = "") -> tuple[str, str]:
-        """A new session: (session token, CSRF token). The oldest goes when
-        the limit is reached, so repeated logins can't grow the table."""
+    def create(self, now: float, key_identity: str = "") -> tuple[str, str]:
+        """A new session: (session token, CSRF token). Past the key's own
+        limit its oldest session goes; past the table's, the oldest of the
+        key holding the most. Repeated logins can't grow the table, and one
+        key's logins end only its own sessions until it holds the most."""
         self._expire(now)
+        while self._count(key_identity) >= self.per_key:
+            self._end_oldest_of(key_identity)
         while len(self._sessions) >= self.limit:
-            self._sessions.popitem(last=False)
+            counts = Counter(s.key_identity for s in self._sessions.values())
+            self._end_oldest_of(counts.most_common(1)[0][0])
         token, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
-        self._sessions[token] = _WebSession(csrf, now + self.lifetime_s, key_name)
+        self._sessions[token] = _WebSession(csrf, now + self.lifetime_s, key_identity)
         return token, csrf
+
+    def _count(self, key_identity: str) -> int:
+        return sum(1 for s in self._sessions.values() if s.key_identity == key_identity)
+
+    def _end_oldest_of(self, key_identity: str) -> None:
+        del self._sessions[next(t for t, s in self._sessions.items() if s.key_identity == key_identity)]
 
     def csrf_for(self, token: str | None, now: float) -> str | None:
         """The CSRF token of a live session, or None for an unknown or expired one."""
@@ -218,9 +236,9 @@ class WebSessions:
             return None
         return session.csrf_token
 
-    def key_name(self, token: str | None) -> str:
+    def key_identity(self, token: str | None) -> str:
         session = self._sessions.get(token or "")
-        return session.key_name if session is not None else ""
+        return session.key_identity if session is not None else ""
 
     def end(self, token: str | None) -> None:
         self._sessions.pop(token or "", None)
@@ -344,7 +362,7 @@ class AccessGuard:
             session = cookie_value(headers.get("cookie"), SESSION_COOKIE)
             csrf = self.sessions.csrf_for(session, self._clock())
             if csrf is not None:
-                principal = self.policy.principal_named(self.sessions.key_name(session))
+                principal = self.policy.principal_with_identity(self.sessions.key_identity(session))
                 if principal is None:  # its key was revoked since the login
                     self.sessions.end(session)
                     return self._wrong_key(scope, headers, "")
@@ -412,7 +430,7 @@ class AccessGuard:
         if refusal is not None:
             return refusal
         principal = principal_of(scope)
-        token, csrf = self.sessions.create(self._clock(), principal.name if principal is not None else "")
+        token, csrf = self.sessions.create(self._clock(), principal.identity if principal is not None else "")
         answer = {"logged_in": True, "key_required": True,
                   "scope": principal.scope if principal is not None else "admin"}
         return (200, [(b"content-type", b"application/json"),

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..service import Service
-from .key_access import KeyAccess, visible_metrics, visible_status
+from .key_access import KeyAccess, layout_hidden, model_allowed, model_host_named, visible_metrics, visible_status
 from .openapi import build_openapi
 from .requests import MAX_MESSAGES
 from .security import principal_of
@@ -34,8 +34,10 @@ class ServiceRoutes:
         status = {**self.service.status(), "usage": self.access.usage.snapshot()}
         principal = principal_of(request.scope)
         if principal is not None and not principal.is_admin:
-            status = visible_status(status, principal.name, lambda request_id: self.access.owns(principal.name,
+            status = visible_status(status, principal.name, lambda request_id: self.access.owns(principal.identity,
                                                                                                request_id))
+            status = layout_hidden(status, lambda name: model_allowed(
+                principal, model_host_named(self.service, name)))
         return JSONResponse(status)
 
     async def metrics(self, request: Request) -> Response:

@@ -420,6 +420,12 @@ def upstream_error_text(raw: bytes) -> str:
 _PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.\-+@~]+){2,}")
 
 
+def path_names_only(text: str) -> str:
+    """`text` with each file system path cut to its last part: the model's
+    file name says which model, its folder says how the machine is laid out."""
+    return _PATH.sub(lambda match: re.split(r"[\\/]", match.group(0))[-1], text)
+
+
 def client_safe(message: str) -> str:
     """A worker's error message as a client may see it: one line, no
     traceback, no file system paths (they tell an attacker the install

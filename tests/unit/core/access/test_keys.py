@@ -102,7 +102,7 @@ def test_the_trays_own_key_is_an_admin_key_when_named_keys_close_the_port(store)
     store.add("phone")
     passed, tray = policy.authenticate(f"Bearer {process_admin_key()}")
     assert passed and tray is not None and tray.name == "tray" and tray.is_admin
-    assert policy.principal_named("tray") == tray
+    assert policy.principal_with_identity("tray") == tray
 
 
 def test_revoking_the_last_key_leaves_the_check_on(store):

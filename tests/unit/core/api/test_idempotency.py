@@ -98,3 +98,16 @@ def test_a_key_that_is_not_printable_ascii_is_a_400(key):
         IdempotencyStore.check_key(key)
     assert (caught.value.status, caught.value.code) == (400, "invalid_idempotency_key")
     assert "printable ASCII" in caught.value.message
+
+
+async def test_each_owner_has_its_own_keys():
+    """Key B sending key A's Idempotency-Key and body used to get A's answer;
+    with another body, a 422 that told B the key was in use."""
+    store = IdempotencyStore(FakeClock())
+    store.claim("k", "fp", "req-a", owner="key-a").set_result(json_answer(10))
+    await asyncio.sleep(0)
+    assert store.lookup("k", "fp", owner="key-a") is not None
+    assert store.lookup("k", "fp", owner="key-b") is None
+    assert store.lookup("k", "other body", owner="key-b") is None
+    with pytest.raises(JobFailed):
+        store.lookup("k", "other body", owner="key-a")

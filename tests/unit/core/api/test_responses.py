@@ -8,7 +8,11 @@ import json
 
 import pytest
 
+from starlette.requests import Request
+
+from tray_app.core.access.keys import ApiKey
 from tray_app.core.api.openai_request import InvalidRequest
+from tray_app.core.api.security import PRINCIPAL_SCOPE_KEY
 from tray_app.core.api.responses import (
     ResponseStore, ResponsesProtocol, caller_of, convert_items, translate_request,
 )
@@ -205,10 +209,50 @@ def test_the_store_keeps_a_copy():
     assert store.get("me", "a").conversation[0]["content"] == "hi"
 
 
-def test_callers_are_told_apart_by_the_key_they_offer():
-    assert caller_of({"authorization": "Bearer k1"}) == caller_of({"x-api-key": "k1"})
-    assert caller_of({"authorization": "Bearer k1"}) != caller_of({"authorization": "Bearer k2"})
-    assert "k1" not in caller_of({"authorization": "Bearer k1"})
+def request_with(headers: dict[str, str], principal: ApiKey | None = None) -> Request:
+    scope = {"type": "http", "headers": [(k.encode(), v.encode()) for k, v in headers.items()], "extensions": {}}
+    if principal is not None:
+        scope["extensions"][PRINCIPAL_SCOPE_KEY] = principal
+    return Request(scope)
+
+
+def test_without_keys_callers_are_told_apart_by_the_placeholder_key_they_offer():
+    def caller(**headers):
+        return caller_of(request_with(headers))
+    assert caller(authorization="Bearer k1") == caller(**{"x-api-key": "k1"})
+    assert caller(authorization="Bearer k1") != caller(authorization="Bearer k2")
+    assert "k1" not in caller(authorization="Bearer k1")
+
+
+def test_with_keys_the_caller_is_the_keys_identity_not_its_name():
+    """A web page's session carries no key header: its login's key is the
+    caller, so two keys' pages don't share one namespace, and a key made
+    again under a revoked key's name doesn't inherit its responses."""
+    old, new = ApiKey("phone", "inference", sha256="a" * 64), ApiKey("phone", "inference", sha256="b" * 64)
+    assert caller_of(request_with({}, old)) != caller_of(request_with({}, new))
+    assert caller_of(request_with({}, old)) == caller_of(request_with({"authorization": "Bearer x"}, old))
+
+
+def test_one_callers_responses_never_push_out_anothers():
+    one = len(json.dumps([stored("a", "x" * 100), []], separators=(",", ":")))
+    store = ResponseStore(max_bytes=10 * one, per_caller_bytes=3 * one, per_caller_responses=100)
+    store.put("quiet", stored("kept", "x" * 100), [])
+    for index in range(50):
+        store.put("flood", stored(f"f{index}", "x" * 100), [])
+    assert store.get("quiet", "kept") is not None
+    # The flood holds what its own bound allows, its newest; the rest went.
+    assert store._by_caller["flood"] <= 3 * one < store._by_caller["flood"] + one + 10
+    assert store.get("flood", "f49") is not None and store.get("flood", "f45") is None
+
+
+def test_the_store_holds_text_and_counts_what_it_holds():
+    """64 MiB of bound is 64 MiB held: each response is kept as its JSON
+    text, not as parsed objects ten times the size."""
+    store = ResponseStore()
+    big = stored("big", "x" * 1_000_000)
+    store.put("me", big, [])
+    assert 1_000_000 < store.stored_bytes < 1_000_200
+    assert sum(len(text) for text in store._entries.values()) == store.stored_bytes
 
 
 # ----- the answer ------------------------------------------------------------------------------
@@ -340,3 +384,14 @@ def test_errors_from_the_chat_checks_name_the_responses_fields():
     error = json.loads(refused.body)["error"]
     assert error["param"] == "text.format.schema" and error["message"].startswith("'text.format.schema'")
     assert json.loads(protocol.error(400, "bad", "x", "temperature").body)["error"]["param"] == "temperature"
+
+
+def test_the_response_echoes_only_the_fields_text_and_tools_define():
+    junk = "x" * 10_000
+    protocol, job = protocol_for({"model": "m", "input": "Hi", "tools": [{**WEATHER, "junk": junk}],
+                                  "text": {"format": {"type": "json_object", "junk": junk}, "junk": junk}})
+    answer = protocol.answer({"model": "m", "choices": [{"message": {"role": "assistant", "content": "{}"},
+                                                          "finish_reason": "stop"}]}, job)
+    assert answer["tools"] == [WEATHER]
+    assert answer["text"] == {"format": {"type": "json_object"}}
+    assert junk not in json.dumps(answer)
