@@ -8,6 +8,7 @@ import asyncio
 import difflib
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -305,6 +306,17 @@ async def read_json_object(request: Request) -> dict[str, Any]:
 # Deeper than any real request (tool schemas nest a dozen levels at most);
 # deeper structures only exist to exhaust a recursive walker somewhere.
 MAX_JSON_DEPTH = 64
+# What a body may hold, counted on its bytes before anything is parsed: the
+# parser runs on the event loop, holding every other client while it works,
+# and objects cost it ten times what their bytes suggest (4 MB of "{}," is
+# 1.3 million dicts). Each bound is far past a real request (1024 messages,
+# tool schemas of 20,000 values, 500,000 token ids) and keeps the parse of
+# any body to a few tens of milliseconds.
+MAX_JSON_CONTAINERS = 100_000   # objects and arrays
+MAX_JSON_STRINGS = 200_000      # strings, object keys included
+MAX_JSON_SCALARS = 500_000      # items of objects and arrays (commas, roughly)
+_BRACKETS_ONLY = bytes(c for c in range(256) if c not in b"{}[]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _refuse_constant(name: str) -> Any:
@@ -313,39 +325,54 @@ def _refuse_constant(name: str) -> Any:
 
 def parse_json_body(raw: bytes) -> Any:
     """Strict JSON: no NaN/Infinity (they can't be sent back in a response,
-    and no sampling field means anything with them), bounded nesting, and
-    every failure a 400 in the envelope rather than a 500 from a parser."""
+    and no sampling field means anything with them), bounded size of
+    structure and nesting, and every failure a 400 in the envelope rather
+    than a 500 from a parser."""
+    problem = json_size_problem(raw)
+    if problem:
+        raise _Invalid(400, f"the request body {problem}", "invalid_json")
     try:
         body = json.loads(raw, parse_constant=_refuse_constant)
     except RecursionError:
         raise _Invalid(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", "invalid_json") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise _Invalid(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
-    problem = _structure_problem(body, MAX_JSON_DEPTH)
-    if problem:
-        raise _Invalid(400, f"the request body {problem}", "invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):
+        # JSON's "\ud800" escape parses to a lone surrogate, which would fail
+        # later, when the body is encoded for the worker (a 500 from inside,
+        # not a 400 from here). A pair (an emoji) parses to one character.
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise _Invalid(400, "the request body holds an unpaired UTF-16 surrogate escape (such as \\ud800), "
+                           "which is not text", "invalid_json") from None
     return body
 
 
-def _structure_problem(value: Any, limit: int) -> str | None:
-    """Nesting past `limit`, or a string no UTF-8 can carry: JSON's "\ud800"
-    escape parses to a lone surrogate, which would fail later, when the body
-    is encoded for the worker (a 500 from inside, not a 400 from here)."""
-    # Iterative, so the check itself can't be what overflows the stack.
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            if depth > limit:
-                return f"nests deeper than {limit} levels"
-            children = list(item.values()) + list(item.keys()) if isinstance(item, dict) else item
-            stack.extend((child, depth + 1) for child in children)
-        elif isinstance(item, str) and not item.isascii():
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                return "holds an unpaired UTF-16 surrogate escape (such as \\ud800), which is not text"
-    return None
+def json_size_problem(raw: bytes) -> str | None:
+    """How a body's structure is over the bounds, read off its bytes in C
+    speed without parsing it (None when within them). Strings are cut out
+    first, so text full of commas and braces counts as one value."""
+    # With escaped backslashes and quotes gone, every quote left opens or
+    # closes a string (outside strings JSON has no backslash: such a body
+    # fails to parse anyway).
+    unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    strings = unescaped.count(b'"') // 2
+    if strings > MAX_JSON_STRINGS:
+        return f"holds more than {MAX_JSON_STRINGS} strings"
+    outside = b"".join(unescaped.split(b'"')[0::2])
+    brackets = outside.translate(None, _BRACKETS_ONLY)
+    if (len(brackets) + 1) // 2 > MAX_JSON_CONTAINERS:
+        return f"holds more than {MAX_JSON_CONTAINERS} objects and arrays"
+    if outside.count(b",") > MAX_JSON_SCALARS:
+        return f"holds more than {MAX_JSON_SCALARS} values"
+    # Each pass takes out the innermost pairs: a body still holding
+    # brackets after MAX_JSON_DEPTH passes nests deeper than that.
+    for _ in range(MAX_JSON_DEPTH):
+        if not brackets:
+            return None
+        brackets = brackets.replace(b"[]", b"").replace(b"{}", b"")
+    return f"nests deeper than {MAX_JSON_DEPTH} levels" if brackets else None
 
 
 def requested_limit(body: dict[str, Any]) -> int | None:
