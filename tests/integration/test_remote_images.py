@@ -8,15 +8,19 @@ under a name that is not listed, stays refused."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
 
 from tests.harness import RunningService, running
+from tests.integration.test_keys_and_usage import add_key, bearer
+from tests.tiny_projector import png_bomb
 from tests.integration.test_images import IMAGE_TOKENS, MODEL, PNG, ask, image_config, openai_client, \
     text_prompt_tokens
 
@@ -25,13 +29,20 @@ pytestmark = pytest.mark.integration
 FETCHING = '[server]\nallow_remote_images = true\nremote_image_hosts = ["127.0.0.1"]\n'
 
 
+BOMB = png_bomb(16000, 16000)
+
+
 class ImageServer:
-    """Serves PNG at /cat.png and counts the requests it gets; while `down`, answers 503."""
+    """Serves PNG at /cat.png (and at /slow.png after a second), a 16000 x
+    16000 PNG of 250 KB at /bomb.png, and counts the requests it gets and
+    how many it serves at once; while `down`, answers 503."""
 
     def __init__(self) -> None:
         self.requests: list[str] = []
         self.down = False
+        self.serving_now = self.most_at_once = 0
         served = self
+        lock = threading.Lock()
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
@@ -39,11 +50,21 @@ class ImageServer:
                 if served.down:
                     self.send_error(503)
                     return
-                self.send_response(200)
-                self.send_header("Content-Type", "image/png")
-                self.send_header("Content-Length", str(len(PNG)))
-                self.end_headers()
-                self.wfile.write(PNG)
+                with lock:
+                    served.serving_now += 1
+                    served.most_at_once = max(served.most_at_once, served.serving_now)
+                try:
+                    if self.path == "/slow.png":
+                        time.sleep(1.0)
+                    image = BOMB if self.path == "/bomb.png" else PNG
+                    self.send_response(200)
+                    self.send_header("Content-Type", "image/png")
+                    self.send_header("Content-Length", str(len(image)))
+                    self.end_headers()
+                    self.wfile.write(image)
+                finally:
+                    with lock:
+                        served.serving_now -= 1
 
             def log_message(self, *args) -> None:
                 pass
@@ -51,8 +72,8 @@ class ImageServer:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self._server.server_address[1]
 
-    def url(self, host: str = "127.0.0.1") -> str:
-        return f"http://{host}:{self.port}/cat.png"
+    def url(self, host: str = "127.0.0.1", name: str = "cat.png") -> str:
+        return f"http://{host}:{self.port}/{name}"
 
     @contextlib.contextmanager
     def serving(self):
@@ -171,3 +192,39 @@ def test_a_fetched_image_counts_against_max_body_bytes(tmp_path_factory, images)
     error = refused.json()["error"]
     assert error["code"] == "image_too_large" and error["param"] == "messages[0].content[1]"
     assert "max_body_bytes" in error["message"]
+
+
+def test_a_remote_decompression_bomb_is_refused_before_any_worker_decodes_it(fetching, images):
+    """250 KB that decode to 256 megapixels (1 GiB in the worker, 12 s):
+    refused from its header, named by its part, and no worker's memory moves."""
+    rss_before = {w["role"]: w["rss_mib"] for w in fetching.status()["workers"]}
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client(fetching).chat.completions.create(
+            model=MODEL, messages=ask("What is in the picture?", images.url(name="bomb.png")), max_tokens=2)
+    error = refused.value.body
+    assert error["code"] == "image_too_large" and error["param"] == "messages[0].content[1]"
+    assert "256.0 megapixels" in error["message"]
+    rss_after = {w["role"]: w["rss_mib"] for w in fetching.status()["workers"]}
+    assert all((rss_after[role] or 0) < (rss_before[role] or 0) + 100 for role in rss_before), (rss_before, rss_after)
+
+
+def test_a_keys_remote_images_are_fetched_within_its_concurrency(tmp_path_factory, images):
+    """A key limited to one request at a time started six fetches at once:
+    the fetch now holds one of its slots."""
+    tmp = tmp_path_factory.mktemp("remote-images-key")
+    service = RunningService(tmp, image_config(tmp, cpu_sees=True) + FETCHING)
+    try:
+        service.wait_ready(roles=("gpu",))
+        key = add_key(service, "camera-app", "--max-concurrency", "1")
+        images.most_at_once = 0
+        body = {"model": MODEL, "messages": ask("What is in the picture?", images.url(name="slow.png")),
+                "max_tokens": 2}
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: service.http.post("/v1/chat/completions", json=body, headers=bearer(key),
+                                                                timeout=120), range(6)))
+    finally:
+        service.stop()
+    statuses = sorted(answer.status_code for answer in answers)
+    assert images.most_at_once == 1, statuses
+    assert 200 in statuses and set(statuses) <= {200, 429}
+    assert all(a.json()["error"]["code"] == "key_concurrency_limit" for a in answers if a.status_code == 429)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import hashlib
 import json
 from contextlib import asynccontextmanager
@@ -38,7 +39,7 @@ from .admin_routes import AdminRoutes
 from .idempotency import IdempotencyStore
 from .key_access import KeyAccess, Refusal, model_allowed, model_host_named, usage_name
 from .security import effective_api_key, principal_of
-from .openai_request import InvalidRequest, text_only
+from .openai_request import DECODED_BYTES_PER_PIXEL, InvalidRequest, text_only
 from .anthropic import AnthropicMessages
 from .ollama import DEFAULT_TAG
 from .llamacpp import LlamaCppRoutes
@@ -145,7 +146,7 @@ class HttpApp:
             translated = protocol.translate(body, JobKind.CHAT)
             checked = validate(translated.body, JobKind.CHAT, self.model_names, self.largest_context,
                                remote_images=self.remote_images.allowed)
-            await self.remote_images.fetch_into(translated.body, checked.remote_images)
+            await self.remote_images.fetch_into(translated.body, checked.remote_images, checked.image_pixels)
             await self._constrain(translated.body, checked)
             job = Job(JobRequest(id=new_request_id(), kind=JobKind.CHAT, body=translated.body, stream=False,
                                  images=checked.images))
@@ -244,7 +245,7 @@ class HttpApp:
 
         idempotency_key = request.headers.get("idempotency-key")
         if not idempotency_key:
-            unfetched = await self._unfetched(translated, checked, protocol, request_id)
+            checked, unfetched = await self._fetch_images(request, translated, checked, protocol, request_id)
             if unfetched is not None:
                 return unfetched
             return await self._admit_and_run(request, translated, request_id, routing, checked, protocol)
@@ -266,7 +267,7 @@ class HttpApp:
         # and waits for this result instead of running again.
         claim = self.idempotency.claim(idempotency_key, fingerprint, request_id, owner)
         try:
-            unfetched = await self._unfetched(translated, checked, protocol, request_id)
+            checked, unfetched = await self._fetch_images(request, translated, checked, protocol, request_id)
             if unfetched is not None:
                 # Not kept for the key: an image server that was down may be up for the retry.
                 self.idempotency.forget(idempotency_key, request_id, owner)
@@ -304,18 +305,28 @@ class HttpApp:
         while len(self._id_owners) > REMEMBERED_REQUEST_IDS:
             self._id_owners.popitem(last=False)
 
-    async def _unfetched(self, translated: Translated, checked: Checked, protocol: Protocol,
-                         request_id: str) -> Response | None:
-        """The request's remote images fetched into its body; None when they
-        all came, else the 400 naming the first that didn't. Before admission,
-        so a replay after a worker's fault carries the bytes and never
-        fetches; after an Idempotency-Key's lookup, so a retry doesn't either."""
+    async def _fetch_images(self, request: Request, translated: Translated, checked: Checked, protocol: Protocol,
+                            request_id: str) -> tuple[Checked, Response | None]:
+        """The request's remote images fetched into its body: the checks with
+        their pixels counted, and None when they all came, else the 400
+        naming the first that didn't (or the key's refusal). Before
+        admission, so a replay after a worker's fault carries the bytes and
+        never fetches; after an Idempotency-Key's lookup, so a retry doesn't
+        either; under one of the key's slots, so a key limited to one request
+        at a time fetches for one at a time."""
+        if not checked.remote_images:
+            return checked, None
         try:
-            await self.remote_images.fetch_into(translated.body, checked.remote_images)
+            with self.access.holding(request, self._model_host(translated.body.get("model"))):
+                pixels = await self.remote_images.fetch_into(translated.body, checked.remote_images,
+                                                             checked.image_pixels)
         except _Invalid as bad:
-            return protocol.error(bad.status, bad.message, bad.code, param=bad.param,
-                                  headers={"X-Request-Id": request_id})
-        return None
+            return checked, protocol.error(bad.status, bad.message, bad.code, param=bad.param,
+                                           headers={"X-Request-Id": request_id})
+        except Refusal as refusal:
+            return checked, protocol.error(refusal.status, refusal.message, refusal.code,
+                                           headers={"X-Request-Id": request_id, **refusal.headers})
+        return dataclasses.replace(checked, image_pixels=pixels), None
 
     def _load_only(self, request: Request, translated: Translated, protocol: Protocol) -> Response:
         """Ollama's empty prompt: load the model, or with keep_alive 0 unload
@@ -349,6 +360,7 @@ class HttpApp:
             id=request_id, kind=kind, body=body, stream=bool(body.get("stream")), force_cpu=routing.force_cpu,
             deadline_s=routing.deadline_s, prefer_gpu=routing.prefer_gpu, no_fallback=routing.no_fallback,
             forced_tool=checked.forced_tool, top_logprobs=checked.top_logprobs, images=checked.images,
+            image_decode_mib=checked.image_pixels * DECODED_BYTES_PER_PIXEL / 2**20,
             client=client_name(request.headers.get("x-client-name"), request.headers.get("user-agent")),
             fingerprint=request_fingerprint(kind.value, body),
             model="" if model_host is self.service.default_model_host else model_host.name,

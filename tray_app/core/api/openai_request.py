@@ -32,6 +32,13 @@ TEXT_PART_TYPES = frozenset({"text", "input_text", "refusal"})
 # One image, decoded. Phone photos are 2-8 MB; the bound keeps a hostile
 # part from costing more than the request body limit already allows.
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
+# What a request's images may be once decoded, all of them together: a
+# 243 KB PNG of 16000x16000 decodes to 1 GiB in the worker. Read from each
+# image's header here, without decoding it; 50 megapixels is a 50 MP photo,
+# or four 12 MP ones. The worker decodes each to 3 bytes a pixel and the
+# projector resizes it; admission counts DECODED_BYTES_PER_PIXEL.
+MAX_IMAGE_PIXELS = 50_000_000
+DECODED_BYTES_PER_PIXEL = 4
 # What llama.cpp's image loader (stb_image) reads, by their first bytes.
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 IMAGE_SIGNATURES = {
@@ -75,10 +82,13 @@ class RemoteImage:
 
 @dataclass
 class ImageParts:
-    """What flatten_content found: the images, and those still to fetch."""
+    """What flatten_content found: the images, their pixels once decoded
+    (inline ones; a remote one's are counted when it is fetched), and those
+    still to fetch."""
 
     count: int = 0
     remote: list[RemoteImage] = field(default_factory=list)
+    pixels: int = 0
 
 
 def flatten_content(messages: list[dict[str, Any]], vision: Vision) -> ImageParts:
@@ -106,8 +116,11 @@ def flatten_content(messages: list[dict[str, Any]], vision: Vision) -> ImagePart
                     continue
                 found.count += 1
                 url = part["image_url"]["url"]
+                where = _client_name(content[number], index, number)
                 if is_remote(url):
-                    found.remote.append(RemoteImage(index, number, _client_name(content[number], index, number), url))
+                    found.remote.append(RemoteImage(index, number, where, url))
+                    continue
+                found.pixels = add_image_pixels(found.pixels, data_uri_pixels(url), where)
             message["content"] = assemble_content(parts)
     return found
 
@@ -220,20 +233,83 @@ def decode_image(data: str, where: str) -> bytes:
 
 
 def image_type(raw: bytes, where: str) -> str:
-    """The image's MIME type from its first bytes, checked to be whole; a 400
-    for anything llama.cpp can't decode."""
+    """The image's MIME type from its first bytes, checked to be whole and
+    within the pixel bound; a 400 for anything llama.cpp can't decode."""
     for signature, mime in IMAGE_SIGNATURES.items():
         if raw.startswith(signature):
             problem = damage(raw, mime)
             if problem is not None:
                 raise InvalidRequest(400, f"{where} is a damaged {mime.removeprefix('image/').upper()} ({problem}); "
                                      "send the file again", "invalid_image", where)
+            add_image_pixels(0, image_pixels(raw), where)
             return mime
     if raw[:4] == b"RIFF" and raw[8:12] == b"WEBP":
         raise InvalidRequest(400, f"{where} is a WebP image, which llama.cpp can't decode; send PNG, JPEG, GIF "
                              "or BMP", "unsupported_image_format", where)
     raise InvalidRequest(400, f"{where} is not an image this server reads (PNG, JPEG, GIF or BMP)",
                          "invalid_image", where)
+
+
+def add_image_pixels(total: int, pixels: int, where: str) -> int:
+    """`total` with one more image's pixels; a 400 naming the image when
+    the request's images together pass MAX_IMAGE_PIXELS."""
+    if total + pixels <= MAX_IMAGE_PIXELS:
+        return total + pixels
+    alone = "it is" if not total else "with the images before it, the request's images are"
+    raise InvalidRequest(400, f"{where}: {alone} {(total + pixels) / 1e6:.1f} megapixels once decoded; the limit is "
+                         f"{MAX_IMAGE_PIXELS / 1e6:g} megapixels for a request's images together. Send a smaller "
+                         "image (the model sees it at a few hundred pixels a side anyway)", "image_too_large", where)
+
+
+def data_uri_pixels(uri: str) -> int:
+    """The pixels of a checked data: URI's image (image_data_uri made it)."""
+    return image_pixels(base64.b64decode(uri.partition(",")[2]))
+
+
+def image_pixels(raw: bytes) -> int:
+    """Width times height, read from a checked image's header without
+    decoding it. An image whose size can't be read counts as over the bound."""
+    width = height = 0
+    if raw.startswith(PNG_SIGNATURE):
+        width, height = int.from_bytes(raw[16:20], "big"), int.from_bytes(raw[20:24], "big")
+    elif raw.startswith(b"GIF8"):
+        width, height = int.from_bytes(raw[6:8], "little"), int.from_bytes(raw[8:10], "little")
+    elif raw.startswith(b"BM"):
+        if int.from_bytes(raw[14:18], "little") == 12:  # the old OS/2 header: 16-bit sizes
+            width, height = int.from_bytes(raw[18:20], "little"), int.from_bytes(raw[20:22], "little")
+        else:  # a negative height is a top-down bitmap
+            width = abs(int.from_bytes(raw[18:22], "little", signed=True))
+            height = abs(int.from_bytes(raw[22:26], "little", signed=True))
+    elif raw.startswith(b"\xff\xd8"):
+        width, height = _jpeg_size(raw)
+    return width * height if width and height else MAX_IMAGE_PIXELS + 1
+
+
+# JPEG's start-of-frame markers (C0-CF but C4, C8, CC, which are tables and
+# arithmetic coding): the frame header holds the image's size.
+_JPEG_FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def _jpeg_size(raw: bytes) -> tuple[int, int]:
+    """A JPEG's (width, height) from its first frame header, walking the
+    segments before it (each says its own length); (0, 0) if none is found."""
+    position = 2
+    while position + 9 <= len(raw):
+        if raw[position] != 0xFF:
+            return 0, 0
+        marker = raw[position + 1]
+        if marker == 0xFF:  # fill byte
+            position += 1
+            continue
+        if marker in _JPEG_FRAMES:
+            # The frame header: length, precision, then height and width.
+            height = int.from_bytes(raw[position + 5:position + 7], "big")
+            return int.from_bytes(raw[position + 7:position + 9], "big"), height
+        if 0xD0 <= marker <= 0xD9 or marker == 0x01:  # markers without a length
+            position += 2
+            continue
+        position += 2 + int.from_bytes(raw[position + 2:position + 4], "big")
+    return 0, 0
 
 
 def damage(raw: bytes, mime: str) -> str | None:

@@ -29,7 +29,8 @@ from urllib.parse import urljoin, urlsplit
 import httpcore
 import httpx
 
-from .openai_request import MAX_IMAGE_BYTES, InvalidRequest, RemoteImage, image_bytes_uri
+from .openai_request import (MAX_IMAGE_BYTES, InvalidRequest, RemoteImage, add_image_pixels, image_bytes_uri,
+                             image_pixels)
 
 FETCH_DEADLINE_S = 10.0  # a request's fetches in all: DNS, connections, redirects, the bodies
 MAX_REDIRECTS = 3
@@ -44,12 +45,23 @@ async def system_resolver(host: str, port: int) -> list[str]:
     return [info[4][0] for info in infos]
 
 
+# NAT64 (RFC 6052): a gateway turns 64:ff9b::a.b.c.d into the IPv4 address
+# a.b.c.d. The local-use prefix (RFC 8215) may embed it anywhere, so none of
+# it is fetched from.
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+_LOCAL_NAT64 = ipaddress.IPv6Network("64:ff9b:1::/48")
+
+
 def refused_address(address: str) -> str | None:
     """Why the server must not connect to this address for a client, or None."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone (fe80::1%eth0) is not part of it
     if isinstance(ip, ipaddress.IPv6Address):
-        # ::ffff:127.0.0.1 and 2002:7f00:1:: reach IPv4's loopback: judge the IPv4 address they carry.
-        ip = ip.ipv4_mapped or ip.sixtofour or ip
+        if ip in _LOCAL_NAT64:
+            return f"{address} is a local-use NAT64 address, which reaches this network's IPv4 addresses"
+        # ::ffff:127.0.0.1, 2002:7f00:1:: and 64:ff9b::7f00:1 (NAT64) reach IPv4's
+        # loopback: judge the IPv4 address they carry.
+        nat64 = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) if ip in _NAT64 else None
+        ip = ip.ipv4_mapped or ip.sixtofour or nat64 or ip
     for refused, name in ((ip.is_unspecified, "unspecified"), (ip.is_loopback, "loopback"),
                           (ip.is_link_local, "link-local"), (ip.is_multicast, "multicast"),
                           (ip.is_private, "private")):
@@ -192,7 +204,7 @@ class RemoteImageFetcher:
                    trusted_hosts=frozenset(host.lower() for host in server.remote_image_hosts),
                    max_body_bytes=server.max_body_bytes)
 
-    async def fetch_into(self, body: dict[str, Any], remote: tuple[RemoteImage, ...]) -> None:
+    async def fetch_into(self, body: dict[str, Any], remote: tuple[RemoteImage, ...], pixels: int = 0) -> int:
         """Each remote image in a checked body fetched, checked and put in its
         place as a data: URI; a 400 naming the first part that fails.
 
@@ -201,9 +213,10 @@ class RemoteImageFetcher:
         body with its images inline may not be bigger than max_body_bytes,
         what a client could have sent, which is what bounds a queue's
         memory. The body measured is the one the worker will get: a Responses
-        follow-up's stored conversation counts too."""
+        follow-up's stored conversation counts too. `pixels` are the inline
+        images' (their decoded size); returns them with the fetched ones'."""
         if not remote:
-            return
+            return pixels
         until = asyncio.get_running_loop().time() + self.deadline_s
         budget = self.max_bytes  # what the request's remote images may still bring, as bytes
         body_room = None if self.max_body_bytes is None else self.max_body_bytes - json_size(body)
@@ -219,9 +232,11 @@ class RemoteImageFetcher:
             raw = await self.fetch(image.url, image.where, until=until, room=room, limit=limit)
             budget -= len(raw)
             uri = image_bytes_uri(raw, image.where)
+            pixels = add_image_pixels(pixels, image_pixels(raw), image.where)
             if body_room is not None:
                 body_room -= len(uri) - len(image.url)
             body["messages"][image.message]["content"][image.part]["image_url"]["url"] = uri
+        return pixels
 
     async def fetch(self, url: str, where: str, *, until: float | None = None, room: int | None = None,
                     limit: str | None = None) -> bytes:
@@ -240,6 +255,8 @@ class RemoteImageFetcher:
             why, code = refused.why, refused.code
         except httpx.HTTPError as error:
             why, code = f"it could not be fetched ({type(error).__name__}: {error})", "remote_image_unreachable"
+        except (httpx.InvalidURL, ValueError) as error:  # "http://0177.0.0.1/", "http://[::1/": was a 500
+            why, code = f"it is not a URL this server fetches ({error})", "remote_image_refused"
         raise InvalidRequest(400, f"{where}: the image at {_shown(url)} was not fetched: {why}", code, where)
 
     async def _fetch(self, url: str, room: int, limit: str) -> bytes:

@@ -147,6 +147,9 @@ class Checked:
     images: int = 0  # image parts: only a worker with a projector can run the request
     # http(s) image URLs the service fetches before admission ([server] allow_remote_images).
     remote_images: tuple[RemoteImage, ...] = ()
+    # The images' pixels once decoded, read from their headers (the remote
+    # ones' added once fetched): the worker's decode memory.
+    image_pixels: int = 0
 
     @property
     def forced_tool(self) -> str | None:
@@ -170,7 +173,7 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
     output). Raises InvalidRequest naming the field."""
     screen_llama_server_fields(body)
     check_model(body.get("model"), models)
-    images, remote = 0, ()
+    images, remote, pixels = 0, (), 0
     if kind is JobKind.CHAT:
         messages = body.get("messages")
         if messages is None:
@@ -192,7 +195,7 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
                 raise _Invalid(400, f"messages[{index}].content must be a string or a list of parts",
                                "invalid_type", f"messages[{index}].content")
         found = flatten_content(messages, models.vision(body.get("model"), remote_images))
-        images, remote = found.count, tuple(found.remote)
+        images, remote, pixels = found.count, tuple(found.remote), found.pixels
     else:
         prompt = body.get("prompt")
         if prompt is None:
@@ -229,7 +232,8 @@ def validate(body: dict[str, Any], kind: JobKind, models: ModelNames, largest_co
     if kind is JobKind.CHAT:
         constraint = force_named_tool(body, constraint)
         reasoning.apply_to_chat(body, min(requested_limit(body) or largest_context, largest_context))
-    return Checked(top_logprobs=top_logprobs, constraint=constraint, images=images, remote_images=remote)
+    return Checked(top_logprobs=top_logprobs, constraint=constraint, images=images, remote_images=remote,
+                   image_pixels=pixels)
 
 
 def _check_logprobs(body: dict[str, Any], kind: JobKind, supported: bool) -> int | None:

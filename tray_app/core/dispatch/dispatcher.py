@@ -322,7 +322,8 @@ class Dispatcher:
             out_reason=worker.gave_up or worker.unhealthy_reason,
             host_available_mib=self._memory().host.available_mib,
             ram_floor_mib=self.limits.ram_floor_mib,
-            request_ram_mib=self._costs.cpu_mib(job.choices * (job.prompt_tokens + job.max_tokens)),
+            request_ram_mib=self._costs.cpu_mib(job.choices * (job.prompt_tokens + job.max_tokens))
+            + job.image_decode_mib,
             tokens_per_s=self.cpu.speed.tokens_per_s,
             prompt_tokens_per_s=self.cpu.speed.prompt_tokens_per_s,
             # A CPU worker that loads on demand, or is restarting, answers after its load.

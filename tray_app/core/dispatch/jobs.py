@@ -95,6 +95,9 @@ class JobRequest:
     # Images in the request: only a worker with a projector may run it (a
     # replay resends the same body, images and all).
     images: int = 0
+    # What decoding them takes in the worker's memory (its host RAM), on top
+    # of what the prompt and answer take.
+    image_decode_mib: float = 0.0
     # Who sent it (X-Client-Name or the User-Agent's product), for the tray.
     client: str | None = None
     # What the client asked of routing: X-Force-Path: cpu, X-Request-Timeout,
@@ -145,6 +148,7 @@ class Job:
     forced_tool = _FromRequest()
     top_logprobs = _FromRequest()
     images = _FromRequest()
+    image_decode_mib = _FromRequest()
     client = _FromRequest()
     force_cpu = _FromRequest()
     deadline_s = _FromRequest()

@@ -5,15 +5,18 @@ keeping images off a CPU that can't read them."""
 from __future__ import annotations
 
 import base64
+import io
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tests.tiny_projector import image_tokens, tiny_png, write_tiny_projector
+from tests.tiny_projector import image_tokens, png_bomb, tiny_png, write_tiny_projector
 from tray_app.core.api import anthropic, ollama, openai_request
-from tray_app.core.api.openai_request import InvalidRequest, Vision, flatten_content, text_only
+from tray_app.core.api.openai_request import (
+    InvalidRequest, Vision, flatten_content, image_pixels, text_only,
+)
 from tray_app.core.dispatch.admission import (
     CpuView, GpuOut, GpuView, LaneState, Reason, RequestShape, Route, decide,
 )
@@ -223,3 +226,33 @@ def test_an_image_the_cpu_cant_read_waits_for_a_loading_gpu():
     loading = replace(GPU, out=GpuOut(Reason.GPU_LOADING, "loading", back_in_s=5.0))
     decision = decide(BLIND, loading, CPU)
     assert decision.route is Route.GPU_QUEUE and decision.waits_for_load
+
+
+# ----- decoded size, read from the header -----------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["PNG", "JPEG", "GIF", "BMP"])
+def test_an_images_pixels_are_read_from_its_header(kind):
+    from PIL import Image
+    buffer = io.BytesIO()
+    Image.new("RGB", (321, 123), "white").save(buffer, kind, **({"exif": b"Exif\x00\x00" + b"\x00" * 5000}
+                                                               if kind == "JPEG" else {}))
+    assert image_pixels(buffer.getvalue()) == 321 * 123
+
+
+def test_a_decompression_bomb_is_refused_before_any_worker_decodes_it():
+    bomb = png_bomb(16000, 16000)
+    assert len(bomb) < 1_000_000 and image_pixels(bomb) == 256_000_000
+    uri = f"data:image/png;base64,{base64.b64encode(bomb).decode()}"
+    with pytest.raises(InvalidRequest) as refused:
+        flatten_content([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}}]}], SEES)
+    assert refused.value.code == "image_too_large" and "256.0 megapixels" in refused.value.message
+
+
+def test_a_requests_images_count_together():
+    six_mp = f"data:image/png;base64,{base64.b64encode(png_bomb(3000, 2000)).decode()}"
+    parts = [{"type": "image_url", "image_url": {"url": six_mp}}]
+    found = flatten_content([{"role": "user", "content": parts * 8}], SEES)
+    assert found.pixels == 48_000_000
+    with pytest.raises(InvalidRequest) as refused:
+        flatten_content([{"role": "user", "content": parts * 9}], SEES)
+    assert refused.value.param == "messages[0].content[8]" and "together" in refused.value.message

@@ -36,12 +36,15 @@ Route = Callable[[asyncio.StreamWriter], Awaitable[None]]
     "127.0.0.1", "127.8.9.10", "10.1.2.3", "172.16.0.1", "192.168.1.20", "169.254.169.254", "0.0.0.0",
     "224.0.0.251", "100.64.0.1", "::1", "::", "fe80::1%eth0", "fc00::1", "fd12:3456::1", "ff02::1",
     "::ffff:127.0.0.1", "::ffff:192.168.0.1", "2002:7f00:1::1",
+    # NAT64: a gateway would carry these to 127.0.0.1 and 10.0.0.1.
+    "64:ff9b::7f00:1", "64:ff9b::a00:1", "64:ff9b:1::a00:1", "64:ff9b:1:abcd::1",
 ])
 def test_addresses_on_the_lan_or_the_server_itself_are_refused(address):
     assert refused_address(address) is not None
 
 
-@pytest.mark.parametrize("address", ["93.184.215.14", "2606:4700:4700::1111", "::ffff:93.184.215.14"])
+@pytest.mark.parametrize("address", ["93.184.215.14", "2606:4700:4700::1111", "::ffff:93.184.215.14",
+                                     "64:ff9b::5db8:d70e"])
 def test_public_addresses_pass(address):
     assert refused_address(address) is None
 
@@ -330,3 +333,9 @@ async def test_a_limit_left_after_a_first_image_is_told_to_the_byte(server):
         await fetcher(max_bytes=2**20).fetch_into(body, images)
     assert refused.value.code == "image_too_large"
     assert f"over the {2**20 - len(PNG):,} bytes left of the 1 MiB a request's remote images" in refused.value.message
+
+
+@pytest.mark.parametrize("url", ["http://0177.0.0.1/x.png", "http://[::1/x.png", "http://a b/x.png"])
+async def test_a_url_httpx_cant_read_is_a_400_not_a_500(url):
+    refused = await refusal(fetcher(trusted=False), url)
+    assert refused.code in ("remote_image_refused", "remote_image_unreachable", "remote_image_address_refused")
