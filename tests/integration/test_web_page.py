@@ -104,6 +104,9 @@ def test_the_page_polls_status_only_while_it_is_visible(fresh, page):
     page.on("request", lambda request: status_calls.append(request.url) if request.url.endswith("/status") else None)
     page.goto(f"{fresh.url}/ui")
     expect(page.locator("#state")).to_have_text("Serving on the GPU")
+    # No key: the page says what that opens, and how to close it.
+    expect(page.locator("#no-key")).to_be_visible()
+    expect(page.locator("#no-key")).to_contain_text("tray-app keys add")
     with page.expect_request("**/status"):
         page.clock.run_for(1000)  # the tray's rate
     page.evaluate(SET_VISIBILITY, "hidden")
@@ -363,6 +366,7 @@ def test_with_a_key_the_page_logs_in_and_every_change_needs_the_csrf_token(keyed
     page.get_by_label("API key").fill("web-page-key")
     page.get_by_role("button", name="Log in").click()
     expect(page.locator("#state")).to_have_text("Serving on the GPU")
+    expect(page.locator("#no-key")).to_be_hidden()
     cookies = {c["name"]: c for c in page.context.cookies()}
     session = cookies["tray_app_session"]
     assert session["httpOnly"] and session["sameSite"] == "Strict" and session["value"] != "web-page-key"

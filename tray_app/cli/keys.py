@@ -32,6 +32,9 @@ def add_keys_parser(sub) -> None:
     add.add_argument("--max-concurrency", type=int, metavar="N",
                      help="at most N of this key's requests at once; more get HTTP 429 with Retry-After "
                           "(default: no limit)")
+    add.add_argument("--no-prompt-cache", action="store_true",
+                     help="this key's requests never reuse the workers' prompt cache, so it can't tell by timing "
+                          "whether another key sent the same prompt (its long prompts are slower)")
     listing = actions.add_parser("list", help="the keys, without their secrets")
     listing.add_argument("--json", action="store_true", help="print JSON")
     revoke = actions.add_parser("revoke", help="delete a key; the running service refuses it from now on")
@@ -43,7 +46,7 @@ def run_keys(args: argparse.Namespace, store: KeyStore | None = None, legacy_key
     try:
         if args.keys_command == "add":
             models = tuple(m.strip() for m in args.models.split(",") if m.strip())
-            raw = store.add(args.name, args.scope, models, args.max_concurrency)
+            raw = store.add(args.name, args.scope, models, args.max_concurrency, prompt_cache=not args.no_prompt_cache)
             print(raw)
             print(f"tray-app: key {args.name!r} ({args.scope}) added. This is the only time it is shown: give it "
                   "to the app as its API key ('Authorization: Bearer <key>' or 'x-api-key').", file=sys.stderr)

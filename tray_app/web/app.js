@@ -606,7 +606,9 @@ async function poll() {
     $("login").hidden = true;
     $("panel").hidden = false;
     // Logged in by cookie (a key is set): the page can log out again.
+    // Without one, /status answered with no key at all: say what that means.
     $("logout").hidden = !csrfToken();
+    $("no-key").hidden = Boolean(csrfToken());
     render(lastStatus);
     if (!logsShown) showLogs();
     if (!keysLoaded) loadKeys();

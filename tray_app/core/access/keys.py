@@ -67,6 +67,10 @@ class ApiKey:
     max_concurrency: int | None = None
     created: float = 0.0
     sha256: str = field(default="", repr=False)
+    # False: this key's requests never reuse the workers' prompt cache, so
+    # it can't time whether another key sent the same prompt (its long
+    # prompts are read in full each time).
+    prompt_cache: bool = True
 
     @property
     def is_admin(self) -> bool:
@@ -84,7 +88,7 @@ class ApiKey:
     def public(self) -> dict[str, Any]:
         """What `keys list` shows: everything but the hash."""
         return {"name": self.name, "scope": self.scope, "models": list(self.models),
-                "max_concurrency": self.max_concurrency, "created": self.created}
+                "max_concurrency": self.max_concurrency, "created": self.created, "prompt_cache": self.prompt_cache}
 
 
 def default_keys_path() -> Path:
@@ -116,6 +120,7 @@ def parse_keys(data: Any) -> dict[str, ApiKey]:
         try:
             key = ApiKey(name=str(entry["name"]), scope=str(entry["scope"]), models=tuple(entry.get("models") or ()),
                          max_concurrency=entry.get("max_concurrency"), created=float(entry.get("created", 0)),
+                         prompt_cache=entry.get("prompt_cache", True) is not False,
                          sha256=str(entry["sha256"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise KeyProblem(f"a keys file entry is malformed ({exc!r}): {entry!r}") from None
@@ -174,7 +179,7 @@ class KeyStore:
         return found
 
     def add(self, name: str, scope: str = "inference", models: tuple[str, ...] = (),
-            max_concurrency: int | None = None, now: float | None = None) -> str:
+            max_concurrency: int | None = None, now: float | None = None, prompt_cache: bool = True) -> str:
         """Store a new key; return the raw key, which is not kept anywhere."""
         problem = name_problem(name)
         if problem:
@@ -188,7 +193,7 @@ class KeyStore:
             raise KeyExists(f"a key named {name!r} exists; revoke it first to replace it", "name")
         raw = KEY_PREFIX + secrets.token_urlsafe(32)
         keys[name] = ApiKey(name, scope, tuple(models), max_concurrency,
-                            time.time() if now is None else now, digest(raw))
+                            time.time() if now is None else now, digest(raw), prompt_cache)
         self._write(keys)
         return raw
 

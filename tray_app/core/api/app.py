@@ -356,11 +356,13 @@ class HttpApp:
         kind, body = translated.kind, translated.body
         model_host = self._model_host(body.get("model"))
         dispatcher = model_host.dispatcher
+        principal = principal_of(request.scope)
         job = Job(JobRequest(
             id=request_id, kind=kind, body=body, stream=bool(body.get("stream")), force_cpu=routing.force_cpu,
             deadline_s=routing.deadline_s, prefer_gpu=routing.prefer_gpu, no_fallback=routing.no_fallback,
             forced_tool=checked.forced_tool, top_logprobs=checked.top_logprobs, images=checked.images,
             image_decode_mib=checked.image_pixels * DECODED_BYTES_PER_PIXEL / 2**20,
+            prompt_cache=principal is None or principal.prompt_cache,
             client=client_name(request.headers.get("x-client-name"), request.headers.get("user-agent")),
             fingerprint=request_fingerprint(kind.value, body),
             model="" if model_host is self.service.default_model_host else model_host.name,
@@ -373,8 +375,8 @@ class HttpApp:
             return protocol.error(409, f"a request with X-Request-Id {request_id!r} is already in flight; "
                                   "send a new id, or an Idempotency-Key to share its result", "duplicate_request_id",
                                   headers=base_headers)
-        self._remember_id(request_id, principal_of(request.scope))
-        request.state.usage_name = usage_name(principal_of(request.scope), job.client)
+        self._remember_id(request_id, principal)
+        request.state.usage_name = usage_name(principal, job.client)
         try:
             self.access.admit(request, job, model_host)
         except Refusal as refusal:

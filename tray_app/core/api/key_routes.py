@@ -19,7 +19,7 @@ from .errors import error_response
 from .openai_request import InvalidRequest
 from .requests import read_json_object
 
-ADD_FIELDS = ("name", "scope", "models", "max_concurrency")
+ADD_FIELDS = ("name", "scope", "models", "max_concurrency", "prompt_cache")
 MAX_MODELS_PER_KEY = 64
 
 
@@ -29,7 +29,7 @@ class KeyFieldError(ValueError):
         self.param = param
 
 
-def key_to_add(body: dict[str, Any]) -> tuple[str, str, tuple[str, ...], int | None]:
+def key_to_add(body: dict[str, Any]) -> tuple[str, str, tuple[str, ...], int | None, bool]:
     """A POST /admin/keys body's JSON types checked field by field: (name,
     scope, models, max_concurrency). Raises KeyFieldError naming the field
     that is wrong. What a name, scope or limit may be is KeyStore.add's to
@@ -52,7 +52,10 @@ def key_to_add(body: dict[str, Any]) -> tuple[str, str, tuple[str, ...], int | N
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
         raise KeyFieldError("max_concurrency", "'max_concurrency' must be a whole number of at least 1, "
                                                "or null for no limit")
-    return name, scope, tuple(m.strip() for m in models), limit
+    prompt_cache = body.get("prompt_cache", True)
+    if not isinstance(prompt_cache, bool):
+        raise KeyFieldError("prompt_cache", "'prompt_cache' must be true or false")
+    return name, scope, tuple(m.strip() for m in models), limit, prompt_cache
 
 
 class KeyRoutes:
@@ -72,11 +75,11 @@ class KeyRoutes:
         except InvalidRequest as bad:
             return error_response(bad.status, bad.message, bad.code)
         try:
-            name, scope, models, limit = key_to_add(body)
+            name, scope, models, limit, prompt_cache = key_to_add(body)
         except KeyFieldError as bad:
             return error_response(400, str(bad), "invalid_value", param=bad.param)
         try:
-            raw = self.store.add(name, scope, models, limit)
+            raw = self.store.add(name, scope, models, limit, prompt_cache=prompt_cache)
         except KeyExists as taken:
             return error_response(409, str(taken), "key_exists", param=taken.field)
         except KeyProblem as problem:

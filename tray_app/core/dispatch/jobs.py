@@ -98,6 +98,9 @@ class JobRequest:
     # What decoding them takes in the worker's memory (its host RAM), on top
     # of what the prompt and answer take.
     image_decode_mib: float = 0.0
+    # False: the worker reads the prompt afresh, reusing no cached prefix
+    # (the request's key asked never to share the prompt cache).
+    prompt_cache: bool = True
     # Who sent it (X-Client-Name or the User-Agent's product), for the tray.
     client: str | None = None
     # What the client asked of routing: X-Force-Path: cpu, X-Request-Timeout,
@@ -149,6 +152,7 @@ class Job:
     top_logprobs = _FromRequest()
     images = _FromRequest()
     image_decode_mib = _FromRequest()
+    prompt_cache = _FromRequest()
     client = _FromRequest()
     force_cpu = _FromRequest()
     deadline_s = _FromRequest()

@@ -393,6 +393,8 @@ def worker_body(job: Job) -> dict[str, Any]:
     # Always streamed from the worker: that gives cancellation, hang
     # detection, token metering and replay while nothing was sent.
     body["stream"] = True
+    if not job.prompt_cache:
+        body["cache_prompt"] = False
     if job.top_logprobs is not None:
         # See _trim_logprobs: at least one, or llama-server sends none.
         key = "top_logprobs" if job.kind.value == "chat" else "logprobs"

@@ -47,8 +47,8 @@ _SAMPLING = frozenset({
 
 # Set by the service itself (worker_body): the limit admission planned with,
 # always streamed, the grammar the checker's child produced, logprobs as the
-# service asks for them.
-_SERVICE_SET = frozenset({"max_tokens", "stream", "grammar", "logprobs", "top_logprobs"})
+# service asks for them, no prompt cache for a key that asked for none.
+_SERVICE_SET = frozenset({"max_tokens", "stream", "grammar", "logprobs", "top_logprobs", "cache_prompt"})
 
 _COMMON = _SAMPLING | _SERVICE_SET | frozenset({"stop", "logit_bias", "n"})
 
@@ -115,8 +115,9 @@ LLAMA_SERVER_ONLY: dict[str, tuple[str, tuple[Any, ...]]] = {
     "input_extra": ("infill is not served here", ([],)),
     "multimodal_data": ("send images as content parts of a chat message", ()),
     "image_data": ("send images as content parts of a chat message", ([],)),
-    # The service caches prompts on both workers anyway: any value is neutral.
-    "cache_prompt": ("", (True, False)),
+    # The service caches prompts on both workers anyway (a key made with
+    # --no-prompt-cache never does): any true or false is neutral.
+    "cache_prompt": ("send true or false", (True, False)),
 }
 
 

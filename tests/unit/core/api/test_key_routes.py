@@ -74,3 +74,11 @@ async def test_revoking_the_last_admin_key_is_a_409_that_says_why(http, store):
     assert answer.json()["error"]["code"] == "last_admin_key"
     assert "stop the service and delete" in answer.json()["error"]["message"]
     assert store.get("ops") is not None
+
+
+async def test_a_key_may_be_made_without_the_prompt_cache(http, store):
+    made = await http.post("/admin/keys", json={"name": "guest", "prompt_cache": False})
+    assert made.status_code == 201 and made.json()["prompt_cache"] is False
+    assert store.get("guest").prompt_cache is False and KeyStore(store.path).get("guest").prompt_cache is False
+    refused = await http.post("/admin/keys", json={"name": "other", "prompt_cache": "no"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_cache"

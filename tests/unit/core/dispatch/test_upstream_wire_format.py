@@ -67,3 +67,17 @@ async def test_sse_lines_split_only_on_line_feeds_not_on_unicode_line_separators
     lines = [line async for line in sse_lines(Chunked())]
     assert lines == [f'data: {json.dumps({"content": text}, ensure_ascii=False)}', "", "data: [DONE]", ""]
     assert json.loads(lines[0][len("data: "):])["content"] == text
+
+
+def test_the_worker_gets_only_forwarded_fields_and_the_services_own_settings():
+    body = {"messages": [], "model": "m", "user": "u", "stream_options": {"include_usage": True},
+            "grammar_triggers": [{"type": 9}], "metadata": {"a": "b"}, "temperature": 0.5, "mirostat": 2}
+    sent = worker_body(Job(JobRequest(id="r", kind=JobKind.CHAT, body=body, stream=False, max_tokens=7)))
+    assert sent == {"messages": [], "temperature": 0.5, "mirostat": 2, "max_tokens": 7, "stream": True}
+
+
+def test_a_key_without_prompt_cache_has_its_worker_read_the_prompt_afresh():
+    request = JobRequest(id="r", kind=JobKind.CHAT, body={"messages": []}, stream=False)
+    assert "cache_prompt" not in worker_body(Job(request))
+    isolated = Job(JobRequest(id="r2", kind=JobKind.CHAT, body={"messages": []}, stream=False, prompt_cache=False))
+    assert worker_body(isolated)["cache_prompt"] is False
