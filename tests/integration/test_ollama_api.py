@@ -58,8 +58,12 @@ def test_list_show_and_version_describe_the_served_model(fresh, client, model):
     assert listed[0].details.quantization_level and listed[0].details.parameter_size.endswith("M")
     shown = client.show(model)
     assert "completion" in shown.capabilities and shown.modelinfo["general.architecture"] == "llama"
+    # The model /api/embed runs says so: llm-ollama embeds only with such a model.
+    assert "embedding" in shown.capabilities
     assert "im_start" in (shown.template or "")
-    assert fresh.http.get("/api/version").json()["version"]
+    # What `codex --oss` asks for at least.
+    version = tuple(int(part) for part in fresh.http.get("/api/version").json()["version"].split("."))
+    assert version >= (0, 13, 4)
 
 
 def test_chat_without_streaming(fresh, client, model):
@@ -203,3 +207,19 @@ def test_embed_and_the_older_embeddings_route(fresh, client, model):
     assert unknown.value.status_code == 404
     too_long = fresh.http.post("/api/embed", json={"model": model, "input": "word " * 2000})
     assert too_long.status_code == 400 and "input" in too_long.json()["error"]
+
+
+def test_a_history_longer_than_the_context_loses_its_oldest_messages_as_in_ollama(fresh, client, model):
+    """Apps written for Ollama send the whole chat every time and rely on it
+    cutting the oldest turns: a 400 there is a broken chat. The system
+    message and the newest turns stay."""
+    turns = []
+    for number in range(60):
+        turns += [{"role": "user", "content": f"Question {number}: " + "tell me about the sea " * 12},
+                  {"role": "assistant", "content": f"Answer {number}: " + "the sea is wide and deep " * 10}]
+    messages = [{"role": "system", "content": "You are a sailor."}, *turns,
+                {"role": "user", "content": "Say the word ANCHOR."}]
+    answer = client.chat(model=model, messages=messages, stream=False, options={"num_predict": 4})
+    assert answer.done and 0 < answer.prompt_eval_count <= 2048
+    # The whole history would not have fitted: something was dropped, and the log says how much.
+    assert "oldest messages of 122" in fresh.log_text()

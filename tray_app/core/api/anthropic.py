@@ -173,14 +173,23 @@ def translate_messages(body: dict[str, Any], largest_context: int) -> dict[str, 
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _Invalid(400, "messages: a non-empty list of {role, content} is required", "missing_field", "messages")
+    # Claude Code sends system reminders as role "system" entries inside
+    # messages, which the API's documentation doesn't show: they join the
+    # system prompt, in order, since chat templates take one system message,
+    # first.
+    system_texts = [_text_of(body.get("system"), "system")] if body.get("system") is not None else []
     converted: list[dict[str, Any]] = []
-    system = body.get("system")
-    if system is not None:
-        text = _text_of(system, "system")
-        if text:
-            converted.append({"role": "system", "content": text})
     for index, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("role") == "system":
+            system_texts.append(_text_of(message.get("content"), f"messages.{index}.content"))
+            continue
         converted.extend(_convert_message(index, message))
+    if not converted:
+        raise _Invalid(400, "messages: at least one user or assistant message is required", "missing_field",
+                       "messages")
+    system = "\n\n".join(text for text in system_texts if text)
+    if system:
+        converted.insert(0, {"role": "system", "content": system})
     out: dict[str, Any] = {"model": model, "messages": converted}
     limit = body.get("max_tokens")
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:

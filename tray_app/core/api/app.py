@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -24,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
 from ..catalog.tokens import Prompt, PromptCounter, short_chat
-from ..dispatch.admission import Reason
+from ..dispatch.admission import CONTEXT_SAFETY_TOKENS, Reason
 from ..dispatch.jobs import Job, JobFailed, JobKind, JobRequest, new_request_id
 from ..dispatch.peer import HOP_HEADER
 from ..dispatch.quarantine import request_fingerprint
@@ -39,7 +41,7 @@ from .admin_routes import AdminRoutes
 from .idempotency import IdempotencyStore
 from .key_access import KeyAccess, Refusal, model_allowed, model_host_named, usage_name
 from .security import effective_api_key, principal_of
-from .openai_request import DECODED_BYTES_PER_PIXEL, InvalidRequest, text_only
+from .openai_request import DECODED_BYTES_PER_PIXEL, InvalidRequest, image_parts, text_only
 from .anthropic import AnthropicMessages
 from .ollama import DEFAULT_TAG
 from .llamacpp import LlamaCppRoutes
@@ -63,6 +65,8 @@ _Invalid = InvalidRequest
 # The key of the request a llama.cpp tokenizer route is answering: the
 # route's model lookup (HttpApp.tokenizer_model_host, called by llamacpp.py) is
 # given a model name, not the request.
+log = logging.getLogger(__name__)
+
 # X-Request-Ids remembered to tell a fresh id from a reused one: as many as
 # the execution ledger counts.
 REMEMBERED_REQUEST_IDS = 10_000
@@ -362,7 +366,7 @@ class HttpApp:
             deadline_s=routing.deadline_s, prefer_gpu=routing.prefer_gpu, no_fallback=routing.no_fallback,
             forced_tool=checked.forced_tool, top_logprobs=checked.top_logprobs, images=checked.images,
             image_decode_mib=checked.image_pixels * DECODED_BYTES_PER_PIXEL / 2**20,
-            prompt_cache=principal is None or principal.prompt_cache,
+            prompt_cache=principal is None or principal.prompt_cache, warnings=translated.warnings,
             client=client_name(request.headers.get("x-client-name"), request.headers.get("user-agent")),
             fingerprint=request_fingerprint(kind.value, body),
             model="" if model_host is self.service.default_model_host else model_host.name,
@@ -392,6 +396,14 @@ class HttpApp:
             if isinstance(exc, _Invalid):
                 return protocol.error(exc.status, exc.message, exc.code, param=exc.param, headers=base_headers)
             raise
+        if translated.truncates_history:
+            try:
+                prompt_tokens = await self._fit_history(job, model_host, prompt_tokens, translated.context_cap)
+            except BaseException as exc:
+                dispatcher.unregister(job)
+                if isinstance(exc, _Invalid):
+                    return protocol.error(exc.status, exc.message, exc.code, param=exc.param, headers=base_headers)
+                raise
         max_tokens = dispatcher.token_limit(prompt_tokens, requested_limit(body),
                                             job.kind is JobKind.CHAT or translated.fills_context)
         if translated.context_cap is not None:
@@ -414,23 +426,64 @@ class HttpApp:
         return await self._aggregate(request, job, protocol, model_host)
 
     async def _count_prompt(self, job: Job, model_host: ModelHost) -> int:
+        if job.kind is JobKind.CHAT:
+            return await self._count_chat(model_host, job.body["messages"], job.body.get("tools"))
         counter = model_host.counter
         assert counter is not None
-        try:
-            if job.kind is JobKind.CHAT:
-                messages, tools = text_only(job.body["messages"]), job.body.get("tools")
-                # A short chat is rendered right here: a worker thread's
-                # hand-off costs more than the render (tokens.QUICK_COUNT_BYTES).
-                prompt = (counter.chat_prompt(messages) if tools is None and short_chat(messages)
-                          else await asyncio.to_thread(counter.chat_prompt, messages, tools))
-                # An image is as many tokens as its projector makes of one (model_host.image_tokens).
-                return await _counted(counter, prompt) + job.images * model_host.image_tokens
+        with _rendering_errors():
             return await _counted(counter, counter.text_prompt(job.body["prompt"]))
-        except _Invalid:  # the tokenizer's child refused it (prompt_not_tokenizable): say so, not "messages"
-            raise
-        except Exception as exc:  # a template can reject odd message shapes
-            raise _Invalid(400, f"the messages can't be rendered with the model's chat template: {exc}",
-                           "invalid_messages", "messages") from None
+
+    async def _count_chat(self, model_host: ModelHost, messages: list[dict[str, Any]], tools: Any) -> int:
+        counter = model_host.counter
+        assert counter is not None
+        with _rendering_errors():
+            text = text_only(messages)
+            # A short chat is rendered right here: a worker thread's
+            # hand-off costs more than the render (tokens.QUICK_COUNT_BYTES).
+            prompt = (counter.chat_prompt(text) if tools is None and short_chat(text)
+                      else await asyncio.to_thread(counter.chat_prompt, text, tools))
+            # An image is as many tokens as its projector makes of one (model_host.image_tokens).
+            return await _counted(counter, prompt) + image_parts(messages) * model_host.image_tokens
+
+    async def _fit_history(self, job: Job, model_host: ModelHost, prompt_tokens: int, context_cap: int | None) -> int:
+        """Ollama's truncation: a chat longer than the context keeps its system
+        messages and the newest others that fit, leaving room for an answer
+        (the limit asked for, else a quarter of the context). Found by
+        halving, a few counts at most; the kept messages replace the body's.
+        Returns the prompt's tokens as it now stands."""
+        dispatcher = model_host.dispatcher
+        context = context_cap or dispatcher.largest_context()
+        reserve = min(requested_limit(job.body) or context // 4, context // 2)
+        budget = context - CONTEXT_SAFETY_TOKENS - reserve
+        messages, tools = job.body["messages"], job.body.get("tools")
+        if prompt_tokens <= budget or len(messages) < 2:
+            return prompt_tokens
+        others = [index for index, message in enumerate(messages) if message.get("role") != "system"]
+
+        def newest(count: int) -> list[dict[str, Any]]:
+            kept = set(others[len(others) - count:])
+            chosen = [m for i, m in enumerate(messages) if i in kept or m.get("role") == "system"]
+            # A tool's result whose call was dropped means nothing on its own.
+            first = next((i for i, m in enumerate(chosen) if m.get("role") not in ("system", "tool")), len(chosen))
+            return [m for i, m in enumerate(chosen) if i >= first or m.get("role") == "system"]
+
+        fits, fitting_tokens = 0, None
+        low, high = 1, len(others) - 1
+        while low <= high:
+            middle = (low + high) // 2
+            tokens = await self._count_chat(model_host, newest(middle), tools)
+            if tokens <= budget:
+                fits, fitting_tokens, low = middle, tokens, middle + 1
+            else:
+                high = middle - 1
+        if fitting_tokens is None:
+            return prompt_tokens  # not even the last message fits: admission says so
+        kept = newest(fits)
+        job.truncated_messages = len(messages) - len(kept)
+        log.info("request %s: dropped the %d oldest messages of %d to fit its %d-token context, as Ollama does",
+                 job.id, job.truncated_messages, len(messages), context)
+        messages[:] = kept
+        return fitting_tokens
 
     async def _aggregate(self, request: Request, job: Job, protocol: Protocol, model_host: ModelHost) -> Response:
         # Estimated again at the first token, as a stream is: the banner's time left and
@@ -484,6 +537,18 @@ class HttpApp:
 
 
 
+@contextlib.contextmanager
+def _rendering_errors() -> Iterator[None]:
+    """A prompt the template or the tokenizer can't take, as the client's 400."""
+    try:
+        yield
+    except _Invalid:  # the tokenizer's child refused it (prompt_not_tokenizable): say so, not "messages"
+        raise
+    except Exception as exc:  # a template can reject odd message shapes
+        raise _Invalid(400, f"the messages can't be rendered with the model's chat template: {exc}",
+                       "invalid_messages", "messages") from None
+
+
 async def _counted(counter: PromptCounter, prompt: Prompt) -> int:
     """The prompt's tokens: a short one counted on the event loop (about a
     quarter of a millisecond, where a thread's hand-off cost more and, with
@@ -517,6 +582,10 @@ def _route_headers(job: Job, model_host: ModelHost) -> dict[str, str]:
         headers["X-Estimated-Latency"] = f"{estimated:.2f}"
     if job.queue_wait_s:
         headers["X-Queue-Wait"] = f"{job.queue_wait_s:.3f}"
+    if job.warnings:
+        # HTTP's Warning header (RFC 7234's 299, "miscellaneous persistent
+        # warning"): what every client library shows or logs as it is.
+        headers["Warning"] = ", ".join('299 tray-app "{}"'.format(w.replace('"', "'")) for w in job.warnings)
     return headers
 
 

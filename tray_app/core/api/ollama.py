@@ -40,7 +40,9 @@ from .protocol import Protocol, StreamEncoder, Translated, answer_timings_ns
 _Invalid = InvalidRequest
 
 # The Ollama release whose API shapes these routes follow (GET /api/version).
-OLLAMA_API_VERSION = "0.12.0"
+# The Ollama API version whose behaviour the routes follow, not this
+# project's version: clients gate features on it (`codex --oss` needs 0.13.4).
+OLLAMA_API_VERSION = "0.13.4"
 # Ollama's model names carry a tag; ours are files, so every one is ":latest".
 DEFAULT_TAG = ":latest"
 
@@ -252,6 +254,7 @@ class OllamaChat(Protocol):
         out["messages"] = _chat_messages(messages)
         if body.get("tools") is not None:
             out["tools"] = body["tools"]
+        translated.truncates_history = True
         return translated
 
     def answer(self, response: dict[str, Any], job: Job) -> dict[str, Any]:
@@ -447,18 +450,20 @@ def model_details(info) -> dict[str, Any]:
             "parameter_size": parameter_size(info.parameter_count), "quantization_level": info.file_type}
 
 
-def model_entry(name: str, info, sees_images: bool = False) -> dict[str, Any]:
+def model_entry(name: str, info, sees_images: bool = False, embeds: bool = False) -> dict[str, Any]:
     # The file as it was read at load (gguf_info.ModelInfo), not stat'ed
     # again: a model file deleted while the service runs must not turn the
     # whole list into an error.
     return {"name": name, "model": name, "modified_at": rfc3339(info.modified), "size": info.file_size,
             "digest": model_digest(info.path, info.file_size, info.modified), "details": model_details(info),
-            "capabilities": model_capabilities(sees_images)}
+            "capabilities": model_capabilities(sees_images, embeds)}
 
 
-def model_capabilities(sees_images: bool) -> list[str]:
-    """Ollama's capability names for a chat model here: vision with a projector."""
-    return ["completion", "tools", *(["vision"] if sees_images else [])]
+def model_capabilities(sees_images: bool, embeds: bool = False) -> list[str]:
+    """Ollama's capability names for a chat model here: vision with a
+    projector, embedding for the model /api/embed runs (llm-ollama and
+    others look for it before they embed with a model)."""
+    return ["completion", "tools", *(["vision"] if sees_images else []), *(["embedding"] if embeds else [])]
 
 
 def model_info_fields(info, context_length: int) -> dict[str, Any]:

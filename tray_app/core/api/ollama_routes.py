@@ -100,15 +100,18 @@ class OllamaRoutes:
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": OLLAMA_API_VERSION})
 
-    def _models(self) -> list[tuple[str, Any, bool]]:
-        """(Ollama name, ModelInfo, whether it reads images) of each model in
-        the library, and the default model's CPU fallback when it is another file."""
+    def _models(self) -> list[tuple[str, Any, bool, bool]]:
+        """(Ollama name, ModelInfo, whether it reads images, whether /api/embed
+        runs it) of each model in the library, and the default model's CPU
+        fallback when it is another file."""
         service = self.service
-        models = [(model_host.model_id + DEFAULT_TAG, model_host.model_info, model_host.projector is not None)
+        embedding = service.embeddings.model if service.embeddings is not None else None
+        models = [(model_host.model_id + DEFAULT_TAG, model_host.model_info, model_host.projector is not None,
+                   model_host.model_id == embedding)
                   for model_host in service.model_hosts.values()]
         if service.fallback_info.path != service.model_info.path:
             models.insert(1, (service.fallback_model_id + DEFAULT_TAG, service.fallback_info,
-                              service.default_model_host.cpu_projector is not None))
+                              service.default_model_host.cpu_projector is not None, False))
         return models
 
     async def tags(self, request: Request) -> Response:
@@ -136,7 +139,8 @@ class OllamaRoutes:
             if expires_in is None:
                 continue
             name, info = model_host.model_id + DEFAULT_TAG, model_host.model_info
-            entry = model_entry(name, info, model_host.projector is not None)
+            embeds = self.service.embeddings is not None and self.service.embeddings.model == model_host.model_id
+            entry = model_entry(name, info, model_host.projector is not None, embeds)
             entry.pop("modified_at")
             loaded.append({**entry, "size": int(vram + ram), "size_vram": int(vram),
                            "expires_at": rfc3339(time.time() + expires_in), "context_length": context})
@@ -155,7 +159,7 @@ class OllamaRoutes:
             found = self._models()[:1]
         if not found:
             return error(404, f"model {name!r} not found; GET /api/tags lists the models here")
-        listed_name, info, sees_images = found[0]
+        listed_name, info, sees_images, embeds = found[0]
         # A key limited to other models learns nothing of this one: the
         # refusal a chat with it gets (/api/tags doesn't list it either).
         principal = principal_of(request.scope)
@@ -163,7 +167,7 @@ class OllamaRoutes:
         if refusal is not None:
             return error(refusal.status, refusal.message)
         service = self.service
-        capabilities = model_capabilities(sees_images)
+        capabilities = model_capabilities(sees_images, embeds)
         # The file's folder is the machine's layout: an admin's to see.
         source = info.path if principal is None or principal.is_admin else info.path.name
         return JSONResponse({

@@ -146,6 +146,12 @@ def assemble_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
     return "\n".join(part["text"] for part in parts)
 
 
+def image_parts(messages: list[dict[str, Any]]) -> int:
+    """How many image parts the (flattened) messages hold."""
+    return sum(1 for message in messages if isinstance(message.get("content"), list)
+               for part in message["content"] if part.get("type") == "image_url")
+
+
 def text_only(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages with each image part left out, for what counts text tokens."""
     return [{**message, "content": "\n".join(part["text"] for part in message["content"] if part["type"] == "text")}

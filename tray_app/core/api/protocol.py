@@ -40,6 +40,13 @@ class Translated:
     # smallest context the prompt fits in, so a replay runs with the same
     # limit), not a legacy completion's 16 tokens: llama.cpp's n_predict -1.
     fills_context: bool = False
+    # Ollama's chat: a history longer than the context loses its oldest
+    # messages (never the system ones, nor the last), as Ollama does, rather
+    # than being refused. Apps written for Ollama rely on it.
+    truncates_history: bool = False
+    # What the service left out of the request and the client should know
+    # (a tool it can't run): sent back as Warning headers.
+    warnings: tuple[str, ...] = ()
 
 
 class StreamEncoder:

@@ -31,7 +31,7 @@ import hashlib
 import json
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -208,7 +208,7 @@ def _string_field(item: dict[str, Any], name: str, where: str) -> str:
     return value
 
 
-def convert_items(items: list[Any], where: str = "input") -> list[dict[str, Any]]:
+def convert_items(items: list[Any], where: str = "input", tools: ResponseTools | None = None) -> list[dict[str, Any]]:
     """Responses items (a request's input, or a response's output) as chat
     messages. A function_call joins the assistant message before it, as a
     chat template expects the calls on the turn that made them."""
@@ -226,8 +226,11 @@ def convert_items(items: list[Any], where: str = "input") -> list[dict[str, Any]
             messages.append({"role": role, "content": _text_parts(item.get("content"), f"{at}.content",
                                                                   _MESSAGE_PARTS)})
         elif kind == "function_call":
+            name = _string_field(item, "name", at)
+            if tools is not None:
+                name = tools.chat_name(name, item.get("namespace"))
             call = {"id": _string_field(item, "call_id", at), "type": "function",
-                    "function": {"name": _string_field(item, "name", at), "arguments": item.get("arguments", "")}}
+                    "function": {"name": name, "arguments": item.get("arguments", "")}}
             if not isinstance(call["function"]["arguments"], str):
                 raise _Invalid(400, f"'{at}.arguments' must be a string of JSON", "invalid_type", f"{at}.arguments")
             last = messages[-1] if messages else None
@@ -249,18 +252,61 @@ def convert_items(items: list[Any], where: str = "input") -> list[dict[str, Any]
     return messages
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
-    if not isinstance(tools, list):
-        raise _Invalid(400, "'tools' must be a list", "invalid_type", "tools")
-    converted = []
-    for number, tool in enumerate(tools):
-        at = f"tools[{number}]"
+# Tools OpenAI runs on its own servers: a local model can't. They are left
+# out of the model's tools with a warning (Codex sends web_search on every
+# request); a request that forces one is refused (_tool_choice).
+HOSTED_TOOLS = frozenset({"web_search", "web_search_preview", "file_search", "computer_use", "computer_use_preview",
+                          "code_interpreter", "image_generation", "mcp", "local_shell", "shell", "apply_patch",
+                          "custom"})
+
+
+@dataclass
+class ResponseTools:
+    """A request's tools as chat's function tools. A `namespace` tool (Codex
+    groups tools in one) is unpacked into its functions; each call comes back
+    under its own name with its namespace (`names`). Hosted tools are left out
+    and named in `skipped`."""
+
+    chat: list[dict[str, Any]] = field(default_factory=list)
+    names: dict[str, tuple[str | None, str]] = field(default_factory=dict)  # chat name -> (namespace, name)
+    skipped: list[str] = field(default_factory=list)
+
+    @classmethod
+    def read(cls, tools: Any) -> ResponseTools:
+        found = cls()
+        if tools is None:
+            return found
+        if not isinstance(tools, list):
+            raise _Invalid(400, "'tools' must be a list", "invalid_type", "tools")
+        for number, tool in enumerate(tools):
+            at = f"tools[{number}]"
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind == "namespace":
+                namespace = _string_field(tool, "name", at)
+                inner = tool.get("tools")
+                if not isinstance(inner, list):
+                    raise _Invalid(400, f"'{at}.tools' must be a list of function tools", "invalid_type",
+                                   f"{at}.tools")
+                for index, function in enumerate(inner):
+                    found._function(function, f"{at}.tools[{index}]", namespace)
+            elif kind in HOSTED_TOOLS:
+                found.skipped.append(f"{at} ({kind}) is a tool OpenAI runs on its servers; this server can't, "
+                                     "so the model was not offered it")
+            else:
+                found._function(tool, at, None)
+        return found
+
+    def _function(self, tool: Any, at: str, namespace: str | None) -> None:
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
             raise _Invalid(400, f"'{at}' is a {kind!r} tool, which this server can't run: it offers function "
                            "tools only (type 'function'), which the client runs. Remove it from 'tools'.",
                            "unsupported_tool", at)
-        function: dict[str, Any] = {"name": _string_field(tool, "name", at)}
+        name = _string_field(tool, "name", at)
+        # A name two namespaces share is told apart for the model; the client
+        # gets the name it sent back, with its namespace.
+        chat_name = name if name not in self.names else f"{namespace}__{name}"
+        function: dict[str, Any] = {"name": chat_name}
         parameters = tool.get("parameters")
         if parameters is not None:
             if not isinstance(parameters, dict):
@@ -269,8 +315,18 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
             function["parameters"] = parameters
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
-        converted.append({"type": "function", "function": function})
-    return converted
+        self.chat.append({"type": "function", "function": function})
+        self.names[chat_name] = (namespace, name)
+
+    def chat_name(self, name: str, namespace: Any) -> str:
+        """The chat name of a call the client sends back (a function_call item)."""
+        if isinstance(namespace, str):
+            return next((chat for chat, (ns, plain) in self.names.items() if (ns, plain) == (namespace, name)), name)
+        return name
+
+    def client_name(self, chat_name: str) -> tuple[str | None, str]:
+        """(namespace, name) of a call the model made."""
+        return self.names.get(chat_name, (None, chat_name))
 
 
 def _tool_choice(choice: Any) -> Any:
@@ -316,7 +372,7 @@ def _response_format(text: Any) -> dict[str, Any] | None:
 # they define, not whatever else a client put in them (it would be stored,
 # and sent back on every GET).
 _FORMAT_FIELDS = ("type", "name", "description", "schema", "strict")
-_TOOL_FIELDS = ("type", "name", "description", "parameters", "strict")
+_TOOL_FIELDS = ("type", "name", "description", "parameters", "strict", "tools")
 
 
 def _echoed_text(text: Any) -> dict[str, Any]:
@@ -329,7 +385,8 @@ def _echoed_text(text: Any) -> dict[str, Any]:
 
 
 def _echoed_tools(tools: Any) -> list[dict[str, Any]]:
-    return [{k: tool[k] for k in _TOOL_FIELDS if k in tool} for tool in tools or [] if isinstance(tool, dict)]
+    return [{k: _echoed_tools(tool[k]) if k == "tools" else tool[k] for k in _TOOL_FIELDS if k in tool}
+            for tool in (tools if isinstance(tools, list) else []) if isinstance(tool, dict)]
 
 
 # Fields that ask for something this server does not do, with what to do instead.
@@ -374,12 +431,14 @@ def _with_instructions(instructions: str | None, turn: list[dict[str, Any]]) -> 
     return head + [dict(message) for message in turn[leading:]]
 
 
-def translate_request(body: dict[str, Any], largest_context: int,
-                      prefix: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def translate_request(body: dict[str, Any], largest_context: int, prefix: list[dict[str, Any]],
+                      tools: ResponseTools | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A Responses body as a chat body, and this turn's conversation (the
     previous response's `prefix` and this input, without the instructions,
-    which OpenAI does not carry over to a follow-up)."""
+    which OpenAI does not carry over to a follow-up). `tools` are the
+    body's, read already (ResponseTools.read)."""
     _check_fields(body)
+    tools = tools if tools is not None else ResponseTools.read(body.get("tools"))
     raw_input = body.get("input")
     if raw_input is None and not prefix:
         raise _Invalid(400, "'input' is required: a string, or a list of message and function_call_output items",
@@ -390,7 +449,7 @@ def translate_request(body: dict[str, Any], largest_context: int,
         items = raw_input or []
     else:
         raise _Invalid(400, "'input' must be a string or a list of items", "invalid_type", "input")
-    turn = prefix + convert_items(items)
+    turn = prefix + convert_items(items, tools=tools)
     if not turn:
         raise _Invalid(400, "'input' is empty; send at least one message", "missing_field", "input")
     out: dict[str, Any] = {"messages": _with_instructions(body.get("instructions"), turn),
@@ -407,8 +466,8 @@ def translate_request(body: dict[str, Any], largest_context: int,
     for name in ("temperature", "top_p", "user", "parallel_tool_calls"):
         if body.get(name) is not None:
             out[name] = body[name]
-    if body.get("tools"):
-        out["tools"] = _tools(body["tools"])
+    if tools.chat:
+        out["tools"] = tools.chat
     if body.get("tool_choice") is not None:
         out["tool_choice"] = _tool_choice(body["tool_choice"])
     response_format = _response_format(body.get("text"))
@@ -434,10 +493,13 @@ def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[s
     return {"type": "reasoning", "id": item_id, "status": status, "summary": [], "content": content}
 
 
-def function_call_item(item_id: str, call_id: str, name: str, arguments: str,
-                       status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed",
+                       namespace: str | None = None) -> dict[str, Any]:
+    item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
 
 
 def _text_part(item_kind: str, text: str) -> dict[str, Any]:
@@ -446,9 +508,11 @@ def _text_part(item_kind: str, text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def output_items(message: dict[str, Any], item_id) -> list[dict[str, Any]]:
+def output_items(message: dict[str, Any], item_id, tools: ResponseTools | None = None) -> list[dict[str, Any]]:
     """An aggregated chat message as output items, in the order a stream
-    gives them: reasoning, text, then the calls. `item_id(kind, index)` names each."""
+    gives them: reasoning, text, then the calls (named as the client named
+    them, `tools`). `item_id(kind, index)` names each."""
+    tools = tools or ResponseTools()
     items: list[dict[str, Any]] = []
     if message.get("reasoning_content"):
         items.append(reasoning_item(item_id("rs", len(items)), message["reasoning_content"]))
@@ -457,8 +521,9 @@ def output_items(message: dict[str, Any], item_id) -> list[dict[str, Any]]:
         items.append(message_item(item_id("msg", len(items)), message.get("content") or ""))
     for call in calls:
         index = len(items)
-        items.append(function_call_item(item_id("fc", index), call.get("id") or f"call_{index}",
-                                        call["function"]["name"], call["function"]["arguments"]))
+        namespace, name = tools.client_name(call["function"]["name"])
+        items.append(function_call_item(item_id("fc", index), call.get("id") or f"call_{index}", name,
+                                        call["function"]["arguments"], namespace=namespace))
     return items
 
 
@@ -495,6 +560,7 @@ class ResponsesProtocol(Protocol):
         self._hex = secrets.token_hex(12)
         self.response_id = f"resp_{self._hex}"
         self._request: dict[str, Any] = {}
+        self.tools = ResponseTools()
         self._turn: list[dict[str, Any]] = []
         self._created_at = int(time.time())
         # The model that answers, as the worker names it, for a request that named none.
@@ -511,9 +577,10 @@ class ResponsesProtocol(Protocol):
                 raise _Invalid(404, f"no stored response has id {previous!r}: {_WHY_GONE}; resend the conversation "
                                "as input", "previous_response_not_found", "previous_response_id")
             prefix = stored.conversation  # parsed anew from the store's text: this request's own
-        chat, self._turn = translate_request(body, self._largest_context, prefix)
+        self.tools = ResponseTools.read(body.get("tools"))
+        chat, self._turn = translate_request(body, self._largest_context, prefix, self.tools)
         self._request = body
-        return Translated(JobKind.CHAT, chat)
+        return Translated(JobKind.CHAT, chat, warnings=tuple(self.tools.skipped))
 
     def error(self, status: int, message: str, code: str, param: str | None = None,
               headers: dict[str, str] | None = None) -> Response:
@@ -549,13 +616,13 @@ class ResponsesProtocol(Protocol):
         status, incomplete = status_of(finish_reason)
         response = self.response_object(job, status, output, incomplete=incomplete, usage=usage_of(job))
         if response["store"]:
-            self._store.put(self._caller, response, self._turn + convert_items(output, "output"))
+            self._store.put(self._caller, response, self._turn + convert_items(output, "output", self.tools))
         return response
 
     def answer(self, response: dict[str, Any], job: Job) -> dict[str, Any]:
         choice = response["choices"][0]
         self.answering_model = response.get("model") or ""
-        return self.finish(job, output_items(choice["message"], self.item_id), choice.get("finish_reason"))
+        return self.finish(job, output_items(choice["message"], self.item_id, self.tools), choice.get("finish_reason"))
 
     def encoder(self, job: Job) -> StreamEncoder:
         return _ResponsesStream(self, job)
@@ -624,7 +691,8 @@ class _ResponsesStream(StreamEncoder):
             return b""
         text, where = "".join(self._open_text), self._where()
         if item["type"] == "function_call":
-            done = function_call_item(item["id"], item["call_id"], item["name"], text)
+            done = function_call_item(item["id"], item["call_id"], item["name"], text,
+                                      namespace=item.get("namespace"))
             out = self._emit("response.function_call_arguments.done", **where, name=item["name"], arguments=text)
         else:
             done = (message_item if item["type"] == "message" else reasoning_item)(item["id"], text)
@@ -662,9 +730,10 @@ class _ResponsesStream(StreamEncoder):
                     out += self._close()
                     self._tool_index = index
                     position = len(self._items)
+                    namespace, name = self._protocol.tools.client_name(function.get("name") or "")
                     out += self._open_item(function_call_item(
-                        item_id("fc", position), call.get("id") or f"call_{position}", function.get("name") or "",
-                        "", "in_progress"))
+                        item_id("fc", position), call.get("id") or f"call_{position}", name, "", "in_progress",
+                        namespace))
                 if function.get("arguments"):
                     out += self._delta(function["arguments"])
             if choice.get("finish_reason"):

@@ -120,9 +120,15 @@ class Dispatcher:
         """The refusal for a request that recently crashed a worker, or None."""
         return self.quarantine.refusal(job.fingerprint, job.id)
 
+    def _context_caps(self) -> list[int]:
+        return [self.limits.cpu_n_ctx] + ([self.limits.gpu_n_ctx] if self.gpu is not None else [])
+
     def token_limit(self, prompt_tokens: int, requested: int | None, chat: bool) -> int:
-        caps = [self.limits.cpu_n_ctx] + ([self.limits.gpu_n_ctx] if self.gpu is not None else [])
-        return token_limit(prompt_tokens, requested, caps, chat=chat)
+        return token_limit(prompt_tokens, requested, self._context_caps(), chat=chat)
+
+    def largest_context(self) -> int:
+        """The most tokens one request may hold on any of this model's paths."""
+        return max(self._context_caps())
 
     async def run(self, job: Job, sink: Sink) -> None:
         """Admit a registered job and run it to the end. Raises JobFailed for

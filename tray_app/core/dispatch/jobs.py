@@ -101,6 +101,9 @@ class JobRequest:
     # False: the worker reads the prompt afresh, reusing no cached prefix
     # (the request's key asked never to share the prompt cache).
     prompt_cache: bool = True
+    # What the service left out of the request (a tool it can't run), for
+    # the answer's Warning headers and the access log.
+    warnings: tuple[str, ...] = ()
     # Who sent it (X-Client-Name or the User-Agent's product), for the tray.
     client: str | None = None
     # What the client asked of routing: X-Force-Path: cpu, X-Request-Timeout,
@@ -153,6 +156,7 @@ class Job:
     images = _FromRequest()
     image_decode_mib = _FromRequest()
     prompt_cache = _FromRequest()
+    warnings = _FromRequest()
     client = _FromRequest()
     force_cpu = _FromRequest()
     deadline_s = _FromRequest()
@@ -199,6 +203,8 @@ class Job:
         self.peer_probe = False
         # The GPU's fault that made this job a replay: when and how (failover_time).
         self.fault: Fault | None = None
+        # Oldest messages left out to fit the context (Ollama's truncation).
+        self.truncated_messages = 0
 
     # ----- its life: each step one method, called from the dispatch package -----
 

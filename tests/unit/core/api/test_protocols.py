@@ -159,6 +159,17 @@ def test_a_conversation_with_tools_becomes_an_openai_chat():
     assert body["tools"][0]["function"]["parameters"] == {"type": "object"} and body["stop"] == ["END"]
 
 
+def test_system_entries_inside_messages_join_the_system_prompt_in_order():
+    """What Claude Code sends: a role "system" entry among the messages."""
+    body = translate_messages({"model": "m", "max_tokens": 10, "system": "You are Claude Code.", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": [{"type": "text", "text": "Reminder: be brief."}]},
+        {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]}, CONTEXT)
+    assert body["messages"] == [
+        {"role": "system", "content": "You are Claude Code.\n\nReminder: be brief."},
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+
+
 def test_max_tokens_is_required_and_means_up_to_the_context():
     assert translate_messages({"model": "m", "max_tokens": 32000, "messages": [
         {"role": "user", "content": "x"}]}, CONTEXT)["max_tokens"] == CONTEXT
@@ -170,7 +181,9 @@ def test_max_tokens_is_required_and_means_up_to_the_context():
 
 
 @pytest.mark.parametrize("message, where", [
-    ({"role": "system", "content": "x"}, "messages.0"),
+    ({"role": "system", "content": "x"}, "messages"),  # a system prompt and nothing to answer
+    ({"role": "system", "content": 5}, "messages.0.content"),
+    ({"role": "tool", "content": "x"}, "messages.0"),
     ({"role": "user", "content": 5}, "messages.0.content"),
     ({"role": "user", "content": [{"type": "image", "source": {}}]}, "messages.0.content.0.source"),
     ({"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "b"}]}, "messages.0.content.0"),

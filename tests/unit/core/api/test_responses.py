@@ -123,11 +123,55 @@ def test_a_follow_up_puts_the_previous_conversation_first():
 
 @pytest.mark.parametrize("tool", ["web_search", "web_search_preview", "file_search", "computer_use_preview",
                                   "code_interpreter", "image_generation", "mcp", "local_shell", "custom"])
-def test_a_tool_this_server_cant_run_is_a_400_naming_it(tool):
+def test_a_tool_only_openai_runs_is_left_out_with_a_warning(tool):
+    """Codex sends web_search with every request: the model is offered the
+    functions, and the answer's Warning header names what was left out."""
+    protocol = ResponsesProtocol(ResponseStore(), "me", CONTEXT)
+    translated = protocol.translate({"input": "x", "tools": [WEATHER, {"type": tool}]}, JobKind.CHAT)
+    assert [t["function"]["name"] for t in translated.body["tools"]] == ["get_weather"]
+    assert len(translated.warnings) == 1 and f"tools[1] ({tool})" in translated.warnings[0]
+
+
+def test_forcing_a_tool_only_openai_runs_is_a_400():
     with pytest.raises(InvalidRequest) as bad:
-        translate(input="x", tools=[WEATHER, {"type": tool}])
-    assert bad.value.status == 400 and bad.value.param == "tools[1]" and repr(tool) in bad.value.message
-    assert bad.value.code == "unsupported_tool"
+        translate(input="x", tools=[{"type": "web_search"}], tool_choice={"type": "web_search"})
+    assert bad.value.status == 400 and bad.value.code == "unsupported_tool"
+
+
+@pytest.mark.parametrize("tool", [{"type": "frobnicate"}, {"name": "x"}, "web_search"])
+def test_a_tool_of_no_known_type_is_a_400_naming_it(tool):
+    with pytest.raises(InvalidRequest) as bad:
+        translate(input="x", tools=[WEATHER, tool])
+    assert bad.value.status == 400 and bad.value.param == "tools[1]" and bad.value.code == "unsupported_tool"
+
+
+NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.",
+             "tools": [{"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}},
+                       {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]}
+
+
+def test_a_namespace_tool_is_unpacked_and_its_calls_come_back_under_its_names():
+    """What Codex sends: its sub-agent functions grouped in a namespace tool."""
+    protocol = ResponsesProtocol(ResponseStore(), "me", CONTEXT)
+    translated = protocol.translate({"input": "x", "tools": [WEATHER, NAMESPACE]}, JobKind.CHAT)
+    names = [t["function"]["name"] for t in translated.body["tools"]]
+    # A name two groups share is told apart for the model.
+    assert names == ["get_weather", "spawn_agent", "multi_agent_v1__get_weather"]
+    job = finished_job(translated.body)
+    answer = protocol.answer({"model": "m", "choices": [{"finish_reason": "tool_calls", "message": {
+        "role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "function": {"name": "spawn_agent", "arguments": "{}"}},
+            {"id": "c2", "function": {"name": "multi_agent_v1__get_weather", "arguments": "{}"}},
+            {"id": "c3", "function": {"name": "get_weather", "arguments": "{}"}}]}}]}, job)
+    calls = [(item.get("namespace"), item["name"]) for item in answer["output"] if item["type"] == "function_call"]
+    assert calls == [("multi_agent_v1", "spawn_agent"), ("multi_agent_v1", "get_weather"), (None, "get_weather")]
+    # Sent back in the next turn, each call finds its chat name again.
+    follow = protocol.translate({"input": [*answer["output"], {"type": "function_call_output", "call_id": "c2",
+                                                                "output": "ok"}], "tools": [WEATHER, NAMESPACE]},
+                                JobKind.CHAT)
+    assistant = next(m for m in follow.body["messages"] if m["role"] == "assistant")
+    assert [c["function"]["name"] for c in assistant["tool_calls"]] == [
+        "spawn_agent", "multi_agent_v1__get_weather", "get_weather"]
 
 
 @pytest.mark.parametrize("body, param", [
