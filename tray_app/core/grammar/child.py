@@ -30,6 +30,20 @@ from ..api import bounds
 from ..api.grammar_bounds import grammar_problem, schema_problem
 
 
+# llama-cpp-python's converter lets a JSON string hold any character but a
+# quote and a backslash, raw control characters included: the model can end
+# normally with an answer json.loads refuses ("Invalid control character").
+# llama.cpp's own converter (common/json-schema-to-grammar.cpp, what
+# llama-server uses) excludes them, and DEL; its rule replaces the other.
+_LOOSE_CHAR_RULE = re.compile(r'^(char(?:-[0-9]+)?) ::= \[\^"\\\\\] \| ', re.MULTILINE)
+_STRICT_CHAR = r'[^"\\\x7F\x00-\x1F] | '
+
+
+def strict_json_strings(grammar: str) -> str:
+    """The converter's grammar with its string characters as JSON allows them."""
+    return _LOOSE_CHAR_RULE.sub(lambda match: f"{match.group(1)} ::= {_STRICT_CHAR}", grammar)
+
+
 class Checker:
     def __init__(self, model_path: str) -> None:
         import llama_cpp
@@ -46,7 +60,7 @@ class Checker:
             if problem:
                 return {"problem": f"the JSON schema is too large: {problem}", "code": "grammar_too_complex"}
             try:
-                grammar = self._to_gbnf(json.dumps(request["schema"]))
+                grammar = strict_json_strings(self._to_gbnf(json.dumps(request["schema"])))
             except MemoryError:
                 raise
             except Exception as exc:  # the converter asserts and raises on what it can't express

@@ -152,3 +152,19 @@ async def test_close_ends_the_child():
     pid = checker.pid
     await checker.close()
     assert checker.pid is None and not pid_alive(pid)
+
+
+async def test_a_schemas_strings_hold_no_raw_control_characters():
+    """llama-cpp-python's converter let a string hold a raw newline or tab:
+    an answer that ended normally and json.loads refused. The grammar the
+    real child returns has llama.cpp's own character class, which llama.cpp
+    parsed (the child parses every grammar it returns)."""
+    checker = GrammarChecker(MODEL)
+    try:
+        schema = {"type": "object", "properties": {"text": {"type": "string"},
+                                                   "lines": {"type": "array", "items": {"type": "string"}}}}
+        verdict = await checker.check_schema(schema)
+        char_rules = [line for line in verdict.grammar.splitlines() if line.startswith("char")]
+        assert char_rules and all(r'[^"\\\x7F\x00-\x1F]' in rule for rule in char_rules), char_rules
+    finally:
+        await checker.close()
