@@ -202,6 +202,31 @@ def test_a_streamed_named_tool_call_names_the_function_once_and_its_arguments_pa
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_calls_one_of_the_tools(fresh, client, stream):
+    """What the agent frameworks send (the Agents SDK's "required", LangChain's
+    "any"): OpenAI's contract is a call, and SmolLM2's template alone answers
+    in plain text."""
+    asked = dict(model="default", max_tokens=80, temperature=0, messages=ASK_REFUND, tools=[WEATHER, *REFUND],
+                 tool_choice="required")
+    if stream:
+        chunks = list(client.chat.completions.create(**asked, stream=True))
+        calls = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+        name, arguments = calls[0].function.name, "".join(c.function.arguments or "" for c in calls)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = client.chat.completions.create(**asked).choices[0]
+        (call,) = choice.message.tool_calls
+        name, arguments, finish = call.function.name, call.function.arguments, choice.finish_reason
+    assert finish == "tool_calls" and name in ("get_weather", "refund_order")
+    assert set(json.loads(arguments)) == ({"city"} if name == "get_weather" else {"order_id"})
+
+
 @pytest.mark.parametrize("tool_choice, message", [
     ({"type": "function", "function": {"name": "nope"}}, "not in 'tools'"),
     ({"type": "function"}, "must be"),

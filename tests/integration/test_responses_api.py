@@ -133,12 +133,15 @@ def test_an_idempotency_key_answers_a_retry_with_the_same_response(fresh, client
     assert retry.headers["x-idempotent-replay"] == "true" and retry.parse().id == first.parse().id
 
 
-def test_a_tool_this_server_cant_run_is_a_400_naming_it(fresh, client):
+def test_a_tool_only_openai_runs_is_left_out_with_a_warning_and_forcing_it_is_a_400(fresh, client):
+    raw = client.responses.with_raw_response.create(model="default", input="Search the web for news.",
+                                                    max_output_tokens=4, tools=[WEATHER, {"type": "web_search"}])
+    assert raw.parse().status in ("completed", "incomplete")
+    assert "tools[1] (web_search)" in raw.headers["warning"] and raw.headers["warning"].startswith("299 tray-app")
     with pytest.raises(openai.BadRequestError) as refused:
-        client.responses.create(model="default", input="Search the web for news.", max_output_tokens=4,
-                                tools=[WEATHER, {"type": "web_search"}])
-    error = refused.value.body
-    assert error["code"] == "unsupported_tool" and error["param"] == "tools[1]" and "web_search" in error["message"]
+        client.responses.create(model="default", input="Search.", max_output_tokens=4,
+                                tools=[WEATHER, {"type": "web_search"}], tool_choice={"type": "web_search"})
+    assert refused.value.body["code"] == "unsupported_tool"
 
 
 def codex_request(tools):
@@ -172,10 +175,15 @@ def test_a_codex_shaped_request_streams_and_a_built_in_tool_is_named(fresh):
         names = [line.removeprefix("event: ") for line in response.iter_lines() if line.startswith("event: ")]
     assert names[:2] == ["response.created", "response.in_progress"]
     assert names[-1] in ("response.completed", "response.incomplete") and "response.failed" not in names
-    # Codex adds web_search when the user turns it on: refused before anything streams, naming it.
-    refused = fresh.http.post("/v1/responses", json=codex_request([SHELL, {"type": "web_search"}]))
-    assert refused.status_code == 400 and refused.headers["content-type"] == "application/json"
-    assert refused.json()["error"]["param"] == "tools[1]" and "web_search" in refused.json()["error"]["message"]
+    # Codex 0.171 sends web_search and a namespace tool with every request: answered, the
+    # namespace's functions offered to the model, web_search named in the Warning header.
+    namespace = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.",
+                 "tools": [{**SHELL, "name": "spawn_agent"}]}
+    with fresh.http.stream("POST", "/v1/responses",
+                           json=codex_request([SHELL, namespace, {"type": "web_search"}])) as response:
+        assert response.status_code == 200 and "web_search" in response.headers["warning"]
+        names = [line.removeprefix("event: ") for line in response.iter_lines() if line.startswith("event: ")]
+    assert names[-1] in ("response.completed", "response.incomplete")
 
 
 def test_the_route_without_v1_and_errors_in_the_openai_envelope(fresh):

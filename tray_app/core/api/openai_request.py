@@ -15,6 +15,7 @@ from typing import Any
 
 from llama_cpp.llama_grammar import JSON_GBNF
 
+from ..dispatch.jobs import ANY_TOOL
 from . import grammar_bounds
 
 
@@ -407,8 +408,10 @@ def force_named_tool(body: dict[str, Any], constraint: Constraint | None) -> Con
     other tool_choice.
     """
     choice = body.get("tool_choice")
+    if choice == "required":
+        return _force_any_tool(body, constraint)
     if not isinstance(choice, dict):
-        if choice is not None and choice not in ("none", "auto", "required"):
+        if choice is not None and choice not in ("none", "auto"):
             raise InvalidRequest(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or "
                                  "{\"type\": \"function\", \"function\": {\"name\": ...}}", "invalid_value",
                                  "tool_choice")
@@ -432,6 +435,31 @@ def force_named_tool(body: dict[str, Any], constraint: Constraint | None) -> Con
     # "none": the worker must not parse the constrained answer as a call itself.
     body["tool_choice"] = "none"
     return _schema_constraint(parameters, "tools.function.parameters", tool=name)
+
+
+def _force_any_tool(body: dict[str, Any], constraint: Constraint | None) -> Constraint:
+    """tool_choice "required" (Anthropic's "any", LangChain's "any", the
+    Agents SDK's "required"): a call of one of the tools, on every model, as
+    OpenAI's contract says. llama-server leaves it to the chat template,
+    and SmolLM2's answers in plain text. One tool is the named form; more
+    constrain the answer to {"name": one of them, "arguments": its
+    parameters}, which the backend turns into that call (ANY_TOOL)."""
+    functions = [t["function"] for t in body.get("tools") or []
+                 if isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)]
+    if not functions:
+        raise InvalidRequest(400, "'tool_choice' is \"required\" but 'tools' names no function to call",
+                             "invalid_value", "tool_choice")
+    if constraint is not None:
+        raise InvalidRequest(400, "tool_choice \"required\" already constrains the answer; drop 'response_format' "
+                             "or 'grammar'", "invalid_value", "tool_choice")
+    body["tool_choice"] = "none"  # the worker must not parse the constrained answer as a call itself
+    if len(functions) == 1:
+        return _schema_constraint(functions[0].get("parameters", {"type": "object"}), "tools.function.parameters",
+                                  tool=functions[0]["name"])
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                               "arguments": f.get("parameters", {"type": "object"})},
+              "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    return _schema_constraint({"anyOf": calls}, "tools.function.parameters", tool=ANY_TOOL)
 
 
 def _constraint_for(response_format: Any) -> Constraint | None:

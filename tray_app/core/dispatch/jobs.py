@@ -38,6 +38,12 @@ def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex[:20]}"
 
 
+# JobRequest.forced_tool for tool_choice "required" with several tools: the
+# answer is {"name", "arguments"} for one of them (api/openai_request.py),
+# turned into that call once whole (upstream's ToolCallShaping).
+ANY_TOOL = "*"
+
+
 @dataclass
 class Attempt:
     path: str

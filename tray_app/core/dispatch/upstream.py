@@ -22,7 +22,7 @@ import httpx
 
 from ..base.http_basics import SseLineSplitter, SseLineTooLong, aiter_sse_lines
 from ..engine import request_fields
-from .jobs import Attempt, Job, JobFailed, JobKind, WorkerFailure
+from .jobs import ANY_TOOL, Attempt, Job, JobFailed, JobKind, WorkerFailure
 
 # How often a request that waits on an upstream asks whether it can still
 # make progress at all (see Worker.liveness_problem).
@@ -285,7 +285,7 @@ async def relay_answer(response: UpstreamResponse, job: Job, attempt: Attempt, s
     deadlines and cancel (one wait per chunk, however many lines it holds);
     `fail(what)` raises the caller's failure for a bad or error event.
     Returns whether the stream ended with [DONE]."""
-    named_tool_calls: set[tuple[int, int]] = set()
+    shaping = AttemptShaping()
     # A chat with several choices opens them all, in order, before any output.
     opened = job.kind is not JobKind.CHAT or job.choices == 1
     # Only a chat of one choice with nothing to rewrite inside its deltas takes the fast path.
@@ -312,7 +312,7 @@ async def relay_answer(response: UpstreamResponse, job: Job, attempt: Attempt, s
                 event = _parsed_event(data, fail)
                 if event is None:
                     continue
-                carries = shape_event(event, job, named_tool_calls, model=model, fingerprint=fingerprint)
+                carries = shape_event(event, job, shaping, model=model, fingerprint=fingerprint)
                 if fast is not None and opened:
                     fast.learn(data, event)
             if carries:
@@ -357,7 +357,18 @@ def sse_bytes(payload: Any) -> bytes:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
-def shape_event(event: dict[str, Any], job: Job, named_tool_calls: set[tuple[int, int]], *, model: str,
+class AttemptShaping:
+    """What shaping one attempt's stream remembers between its events."""
+
+    def __init__(self) -> None:
+        # (choice, call) whose name was sent: _drop_repeated_tool_names.
+        self.named: set[tuple[int, int]] = set()
+        # Each choice's answer so far, under tool_choice "required" with
+        # several tools (ANY_TOOL): its call is known once it is whole.
+        self.pending: dict[int, str] = {}
+
+
+def shape_event(event: dict[str, Any], job: Job, shaping: AttemptShaping, *, model: str,
                 fingerprint: str) -> bool:
     """Make one streamed event of an upstream server (a worker, or a peer)
     what this server sends: its ids, its model name, OpenAI's shapes.
@@ -372,13 +383,17 @@ def shape_event(event: dict[str, Any], job: Job, named_tool_calls: set[tuple[int
     if job.choices > 1:
         # The opening event said each choice's role (see _opening_event).
         _drop_roles(event)
-    if job.forced_tool is not None:
-        _as_forced_tool_call(event, job)
+    # Counted before a forced call reshapes it: an answer held back whole
+    # (ANY_TOOL) is output as it comes, for the hang deadlines too.
     carries = _carries_token(event)
+    if job.forced_tool == ANY_TOOL:
+        _as_chosen_tool_call(event, job, shaping.pending)
+    elif job.forced_tool is not None:
+        _as_forced_tool_call(event, job)
     event["id"] = response_id(job)
     event["model"] = model
     event["system_fingerprint"] = fingerprint
-    _drop_repeated_tool_names(event, named_tool_calls)
+    _drop_repeated_tool_names(event, shaping.named)
     return carries
 
 
@@ -481,6 +496,35 @@ def _as_forced_tool_call(event: dict[str, Any], job: Job) -> None:
                                     "type": "function", "function": {"name": job.forced_tool, "arguments": text}}]
         if choice.get("finish_reason") == "stop":
             choice["finish_reason"] = "tool_calls"
+
+
+def _as_chosen_tool_call(event: dict[str, Any], job: Job, pending: dict[int, str]) -> None:
+    """The constrained answer to tool_choice "required" over several tools,
+    {"name": N, "arguments": {...}}, as one call of N: held back until the
+    choice ends (its name is only known once read), then sent as one delta
+    with finish_reason "tool_calls". An answer cut by the limit goes out as
+    the text it is, with finish_reason "length"."""
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta")
+        if delta is None:
+            continue
+        index = choice.get("index", 0)
+        text = delta.pop("content", None)
+        if text:
+            pending[index] = pending.get(index, "") + text
+        if choice.get("finish_reason") is None:
+            continue
+        answer = pending.pop(index, "")
+        try:
+            call = json.loads(answer)
+            name, arguments = call["name"], call["arguments"]
+        except (ValueError, TypeError, KeyError):
+            if answer:
+                delta["content"] = answer
+            continue
+        delta["tool_calls"] = [{"index": 0, "id": f"call_{job.id}" + (f"_{index}" if index else ""), "type": "function",
+                                "function": {"name": name, "arguments": json.dumps(arguments)}}]
+        choice["finish_reason"] = "tool_calls"
 
 
 def _opening_event(first: dict[str, Any], choices: int) -> dict[str, Any]:

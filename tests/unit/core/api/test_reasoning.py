@@ -15,7 +15,7 @@ from tray_app.core.api.protocol import Protocol
 from tray_app.core.api.requests import ModelNames, validate
 from tray_app.core.api.responses import translate_request
 from tray_app.core.config import ConfigError, parse_config_text
-from tray_app.core.dispatch.upstream import shape_event
+from tray_app.core.dispatch.upstream import AttemptShaping, shape_event
 from tray_app.core.dispatch.jobs import Job, JobKind, JobRequest
 
 CONTEXT = 2048
@@ -164,7 +164,7 @@ def test_an_upstreams_reasoning_field_reaches_every_sink_as_reasoning_content():
     `reasoning`; the sinks read llama-server's name."""
     event = {"choices": [{"index": 0, "delta": {"reasoning": "hmm"}}]}
     job = Job(JobRequest(id="r1", kind=JobKind.CHAT, body={}, stream=True))
-    assert shape_event(event, job, set(), model="m", fingerprint="f") is True
+    assert shape_event(event, job, AttemptShaping(), model="m", fingerprint="f") is True
     assert event["choices"][0]["delta"] == {"reasoning_content": "hmm"}
 
 

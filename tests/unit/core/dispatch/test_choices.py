@@ -14,7 +14,7 @@ from tray_app.core.api.sinks import AggregatingSink
 from tray_app.core.dispatch.admission import CpuView, GpuView, LaneState, RequestShape, Route, decide
 from tray_app.core.dispatch.jobs import Attempt, Job, JobKind, JobRequest
 from tray_app.core.dispatch.lanes import Lane
-from tray_app.core.dispatch.upstream import relay_answer, shape_event
+from tray_app.core.dispatch.upstream import AttemptShaping, relay_answer, shape_event
 
 
 async def test_a_request_with_n_choices_holds_n_slots():
@@ -123,7 +123,7 @@ async def test_a_chat_stream_opens_every_choice_in_order_before_any_output():
 def test_a_forced_tool_names_each_choices_call_once_with_its_own_id():
     job = Job(JobRequest(id="req-t", kind=JobKind.CHAT, body={"messages": [], "n": 2}, stream=True,
                          forced_tool="refund"))
-    named: set[tuple[int, int]] = set()
+    named = AttemptShaping()
     calls = []
     for index, text in [(0, '{"a'), (1, '{"b'), (0, '":1}'), (1, '":2}')]:
         event = {"choices": [{"index": index, "delta": {"content": text}, "finish_reason": None}]}

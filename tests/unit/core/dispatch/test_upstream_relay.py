@@ -16,7 +16,7 @@ import pytest
 
 from tray_app.core.api.sinks import AggregatingSink
 from tray_app.core.dispatch.jobs import Attempt, Job, JobKind, JobRequest
-from tray_app.core.dispatch.upstream import PlainDeltas, WireEvent, relay_answer, shape_event, sse_bytes
+from tray_app.core.dispatch.upstream import AttemptShaping, PlainDeltas, WireEvent, relay_answer, shape_event, sse_bytes
 
 CORPUS = Path(__file__).parents[2] / "data" / "llama_server_sse.txt"
 MODEL, FINGERPRINT = "smollm2", "fp-test"
@@ -40,7 +40,7 @@ def slow(line: str, job: Job) -> tuple[dict, bytes] | None:
         return None
     if not event.get("choices"):
         return None
-    shape_event(event, job, set(), model=MODEL, fingerprint=FINGERPRINT)
+    shape_event(event, job, AttemptShaping(), model=MODEL, fingerprint=FINGERPRINT)
     return event, sse_bytes(event)
 
 

@@ -3,8 +3,8 @@ client: pure helpers, tested with plain dicts."""
 
 from __future__ import annotations
 
-from tray_app.core.dispatch.upstream import _carries_token, _trim_logprobs, shape_event, worker_body
-from tray_app.core.dispatch.jobs import Job, JobKind, JobRequest
+from tray_app.core.dispatch.upstream import AttemptShaping, _carries_token, _trim_logprobs, shape_event, worker_body
+from tray_app.core.dispatch.jobs import ANY_TOOL, Job, JobKind, JobRequest
 
 
 def chunk(**delta) -> dict:
@@ -36,7 +36,7 @@ def test_the_worker_is_asked_for_at_least_one_alternative():
 
 def test_a_forced_tool_answer_streams_as_one_call_named_once():
     job = Job(JobRequest(id="req-9", kind=JobKind.CHAT, body={}, stream=True, forced_tool="refund_order"))
-    named: set[tuple[int, int]] = set()
+    named = AttemptShaping()
     first = chunk(content='{"order')
     shape_event(first, job, named, model="m", fingerprint="f")
     second = chunk(content='_id": "A"}')
@@ -81,3 +81,28 @@ def test_a_key_without_prompt_cache_has_its_worker_read_the_prompt_afresh():
     assert "cache_prompt" not in worker_body(Job(request))
     isolated = Job(JobRequest(id="r2", kind=JobKind.CHAT, body={"messages": []}, stream=False, prompt_cache=False))
     assert worker_body(isolated)["cache_prompt"] is False
+
+
+def test_a_required_tool_answer_becomes_the_call_it_names_once_whole():
+    job = Job(JobRequest(id="req-7", kind=JobKind.CHAT, body={}, stream=True, forced_tool=ANY_TOOL))
+    shaping = AttemptShaping()
+    parts = [chunk(content='{"name": "get_'), chunk(content='weather", "arguments": {"city": '),
+             chunk(content='"Oslo"}}')]
+    carried = [shape_event(part, job, shaping, model="m", fingerprint="f") for part in parts]
+    # Held back, but counted as output: the hang deadlines see the tokens.
+    assert carried == [True, True, True] and all(p["choices"][0]["delta"] == {} for p in parts)
+    last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    shape_event(last, job, shaping, model="m", fingerprint="f")
+    assert last["choices"][0]["delta"]["tool_calls"] == [{"index": 0, "id": "call_req-7", "type": "function",
+                                                           "function": {"name": "get_weather",
+                                                                        "arguments": '{"city": "Oslo"}'}}]
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_required_tool_answer_cut_by_the_limit_goes_out_as_text():
+    job = Job(JobRequest(id="req-8", kind=JobKind.CHAT, body={}, stream=True, forced_tool=ANY_TOOL))
+    shaping = AttemptShaping()
+    shape_event(chunk(content='{"name": "get_wea'), job, shaping, model="m", fingerprint="f")
+    last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+    shape_event(last, job, shaping, model="m", fingerprint="f")
+    assert last["choices"][0] == {"index": 0, "delta": {"content": '{"name": "get_wea'}, "finish_reason": "length"}
