@@ -216,7 +216,12 @@ class Backend:
             sink.emit(_length_event(job, self.fingerprint, worker.spec.model_name))
         attempt.outcome = "completed"
         first = attempt.first_token_at or attempt.ended_at
-        self.speed.observe(attempt.tokens, attempt.ended_at - first, job.prompt_tokens, first - attempt.started_at)
+        # The prompt's speed from what the worker really read, when it says:
+        # a cache hit read in milliseconds would otherwise look like thousands
+        # of tokens a second, and the next long prompt's deadline would follow.
+        read, read_s = ((attempt.prompt_read, attempt.prompt_read_s) if attempt.prompt_read_s
+                        else (job.prompt_tokens, first - attempt.started_at))
+        self.speed.observe(attempt.tokens, attempt.ended_at - first, read, read_s)
         if attempt.first_token_at is not None:
             self.busy_speeds.first_token.observe(job.prompt_tokens, attempt.first_token_at - attempt.started_at)
         if attempt.tokens >= 4 and attempt.ended_at > first:
@@ -294,7 +299,7 @@ class _WorkerRules(UpstreamRules):
         raise AssertionError("unreachable")
 
     def hung(self, silent_s: float) -> Exception:
-        return WorkerFailure(f"no output for {silent_s:g} s")
+        return WorkerFailure(f"no output for {silent_s:g} s", hung=True)
 
     def broke(self, exc: Exception, attempt: Attempt) -> Exception | None:
         if not isinstance(exc, (httpx.TransportError, httpx.StreamError)):

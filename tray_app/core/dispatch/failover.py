@@ -25,6 +25,9 @@ from .ports import DispatchEvents, GpuResidency
 from .quarantine import Quarantine
 from .upstream import Sink
 
+# Hangs of one request (by its fingerprint, within the quarantine's time) before it is kept out.
+HANGS_BEFORE_QUARANTINE = 2
+
 
 class Routing(Protocol):
     """What failover needs of the dispatcher."""
@@ -133,6 +136,8 @@ async def raise_if_crashed_by_input(routing: Routing, job: Job, backend: Backend
     """A request that crashed its worker is not replayed: a request that
     segfaults a healthy worker would segfault the other one too. It is
     quarantined, so a retry gets the same answer without reaching a worker."""
+    if failure.hung:
+        _quarantine_if_hung_twice(routing, job, backend)
     report = await backend.crash_cause(job, failure)
     if report is None:
         return
@@ -141,6 +146,26 @@ async def raise_if_crashed_by_input(routing: Routing, job: Job, backend: Backend
     routing.quarantine.add(job.fingerprint, detail)
     routing.events.note("request_crashed_worker", id=job.id, path=backend.path, signal=report.signal_name,
                         committed=job.committed)
+    refusal = routing.quarantine.refusal(job.fingerprint, job.id)
+    assert refusal is not None
+    raise refusal from None
+
+
+def _quarantine_if_hung_twice(routing: Routing, job: Job, backend: Backend) -> None:
+    """A request that hangs a worker is replayed once, like any failure; the
+    same request hanging one again (a client's retry loop, an agent resending
+    its long first prompt) is quarantined as a crash is, so it can't kill
+    and restart the GPU worker over and over. Only one that was alone in the
+    process counts: with others in the batch, the hang is no one's."""
+    if not job.attempts or job.attempts[-1].shared_at_crash():
+        return
+    if routing.quarantine.note_hang(job.fingerprint) < HANGS_BEFORE_QUARANTINE:
+        return
+    detail = f"it left the {backend.path} model server silent past its deadline {HANGS_BEFORE_QUARANTINE} times"
+    job.note_failure(detail)
+    backend.report_failure(detail)  # the silent process is replaced all the same
+    routing.quarantine.add(job.fingerprint, detail)
+    routing.events.note("request_hung_worker", id=job.id, path=backend.path, committed=job.committed)
     refusal = routing.quarantine.refusal(job.fingerprint, job.id)
     assert refusal is not None
     raise refusal from None

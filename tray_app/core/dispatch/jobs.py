@@ -62,14 +62,28 @@ class Attempt:
     neighbours: list["Attempt"] = field(default_factory=list, repr=False, compare=False)
     # When the last token came (the path's clock), for the between-tokens deadline.
     last_token_at: float = 0.0
+    # When llama-server last said how far it has read the prompt (its
+    # prompt_progress events, one per batch): a long prompt is progress, not
+    # a hang, however long it takes in all.
+    last_progress_at: float | None = None
+    # The prompt tokens the worker really read (its cache's aside) and how
+    # long that took, from its timings: a speed no cache hit inflates.
+    prompt_read: int | None = None
+    prompt_read_s: float | None = None
 
-    def wait_limit_s(self, first_deadline: float, between_tokens_s: float, now: float) -> float:
+    def wait_limit_s(self, first_deadline: float, between_tokens_s: float, now: float,
+                     progress_gap_s: float = 0.0) -> float:
         """How long the upstream may stay silent from `now`. Until the first
         token one deadline (first_deadline, on the same clock) covers the
-        wait for the headers and the first event; then it runs from the last
-        token, so keep-alive comments (":" lines) can't hide a stall."""
+        wait for the headers and the first event, and each report of the
+        prompt's progress gives it `progress_gap_s` more from then; after,
+        it runs from the last token, so keep-alive comments (":" lines)
+        can't hide a stall."""
         if self.first_token_at is None:
-            return max(0.0, first_deadline - now)
+            deadline = first_deadline
+            if self.last_progress_at is not None:
+                deadline = max(deadline, self.last_progress_at + progress_gap_s)
+            return max(0.0, deadline - now)
         return max(0.0, self.last_token_at + between_tokens_s - now)
 
     def shared_at_crash(self) -> bool:
@@ -347,11 +361,13 @@ class WorkerFailure(Exception):
     """The worker broke while serving (crash, reset, OOM, hang): replace it,
     and replay the request elsewhere if nothing was sent yet."""
 
-    def __init__(self, message: str, *, process_may_have_died: bool = False) -> None:
+    def __init__(self, message: str, *, process_may_have_died: bool = False, hung: bool = False) -> None:
         super().__init__(message)
         # The connection broke the way it does when the process dies: how it
         # died (its exit signal) decides whether the request itself was the cause.
         self.process_may_have_died = process_may_have_died
+        # The worker went silent past its deadline (and is replaced).
+        self.hung = hung
 
 
 class WorkerRequestError(Exception):

@@ -251,6 +251,9 @@ class Peer:
         attempt = Attempt("peer", self._clock())
         job.attempts.append(attempt)
         body = worker_body(job)
+        # llama-server's own field: a peer (this service elsewhere) refuses it
+        # and reports no progress of its own.
+        body.pop("return_progress", None)
         body["model"] = remote
         headers = {**self._auth_headers(), HOP_HEADER: "1", "X-Request-Id": job.id}
         if job.idempotency_key:

@@ -33,9 +33,22 @@ class Quarantine:
         self._ttl_s = ttl_s
         # fingerprint -> (when it was added, what it did); insertion order is expiry order.
         self._entries: collections.OrderedDict[str, tuple[float, str]] = collections.OrderedDict()
+        # fingerprint -> (its latest hang, how many): see failover's HANGS_BEFORE_QUARANTINE.
+        self._hangs: collections.OrderedDict[str, tuple[float, int]] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def note_hang(self, fingerprint: str) -> int:
+        """Count a hang of this request; how many it has made lately."""
+        now = self._clock()
+        for old in [fp for fp, (when, _) in self._hangs.items() if when <= now - self._ttl_s]:
+            del self._hangs[old]
+        count = self._hangs.pop(fingerprint, (now, 0))[1] + 1
+        self._hangs[fingerprint] = (now, count)
+        while len(self._hangs) > MAX_ENTRIES:
+            self._hangs.popitem(last=False)
+        return count
 
     def add(self, fingerprint: str, what_it_did: str) -> None:
         self._entries.pop(fingerprint, None)

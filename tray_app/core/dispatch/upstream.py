@@ -128,7 +128,7 @@ async def stream_attempt(hop: Hop, url: str, body: dict[str, Any], headers: dict
         return first_token_s if attempt.first_token_at is None else between_tokens_s
 
     async def wait(awaitable: Awaitable[Any]) -> Any:
-        limit_s = attempt.wait_limit_s(first_deadline, between_tokens_s, clock())
+        limit_s = attempt.wait_limit_s(first_deadline, between_tokens_s, clock(), first_token_s)
         result = await watch.wait(awaitable, limit_s)
         if result is _CANCELED:
             attempt.outcome = "canceled"
@@ -312,6 +312,8 @@ async def relay_answer(response: UpstreamResponse, job: Job, attempt: Attempt, s
                 event = _parsed_event(data, fail)
                 if event is None:
                     continue
+                if _progress_only(event, attempt, clock):
+                    continue  # liveness, not output: a client never sees it, so a replay stays possible
                 carries = shape_event(event, job, shaping, model=model, fingerprint=fingerprint)
                 if fast is not None and opened:
                     fast.learn(data, event)
@@ -326,6 +328,21 @@ async def relay_answer(response: UpstreamResponse, job: Job, attempt: Attempt, s
             sink.emit(event)
         if chunk is None:
             return False
+
+
+def _progress_only(event: dict[str, Any], attempt: Attempt, clock: Callable[[], float]) -> bool:
+    """Note what an event says of the prompt's reading: its progress (the
+    deadline to the first token runs from the latest) and, in the last
+    event, the worker's timings. True for an event that says nothing else."""
+    timings = event.get("timings")
+    if isinstance(timings, dict):
+        read, read_ms = timings.get("prompt_n"), timings.get("prompt_ms")
+        if isinstance(read, int) and isinstance(read_ms, (int, float)) and read_ms > 0:
+            attempt.prompt_read, attempt.prompt_read_s = read, read_ms / 1000
+    if "prompt_progress" not in event:
+        return False
+    attempt.last_progress_at = clock()
+    return not _carries_token(event) and not any(c.get("finish_reason") for c in event["choices"])
 
 
 def _parsed_event(data: str, fail: Callable[[str], NoReturn]) -> dict[str, Any] | None:
@@ -408,6 +425,8 @@ def worker_body(job: Job) -> dict[str, Any]:
     # Always streamed from the worker: that gives cancellation, hang
     # detection, token metering and replay while nothing was sent.
     body["stream"] = True
+    # Its prompt_progress events keep a long prompt from reading as a hang.
+    body["return_progress"] = True
     if not job.prompt_cache:
         body["cache_prompt"] = False
     if job.top_logprobs is not None:

@@ -47,8 +47,10 @@ _SAMPLING = frozenset({
 
 # Set by the service itself (worker_body): the limit admission planned with,
 # always streamed, the grammar the checker's child produced, logprobs as the
-# service asks for them, no prompt cache for a key that asked for none.
-_SERVICE_SET = frozenset({"max_tokens", "stream", "grammar", "logprobs", "top_logprobs", "cache_prompt"})
+# service asks for them, no prompt cache for a key that asked for none, and
+# the prompt's progress (the hang deadline's evidence while a prompt is read).
+_SERVICE_SET = frozenset({"max_tokens", "stream", "grammar", "logprobs", "top_logprobs", "cache_prompt",
+                          "return_progress"})
 
 _COMMON = _SAMPLING | _SERVICE_SET | frozenset({"stop", "logit_bias", "n"})
 

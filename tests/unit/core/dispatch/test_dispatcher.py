@@ -848,6 +848,28 @@ async def test_an_abort_without_a_failed_check_is_the_gpus_and_replayed(rig):
     assert job.replayed and rig.cpu.calls == [job.id]
 
 
+async def test_a_request_that_hangs_the_gpu_twice_is_quarantined(rig):
+    """An agent's long first prompt, taken for a hang, killed the GPU worker
+    once per client retry, nine times. The first hang is replayed; the same
+    request hanging it again is kept out, as a crash is."""
+    # A worker whose owner replaces it after a failure, as a real one's does.
+    rig.gpu.worker = FakeWorker("gpu", live=True)
+    rig.gpu.script = raising(WorkerFailure("no output for 17 s", hung=True), reached=True)
+    first = make_job("hang-1", fingerprint="fp-long-prompt")
+    await run_job(rig, first)
+    assert first.replayed and rig.cpu.calls == ["hang-1"]
+    await rig.gpu.worker.wait_for_state(WorkerState.READY, timeout=5)
+    error = await failed(rig, make_job("hang-2", fingerprint="fp-long-prompt"))
+    assert (error.status, error.code) == (400, "request_crashed_worker") and "silent" in error.message
+    assert rig.cpu.calls == ["hang-1"]
+    assert rig.dispatcher.quarantined(make_job("hang-3", fingerprint="fp-long-prompt")) is not None
+    # Another request's single hang is only replayed.
+    await rig.gpu.worker.wait_for_state(WorkerState.READY, timeout=5)
+    other = make_job("other", fingerprint="fp-other")
+    await run_job(rig, other)
+    assert other.replayed
+
+
 async def test_input_crash_on_cpu_is_quarantined_too(rig):
     rig.cpu.script = raising(WorkerFailure("connection broke", process_may_have_died=True))
     rig.cpu.worker.exit_report = SIGSEGV

@@ -3,8 +3,8 @@ client: pure helpers, tested with plain dicts."""
 
 from __future__ import annotations
 
-from tray_app.core.dispatch.upstream import AttemptShaping, _carries_token, _trim_logprobs, shape_event, worker_body
-from tray_app.core.dispatch.jobs import ANY_TOOL, Job, JobKind, JobRequest
+from tray_app.core.dispatch.upstream import AttemptShaping, _carries_token, _progress_only, _trim_logprobs, shape_event, worker_body
+from tray_app.core.dispatch.jobs import ANY_TOOL, Attempt, Job, JobKind, JobRequest
 
 
 def chunk(**delta) -> dict:
@@ -73,7 +73,8 @@ def test_the_worker_gets_only_forwarded_fields_and_the_services_own_settings():
     body = {"messages": [], "model": "m", "user": "u", "stream_options": {"include_usage": True},
             "grammar_triggers": [{"type": 9}], "metadata": {"a": "b"}, "temperature": 0.5, "mirostat": 2}
     sent = worker_body(Job(JobRequest(id="r", kind=JobKind.CHAT, body=body, stream=False, max_tokens=7)))
-    assert sent == {"messages": [], "temperature": 0.5, "mirostat": 2, "max_tokens": 7, "stream": True}
+    assert sent == {"messages": [], "temperature": 0.5, "mirostat": 2, "max_tokens": 7, "stream": True,
+                    "return_progress": True}
 
 
 def test_a_key_without_prompt_cache_has_its_worker_read_the_prompt_afresh():
@@ -106,3 +107,24 @@ def test_a_required_tool_answer_cut_by_the_limit_goes_out_as_text():
     last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
     shape_event(last, job, shaping, model="m", fingerprint="f")
     assert last["choices"][0] == {"index": 0, "delta": {"content": '{"name": "get_wea'}, "finish_reason": "length"}
+
+
+def test_the_prompts_progress_moves_the_first_token_deadline():
+    attempt = Attempt(path="gpu", started_at=0.0)
+    assert attempt.wait_limit_s(first_deadline=20.0, between_tokens_s=5.0, now=15.0, progress_gap_s=20.0) == 5.0
+    attempt.last_progress_at = 30.0  # llama-server read another batch of the prompt
+    assert attempt.wait_limit_s(first_deadline=20.0, between_tokens_s=5.0, now=35.0, progress_gap_s=20.0) == 15.0
+    attempt.first_token_at = attempt.last_token_at = 40.0
+    assert attempt.wait_limit_s(first_deadline=20.0, between_tokens_s=5.0, now=41.0, progress_gap_s=20.0) == 4.0
+
+
+def test_a_progress_event_is_liveness_never_output():
+    attempt = Attempt(path="gpu", started_at=0.0)
+    progress = {"choices": [{"finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}],
+                "prompt_progress": {"total": 4088, "cache": 0, "processed": 512, "time_ms": 8000}}
+    assert _progress_only(progress, attempt, lambda: 12.5) and attempt.last_progress_at == 12.5
+    last = {"choices": [{"finish_reason": "stop", "index": 0, "delta": {}}],
+            "timings": {"prompt_n": 3000, "prompt_ms": 1500.0, "cache_n": 1088}}
+    assert not _progress_only(last, attempt, lambda: 13.0)
+    # What the worker read, not the cached part: 2000 tokens a second.
+    assert (attempt.prompt_read, attempt.prompt_read_s) == (3000, 1.5)
