@@ -382,3 +382,21 @@ def test_a_body_of_a_million_tiny_objects_does_not_hold_other_clients(hardened):
     print(f"/health during the body: {len(latencies)} calls, slowest {max(latencies) * 1000:.1f} ms")
     assert max(latencies) < 0.5
     assert answer.status_code == 400 and "objects and arrays" in answer.json()["error"]["message"]
+
+
+def test_the_service_log_has_a_line_for_each_request_with_its_reason(hardened):
+    """A user whose app fails can read why in the log: the 4xx and its message."""
+    refused = hardened.http.post("/v1/chat/completions", headers={"User-Agent": "my-agent/2.0"},
+                                 json={"messages": [{"role": "user", "content": "PRIVATE-PROMPT"}], "max_tokens": 2,
+                                       "grammar_triggers": [{"type": 9}]})
+    assert refused.status_code == 400
+    served = hardened.http.post("/v1/chat/completions", json=HI)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and served.headers["x-request-id"] not in hardened.log_text():
+        time.sleep(0.1)
+    log = hardened.log_text()
+    assert "POST /v1/chat/completions 400" in log and "client=my-agent/2.0" in log
+    assert "'grammar_triggers' is a llama-server field" in log
+    assert "served_by=gpu route=admitted" in log and "PRIVATE-PROMPT" not in log
+    # The vocabulary-only loads (the tokenizer, the grammar checker) print no context warnings.
+    assert "n_ctx_train (0)" not in log

@@ -187,7 +187,8 @@ def test_each_api_says_which_models_see(seeing):
     assert (models[MODEL]["vision"], models[MODEL]["input_modalities"]) == (True, ["text", "image"])
     assert (models["plain"]["vision"], models["plain"]["input_modalities"]) == (False, ["text"])
     tags = {m["name"]: m["capabilities"] for m in seeing.http.get("/api/tags").json()["models"]}
-    assert tags[f"{MODEL}:latest"] == ["completion", "tools", "vision"]
+    # The default model also runs /api/embed.
+    assert tags[f"{MODEL}:latest"] == ["completion", "tools", "vision", "embedding"]
     assert tags["plain:latest"] == ["completion", "tools"]
     assert "vision" in ollama.Client(host=seeing.url).show(MODEL).capabilities
     assert "vision" not in seeing.http.post("/api/show", json={"model": "plain"}).json()["capabilities"]

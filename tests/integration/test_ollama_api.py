@@ -58,6 +58,8 @@ def test_list_show_and_version_describe_the_served_model(fresh, client, model):
     assert listed[0].details.quantization_level and listed[0].details.parameter_size.endswith("M")
     shown = client.show(model)
     assert "completion" in shown.capabilities and shown.modelinfo["general.architecture"] == "llama"
+    # The context served (the larger path's, 2048 on the CPU here), not the training length.
+    assert shown.modelinfo["llama.context_length"] == 2048 and shown.parameters == "num_ctx 2048"
     # The model /api/embed runs says so: llm-ollama embeds only with such a model.
     assert "embedding" in shown.capabilities
     assert "im_start" in (shown.template or "")

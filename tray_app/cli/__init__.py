@@ -14,6 +14,7 @@ from ..core.access.keys import KeyProblem
 from ..core.memory.gguf_info import ModelFileError
 from ..drill.command import add_drill_parser, run_drill
 from .keys import add_keys_parser, run_keys
+from .launch import add_launch_parser, run_launch
 from .models import add_models_parser, run_models
 from .pull import add_pull_parser, run_pull
 from .rpc_worker import add_rpc_worker_parser, run_rpc_worker
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "dir's config.toml); TRAY_APP_API_KEY takes precedence, as on the server")
     add_models_parser(sub)
     add_keys_parser(sub)
+    add_launch_parser(sub)
     add_usage_parser(sub)
     add_pull_parser(sub)
     add_drill_parser(sub)
@@ -147,7 +149,7 @@ def _error_message(response: Any) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     raw = list(argv if argv is not None else sys.argv[1:])
-    subcommands = {"tray", "serve", "status", "models", "keys", "usage", "pull", "drill", "rpc-worker"}
+    subcommands = {"tray", "serve", "status", "models", "keys", "launch", "usage", "pull", "drill", "rpc-worker"}
     # Options without a subcommand belong to the default one: `tray-app --port 9000`.
     if raw and raw[0] not in subcommands and raw[0] not in ("-h", "--help"):
         raw = ["tray", *raw]
@@ -159,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The service: its tokenizer's llama.cpp must not open a GPU. First,
         # before anything loads llama.cpp; the GPU worker gets the user's values.
         hide_gpus_from_this_process()
-    if command in ("status", "usage", "keys"):
+    if command in ("status", "usage", "keys", "launch"):
         from ..core.api.security import effective_api_key
 
         try:
@@ -170,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_usage(args, effective_api_key(configured_key))
         if command == "keys":
             return run_keys(args, legacy_key_set=bool(effective_api_key(configured_key)))
+        if command == "launch":
+            return run_launch(args, effective_api_key(configured_key))
         return print_status(args.url, args.json, effective_api_key(configured_key))
     if command == "models":
         return run_models(args)

@@ -582,6 +582,8 @@ def _route_headers(job: Job, model_host: ModelHost) -> dict[str, str]:
         headers["X-Estimated-Latency"] = f"{estimated:.2f}"
     if job.queue_wait_s:
         headers["X-Queue-Wait"] = f"{job.queue_wait_s:.3f}"
+    if job.truncated_messages:
+        headers["X-Messages-Dropped"] = str(job.truncated_messages)
     if job.warnings:
         # HTTP's Warning header (RFC 7234's 299, "miscellaneous persistent
         # warning"): what every client library shows or logs as it is.

@@ -21,6 +21,7 @@ from ..service import Service
 from .app import create_app
 from .connections import CONNECTION_SCOPE_KEY, ConnectionLedger, client_key
 from .errors import error_bytes
+from .access_log import AccessLog
 from .security import MAX_HEADER_BYTES, AccessGuard, AccessPolicy, effective_api_key
 
 
@@ -273,7 +274,7 @@ def build_server(config: Config, service: Service | None = None, log_level: str 
                    + _listen(config.server.host, config.server.ollama_port, "ollama_port"))
         server_class = type(server_class.__name__, (_ListensOnBoundSockets, server_class), {"bound_sockets": sockets})
     server = server_class(uvicorn.Config(
-        CloseWhenBodyUnread(AccessGuard(app, policy, ledger)), host=config.server.host, port=config.server.port, http=protocol,
+        AccessLog(CloseWhenBodyUnread(AccessGuard(app, policy, ledger))), host=config.server.host, port=config.server.port, http=protocol,
         log_level=log_level.lower(), access_log=False, lifespan="on", timeout_graceful_shutdown=10,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_keep_alive=5, **uvicorn_options,
     ))

@@ -470,7 +470,7 @@ def model_info_fields(info, context_length: int) -> dict[str, Any]:
     """GGUF metadata under Ollama's /api/show keys."""
     arch = info.architecture
     return {"general.architecture": arch, "general.name": info.name, "general.parameter_count": info.parameter_count,
-            "general.file_type": info.file_type, f"{arch}.context_length": info.n_ctx_train or context_length,
+            "general.file_type": info.file_type, f"{arch}.context_length": context_length,
             f"{arch}.embedding_length": info.n_embd, f"{arch}.block_count": info.n_layer,
             f"{arch}.attention.head_count": info.n_head, f"{arch}.attention.head_count_kv": info.n_head_kv,
             "tokenizer.ggml.model": info.tokenizer_model}

@@ -168,12 +168,15 @@ class OllamaRoutes:
             return error(refusal.status, refusal.message)
         service = self.service
         capabilities = model_capabilities(sees_images, embeds)
+        # What a request can hold here, not the model's training length: an
+        # app sizing its history by it would be refused, or truncated.
+        served_context = model_host_named(service, listed_name).dispatcher.largest_context()
         # The file's folder is the machine's layout: an admin's to see.
         source = info.path if principal is None or principal.is_admin else info.path.name
         return JSONResponse({
             "license": "", "modelfile": f"# served by tray-app from {info.path.name}\nFROM {source}\n",
-            "parameters": f"num_ctx {service.config.gpu.n_ctx}",
+            "parameters": f"num_ctx {served_context}",
             "template": info.chat_template or "", "details": model_details(info),
-            "model_info": model_info_fields(info, service.config.gpu.n_ctx),
+            "model_info": model_info_fields(info, served_context),
             "capabilities": capabilities, "modified_at": rfc3339(info.modified),
         })

@@ -31,6 +31,7 @@ import sys
 from typing import Any, BinaryIO
 
 from ..grammar.child import limit_memory
+from .vocab_model import vocab_only_model
 
 # The child's heap, the loaded vocabulary included (about 210 MiB for
 # SmolLM2's). llama.cpp holds a prompt many times over while it splits and
@@ -46,7 +47,7 @@ class Tokenizer:
         import llama_cpp
 
         self._llama_cpp = llama_cpp
-        self._llm = llama_cpp.Llama(model_path, vocab_only=True, verbose=False)
+        self._llm = vocab_only_model(model_path)
         self._vocab = self._llm._model.vocab
         self._n_vocab = self._llm.n_vocab()
 

@@ -22,6 +22,7 @@ import llama_cpp
 from llama_cpp import llama_chat_format
 
 from .tokenizer_process import TokenizerProcess
+from .vocab_model import vocab_only_model
 
 # A prompt up to this many bytes is counted on the caller's thread: a round
 # trip to the tokenizer's warm child, well under a millisecond; a longer one
@@ -53,7 +54,7 @@ class PromptCounter:
         """`tokenizes=False`: the file's template and vocabulary only (to
         compare two models), without starting a tokenizer child."""
         self._lock = threading.Lock()
-        self._llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
+        self._llm = vocab_only_model(model_path)
         self._child_process = TokenizerProcess(model_path) if tokenizes else None
         metadata = self._llm.metadata
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..api import bounds
 from ..api.grammar_bounds import grammar_problem, schema_problem
+from ..catalog.vocab_model import vocab_only_model
 
 
 # llama-cpp-python's converter lets a JSON string hold any character but a
@@ -51,7 +52,7 @@ class Checker:
 
         self._llama_cpp = llama_cpp
         self._to_gbnf = json_schema_to_gbnf
-        self._llm = llama_cpp.Llama(model_path, vocab_only=True, verbose=False)
+        self._llm = vocab_only_model(model_path)
         self._vocab = llama_cpp.llama_model_get_vocab(self._llm.model)
 
     def answer(self, request: dict[str, Any]) -> dict[str, Any]:
