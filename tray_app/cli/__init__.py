@@ -153,7 +153,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Options without a subcommand belong to the default one: `tray-app --port 9000`.
     if raw and raw[0] not in subcommands and raw[0] not in ("-h", "--help"):
         raw = ["tray", *raw]
+    # `tray-app launch codex -- exec ...`: what follows -- is the agent CLI's, unparsed.
+    passthrough: list[str] = []
+    if raw[:1] == ["launch"] and "--" in raw:
+        raw, passthrough = raw[:raw.index("--")], raw[raw.index("--") + 1:]
     args = parser.parse_args(raw)
+    if raw[:1] == ["launch"]:
+        args.args = passthrough
     command = args.command or "tray"
     if args.command is None:
         args = parser.parse_args(["tray"])

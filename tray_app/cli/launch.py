@@ -46,14 +46,14 @@ AGENTS = {
 def add_launch_parser(sub) -> None:
     launch = sub.add_parser("launch", help="start Claude Code or Codex against this server, set up",
                             description="Start an agent CLI (Claude Code or Codex) with its base URL, key and "
-                                        "model set for this server; arguments after -- go to the CLI.")
+                                        "model set for this server; arguments after -- go to the CLI: "
+                                        "tray-app launch codex -- exec 'fix the tests'.")
     launch.add_argument("agent", choices=sorted(AGENTS))
     launch.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the service's base URL")
     launch.add_argument("--model", help="the model to use (default: the server's default model)")
     launch.add_argument("--key", help=f"the API key to use (default: {CODEX_KEY_ENV}, or [server] api_key)")
     launch.add_argument("--print-env", action="store_true",
                         help="print the setup as shell lines instead of starting the CLI")
-    launch.add_argument("args", nargs=argparse.REMAINDER, help="-- then the CLI's own arguments")
 
 
 def agent_setup(agent: str, url: str, model: str, key: str) -> tuple[dict[str, str], list[str]]:
@@ -107,7 +107,7 @@ def run_launch(args: argparse.Namespace, configured_key: str) -> int:
         print(warning, file=sys.stderr)
     # A placeholder when the server needs none: both CLIs insist on a key.
     env, before = agent_setup(args.agent, args.url, model, key or "tray-app")
-    user_args = args.args[1:] if args.args[:1] == ["--"] else args.args
+    user_args = list(args.args)
     if args.print_env:
         for name, value in env.items():
             print(f"export {name}={_quoted(value)}")

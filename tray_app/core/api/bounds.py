@@ -214,7 +214,10 @@ MAX_SCHEMA_DEPTH = 64           # nested objects and arrays in the schema's JSON
 MAX_SCHEMA_NODES = 20_000       # values of any kind in the schema's JSON
 MAX_SCHEMA_COUNT = 1_000        # any one minLength, maxLength, minItems, maxItems or pattern {m,n}
 MAX_SCHEMA_REPETITION = 4_096   # all of them summed
-MAX_SCHEMA_NUMBER = 10**15      # |minimum|, |maximum| and the like: digit rules grow with them
+# |minimum|, |maximum| and the like: digit rules grow with them. 2^53:
+# TypeScript tools (Claude Code's) put Number.MAX_SAFE_INTEGER, 2^53 - 1, in
+# "maximum", and a tool schema must pass as its client wrote it.
+MAX_SCHEMA_NUMBER = 2**53
 MAX_PATTERN_CHARS = 1_000
 MAX_GRAMMAR_BYTES = 512 * 1024
 MAX_GRAMMAR_NESTING = 1_200     # a schema within the bounds converts to less (about MAX_SCHEMA_COUNT)

@@ -23,8 +23,14 @@ _NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"
 _HOW_TO_STAY_UNDER = "lower minLength, maxLength, minItems, maxItems and {m,n} quantifiers in patterns"
 
 
-def schema_problem(schema: Any) -> str | None:
-    """Why this JSON schema is too large to turn into a grammar, or None."""
+def schema_problem(schema: Any, counts: bool = True) -> str | None:
+    """Why this JSON schema is too large to turn into a grammar, or None.
+    `counts=False`: its size and depth only, for a schema llama.cpp's own
+    converter (C++, in a worker) turns into a grammar: that one writes a
+    count as {m,n} and a number range by its digits, so neither grows with
+    the value (a tool's maxLength of 524288, as Claude Code's have, converts
+    in a tenth of a second), where llama-cpp-python's converter, the
+    service's, unrolls them."""
     repetition = 0
     nodes = 0
     stack: list[tuple[Any, int, str]] = [(schema, 1, "$")]
@@ -41,6 +47,13 @@ def schema_problem(schema: Any) -> str | None:
             stack.extend((item, depth + 1, f"{where}[{index}]") for index, item in enumerate(value))
             continue
         if not isinstance(value, dict):
+            continue
+        if not counts:
+            pattern = value.get("pattern")
+            if isinstance(pattern, str) and len(pattern) > bounds.MAX_PATTERN_CHARS:
+                return (f"{where}.pattern has {len(pattern)} characters; the limit is "
+                        f"{bounds.MAX_PATTERN_CHARS}")
+            stack.extend((item, depth + 1, f"{where}.{key}") for key, item in value.items())
             continue
         for keyword in _REPEATING_KEYWORDS:
             count = value.get(keyword)

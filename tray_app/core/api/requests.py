@@ -82,7 +82,9 @@ def _of_type(kind: type, name: str):
 
 # Tools: the worker turns each one's parameters into a grammar with
 # llama.cpp's own converter, natively and recursively, so they are held to
-# the bounds of any schema the service converts (grammar_bounds).
+# the size and depth bounds of any schema (grammar_bounds; not its count
+# bounds, which only the service's own converter needs). A forced tool's
+# parameters, which the service converts, meet all of them.
 MAX_TOOLS = 128
 MAX_TOOL_NAME_CHARS = 128
 MAX_TOOL_DESCRIPTION_CHARS = 16 * 1024
@@ -105,7 +107,7 @@ def tools_problem(tools: Any) -> str | None:
         if parameters is not None:
             if not isinstance(parameters, dict):
                 return f"item {index}: function.parameters must be a JSON schema (an object)"
-            problem = grammar_bounds.schema_problem(parameters)
+            problem = grammar_bounds.schema_problem(parameters, counts=False)
             if problem:
                 return f"item {index}: function.parameters is too large to constrain the answer: {problem}"
     return None

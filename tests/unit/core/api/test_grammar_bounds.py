@@ -100,3 +100,16 @@ def test_the_json_grammar_and_a_converted_schema_pass():
     # The deepest a schema under the bounds converts to: maxLength at the limit.
     converted = json_schema_to_gbnf(json.dumps({"type": "string", "maxLength": bounds.MAX_SCHEMA_COUNT}))
     assert grammar_problem(converted) is None
+
+
+def test_a_tool_schema_is_held_to_size_and_depth_not_to_counts():
+    """Claude Code's tools carry maxLength 524288 and maximum 2^53 - 1, which
+    llama.cpp's own converter (the worker's) takes in its stride."""
+    claude_like = {"type": "object", "properties": {"script": {"type": "string", "maxLength": 524288},
+                                                    "limit": {"type": "integer", "maximum": 9007199254740991}}}
+    assert schema_problem(claude_like, counts=False) is None
+    assert schema_problem(claude_like) is not None  # the service's converter would unroll it
+    deep: dict = {"type": "object"}
+    for _ in range(100):
+        deep = {"type": "object", "properties": {"x": deep}}
+    assert "deep" in schema_problem(deep, counts=False)
