@@ -179,6 +179,14 @@ extra=""
 .venv/bin/python -m pip install -q -e ".$extra" 2>&1 | grep -v '^WARNING: Location' || true
 
 if [ "$WITH_TEST" = 1 ]; then
+  # The agent CLIs the compatibility suite runs (tests/integration/test_compat_agent_clis.py),
+  # at the versions it tested, from the npm registry into the venv. Never fails the
+  # install: without npm those tests skip, naming it.
+  if command -v npm >/dev/null 2>&1; then
+    npm install --prefix .venv/npm --no-audit --no-fund --silent \
+      @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 >/dev/null 2>&1 \
+      || echo "install.sh: npm could not install the agent CLIs; their tests will skip" >&2
+  fi
   # Never fails the install: without it the Vulkan tests skip with the reason
   # it writes beside the venv.
   LLAMA_VERSION="$LLAMA_VERSION" LLAMA_CMAKE_ARGS="$LLAMA_CMAKE_ARGS" SERVER_FLAGS="$SERVER_FLAGS" \
