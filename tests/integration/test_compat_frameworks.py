@@ -127,7 +127,10 @@ def test_langchain_ollama_invoke_stream_tools_structured_output_and_embeddings(f
 
 
 @pytest.mark.parametrize("route", ["openai/", "ollama_chat/", "ollama/", "anthropic/"])
-def test_litellm_routes(fresh, route):
+def test_litellm_routes(fresh, route, monkeypatch):
+    # LiteLLM fetches its model price list from GitHub when imported, retrying for
+    # seconds without internet; its bundled copy is what it falls back to anyway.
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     import litellm
 
     base = f"{fresh.url}/v1" if route == "openai/" else fresh.url

@@ -235,3 +235,26 @@ def test_the_restart_is_answered_once_it_has_begun(tmp_path):
         after = {worker["role"]: worker for worker in service.status()["workers"]}
         assert not [role for role, worker in after.items()
                     if worker["state"] == "ready" and worker["pid"] == before[role]], after
+
+
+def test_a_gpu_too_small_for_model_and_reserve_serves_from_the_cpu_and_says_why(tmp_path):
+    """2 GiB of simulated GPU, a model of about 806 MiB and a 1.5 GiB reserve:
+    it used to load, give the GPU back to an "other app" that was only the
+    reserve, and never come back. Now it is never loaded, and every place
+    that shows the GPU's state says why."""
+    from tests.harness import BASE_CONFIG
+
+    config = BASE_CONFIG.replace("reserve_mib = 256", "reserve_mib = 1500")
+    with running(tmp_path, config, roles=("cpu",)) as service:
+        status = service.status()
+        reason = status["gpu"]["path_out_reason"]
+        assert reason and "can't hold" in reason and "reserve_mib" in reason, status["gpu"]
+        assert status["gpu"]["path"] == "none"
+        answer = service.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                                 "max_tokens": 2})
+        assert answer.status_code == 200 and answer.headers["x-served-by"] == "cpu"
+        printed = subprocess.run([sys.executable, "-m", "tray_app", "status", "--url", service.url],
+                                 capture_output=True, text=True, timeout=60, env=service.env)
+        assert "can't hold" in printed.stdout, printed.stdout
+        kinds = {event["kind"] for event in service.status()["events"]}
+        assert not any(kind.startswith("gpu_yield") for kind in kinds), kinds

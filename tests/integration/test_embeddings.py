@@ -80,6 +80,21 @@ def test_a_batch_keeps_its_order_and_identical_texts_agree(service, client):
     assert alone.data[0].embedding == pytest.approx(vectors[1], abs=1e-4)
 
 
+def test_token_ids_embed_as_their_text_does(service, client):
+    """OpenAI's API takes token ids (LangChain's default sends them): here
+    the model's own ids, checked against its vocabulary and round-tripped."""
+    text = "The sea was calm."
+    ids = service.http.post("/tokenize", json={"content": text}).json()["tokens"]
+    by_text = client.embeddings.create(model="default", input=text, encoding_format="float").data[0].embedding
+    by_ids = client.embeddings.create(model="default", input=ids, encoding_format="float")
+    batch = client.embeddings.create(model="default", input=[ids, ids[:3]], encoding_format="float")
+    assert by_ids.data[0].embedding == pytest.approx(by_text, abs=1e-4) and len(batch.data) == 2
+    assert by_ids.usage.prompt_tokens == len(ids)
+    for bad, param in (([10**9], "input"), ([ids, [-1]], "input[1]")):
+        refused = service.http.post("/v1/embeddings", json={"input": bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+
+
 def test_base64_decodes_to_the_floats(service, client):
     texts = ["one", "two words"]
     floats = client.embeddings.create(model="default", input=texts, encoding_format="float")

@@ -33,7 +33,7 @@ from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, Worke
 from .catalog.library import LibraryModel
 from .memory import estimate
 from .memory.gguf_info import ModelInfo, ProjectorInfo, read_model_info, read_paired_projector
-from .memory.telemetry import usable_cores, wait_for_vram_recovery
+from .memory.telemetry import gpu_too_small_reason, usable_cores, wait_for_vram_recovery
 from .residency.coordinator import ResidencyCoordinator
 from .residency.gpu import GpuSharing, prior_load_s
 from .residency.on_demand import OnDemandWorker
@@ -143,6 +143,11 @@ class ModelHost:
         # gpu_footprint: less when [gpu] rpc_servers lend devices.
         self.all_local_gpu_footprint = estimate.estimate_worker(self.model_info, self.gpu_settings)
         self.cpu_footprint = estimate.estimate_worker(self.fallback_info, self.cpu_settings)
+        if gpu_missing_reason is None and not self.rpc_servers:
+            # Said once, at start, in /status's path_out_reason, the tray and tray-app status.
+            gpu_missing_reason = gpu_too_small_reason(service.gpu_reader.read().total_mib, self.model_id,
+                                                      self.all_local_gpu_footprint.gpu.total / MIB,
+                                                      config.gpu.reserve_mib)
         self.gpu_recovery_s: float | None = None
         self._gpu_failed_at: float | None = None
         self.last_used = self._clock()

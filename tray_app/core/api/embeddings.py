@@ -24,6 +24,7 @@ from ..embeddings.path import EmbeddingPath, EmbeddingResult
 from .errors import error_response
 from .openai_request import InvalidRequest
 from .protocol import OPENAI
+from .llamacpp import MAX_TOKEN_IDS, round_trip_problem, token_ids_problem
 from .requests import ModelNames, check_model, clean_request_id, read_json_object, routing_headers
 
 if TYPE_CHECKING:
@@ -44,9 +45,11 @@ class EmbeddingOptions:
     encoding_format: str = "float"
 
 
-def input_texts(value: Any, param: str = "input") -> list[str]:
-    """The texts to embed: a non-empty string, or a list of 1..MAX_INPUTS
-    non-empty strings. Token arrays are refused: the worker is handed text."""
+def input_texts(value: Any, param: str = "input") -> list[str | list[int]]:
+    """The inputs to embed: a non-empty string, a list of 1..MAX_INPUTS
+    non-empty strings, or token ids as OpenAI's API takes them (one list of
+    ids, or a list of such lists), which stay lists here: check_inputs turns
+    them into text, the worker being handed text."""
     if value is None:
         raise InvalidRequest(400, f"'{param}' is required: a string, or a list of strings", "missing_field", param)
     if isinstance(value, str):
@@ -60,9 +63,14 @@ def input_texts(value: Any, param: str = "input") -> list[str]:
     if len(value) > MAX_INPUTS:
         raise InvalidRequest(400, f"'{param}' has {len(value)} items; the limit is {MAX_INPUTS}", "too_many_inputs",
                              param)
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in value) or all(isinstance(v, list) for v in value):
-        raise InvalidRequest(400, f"'{param}' as token ids is not accepted here: send the text", "unsupported_input",
-                             param)
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return [list(value)]
+    if all(isinstance(v, list) for v in value):
+        for index, item in enumerate(value):
+            if not item:
+                raise InvalidRequest(400, f"'{param}[{index}]' is an empty list of token ids", "empty_input",
+                                     f"{param}[{index}]")
+        return [list(item) for item in value]
     for index, item in enumerate(value):
         where = f"{param}[{index}]"
         if not isinstance(item, str):
@@ -122,19 +130,49 @@ async def check_inputs(service: "Service", path: EmbeddingPath, value: Any,
     [embeddings] n_ctx with the model's own tokenizer. Raises InvalidRequest
     naming `param` (or param[i]), or JobFailed when the lane can't take the
     request: asked before tokenizing, so a refused request costs no CPU."""
-    texts = input_texts(value, param)
-    problem = too_many_values(len(texts), path.dimensions, param)
+    inputs = input_texts(value, param)
+    problem = too_many_values(len(inputs), path.dimensions, param)
     if problem is not None:
         raise problem
     path.admit()
     counter = service.counter
     assert counter is not None, "the service counts tokens once started"
-    # Tokenizing up to 2048 inputs takes a while: off the loop.
-    counts = await asyncio.to_thread(lambda: [counter.count_text(text) for text in texts])
+    for index, item in enumerate(inputs):
+        if isinstance(item, list):
+            where = param if len(inputs) == 1 and not isinstance(value[0], list) else f"{param}[{index}]"
+            problem = token_ids_problem(item, counter.n_vocab, where) if len(item) <= MAX_TOKEN_IDS else (
+                f"'{where}' has {len(item)} token ids; the limit is {MAX_TOKEN_IDS}")
+            if problem:
+                raise InvalidRequest(400, problem, "invalid_token", where)
+    # Tokenizing (and turning token ids back into text) takes a while for
+    # up to 2048 inputs: off the loop.
+    texts, counts = await asyncio.to_thread(_texts_and_counts, counter, inputs, param)
     problem = too_long(counts, service.config.embeddings.n_ctx, param, isinstance(value, str))
     if problem is not None:
         raise problem
     return texts, sum(counts)
+
+
+def _texts_and_counts(counter, inputs: list[str | list[int]], param: str) -> tuple[list[str], list[int]]:
+    """Each input as text with its token count. Token ids are this model's
+    (OpenAI's API takes ids of the model's own vocabulary too): their text
+    stands in for them only when it gives back the same ids."""
+    texts, counts = [], []
+    for index, item in enumerate(inputs):
+        if isinstance(item, str):
+            texts.append(item)
+            counts.append(counter.count_text(item))
+            continue
+        text = counter.detokenize(item)
+        problem = round_trip_problem(item, counter.tokenize(text, add_special=True, parse_special=True),
+                                     counter.bos_id)
+        if problem:
+            raise InvalidRequest(400, f"'{param}[{index}]': {problem} (token ids are this model's vocabulary's; "
+                                 "OpenAI's tiktoken ids mean other text here)", "unsupported_token_input",
+                                 f"{param}[{index}]")
+        texts.append(text)
+        counts.append(len(item))
+    return texts, counts
 
 
 def embedding_path(service: "Service") -> EmbeddingPath:

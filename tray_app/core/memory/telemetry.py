@@ -591,6 +591,18 @@ def gpu_path_missing_reason(enabled: bool, simulated: bool, read_gpu: Callable[[
     return None
 
 
+def gpu_too_small_reason(total_mib: float | None, model: str, model_mib: float, reserve_mib: float) -> str | None:
+    """Why a model's GPU path is out from the start: the device can't hold
+    the model and the reserve kept free for the house's other apps at once.
+    Loading it anyway left the worker to give the GPU back at once, to an
+    "other app" that was only the reserve (app: null), and never come back."""
+    if total_mib is None or model_mib + reserve_mib <= total_mib:
+        return None
+    return (f"the GPU's {total_mib:.0f} MiB can't hold {model} ({model_mib:.0f} MiB estimated) and the "
+            f"{reserve_mib:.0f} MiB kept free for other apps ([gpu] reserve_mib) together; {CPU_ONLY} "
+            "(a smaller reserve, a smaller [gpu] n_ctx or fewer [gpu] gpu_layers would let it fit)")
+
+
 def _local_gpu_backend(llama_cpp: Any) -> bool:
     """llama_supports_gpu_offload() is also true for a CPU build with the RPC
     backend (other machines' devices): ask ggml for a local GPU device."""
