@@ -592,11 +592,14 @@ def gpu_path_missing_reason(enabled: bool, simulated: bool, read_gpu: Callable[[
 
 
 def gpu_too_small_reason(total_mib: float | None, model: str, model_mib: float, reserve_mib: float) -> str | None:
-    """Why a model's GPU path is out from the start: the device can't hold
-    the model and the reserve kept free for the house's other apps at once.
+    """Why a model's GPU path is out from the start: the device holds the
+    model, but not with the reserve kept free for the house's other apps.
     Loading it anyway left the worker to give the GPU back at once, to an
-    "other app" that was only the reserve (app: null), and never come back."""
-    if total_mib is None or model_mib + reserve_mib <= total_mib:
+    "other app" that was only the reserve (app: null), and never come back.
+    A model over the whole device is still tried: the estimate can be off,
+    and a real out-of-memory at load is classified and failed over as it is
+    (the GPU check proves that path on real cards)."""
+    if total_mib is None or model_mib + reserve_mib <= total_mib or model_mib > total_mib:
         return None
     return (f"the GPU's {total_mib:.0f} MiB can't hold {model} ({model_mib:.0f} MiB estimated) and the "
             f"{reserve_mib:.0f} MiB kept free for other apps ([gpu] reserve_mib) together; {CPU_ONLY} "

@@ -584,3 +584,14 @@ def test_a_gpu_process_is_named_when_we_can_see_it() -> None:
     (process,) = NvmlGpuReader(nvml_module=_make_fake_nvml([device])).read().devices[0].processes
     assert process.name == psutil.Process().name()
     assert process.to_status() == {"pid": os.getpid(), "used_mib": 100.0, "name": process.name}
+
+
+def test_a_gpu_too_small_for_the_model_and_its_reserve_is_named_once():
+    from tray_app.core.memory.telemetry import gpu_too_small_reason
+
+    reason = gpu_too_small_reason(2048, "SmolLM2", 1103, 1024)
+    assert reason and "2048 MiB" in reason and "1103 MiB" in reason and "reserve_mib" in reason
+    assert gpu_too_small_reason(2048, "SmolLM2", 806, 1024) is None
+    assert gpu_too_small_reason(None, "SmolLM2", 1103, 1024) is None
+    # Over the whole card: tried, and a real out-of-memory fails it over.
+    assert gpu_too_small_reason(2048, "big", 4096, 1024) is None
