@@ -187,6 +187,13 @@ if [ "$WITH_TEST" = 1 ]; then
       @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 >/dev/null 2>&1 \
       || echo "install.sh: npm could not install the agent CLIs; their tests will skip" >&2
   fi
+  # LlamaIndex in a venv of its own: llama-index-llms-openai needs openai<3, which
+  # the frameworks in the main venv don't take. Never fails the install: without
+  # it its test skips, naming it.
+  { [ -x .venv/llamaindex/bin/python ] || "$PYTHON" -m venv .venv/llamaindex; } \
+    && .venv/llamaindex/bin/python -m pip install -q llama-index-core==0.14.25 \
+         llama-index-llms-openai==0.8.3 llama-index-llms-openai-like==0.8.1 >.venv/llamaindex.log 2>&1 \
+    || echo "install.sh: could not install LlamaIndex (.venv/llamaindex.log); its test will skip" >&2
   # Never fails the install: without it the Vulkan tests skip with the reason
   # it writes beside the venv.
   LLAMA_VERSION="$LLAMA_VERSION" LLAMA_CMAKE_ARGS="$LLAMA_CMAKE_ARGS" SERVER_FLAGS="$SERVER_FLAGS" \

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
@@ -154,3 +155,22 @@ def test_llm_chat_and_embed_through_llm_ollama(fresh):
     embedded = llm_command(fresh, "embed", "-m", model, "-c", "hello")
     assert embedded.returncode == 0, embedded.stderr
     assert len(json.loads(embedded.stdout)) > 0
+
+
+# ----- LlamaIndex -------------------------------------------------------------------------------
+
+# Its own venv: llama-index-llms-openai needs openai<3 (packaging/install.sh --test makes it).
+LLAMAINDEX_PYTHON = Path(__file__).resolve().parents[2] / ".venv" / "llamaindex" / "bin" / "python"
+
+
+def test_llamaindex_required_tool_call_structured_predict_and_chat(fresh):
+    if not LLAMAINDEX_PYTHON.exists():
+        pytest.skip(f"no LlamaIndex venv at {LLAMAINDEX_PYTHON} (packaging/install.sh --test makes it)")
+    probe = Path(__file__).parent / "compat" / "llamaindex_probe.py"
+    result = subprocess.run([str(LLAMAINDEX_PYTHON), str(probe), fresh.url], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["tool_calls"] == ["get_weather"]
+    assert isinstance(seen["city"]["name"], str) and isinstance(seen["city"]["population"], int)
+    assert isinstance(seen["chat"], str)

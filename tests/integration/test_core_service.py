@@ -258,3 +258,43 @@ def test_a_gpu_too_small_for_model_and_reserve_serves_from_the_cpu_and_says_why(
         assert "can't hold" in printed.stdout, printed.stdout
         kinds = {event["kind"] for event in service.status()["events"]}
         assert not any(kind.startswith("gpu_yield") for kind in kinds), kinds
+
+
+def test_contexts_left_to_the_app_are_sized_from_memory_and_reported_everywhere(tmp_path):
+    """No n_ctx in the config: each path gets the largest context its memory
+    budget holds, up to the model's trained 8192, with q8_0 where that is what
+    lets it grow. A 1400 MiB simulated GPU (less a 256 MiB reserve) can't hold
+    four f16 slots of 8192 for SmolLM2, and can with q8_0; the CPU has RAM for
+    8192. The old fixed defaults were 4096 and 2048."""
+    from tests.harness import BASE_CONFIG
+
+    config = (BASE_CONFIG.replace("n_ctx = 1024\n", "").replace("n_ctx = 2048\n", "")
+              .replace("simulate_mib = 2048", "simulate_mib = 1400"))
+    with running(tmp_path, config) as service:
+        listed = service.http.get("/v1/models").json()["data"][0]["capabilities"]
+        by_path = listed["context_by_path"]
+        gpu, cpu = by_path["gpu"], by_path["cpu"]
+        assert gpu["automatic"] and cpu["automatic"]
+        assert cpu["n_ctx"] == 8192 and cpu["kv_cache"] == "f16", cpu
+        assert gpu["kv_cache"] == "q8_0" and gpu["n_ctx"] > 4096 and "q8_0" in gpu["why"], gpu
+        assert listed["context_length"] == 8192
+        status = service.status()
+        worker = next(w for w in status["workers"] if w["role"] == "gpu")
+        assert worker["n_ctx"] == gpu["n_ctx"]
+        assert status["models"][0]["served_context"] == by_path
+        show = service.http.post("/api/show", json={"model": service.http.get("/api/tags").json()["models"][0]["name"]})
+        assert show.json()["tray_app"]["context_by_path"] == by_path
+        # A prompt the old 2048-token CPU default refused runs on the CPU now.
+        long_prompt = [{"role": "user", "content": "word " * 3000 + "\nSay ok."}]
+        answer = service.http.post("/v1/chat/completions", json={"messages": long_prompt, "max_tokens": 2},
+                                   headers={"X-Force-Path": "cpu"}, timeout=300)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["prompt_tokens"] > 3000
+        # The GPU worker's llama-server really runs with the quantised cache, and the CPU's without.
+        import psutil
+
+        def argv(role):
+            process = psutil.Process(next(w for w in status["workers"] if w["role"] == role)["pid"])
+            return " ".join(" ".join(p.cmdline()) for p in [process, *process.children(recursive=True)])
+        assert "--cache-type-k q8_0 --cache-type-v q8_0" in argv("gpu")
+        assert "--cache-type-k" not in argv("cpu") and "--ctx-size 8192" in argv("cpu")

@@ -78,8 +78,9 @@ def context_warning(agent: Agent, model: str, context: int | None) -> str | None
     need = (f"its first request alone is about {agent.first_request_tokens:,} tokens, which won't fit"
             if context < agent.first_request_tokens else "long sessions will be cut short")
     return (f"tray-app: warning: {model} is served with a {context:,}-token context; {agent.command} is best "
-            f"with {agent.recommended_context:,} or more ({need}). Give it more with [gpu]/[cpu] n_ctx if "
-            "memory allows.")
+            f"with {agent.recommended_context:,} or more ({need}). Each slot has its own context: "
+            "[gpu] max_concurrency = 1 gives one request the whole budget; or set [gpu]/[cpu] n_ctx if memory "
+            "allows.")
 
 
 def run_launch(args: argparse.Namespace, configured_key: str) -> int:

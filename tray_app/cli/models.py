@@ -24,6 +24,7 @@ from typing import Any
 from ..core.config import DEFAULT_PORT, Config, ConfigError, apply_overrides, load_config, models_dir
 from ..core.engine.runtime import choose_runtime
 from ..core.memory.fit import Headroom, ModelFit, Profile, describe_fit, fit_model, format_mib, headroom_from_status
+from ..core.memory.context_size import FLOOR_CONTEXT_TOKENS
 from ..core.memory.gguf_info import ModelFileError, ModelInfo, read_model_info
 
 # A service on loopback answers /status in milliseconds; waiting longer only
@@ -147,7 +148,9 @@ def list_model(candidate: ModelCandidate, config: Config, headroom: Headroom) ->
         return ListedModel(candidate, None, str(exc))
     # Slots as the service would start them: llama-cpp-python runs one.
     most = choose_runtime(config.engine.runtime, config.engine.llama_server).runtime.max_parallel
-    fit = fit_model(info, headroom, gpu_n_ctx=config.gpu.n_ctx, cpu_n_ctx=config.cpu.n_ctx,
+    # A context sized from memory (0) is judged at its floor; "max" says how far it can go.
+    fit = fit_model(info, headroom, gpu_n_ctx=config.gpu.n_ctx or FLOOR_CONTEXT_TOKENS,
+                    cpu_n_ctx=config.cpu.n_ctx or FLOOR_CONTEXT_TOKENS,
                     n_batch=config.worker.n_batch, gpu_slots=min(config.gpu.max_concurrency, most),
                     cpu_slots=min(config.cpu.max_concurrency, most))
     return ListedModel(candidate, fit)

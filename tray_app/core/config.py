@@ -142,7 +142,11 @@ class GpuConfig:
     enabled: bool = True
     n_gpu_layers: int = -1
     # The context of one request; each slot has its own (see max_concurrency).
-    n_ctx: int = 4096
+    # 0 = the largest the GPU's memory budget holds (the card less reserve_mib
+    # and what other apps hold at start), up to the model's trained context
+    # and 65536 (see memory/context_size.py); a q8_0 KV cache where that is
+    # what makes a larger one fit.
+    n_ctx: int = 0
     # llama-server slots: requests decoded together in one batch. Each slot
     # has its own n_ctx of KV cache, so VRAM grows with this number.
     max_concurrency: int = 4
@@ -219,7 +223,10 @@ class RoutingConfig:
 
 @dataclass(frozen=True)
 class CpuConfig:
-    n_ctx: int = 2048
+    # One request's context on the CPU; 0 = the largest that half the RAM
+    # available above ram_floor_mib holds, up to the model's trained context
+    # and 65536.
+    n_ctx: int = 0
     max_concurrency: int = 2
     # A memory guard, as [gpu] queue_limit; the time budget refuses the rest.
     queue_limit: int = 256
@@ -315,6 +322,8 @@ _SECTIONS: dict[str, type] = {
 }
 
 # (section, key) -> (lowest allowed, highest allowed); None = unbounded.
+# The smallest context that holds a chat template and a short prompt.
+MIN_CONTEXT = 64
 _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("server", "port"): (0, 65535),
     ("server", "ollama_port"): (0, 65535),
@@ -325,7 +334,8 @@ _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("server", "max_connections"): (1, 65536),
     ("server", "queue_timeout_s"): (0.0, 86400.0),
     ("gpu", "n_gpu_layers"): (-1, None),
-    ("gpu", "n_ctx"): (64, None),
+    # 0 = sized from memory; below 64 llama.cpp can't hold a prompt's template.
+    ("gpu", "n_ctx"): (0, None),
     ("gpu", "max_concurrency"): (1, 64),
     ("gpu", "queue_limit"): (0, None),
     ("gpu", "reserve_mib"): (0, None),
@@ -336,7 +346,7 @@ _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("gpu", "yield_drain_s"): (0.0, 3600.0),
     ("gpu", "idle_unload_s"): (0.0, None),
     ("cpu", "idle_unload_s"): (0.0, None),
-    ("cpu", "n_ctx"): (64, None),
+    ("cpu", "n_ctx"): (0, None),
     ("cpu", "max_concurrency"): (1, 64),
     ("cpu", "queue_limit"): (0, None),
     ("cpu", "n_threads"): (0, None),
@@ -594,6 +604,10 @@ def apply_overrides(config: Config, overrides: Mapping[str, Mapping[str, Any]]) 
 
 
 def _check_cross_field(config: Config) -> None:
+    for section, n_ctx in (("gpu", config.gpu.n_ctx), ("cpu", config.cpu.n_ctx),
+                           *(("models", m.n_ctx) for m in config.models)):
+        if 0 < n_ctx < MIN_CONTEXT:
+            raise ConfigError(f"[{section}] n_ctx must be 0 (sized from memory) or at least {MIN_CONTEXT}")
     if config.worker.backoff_cap_s < config.worker.backoff_base_s:
         raise ConfigError("[worker] backoff_cap_s must be at least backoff_base_s")
     for address in config.gpu.rpc_servers:

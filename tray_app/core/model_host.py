@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass
@@ -32,8 +33,9 @@ from .engine.launch_env import worker_threads, workers_oversubscribe, workers_sh
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
 from .catalog.library import LibraryModel
 from .memory import estimate
+from .memory.context_size import choose_context
 from .memory.gguf_info import ModelInfo, ProjectorInfo, read_model_info, read_paired_projector
-from .memory.telemetry import gpu_too_small_reason, usable_cores, wait_for_vram_recovery
+from .memory.telemetry import gpu_too_small_reason, read_host, usable_cores, wait_for_vram_recovery
 from .residency.coordinator import ResidencyCoordinator
 from .residency.gpu import GpuSharing, prior_load_s
 from .residency.on_demand import OnDemandWorker
@@ -49,6 +51,10 @@ FIRST_TOKEN_FACTOR = 5.0
 # What the default model's GPU worker is called on a simulated device; the
 # others add their name.
 GPU_FOOTPRINT_OWNER = "gpu-worker"
+# The share of available RAM (above the floor) a CPU worker's automatic
+# context may fill. Its KV cache is committed as requests fill it, but
+# admission and residency charge it whole.
+CPU_CONTEXT_RAM_SHARE = 0.5
 
 
 class HostOwner(Protocol):
@@ -127,18 +133,22 @@ class ModelHost:
         self.rpc_servers: tuple[str, ...] = config.gpu.rpc_servers if model.is_default else ()
         self.slots = {"gpu": min(model.slots, gpu_runtime.max_parallel),
                       "cpu": min(config.cpu.max_concurrency, runtime.max_parallel)}
-        # Every slot has its own n_ctx of KV cache; logits_all=False: that is
-        # how the runtimes launch workers.
-        self.gpu_settings = estimate.WorkerSettings(
-            n_ctx=model.gpu_n_ctx * self.slots["gpu"], n_gpu_layers=model.gpu_layers,
-            n_batch=config.worker.n_batch, n_parallel=self.slots["gpu"], logits_all=False,
-            projector=self.projector, image_max_tokens=IMAGE_MAX_TOKENS,
-        )
-        self.cpu_settings = estimate.WorkerSettings(
-            n_ctx=model.cpu_n_ctx * self.slots["cpu"], n_gpu_layers=0, n_batch=config.worker.n_batch,
-            n_parallel=self.slots["cpu"], logits_all=False,
-            projector=self.cpu_projector, image_max_tokens=IMAGE_MAX_TOKENS,
-        )
+        # Where the config leaves a context at 0, it is sized from memory now,
+        # once: admission, the model list and the workers all use the result.
+        self.contexts = {
+            "gpu": choose_context(configured=model.gpu_n_ctx, trained=self.model_info.n_ctx_train,
+                                  room_mib=self._gpu_context_room_mib(),
+                                  need_mib=lambda n_ctx, kv: self._settled("gpu", n_ctx, kv).gpu.total / MIB,
+                                  kv_types=getattr(gpu_runtime, "kv_types", ("f16",)), where="the GPU"),
+            "cpu": choose_context(configured=model.cpu_n_ctx, trained=self.fallback_info.n_ctx_train,
+                                  room_mib=self._cpu_context_room_mib(),
+                                  need_mib=lambda n_ctx, kv: self._settled("cpu", n_ctx, kv).host.total / MIB,
+                                  kv_types=getattr(runtime, "kv_types", ("f16",)), where="the CPU"),
+        }
+        model = self.model = dataclasses.replace(model, gpu_n_ctx=self.contexts["gpu"].n_ctx,
+                                                 cpu_n_ctx=self.contexts["cpu"].n_ctx)
+        self.gpu_settings = self._worker_settings("gpu", model.gpu_n_ctx, self.contexts["gpu"].kv_type)
+        self.cpu_settings = self._worker_settings("cpu", model.cpu_n_ctx, self.contexts["cpu"].kv_type)
         # Every offloaded layer on the local GPU. What it is charged is
         # gpu_footprint: less when [gpu] rpc_servers lend devices.
         self.all_local_gpu_footprint = estimate.estimate_worker(self.model_info, self.gpu_settings)
@@ -192,6 +202,45 @@ class ModelHost:
         self.on_demand_cpu = (OnDemandWorker(self.dispatcher.cpu, config.cpu.idle_unload_s, self.note,
                                              self._clock) if cpu_on_demand else None)
 
+    def served_contexts(self) -> dict[str, dict[str, object]]:
+        """Each path's context of one request, its KV cache type and how it
+        was chosen, for /status, the model lists and /props."""
+        return {path: choice.to_status() for path, choice in self.contexts.items()
+                if path == "cpu" or self.dispatcher.gpu is not None}
+
+    def _worker_settings(self, path: str, n_ctx: int, kv_type: str) -> estimate.WorkerSettings:
+        """How the worker on `path` is launched, as the estimator prices it:
+        every slot has its own n_ctx of KV cache; logits_all=False."""
+        slots = self.slots[path]
+        return estimate.WorkerSettings(
+            n_ctx=n_ctx * slots, n_gpu_layers=self.model.gpu_layers if path == "gpu" else 0,
+            n_batch=self.service.config.worker.n_batch, n_parallel=slots, logits_all=False, kv_type=kv_type,
+            projector=self.projector if path == "gpu" else self.cpu_projector, image_max_tokens=IMAGE_MAX_TOKENS,
+        )
+
+    def _settled(self, path: str, n_ctx: int, kv_type: str) -> estimate.Footprint:
+        info = self.model_info if path == "gpu" else self.fallback_info
+        return estimate.estimate_worker(info, self._worker_settings(path, n_ctx, kv_type))
+
+    def _gpu_context_room_mib(self) -> float | None:
+        """What the GPU worker may hold when its context is sized: the card,
+        less the reserve kept for other apps, less what they hold now (so it
+        loads now; a game started later is the give-back's to answer). Other
+        models' workers don't count: residency moves them out to make room."""
+        reading = self.service.gpu_reader.read()
+        total, used = reading.total_mib, reading.used_mib
+        if total is None:
+            return None
+        others = max(0.0, (used or 0.0) - self.service.residency.vram_of_other_models(self, reading))
+        return total - self.service.config.gpu.reserve_mib - others
+
+    def _cpu_context_room_mib(self) -> float:
+        """What the CPU worker may hold at full context: a share of the RAM
+        available above the floor, so the GPU worker's host side, other
+        models and the person's own apps keep the rest."""
+        available = read_host(()).available_mib
+        return max(0.0, available - self.service.config.cpu.ram_floor_mib) * CPU_CONTEXT_RAM_SHARE
+
     def _gpu_sharing(self, backend: Backend) -> GpuSharing:
         config = self.service.config
         policy = SharingPolicy(yield_to_other_apps=config.gpu.yield_to_other_apps,
@@ -222,7 +271,7 @@ class ModelHost:
                           parallel=slots,
                           rpc_servers=self.rpc_servers if path == "gpu" else (),
                           shares_cores=self.workers_share_cores,
-                          mmproj=self.projector_path(path))
+                          mmproj=self.projector_path(path), kv_type=self.contexts[path].kv_type)
         worker = service.worker_factory(spec, runtime, service.log_dir, config.worker, hooks, self._clock,
                         log_name=None if model.is_default else f"{path}-{model.name}")
         settings = config.gpu if path == "gpu" else config.cpu

@@ -139,8 +139,9 @@ class Service:
                     raise  # the default model is what the service is for: say so at start
                 # One bad download in the models folder must not keep the others from being served.
                 self.library_problems.append(f"{model.path}: {exc}")
-        if self.library_problems:
-            self.library = Library([m for m in self.library if m.name in self.model_hosts])
+        # Each host sized its contexts from memory where the config left them
+        # at 0: the library says what is served.
+        self.library = Library([self.model_hosts[m.name].model for m in self.library if m.name in self.model_hosts])
         self.default_model_host = self.model_hosts[self.library.default.name]
         # Rescans too: each reads the folder in a thread, and two at once
         # would both add the same new file.
@@ -209,13 +210,13 @@ class Service:
                     continue
                 try:
                     # Checked again here: two files of this scan may want one name.
-                    library = Library([*self.library.models, model])
+                    Library([*self.library.models, model])
                 except LibraryError as exc:
                     skipped.append(f"{model.path.name}: {_name_taken(model, exc)}")
                     continue
                 model_host = ModelHost(self, model, runtime=self.runtime, gpu_runtime=self._gpu_runtime,
                                  gpu_missing_reason=self._gpu_missing_reason, files=files)
-                self.library = library
+                self.library = Library([*self.library.models, model_host.model])
                 self.model_hosts[model.name] = model_host
                 added.append(model.name)
             if added or skipped:

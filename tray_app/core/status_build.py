@@ -244,6 +244,8 @@ def model_summary(model_host: ModelHost) -> ModelSummary:
         "estimated_ram_mib": round(model_host.cpu_footprint.host.total / MIB, 1),
         "vram_mib": round(model_host.vram_mib(), 1),
         "context": {"gpu": model.gpu_n_ctx, "cpu": model.cpu_n_ctx},
+        # Per path: the context, its KV cache type, and whether it was sized from memory.
+        "served_context": model_host.served_contexts(),
         "idle_unload_s": model.idle_unload_s,
         # A wall-clock time from the model host's monotonic one.
         "last_used": round(time.time() - (model_host.service.clock() - model_host.last_used), 3),

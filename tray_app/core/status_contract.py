@@ -394,6 +394,15 @@ class ModelContext(TypedDict):
     cpu: int
 
 
+class ServedContext(TypedDict):
+    """One path's context of one request, and how it came about."""
+
+    n_ctx: int
+    kv_cache: str  # llama.cpp's KV cache type: "f16", or "q8_0" where that let a larger context fit
+    automatic: bool  # sized from memory (the config's n_ctx = 0)
+    why: str
+
+
 class ModelSummary(TypedDict):
     """One library model's line in /status["models"] (and /v1/models)."""
 
@@ -411,6 +420,7 @@ class ModelSummary(TypedDict):
     estimated_ram_mib: float
     vram_mib: float
     context: ModelContext
+    served_context: dict[str, ServedContext]  # by path; no "gpu" when the model has no GPU path
     idle_unload_s: float | None
     last_used: float
     loads: int

@@ -14,7 +14,9 @@ from tray_app.core.config import (
 
 def test_defaults_bind_loopback():
     config = Config()
-    assert config.server.host == "127.0.0.1" and config.gpu.n_gpu_layers == -1 and config.cpu.n_ctx < config.gpu.n_ctx
+    assert config.server.host == "127.0.0.1" and config.gpu.n_gpu_layers == -1
+    # Both contexts are sized from memory unless set.
+    assert (config.gpu.n_ctx, config.cpu.n_ctx) == (0, 0)
 
 
 def test_toml_overrides_defaults():
@@ -25,7 +27,8 @@ def test_toml_overrides_defaults():
 
 @pytest.mark.parametrize("text, fragment", [
     ("[gpu]\nn_ctx = 'big'\n", "[gpu] n_ctx must be a whole number"),
-    ("[gpu]\nn_ctx = 10\n", "[gpu] n_ctx must be at least 64"),
+    ("[gpu]\nn_ctx = 10\n", "[gpu] n_ctx must be 0 .sized from memory. or at least 64"),
+    ("[gpu]\nn_ctx = -1\n", "[gpu] n_ctx must be at least 0"),
     ("[gpu]\nbogus = 1\n", "unknown key [gpu] bogus"),
     ("[nope]\nx = 1\n", "unknown section [nope]"),
     ("[server]\nport = 70000\n", "[server] port must be at most 65535"),

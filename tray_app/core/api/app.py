@@ -79,6 +79,7 @@ class HttpApp:
         self.service = service
         self.access = KeyAccess(service, usage or UsageStore(), KeyStore())
         self._names_for: tuple[Any, ModelNames] | None = None
+        # The library holds each model's served contexts (sized at start where the config says 0).
         self.largest_context = max(max(m.gpu_n_ctx, m.cpu_n_ctx) for m in service.library)
         self.idempotency = IdempotencyStore()
         # X-Request-Id -> the identity of the key that used it ("" without keys).

@@ -435,6 +435,8 @@ class LlamaCppRoutes:
             "default_generation_settings": {"n_ctx": max(library_model.gpu_n_ctx, library_model.cpu_n_ctx),
                                             "params": {"n_predict": -1}},
             "total_slots": library_model.slots,
+            # Not llama-server's: each path's context and KV cache type.
+            "context_by_path": model_host.served_contexts(),
             "model_alias": model_host.model_id,
             "model_path": model_host.model_info.path.name,
             "modalities": {"vision": model_host.projector is not None, "video": False, "audio": False},

@@ -39,6 +39,8 @@ def openai_model_list(service: Service, principal: ApiKey | None) -> dict[str, A
             "input_modalities": ["text", "image"] if sees else ["text"],
             "structured_output": ["json_object", "json_schema", "grammar"],
             "context_length": max(model.gpu_n_ctx, model.cpu_n_ctx),
+            # Each path's context and KV cache type (q8_0 where that is what let it grow).
+            "context_by_path": (model_host or service.default_model_host).served_contexts(),
         }
 
     def where(model_host: ModelHost | None) -> dict[str, Any]:

@@ -179,4 +179,6 @@ class OllamaRoutes:
             "template": info.chat_template or "", "details": model_details(info),
             "model_info": model_info_fields(info, served_context),
             "capabilities": capabilities, "modified_at": rfc3339(info.modified),
+            # Not Ollama's: each path's context and KV cache type (clients ignore unknown keys).
+            "tray_app": {"context_by_path": model_host_named(service, listed_name).served_contexts()},
         })

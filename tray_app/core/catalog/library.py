@@ -35,11 +35,11 @@ class LibraryModel:
     path: Path
     aliases: tuple[str, ...] = ()
     source: str = "folder"            # "default", "config" or "folder"
-    gpu_n_ctx: int = 4096             # one request's context on the GPU (per slot)
+    gpu_n_ctx: int = 0                # one request's context on the GPU (per slot); 0 = sized from memory
     gpu_layers: int = -1
     slots: int = 4
     cpu_path: Path | None = None      # the CPU fallback's file; None = no CPU fallback
-    cpu_n_ctx: int = 2048
+    cpu_n_ctx: int = 0                # 0 = sized from memory (memory/context_size.py)
     idle_unload_s: float = 300.0      # the GPU worker unloads after this long idle; 0 = never
     mmproj: Path | None = None        # the projector that lets it read images; None = text only
     cpu_mmproj: Path | None = None    # the CPU fallback's projector (its model may be another file)

@@ -129,6 +129,9 @@ class WorkerSpec:
     shares_cores: bool = False
     # The multimodal projector (mmproj .gguf) the worker loads; None = text only.
     mmproj: Path | None = None
+    # The KV cache's element type (--cache-type-k/-v): "f16", or "q8_0"
+    # where that is what lets a larger context fit (memory/context_size.py).
+    kv_type: str = "f16"
 
 
 def launch_request(spec: WorkerSpec, port: int, extras: LaunchExtras, api_key: str) -> LaunchRequest:
@@ -138,4 +141,5 @@ def launch_request(spec: WorkerSpec, port: int, extras: LaunchExtras, api_key: s
         n_batch=spec.n_batch, n_threads=spec.n_threads,
         simulated_vram_need_mib=extras.simulated_vram_need_mib, simulated_vram_free_mib=extras.simulated_vram_free_mib,
         api_key=api_key, parallel=spec.parallel, rpc_servers=spec.rpc_servers, mmproj=spec.mmproj,
+        kv_type=spec.kv_type,
     )

@@ -42,6 +42,7 @@ class LaunchRequest:
     rpc_servers: tuple[str, ...] = ()
     # The multimodal projector (mmproj .gguf) that lets the model read images; None = text only.
     mmproj: Path | None = None
+    kv_type: str = "f16"  # the KV cache's element type; see WorkerSpec
 
 
 # The most tokens one image may become in a worker with a projector
@@ -110,6 +111,10 @@ class WorkerRuntime(Protocol):
     supports_rpc: bool
     # Whether the worker can load a multimodal projector (--mmproj) and read images.
     supports_images: bool
+    # The KV cache types it can be started with, preferred first.
+    kv_types: tuple[str, ...]
+    # Whether it continues an answer from its text (see failover.continuation_refused).
+    continues_prefill: bool
 
     def describe(self) -> str:
         """Name and version, for /status and the system fingerprint."""
@@ -148,6 +153,12 @@ class LlamaCppPythonRuntime:
     # family (--chat_format llava-1-5 with --clip_model_path), which would
     # replace the model's own template: a projector is not passed.
     supports_images = False
+    # Its server takes type_k/type_v as ggml enum numbers, not names, and
+    # needs flash attention set by hand for a quantized V: kept at f16.
+    kv_types = ("f16",)
+    # A chat whose last message is the assistant's gets a new assistant turn,
+    # not that message continued: a cut answer can't go on from its text.
+    continues_prefill = False
 
     def __init__(self, python: str = sys.executable) -> None:
         self._python = python
@@ -263,6 +274,11 @@ class LlamaServerRuntime:
     supports_logprobs = True
     supports_rpc = True
     supports_images = True
+    # A quantized V cache turns flash attention on by itself ("-fa auto").
+    kv_types = ("f16", "q8_0")
+    # It continues a chat's last assistant message (its answer begins with
+    # that text) and a completion's prompt: a cut answer goes on from its text.
+    continues_prefill = True
 
     def __init__(self, binary: Path, python: str = sys.executable, *, bundled: bool = True) -> None:
         self.binary = binary
@@ -285,6 +301,8 @@ class LlamaServerRuntime:
             "--parallel", str(launch.parallel),
             "--ctx-size", str(launch.n_ctx * launch.parallel),
             "--no-kv-unified",
+            *(["--cache-type-k", launch.kv_type, "--cache-type-v", launch.kv_type]
+              if launch.kv_type != "f16" else []),
             "--n-gpu-layers", str(launch.n_gpu_layers),
             "--batch-size", str(launch.n_batch),
             # We size and place the model ourselves, against the VRAM others use.

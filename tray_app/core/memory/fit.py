@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from .context_size import largest_fitting
 from .estimate import KV_CELL_PADDING, MIB, WorkerSettings, estimate_worker, layers_offloaded
 from .gguf_info import ModelInfo
 
@@ -167,22 +168,11 @@ class _Judge:
         return room is not None and need.vram_mib <= room
 
     def max_ctx(self, n_gpu_layers: int, cap: int) -> int | None:
-        """Largest multiple of CONTEXT_STEP up to cap that fits; None if none does.
-
-        Binary search: memory never shrinks as the context grows (KV cache and
-        attention scores both grow with it), so "fits" is monotone.
-        """
-        candidates = [step * CONTEXT_STEP for step in range(1, cap // CONTEXT_STEP + 1)] or [cap]
+        """Largest multiple of CONTEXT_STEP up to cap that fits; None if none does."""
         uses_gpu = n_gpu_layers != 0
-        low, high, best = 0, len(candidates) - 1, None
-        while low <= high:
-            middle = (low + high) // 2
-            if self.fits(self.need(candidates[middle], n_gpu_layers), uses_gpu):
-                best = candidates[middle]
-                low = middle + 1
-            else:
-                high = middle - 1
-        return best
+        # "Fits" as a number for the shared search: 0 fits, 1 does not.
+        return largest_fitting(cap, 0.0, lambda n_ctx: 0.0 if self.fits(self.need(n_ctx, n_gpu_layers), uses_gpu)
+                               else 1.0)
 
     def result(self, profile: Profile, n_ctx: int, n_gpu_layers: int, need: _Need,
                verdict: Verdict | None = None, reason: str | None = None) -> ProfileFit:
