@@ -31,6 +31,7 @@ _WHOLE: dict[str, Any] = {
     "requests": {"id": "req-1", "client": None, "model": None, "kind": "chat", "stream": False, "state": "running",
                  "path": "gpu", "peer": None, "reason": "admitted", "detail": None, "age_s": 0.0,
                  "prompt_tokens": 8, "max_tokens": 16, "estimated_latency_s": None, "replayed": False,
+                 "resumed": False,
                  "first_failure": None, "attempts": [], "queue_position": None},
     "requests.attempts": {"path": "gpu", "outcome": None, "tokens": 0},
     "recent_decisions": _SAMPLE["recent_decisions"][0],

@@ -37,10 +37,10 @@ def test_short_drill_passes_and_writes_its_report(tmp_path):
     numbers = report["numbers"]
     assert numbers["lost_requests"] == 0 and numbers["duplicated_side_effects"] == 0
     assert numbers["tool_calls_ran_twice"] == [] and len(numbers["tool_executions"]) >= 2
-    # The faults happened and were survived: a replay on the CPU, an explicit
-    # mid-stream error, a breaker opened by an out-of-memory restart.
+    # The faults happened and were survived: answers cut partway continued on
+    # the CPU, a breaker opened by an out-of-memory restart.
     routes = {(r["served_by"], r["route_reason"]) for r in report["requests"]}
-    assert {("cpu", "gpu_context_cap"), ("cpu", "gpu_failed_replayed"), ("cpu", "gpu_vram_headroom"),
+    assert {("cpu", "gpu_context_cap"), ("cpu", "gpu_failed_resumed"), ("cpu", "gpu_vram_headroom"),
             ("cpu", "gpu_unavailable"), ("gpu", "admitted"), ("cpu", "gpu_yielded")} <= routes
     # Another app took the VRAM: it was released, reloaded after, and nothing was lost or run twice.
     other_app = next(p for p in report["phases"] if p["key"] == "other_app_takes_vram")["data"]["other_app"]
@@ -50,7 +50,8 @@ def test_short_drill_passes_and_writes_its_report(tmp_path):
     second = next(p for p in report["phases"] if p["key"] == "second_model")["data"]["second_model"]
     assert second["load_s"] > 0 and second["other_app_mib"] > 0 and second["default_back_s"] > 0
     assert second["lost"] == 0 and second["duplicated"] == 0
-    assert any(r["error_code"] == "gpu_worker_failed" and r["connection_survived"] for r in report["requests"])
+    # A stream cut mid-answer went on to its end: no stream ended with gpu_worker_failed.
+    assert not any(r["error_code"] == "gpu_worker_failed" for r in report["requests"])
     assert any(r["outcome"] == "canceled" for r in report["requests"])
     # The poison request failed alone, and its retry was refused without running.
     poisoned = [r for r in report["requests"] if r["error_code"] == "request_crashed_worker"]
@@ -62,7 +63,8 @@ def test_short_drill_passes_and_writes_its_report(tmp_path):
     for request in report["requests"]:
         assert request["outcome"] in ("ok", "rejected", "canceled", "error") and request["retry_decision"]
         assert request["connection_survived"] is not None
-    replayed = [r for r in report["requests"] if r["route_reason"] == "gpu_failed_replayed" and not r["idempotent_replay"]]
+    replayed = [r for r in report["requests"] if r["route_reason"] in ("gpu_failed_replayed", "gpu_failed_resumed")
+                and not r["idempotent_replay"]]
     assert replayed and all(r["first_failure"] and r["cpu_started_s"] is not None for r in replayed)
 
     # The files people read: the table on the terminal, report.md with its plot.

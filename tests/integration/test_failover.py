@@ -58,7 +58,7 @@ def test_vram_pressure_redirects_new_requests_while_inflight_finish(fresh):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGABRT])
-def test_gpu_death_mid_request_replays_once_on_cpu(fresh, sig):
+def test_gpu_death_mid_request_continues_once_on_cpu(fresh, sig):
     gpu_pid = fresh.worker("gpu")["pid"]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         future = pool.submit(chat, fresh, LONG_ANSWER, 60, {"X-Request-Id": f"replay-{sig.name}"})
@@ -68,37 +68,133 @@ def test_gpu_death_mid_request_replays_once_on_cpu(fresh, sig):
     assert response.status_code == 200, response.text
     assert response.headers["x-request-id"] == f"replay-{sig.name}"
     assert response.headers["x-served-by"] == "cpu"
-    assert response.headers["x-route-reason"] == "gpu_failed_replayed"
+    assert response.headers["x-route-reason"] == "gpu_failed_resumed"
     body = response.json()
     assert body["id"] == f"chatcmpl-replay-{sig.name}"
-    # One execution on the CPU, from the start: the whole answer, not a tail.
+    # The CPU went on from the tokens the GPU had made (nothing had been
+    # sent, so the seam is invisible): the whole answer, its usage summed.
     assert body["usage"]["completion_tokens"] == 60 and body["choices"][0]["finish_reason"] == "length"
+    resumed = body["resumed"]
+    assert resumed["cut_at_tokens"] >= 1 and resumed["cut_at_tokens"] + resumed["tokens_added"] == 60
     cpu_only = chat(fresh, LONG_ANSWER, 60, {"X-Force-Path": "cpu"})
     assert body["choices"][0]["message"]["content"] == cpu_only.json()["choices"][0]["message"]["content"]
     status = fresh.wait_workers_ready()
     gpu = next(w for w in status["workers"] if w["role"] == "gpu")
     assert gpu["pid"] != gpu_pid and gpu["last_exit"]["signal"] == sig.name
-    assert any(e["kind"] == "replay" and e["id"] == f"replay-{sig.name}" for e in status["events"])
+    assert any(e["kind"] == "resume" and e["id"] == f"replay-{sig.name}" and not e["streamed"]
+               for e in status["events"])
     metrics = fresh.http.get("/metrics").text
-    replays = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("tray_app_replays_total"))
-    assert replays >= 1
+    resumes = next(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith('tray_app_resumes_total{streamed="no"}'))
+    assert resumes >= 1
 
 
-def test_gpu_death_after_first_bytes_ends_stream_with_error_event(fresh):
-    gpu_pid = fresh.worker("gpu")["pid"]
-    events = []
-    with fresh.http.stream("POST", "/v1/chat/completions", json={
-            "messages": LONG_ANSWER, "max_tokens": 200, "temperature": 0, "stream": True}) as response:
+def stream_and_kill_gpu(service, body, kill_after, headers=None, path="/v1/chat/completions"):
+    """Stream `body`, SIGKILL the GPU worker once `kill_after` events came;
+    every SSE line (comments included) as the client got it."""
+    gpu_pid = service.worker("gpu")["pid"]
+    lines, events = [], 0
+    with service.http.stream("POST", path, json={**body, "stream": True}, headers=headers or {}) as response:
         assert response.headers["x-served-by"] == "gpu"
         for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            events.append(line[5:].strip())
-            if len(events) == 3:
-                os.kill(gpu_pid, signal.SIGKILL)
+            if not line:
+                continue  # the blank line that ends each SSE event
+            lines.append(line)
+            if line.startswith(("data:", "{")):  # an SSE event, or an NDJSON line (Ollama)
+                events += 1
+                if events == kill_after:
+                    os.kill(gpu_pid, signal.SIGKILL)
+    return response, lines
+
+
+def streamed_text(lines, field="content"):
+    text = []
+    for line in lines:
+        if line.startswith("data:") and line != "data: [DONE]":
+            for choice in json.loads(line[5:]).get("choices") or ():
+                text.append((choice.get("delta") or {}).get(field) or choice.get("text") or "")
+    return "".join(text)
+
+
+def test_gpu_death_mid_stream_continues_on_the_cpu_from_the_text_sent(fresh):
+    body = {"messages": LONG_ANSWER, "max_tokens": 60, "temperature": 0, "stream_options": {"include_usage": True}}
+    response, lines = stream_and_kill_gpu(fresh, body, kill_after=6, headers={"X-Request-Id": "resume-1"})
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+    comments = [line for line in lines if line.startswith(":")]
+    assert any("resumed on the CPU" in line for line in comments), lines
+    events = [json.loads(line[5:]) for line in lines if line.startswith("data:") and line != "data: [DONE]"]
+    # One stream: one id, one role, one finish, and the usage of both parts.
+    assert {e["id"] for e in events} == {"chatcmpl-resume-1"}
+    roles = [c for e in events for c in e["choices"] if (c.get("delta") or {}).get("role")]
+    assert len(roles) == 1
+    finishes = [e for e in events for c in e["choices"] if c.get("finish_reason")]
+    assert len(finishes) == 1 and finishes[0]["choices"][0]["finish_reason"] == "length"
+    resumed = finishes[0]["resumed"]
+    assert resumed["from"] == "gpu" and resumed["on"] == "cpu" and resumed["cut_at_tokens"] >= 4
+    assert resumed["cut_at_tokens"] + resumed["tokens_added"] == 60
+    assert events[-1]["usage"]["completion_tokens"] == 60
+    # Nothing at the seam was sent twice: the text is the CPU's own answer to
+    # the same request from the start (greedy decoding, the same model file).
+    cpu_only = chat(fresh, LONG_ANSWER, 60, {"X-Force-Path": "cpu"}).json()["choices"][0]["message"]["content"]
+    text = streamed_text(lines)
+    seam = resumed["cut_at_chars"]
+    assert text[:seam] == cpu_only[:seam]
+    assert text == cpu_only, (text[:seam], text[seam:])
+    status = fresh.status()
+    assert status["failover"]["resumes"] >= 1
+    assert any(e["kind"] == "resumed" and e["id"] == "resume-1" for e in status["events"])
+    metrics = fresh.http.get("/metrics").text
+    assert any(line.startswith('tray_app_resumes_total{streamed="yes"}') for line in metrics.splitlines())
+
+
+def test_gpu_death_mid_stream_of_a_completion_continues_from_its_prompt_and_text(fresh):
+    body = {"prompt": "Once upon a time, in a small village by the sea,", "max_tokens": 40, "temperature": 0}
+    response, lines = stream_and_kill_gpu(fresh, body, kill_after=5, path="/v1/completions")
+    assert lines[-1] == "data: [DONE]"
+    whole = fresh.http.post("/v1/completions", json=body, headers={"X-Force-Path": "cpu"}).json()
+    assert streamed_text(lines) == whole["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("protocol", ["anthropic", "responses", "ollama"])
+def test_a_cut_stream_goes_on_in_each_protocols_own_way(fresh, protocol):
+    story = "Write a long story about a lighthouse keeper and the sea."
+    model = fresh.http.get("/api/tags").json()["models"][0]["name"]
+    path, body = {
+        "anthropic": ("/v1/messages", {"model": "default", "max_tokens": 40, "temperature": 0,
+                                       "messages": [{"role": "user", "content": story}]}),
+        "responses": ("/v1/responses", {"model": "default", "max_output_tokens": 40, "temperature": 0,
+                                        "input": story}),
+        "ollama": ("/api/chat", {"model": model, "messages": [{"role": "user", "content": story}],
+                                 "options": {"num_predict": 40, "temperature": 0}}),
+    }[protocol]
+    response, lines = stream_and_kill_gpu(fresh, body, kill_after=8, path=path)
+    if protocol == "ollama":
+        last = json.loads(lines[-1])
+        # NDJSON has no comments: its last line says where the answer went on.
+        assert last["done"] and last["resumed"]["from"] == "gpu" and last["eval_count"] == 40, last
+        text = "".join(json.loads(line)["message"]["content"] for line in lines)
+    else:
+        assert any(line.startswith(":") and "resumed on the CPU" in line for line in lines), lines
+        events = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+        assert not any(e["type"] in ("error", "response.failed") for e in events)
+        # (max_output_tokens reached: Responses calls that incomplete.)
+        assert events[-1]["type"] == ("message_stop" if protocol == "anthropic" else "response.incomplete")
+        text = "".join(e["delta"].get("text", "") if protocol == "anthropic" else e["delta"]
+                       for e in events if e["type"] in ("content_block_delta", "response.output_text.delta"))
+    cpu_only = chat(fresh, [{"role": "user", "content": story}], 40, {"X-Force-Path": "cpu"})
+    assert text == cpu_only.json()["choices"][0]["message"]["content"]
+
+
+def test_gpu_death_after_first_bytes_of_a_tool_or_logprobs_answer_ends_with_an_error_event(fresh):
+    # Logprobs can't be continued (the seam's tokens would have none): the
+    # explicit error, as before, and it says why.
+    body = {"messages": LONG_ANSWER, "max_tokens": 200, "temperature": 0, "logprobs": True}
+    response, lines = stream_and_kill_gpu(fresh, body, kill_after=3)
+    events = [line[5:].strip() for line in lines if line.startswith("data:")]
     assert events[-1] != "[DONE]"
     error = json.loads(events[-1])["error"]
     assert error["code"] == "gpu_worker_failed" and "safe to retry" in error["message"]
+    assert "can't be continued" in error["message"]
     assert len(events) < 200
 
 
@@ -279,7 +375,8 @@ def test_idempotency_key_twins_sent_at_the_same_instant_run_once(fresh):
 
 def test_a_failed_stream_does_not_pin_its_idempotency_key(fresh):
     gpu_pid = fresh.worker("gpu")["pid"]
-    body = {"messages": LONG_ANSWER, "max_tokens": 200, "temperature": 0, "stream": True}
+    # Logprobs: an answer that can't be continued from its text, so the stream ends with the error.
+    body = {"messages": LONG_ANSWER, "max_tokens": 200, "temperature": 0, "stream": True, "logprobs": True}
     headers = {"Idempotency-Key": "retry-after-failure"}
     with fresh.http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
         events = []
@@ -310,9 +407,9 @@ def test_a_frozen_gpu_worker_is_found_in_seconds_and_the_request_replays(fresh):
                 os.kill(gpu_pid, signal.SIGCONT)
     assert response.status_code == 200, response.text
     assert response.headers["x-served-by"] == "cpu"
-    assert response.headers["x-route-reason"] == "gpu_failed_replayed"
+    assert response.headers["x-route-reason"] == "gpu_failed_resumed"
     status = fresh.wait_workers_ready()
-    replay = next(e for e in status["events"] if e["kind"] == "replay" and e["id"] == "frozen-1")
+    replay = next(e for e in status["events"] if e["kind"] == "resume" and e["id"] == "frozen-1")
     # Found by the liveness check, not by the first-token or inter-token deadline.
     assert "stopped" in replay["reason"], replay
 

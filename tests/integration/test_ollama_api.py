@@ -170,7 +170,7 @@ def test_a_cpu_served_answer_says_so(fresh, model):
     assert response.headers["x-route-reason"] == "forced_cpu"
 
 
-def test_gpu_death_before_the_answer_replays_once_on_the_cpu(fresh, service, model):
+def test_gpu_death_before_the_answer_is_whole_continues_once_on_the_cpu(fresh, service, model):
     gpu_pid = fresh.worker("gpu")["pid"]
     tagged = ollama.Client(host=service.url, headers={"X-Request-Id": "ollama-replay"}, timeout=120)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -181,13 +181,13 @@ def test_gpu_death_before_the_answer_replays_once_on_the_cpu(fresh, service, mod
                        what="request running on gpu")
         os.kill(gpu_pid, signal.SIGKILL)
         answer = future.result()
-    # One execution, from the start, on the CPU: the whole answer.
+    # The CPU went on from the tokens the GPU had made: the whole answer, counted once.
     assert answer.done and answer.eval_count == 40
     cpu_only = httpx.post(f"{service.url}/api/chat", headers={"X-Force-Path": "cpu"}, timeout=120, json={
         "model": model, "messages": STORY, "stream": False, "options": {"num_predict": 40, "temperature": 0}})
     assert answer.message.content == cpu_only.json()["message"]["content"]
     status = fresh.wait_workers_ready()
-    assert any(e["kind"] == "replay" and e["id"] == "ollama-replay" for e in status["events"])
+    assert any(e["kind"] == "resume" and e["id"] == "ollama-replay" for e in status["events"])
     assert status["accounting"]["duplicate_executions"] == 0
 
 

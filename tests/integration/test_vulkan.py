@@ -189,8 +189,9 @@ def test_a_sigkill_of_the_vulkan_worker_mid_request_replays_once_on_the_cpu(vulk
         response = future.result()
     assert response.status_code == 200, response.text
     assert response.headers["x-served-by"] == "cpu"
-    assert response.headers["x-route-reason"] == "gpu_failed_replayed"
-    assert response.json()["usage"]["completion_tokens"] == 8  # the whole answer, from the start, once
+    # It had made tokens on the device: the CPU went on from them, one answer of 8 tokens in all.
+    assert response.headers["x-route-reason"] == "gpu_failed_resumed"
+    assert response.json()["usage"]["completion_tokens"] == 8
     status = vulkan.wait_ready(timeout=LOAD_TIMEOUT_S)
     gpu = gpu_worker(status)
     assert gpu["pid"] != gpu_pid and gpu["last_exit"]["signal"] == "SIGKILL"

@@ -556,11 +556,18 @@ class _DispatchEvents:
         metrics.ttft.labels(attempt.path).observe(first - attempt.started_at)
         if attempt.tokens > 1 and attempt.ended_at > first:
             metrics.tokens_per_second.labels(attempt.path).observe((attempt.tokens - 1) / (attempt.ended_at - first))
+        continuation = job.continuation
+        if continuation is not None and attempt.path != "gpu":
+            metrics.resumes.labels("yes" if continuation.streamed else "no").inc()
+            self.note("resumed", id=job.id, cut_at_tokens=continuation.tokens, cut_at_chars=len(continuation.text),
+                      tokens_added=attempt.tokens, streamed=continuation.streamed)
         if job.fault is not None and attempt.path != "gpu" and attempt.first_token_at is not None:
-            # A replay's first token: the client's first byte after the GPU's fault.
+            # A replay's first token: the client's first byte after the GPU's fault
+            # (a continued answer's first new token: the seam).
             seconds = attempt.first_token_at - job.fault.at
             metrics.failover_seconds.labels(job.fault.kind).observe(seconds)
-            self._model_host.service.observer.failed_over(job.fault.kind, seconds, id=job.id)
+            self._model_host.service.observer.failed_over(job.fault.kind, seconds, resumed=continuation is not None,
+                                                          id=job.id)
 
     def gpu_failed(self, job: Job, reason: str) -> None:
         self._model_host._gpu_failed_at = self._model_host._clock()

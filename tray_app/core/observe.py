@@ -92,10 +92,11 @@ class Observer:
         for listener in self._listeners:
             listener(event)
 
-    def failed_over(self, fault: str, seconds: float, **data: Any) -> None:
-        """A replay's first token came `seconds` after the GPU's fault."""
-        self.failovers.record(fault, seconds)
-        self.note("failover", fault=fault, seconds=round(seconds, 3), **data)
+    def failed_over(self, fault: str, seconds: float, *, resumed: bool = False, **data: Any) -> None:
+        """A replay's first token came `seconds` after the GPU's fault (for a
+        continued answer: its first new token, the seam)."""
+        self.failovers.record(fault, seconds, resumed=resumed)
+        self.note("failover", fault=fault, seconds=round(seconds, 3), resumed=resumed, **data)
 
     def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
         self._listeners.append(listener)

@@ -258,6 +258,7 @@ class RequestStatus(TypedDict):
     max_tokens: int
     estimated_latency_s: float | None
     replayed: bool
+    resumed: bool  # a continued answer: the CPU went on from the text the GPU made
     first_failure: str | None
     attempts: list[AttemptStatus]
     queue_position: int | None
@@ -303,6 +304,10 @@ class FailoverStatus(TypedDict):
     last_fault: str | None
     p50_s: float | None
     by_fault: dict[str, FailoverFaultStatus]
+    # Of those, the ones that continued a cut answer from its text (the seam:
+    # from the fault to the continuation's first new token).
+    resumes: int
+    resume_last_s: float | None
 
 
 class UsagePathCounts(TypedDict):

@@ -20,6 +20,7 @@ ROUTE_COLOURS = {
     "cpu/gpu_vram_headroom": "#d9480f",
     "cpu/gpu_unavailable": "#c2255c",
     "cpu/gpu_failed_replayed": "#2f9e44",
+    "cpu/gpu_failed_resumed": "#37b24d",
     "rejected": "#868e96",
     "canceled": "#343a40",
     "error": "#e03131",

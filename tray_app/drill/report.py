@@ -14,7 +14,8 @@ REPORT_VERSION = 1
 # Route reasons under which the CPU serves because the GPU path can't (the
 # service's GPU_OUT_REASONS): such an answer must say so in its headers.
 GPU_OUT_ROUTE_REASONS = frozenset({
-    "gpu_unavailable", "gpu_context_cap", "gpu_vram_headroom", "gpu_busy", "gpu_failed_replayed", "forced_cpu",
+    "gpu_unavailable", "gpu_context_cap", "gpu_vram_headroom", "gpu_busy", "gpu_failed_replayed",
+    "gpu_failed_resumed", "forced_cpu",
 })
 # The /status samples go into report.json as one row per sample under these
 # columns: thousands of samples as objects would dwarf everything else.
@@ -72,6 +73,9 @@ def _retry_decision(record: Mapping[str, Any], decisions: Sequence[Mapping[str, 
                     retried_as: str | None) -> str:
     if record["idempotent_replay"]:
         text = "none: answered with the first result for its Idempotency-Key (X-Idempotent-Replay)"
+    elif record["route_reason"] == "gpu_failed_resumed":
+        text = ("continued once on the CPU (gpu_failed_resumed): the GPU failed partway through a plain answer, "
+                "and the CPU went on from the text it had made")
     elif replayed or record["route_reason"] == "gpu_failed_replayed":
         text = "replayed once on the CPU (gpu_failed_replayed): the GPU failed before any byte reached the client"
     elif record["error_code"] == "gpu_worker_failed":

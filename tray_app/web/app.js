@@ -11,6 +11,8 @@ const ROUTE_REASONS = {
   gpu_context_cap: "over the GPU context cap", gpu_vram_headroom: "not enough VRAM headroom", gpu_busy: "GPU busy",
   gpu_failed_replayed: "GPU failed, re-run on the CPU", gpu_yielded: "GPU given to another app",
   gpu_loading: "GPU model loading", peer: "sent to a peer", peer_failed_replayed: "peer failed, re-run on the CPU",
+  gpu_failed_resumed: "GPU failed, answer continued on the CPU",
+  peer_failed_resumed: "peer failed, answer continued on the CPU",
   cpu_cannot_read_images: "images need the GPU (the CPU has no projector)", cpu_only: "CPU only (no GPU path)",
 };
 const ROUTE_NAMES = {gpu: "GPU", gpu_queue: "GPU queue", cpu: "CPU", peer: "peer", reject: "refused"};

@@ -81,6 +81,11 @@ def access_line(scope, status: int | None, headers: dict[str, str], error_body: 
             parts.append(f"{name}={_printable(headers[header], 80)}")
     if headers.get("warning"):
         parts.append(f"warning={json.dumps(_printable(headers['warning'], _MESSAGE_CHARS))}")
+    # Set by the app once the answer is whole: its headers were sent before a failure cut it.
+    resumed = (scope.get("state") or {}).get("resumed")
+    if isinstance(resumed, dict):
+        parts.append(f"resumed={resumed.get('from')}->{resumed.get('on')} cut_at_tokens={resumed.get('cut_at_tokens')} "
+                     f"tokens_added={resumed.get('tokens_added')}")
     if status is None:
         parts.append("error=\"no answer: the connection ended first\"")
     elif status >= 400:

@@ -18,7 +18,7 @@ import json
 import logging
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -497,6 +497,7 @@ class HttpApp:
             return protocol.failed(failure, _route_headers(job, model_host))
         finally:
             watcher.cancel()
+        _note_resume(request, job)
         note = self._degraded_note(request, job, model_host)
         if note is not None and sink.events:
             sink.events.insert(0, degraded_note.note_chunk(note, sink.events[0]))
@@ -510,6 +511,7 @@ class HttpApp:
         async def run() -> None:
             try:
                 await self.access.run_counted(model_host, job, sink, request.state.usage_name)
+                _note_resume(request, job)
                 sink.queue.put_nowait(("done", None))
             except JobFailed as failure:
                 sink.queue.put_nowait(("failed", failure))
@@ -527,8 +529,10 @@ class HttpApp:
         # Decided now, with the first event: a replay before the first byte is already done.
         note = self._degraded_note(request, job, model_host)
         lead = degraded_note.note_chunk(note, first_value) if note is not None else None
+        wants_note = getattr(request.state, "degraded_note", False)
+        seam_note = (lambda: degraded_note.seam_note_text(job, model_host.fallback_model_id)) if wants_note else None
         stream.relay(lambda write: _relay(write, job, sink, task, watcher, (first_kind, first_value), protocol,
-                                          stream, lead))
+                                          stream, lead, seam_note))
         return stream
 
     def _degraded_note(self, request: Request, job: Job, model_host: ModelHost) -> str | None:
@@ -632,7 +636,7 @@ async def _replay_idempotent(store: IdempotencyStore, entry, base_headers: dict[
 
 async def _relay(write: Write, job: Job, sink: QueueSink, task: asyncio.Task, watcher: asyncio.Task,
                  first: tuple[str, Any], protocol: Protocol, stream: RecordedStream,
-                 lead: dict[str, Any] | None = None) -> None:
+                 lead: dict[str, Any] | None = None, seam_note: Callable[[], str | None] | None = None) -> None:
     """Write the job's events to the client as they come, in its protocol's
     framing, until the job is done or failed."""
     kind, value = first
@@ -646,6 +650,12 @@ async def _relay(write: Write, job: Job, sink: QueueSink, task: asyncio.Task, wa
             if kind == "event":
                 last_event = value
                 await write(encoder.event(value))
+            elif kind == "seam":
+                # The answer goes on from another path: told in the protocol's own way.
+                await write(encoder.seam(value))
+                note = seam_note() if seam_note is not None and last_event else None
+                if note:
+                    await write(encoder.event(degraded_note.note_chunk(note, last_event)))
             elif kind == "done":
                 stream.completed = True
                 finished = True
@@ -662,6 +672,14 @@ async def _relay(write: Write, job: Job, sink: QueueSink, task: asyncio.Task, wa
             # The client went away mid-stream (or the server is stopping): stop the worker generating.
             job.cancel("the client disconnected")
         await asyncio.shield(task)
+
+
+def _note_resume(request: Request, job: Job) -> None:
+    """For the access log: where a continued answer was cut, and what the new path added."""
+    continuation = job.continuation
+    if continuation is not None and job.attempts:
+        request.state.resumed = {"from": continuation.failed_on, "on": job.attempts[-1].path,
+                                 "cut_at_tokens": continuation.tokens, "tokens_added": job.attempts[-1].tokens}
 
 
 def _resolve(future: asyncio.Future, value: Any) -> None:

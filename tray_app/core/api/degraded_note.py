@@ -79,3 +79,12 @@ def note_chunk(note: str, like: dict[str, Any]) -> dict[str, Any]:
         "model": like.get("model"), "system_fingerprint": like.get("system_fingerprint"),
         "choices": [{"index": 0, "delta": {"role": "assistant", "reasoning_content": note}, "finish_reason": None}],
     }
+
+
+def seam_note_text(job: Job, fallback_model_id: str) -> str | None:
+    """The note at a continued answer's seam: where the GPU stopped and the
+    CPU went on (None for a completion: it has no reasoning field)."""
+    if job.kind is not JobKind.CHAT or job.continuation is None:
+        return None
+    return (f"\n\n[The GPU failed {job.continuation.tokens} tokens into this answer; the CPU goes on from there "
+            f"with {fallback_model_id}.]\n\n")

@@ -31,6 +31,8 @@ class ServiceMetrics:
                                     ["committed"], registry=self.registry)
         self.replays = Counter("tray_app_replays", "Requests re-run once on the CPU after a GPU or peer failure",
                                registry=self.registry)
+        self.resumes = Counter("tray_app_resumes", "Answers cut by a GPU failure and continued on the CPU from "
+                               "their text", ["streamed"], registry=self.registry)
         self.failover_seconds = Histogram(
             "tray_app_failover_seconds", "From a GPU fault to the first token of the request's replay on the CPU",
             ["fault"], buckets=FAILOVER_BUCKETS, registry=self.registry)

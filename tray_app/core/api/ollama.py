@@ -380,6 +380,7 @@ class _OllamaStream(StreamEncoder):
         self._chat = chat
         self._calls: dict[int, dict[str, Any]] = {}
         self._finish: str | None = None
+        self._resumed: dict[str, Any] | None = None
 
     def _piece(self, text: str = "", thinking: str = "", calls: list[dict[str, Any]] | None = None) -> bytes:
         base: dict[str, Any] = {"model": self._job.body.get("model"), "created_at": now_rfc3339()}
@@ -422,10 +423,19 @@ class _OllamaStream(StreamEncoder):
             final["message"] = {"role": "assistant", "content": ""}
         else:
             final["response"] = ""
+        resumed = last_chunk.get("resumed") or self._resumed
+        if resumed is not None:
+            # Not Ollama's: where the answer went on from the text already sent (Ollama's clients ignore it).
+            final["resumed"] = resumed
         return out + _line({**final, **_final_fields(job, self._finish)})
 
     def failed(self, failure: JobFailed) -> bytes:
         return _line({"error": failure.message})
+
+    def seam(self, note: dict[str, Any]) -> bytes:
+        # NDJSON has no comments: the last line says it.
+        self._resumed = note
+        return b""
 
 
 # ----- what the model list routes say -----------------------------------------------------

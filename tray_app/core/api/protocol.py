@@ -62,6 +62,17 @@ class StreamEncoder:
     def failed(self, failure: JobFailed) -> bytes:
         raise NotImplementedError
 
+    def seam(self, note: dict[str, Any]) -> bytes:
+        """The answer goes on from here on another path. An SSE stream says so
+        in a comment (a line starting with ':'), which every SSE client skips:
+        the seam is told, and no client's parser meets anything new."""
+        return seam_comment(note)
+
+
+def seam_comment(note: dict[str, Any]) -> bytes:
+    return (f": resumed on the {note.get('on', 'cpu').upper()} after the {note.get('from', 'gpu').upper()} failed "
+            f"({note.get('cut_at_tokens', 0)} tokens in); the answer goes on from the text already sent\n\n").encode()
+
 
 class Protocol:
     name = "openai"

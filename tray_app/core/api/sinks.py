@@ -21,6 +21,8 @@ class AggregatingSink:
     def __init__(self, on_first_event: Callable[[], None] | None = None) -> None:
         self.events: list[dict[str, Any]] = []
         self._on_first_event = on_first_event
+        # Where the answer went on from another path's text, when it did (seam).
+        self.resumed: dict[str, Any] | None = None
 
     def emit(self, event: dict[str, Any]) -> None:
         if not self.events and self._on_first_event is not None:
@@ -29,6 +31,10 @@ class AggregatingSink:
 
     def reset(self) -> None:
         self.events.clear()
+
+    def seam(self, note: dict[str, Any]) -> None:
+        # Nothing was sent: the whole answer is joined from both parts, and says so.
+        self.resumed = note
 
     def _by_choice(self) -> tuple[int, dict[int, list[dict[str, Any]]]]:
         """The stream's choice parts grouped by their index (a request with
@@ -56,7 +62,7 @@ class AggregatingSink:
         """The envelope both response objects share; usage is the last (the only
         completed) attempt's, every choice's tokens summed."""
         completion_tokens = job.tokens_out
-        return {
+        response = {
             "id": response_id(job),
             "object": kind,
             "created": created,
@@ -65,6 +71,17 @@ class AggregatingSink:
             "choices": choices,
             "usage": _usage(job.prompt_tokens, completion_tokens),
         }
+        resumed = self._resumed_summary()
+        if resumed is not None:
+            # A field OpenAI's clients ignore, as in a stream's last chunk.
+            response["resumed"] = resumed
+        return response
+
+    def _resumed_summary(self) -> dict[str, Any] | None:
+        for event in reversed(self.events):
+            if "resumed" in event:
+                return event["resumed"]
+        return self.resumed
 
     def _model(self, job: Job) -> str:
         return self.events[0].get("model", "") if self.events else ""
@@ -164,6 +181,9 @@ class QueueSink:
 
     def reset(self) -> None:
         assert not self.job.committed, "a committed stream can't be reset"
+
+    def seam(self, note: dict[str, Any]) -> None:
+        self.queue.put_nowait(("seam", note))
 
 
 # Sends one chunk of a streamed answer to the client (RecordedStream).

@@ -17,6 +17,8 @@ ROUTE_REASONS = {
     "gpu_loading": "GPU model loading",
     "peer": "sent to a peer",
     "peer_failed_replayed": "peer failed, re-run on the CPU",
+    "gpu_failed_resumed": "GPU failed, answer continued on the CPU",
+    "peer_failed_resumed": "peer failed, answer continued on the CPU",
     "cpu_cannot_read_images": "images need the GPU (the CPU has no projector)",
     # Not degraded: a machine with no GPU path serves on its CPU.
     "cpu_only": "CPU only (no GPU path)",

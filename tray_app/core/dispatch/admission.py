@@ -33,6 +33,10 @@ class Reason(str, enum.Enum):
     GPU_FAILED_REPLAYED = "gpu_failed_replayed"
     # A peer failed before any output: re-run once here, on the CPU.
     PEER_FAILED_REPLAYED = "peer_failed_replayed"
+    # The GPU (or a peer) failed partway through a plain answer: the CPU
+    # goes on from the text it made (failover.continuation_refused).
+    GPU_FAILED_RESUMED = "gpu_failed_resumed"
+    PEER_FAILED_RESUMED = "peer_failed_resumed"
     # The GPU worker gave its memory to another app (or the user gave it back).
     GPU_YIELDED = "gpu_yielded"
     # The GPU worker is unloaded, starting or restarting: the CPU answers meanwhile.
@@ -60,7 +64,7 @@ class Reason(str, enum.Enum):
 GPU_OUT_REASONS = frozenset({
     Reason.GPU_UNAVAILABLE, Reason.GPU_CONTEXT_CAP, Reason.GPU_VRAM_HEADROOM,
     Reason.GPU_BUSY, Reason.GPU_FAILED_REPLAYED, Reason.FORCED_CPU, Reason.GPU_YIELDED, Reason.GPU_LOADING,
-    Reason.PEER_FAILED_REPLAYED,
+    Reason.PEER_FAILED_REPLAYED, Reason.GPU_FAILED_RESUMED, Reason.PEER_FAILED_RESUMED,
 })
 
 
@@ -118,6 +122,8 @@ class RequestShape:
     is_replay: bool = False  # a GPU failure being re-run: must not be refused for queue space
     # Where the failure being re-run happened: "gpu" or "peer".
     replayed_from: str = "gpu"
+    # The re-run goes on from the text the failed path made, not from nothing.
+    is_continuation: bool = False
     # The longest the request may wait in a queue for a slot: its
     # X-Request-Timeout, else the configured default. None = no time limit.
     queue_budget_s: float | None = None
@@ -238,6 +244,10 @@ def decide(request: RequestShape, gpu: GpuView | None, cpu: CpuView) -> Decision
             "shorten the prompt or lower max_tokens",
             status=400,
         )
+    if request.is_replay and request.is_continuation:
+        reason = Reason.PEER_FAILED_RESUMED if request.replayed_from == "peer" else Reason.GPU_FAILED_RESUMED
+        return _to_cpu(request, cpu, reason, f"the {request.replayed_from.upper()} failed partway through the "
+                       "answer; the CPU goes on from the text it made")
     if request.is_replay and request.replayed_from == "peer":
         return _to_cpu(request, cpu, Reason.PEER_FAILED_REPLAYED, "the peer failed before any output; re-run once on the CPU")
     if request.is_replay:

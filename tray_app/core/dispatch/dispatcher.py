@@ -85,6 +85,7 @@ class Dispatcher:
         self._costs = costs
         self.events = events
         self._clock = clock
+        self.clock = clock  # failover's, for when a continued answer was cut
         self.gpu_missing_reason = gpu_missing_reason
         self.gpu_paused = False
         # [routing] fallback = "never": requests may not run on the CPU unless they ask.
@@ -280,6 +281,7 @@ class Dispatcher:
         shape = RequestShape(prompt_tokens=job.prompt_tokens, max_tokens=job.max_tokens,
                              force_cpu=job.force_cpu or self.gpu_paused, deadline_s=job.deadline_s,
                              is_replay=job.replayed, replayed_from=job.replayed_from,
+                             is_continuation=job.continuation is not None,
                              queue_budget_s=job.deadline_s if job.deadline_s is not None else self.limits.queue_budget_s,
                              prefer_gpu=job.prefer_gpu, no_fallback=self._no_fallback(job),
                              cpu_refusal=self._cpu_refusal(job))

@@ -12,7 +12,7 @@ they reach it only through `Routing`.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 from .admission import Decision, Reason
 from .backend import Backend
@@ -37,6 +37,7 @@ class Routing(Protocol):
     breaker: CircuitBreaker
     peers: Peers | None
     model_names: tuple[str, ...]
+    clock: Callable[[], float]
     residency: GpuResidency
     quarantine: Quarantine
     ledger: ExecutionLedger
@@ -53,24 +54,60 @@ async def replay_after_gpu_failure(routing: Routing, job: Job, sink: Sink, failu
     assert routing.gpu is not None
     await raise_if_crashed_by_input(routing, job, routing.gpu, failure)
     record_gpu_failure(routing, job, str(failure))
-    if job.committed:
+    why_not = continuation_refused(routing, job)
+    if job.committed and why_not is not None:
         raise JobFailed(502, "gpu_worker_failed", f"the GPU worker failed after part of the answer was sent "
-                        f"({failure}); nothing was re-run. It is safe to retry this request.") from None
+                        f"({failure}), and {why_not}; nothing was re-run. It is safe to retry this request.") from None
     if no_fallback:
+        made = "after part of the answer was sent" if job.committed else "before any output"
         raise JobFailed(503, "gpu_worker_failed",
-                        f"the GPU worker failed before any output ({failure}) and this request may not "
+                        f"the GPU worker failed {made} ({failure}) and this request may not "
                         "run on the CPU (X-Fallback: never); nothing was re-run. It is safe to retry it.",
                         retry_after_s=30.0) from None
-    sink.reset()
-    job.to_replay("gpu")
+    if why_not is None:
+        continuation = job.continue_after("gpu", routing.clock())
+    else:
+        continuation = None
+        sink.reset()
+        job.to_replay("gpu")
     failed = job.attempts[-1] if job.attempts else None
     if failed is not None and failed.path == "gpu" and failed.ended_at is not None:
         job.fault = fault_of(failed, gave_back=gpu_was_given_back(routing))
     decision = routing.assign_route(job)
     if not decision.accepted:
+        if job.committed:
+            raise JobFailed(502, "gpu_worker_failed", f"the GPU worker failed after part of the answer was sent "
+                            f"({failure}), and the CPU can't continue it: {decision.detail}; nothing was re-run. "
+                            "It is safe to retry this request.") from None
         raise rejection(decision) from None
-    routing.events.note("replay", id=job.id, reason=str(failure))
+    if continuation is None:
+        routing.events.note("replay", id=job.id, reason=str(failure))
+    else:
+        routing.events.note("resume", id=job.id, reason=str(failure), cut_at_tokens=continuation.tokens,
+                            streamed=continuation.streamed)
+        sink.seam({"from": "gpu", "on": "cpu", "cut_at_tokens": continuation.tokens, "reason": str(failure)})
     return decision
+
+
+def continuation_refused(routing: Routing, job: Job) -> str | None:
+    """Why the answer the failed path began can't go on from its text on
+    the CPU; None when it can. A job that made nothing starts over instead."""
+    if not job.continuable():
+        if job.sent is None:
+            return "this request's answer can't be continued (tools, a grammar or schema, logprobs or n > 1)"
+        if job.sent.tool_call:
+            return "a tool call had begun"
+        if job.sent.reasoning:
+            return "it was a thinking model's reasoning, which is not continued"
+        return "no text of it was made"
+    if job.attempts and job.attempts[-1].tokens >= job.max_tokens:
+        return "it had made all max_tokens tokens"
+    runtime = getattr(routing.cpu.worker, "runtime", None)
+    if not getattr(runtime, "continues_prefill", False):
+        return f"the CPU's engine ({getattr(runtime, 'name', 'unknown')}) can't continue an answer"
+    if job.continuation is not None:
+        return "it was already continued once"
+    return None
 
 
 async def run_on_cpu(routing: Routing, job: Job, sink: Sink) -> None:
@@ -107,20 +144,31 @@ async def run_on_peer(routing: Routing, job: Job, sink: Sink) -> Decision | None
         job.peer_failed = True
         routing.events.note("peer_failure", id=job.id, peer=peer.name, reason=str(failure), committed=job.committed,
                             ran=failure.ran)
-        if job.committed:
+        why_not = continuation_refused(routing, job)
+        if job.committed and why_not is not None:
             raise JobFailed(502, "peer_failed", f"peer {peer.name} failed after part of the answer was sent "
-                            f"({failure}); nothing was re-run. It is safe to retry this request.") from None
-        sink.reset()
+                            f"({failure}), and {why_not}; nothing was re-run. It is safe to retry this "
+                            "request.") from None
         job.back_to_admission()
-        if failure.ran:
-            # It may have begun there: this is the one re-run, on the CPU.
-            job.to_replay("peer")
+        continuation = job.continue_after("peer", routing.clock()) if why_not is None else None
+        if continuation is None:
+            sink.reset()
+            if failure.ran:
+                # It may have begun there: this is the one re-run, on the CPU.
+                job.to_replay("peer")
         decision = routing.assign_route(job)
         if not decision.accepted:
-            raise JobFailed(decision.status, decision.reason.value,
-                            f"peer {peer.name} failed ({failure}), and {decision.detail}",
+            made = "after part of the answer was sent " if job.committed else ""
+            raise JobFailed(decision.status if not job.committed else 502,
+                            decision.reason.value if not job.committed else "peer_failed",
+                            f"peer {peer.name} failed {made}({failure}), and {decision.detail}",
                             retry_after_s=decision.retry_after_s) from None
-        if failure.ran:
+        if continuation is not None:
+            routing.events.note("resume", id=job.id, reason=f"peer {peer.name}: {failure}",
+                                cut_at_tokens=continuation.tokens, streamed=continuation.streamed)
+            sink.seam({"from": "peer", "on": "cpu", "cut_at_tokens": continuation.tokens,
+                       "reason": f"peer {peer.name}: {failure}"})
+        elif failure.ran:
             routing.events.note("replay", id=job.id, reason=f"peer {peer.name}: {failure}")
         return decision
     finally:

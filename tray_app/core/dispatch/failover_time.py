@@ -55,11 +55,17 @@ class FailoverTimes:
         self._times: dict[str, collections.deque[float]] = {}
         self._counts: dict[str, int] = {}
         self._last: tuple[str, float] | None = None
+        # Failovers that continued a cut answer from its text, and the last one's seam.
+        self._resumes = 0
+        self._last_resume_s: float | None = None
 
-    def record(self, kind: str, seconds: float) -> None:
+    def record(self, kind: str, seconds: float, *, resumed: bool = False) -> None:
         self._times.setdefault(kind, collections.deque(maxlen=KEPT_PER_KIND)).append(seconds)
         self._counts[kind] = self._counts.get(kind, 0) + 1
         self._last = (kind, seconds)
+        if resumed:
+            self._resumes += 1
+            self._last_resume_s = seconds
 
     def snapshot(self) -> dict[str, Any]:
         every = [seconds for times in self._times.values() for seconds in times]
@@ -71,4 +77,6 @@ class FailoverTimes:
             "by_fault": {kind: {"count": self._counts[kind], "last_s": round(times[-1], 3),
                                 "p50_s": round(statistics.median(times), 3)}
                          for kind, times in sorted(self._times.items())},
+            "resumes": self._resumes,
+            "resume_last_s": round(self._last_resume_s, 3) if self._last_resume_s is not None else None,
         }

@@ -70,6 +70,8 @@ class Attempt:
     # long that took, from its timings: a speed no cache hit inflates.
     prompt_read: int | None = None
     prompt_read_s: float | None = None
+    # The tokens the worker says it made (its timings' predicted_n, in its last event).
+    predicted: int | None = None
 
     def wait_limit_s(self, first_deadline: float, between_tokens_s: float, now: float,
                      progress_gap_s: float = 0.0) -> float:
@@ -143,6 +145,50 @@ class JobRequest:
     # The client's Idempotency-Key, handed on to a peer so a retry there
     # finds the first run's result.
     idempotency_key: str | None = None
+
+
+class SentText:
+    """What one answer (choice 0) has handed the client so far: its text,
+    its reasoning, and whether a tool call began. Kept only for a job that
+    could be continued (Job.continuable), one append per token."""
+
+    __slots__ = ("content", "reasoning", "tool_call")
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_call = False
+
+    def take(self, event: dict[str, Any]) -> None:
+        for choice in event.get("choices") or ():
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                if delta.get("content"):
+                    self.content.append(delta["content"])
+                if delta.get("reasoning_content"):
+                    self.reasoning.append(delta["reasoning_content"])
+                if delta.get("tool_calls"):
+                    self.tool_call = True
+            elif choice.get("text"):
+                self.content.append(choice["text"])
+
+    def clear(self) -> None:
+        self.content.clear()
+        self.reasoning.clear()
+        self.tool_call = False
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """Where an answer cut by a failed path goes on from: the text already
+    made (sent to the client, for a stream), and what that cost."""
+
+    text: str
+    reasoning: str
+    tokens: int  # the failed attempt's tokens: counted in the usage, not allowed again
+    failed_on: str  # "gpu" or "peer"
+    cut_at: float  # when the failure was seen (the dispatcher's clock): the seam's time runs from here
+    streamed: bool  # the text reached the client (a stream); else it was only collected
 
 
 class _FromRequest:
@@ -225,6 +271,12 @@ class Job:
         self.fault: Fault | None = None
         # Oldest messages left out to fit the context (Ollama's truncation).
         self.truncated_messages = 0
+        # What the answer has made so far, for a continuation (None: this job can't be continued).
+        self.sent: SentText | None = SentText() if self.continuable_kind() else None
+        # Set when a failed path's answer goes on elsewhere from what it made.
+        self.continuation: Continuation | None = None
+        # When the continuation's first new token came (the seam's end), on the dispatcher's clock.
+        self.seam_closed_at: float | None = None
 
     # ----- its life: each step one method, called from the dispatch package -----
 
@@ -255,6 +307,16 @@ class Job:
         """A path failed it before any output: its one re-run comes next."""
         self.replayed, self.replayed_from = True, failed_on
 
+    def continue_after(self, failed_on: str, cut_at: float) -> Continuation:
+        """A path failed it after making part of a plain answer: the rest is
+        made elsewhere, from that part, instead of from nothing."""
+        assert self.sent is not None
+        tokens = self.attempts[-1].tokens if self.attempts else 0
+        self.continuation = Continuation("".join(self.sent.content), "".join(self.sent.reasoning), tokens,
+                                         failed_on, cut_at, self.committed)
+        self.replayed, self.replayed_from = True, failed_on
+        return self.continuation
+
     def back_to_admission(self) -> None:
         """A peer gave it back unanswered: it is decided again here."""
         self.path, self.state = None, JobState.ADMITTING
@@ -277,6 +339,30 @@ class Job:
         n = self.body.get("n")
         return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
+    def continuable_kind(self) -> bool:
+        """Whether a cut answer to this request could go on from its text:
+        one plain answer, whose next token depends on nothing but the text
+        before it. Not with a tool forced (a call has its own shape), a
+        grammar or schema (its state would restart at the seam), logprobs
+        (the seam's tokens would have none), several choices, or a prompt
+        that is not one string (the text can't be appended to it)."""
+        if self.choices != 1 or self.forced_tool is not None or self.top_logprobs is not None:
+            return False
+        body = self.body
+        if body.get("grammar") is not None or body.get("json_schema") is not None:
+            return False
+        response_format = body.get("response_format")
+        if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
+            return False
+        if self.kind is JobKind.CHAT:
+            return body.get("tool_choice") in (None, "auto", "none") or not body.get("tools")
+        return isinstance(body.get("prompt"), str)
+
+    def continuable(self) -> bool:
+        """continuable_kind, and what was made so far is plain text."""
+        return (self.sent is not None and not self.sent.tool_call and not self.sent.reasoning
+                and bool(self.sent.content))
+
     @property
     def no_peer(self) -> bool:
         """Peers are out for this job: it came from one, or one failed it."""
@@ -297,8 +383,10 @@ class Job:
 
     @property
     def tokens_out(self) -> int:
-        """The answer's tokens so far: the last attempt's, since a replay starts the answer over."""
-        return self.attempts[-1].tokens if self.attempts else 0
+        """The answer's tokens so far: the last attempt's, since a replay
+        starts the answer over; a continuation's add to those it went on from."""
+        last = self.attempts[-1].tokens if self.attempts else 0
+        return last + (self.continuation.tokens if self.continuation is not None else 0)
 
     def age_s(self) -> float:
         return round(time.monotonic() - self.created_at, 3)
@@ -320,6 +408,7 @@ class Job:
             "max_tokens": self.max_tokens,
             "estimated_latency_s": self.estimated_latency_s,
             "replayed": self.replayed,
+            "resumed": self.continuation is not None,
             "first_failure": self.first_failure,
             "attempts": [
                 {"path": a.path, "outcome": a.outcome, "tokens": a.tokens} for a in self.attempts

@@ -464,6 +464,9 @@ class _CappedSink:
     def reset(self) -> None:
         self._sink.reset()
 
+    def seam(self, note: dict[str, Any]) -> None:
+        self._sink.seam(note)
+
 
 def _model_ids(body: bytes) -> tuple[tuple[str, ...], str | None]:
     """The model ids of an OpenAI /v1/models answer, or why it isn't one."""

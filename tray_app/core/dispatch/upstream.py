@@ -38,6 +38,11 @@ class Sink(Protocol):
 
     def reset(self) -> None: ...
 
+    def seam(self, note: dict[str, Any]) -> None:
+        """The answer goes on from here on another path (a continuation):
+        a stream says so in its protocol's way; a whole answer records it."""
+        ...
+
 
 class UpstreamRules:
     """What differs between upstreams. Each way an attempt can end without
@@ -288,9 +293,14 @@ async def relay_answer(response: UpstreamResponse, job: Job, attempt: Attempt, s
     shaping = AttemptShaping()
     # A chat with several choices opens them all, in order, before any output.
     opened = job.kind is not JobKind.CHAT or job.choices == 1
+    continuation = job.continuation
+    # llama-server's chat answer to an assistant prefill begins with the
+    # prefill itself (a completion's doesn't): that much is already the client's.
+    seam = ContinuationSeam(continuation.text if job.kind is JobKind.CHAT else "") if continuation else None
     # Only a chat of one choice with nothing to rewrite inside its deltas takes the fast path.
     fast = PlainDeltas() if (job.kind is JobKind.CHAT and job.choices == 1 and job.forced_tool is None
-                             and job.top_logprobs is None) else None
+                             and job.top_logprobs is None and seam is None) else None
+    sent = job.sent
     splitter = SseLineSplitter(MAX_SSE_LINE_BYTES)
     chunks = response.aiter_bytes()
     while True:
@@ -315,6 +325,12 @@ async def relay_answer(response: UpstreamResponse, job: Job, attempt: Attempt, s
                 if _progress_only(event, attempt, clock):
                     continue  # liveness, not output: a client never sees it, so a replay stays possible
                 carries = shape_event(event, job, shaping, model=model, fingerprint=fingerprint)
+                if seam is not None:
+                    if not seam.join(event, job, attempt):
+                        continue  # the echoed prefill, or the role the client already has
+                    carries = _carries_token(event)
+                    if carries and job.seam_closed_at is None:
+                        job.seam_closed_at = clock()
                 if fast is not None and opened:
                     fast.learn(data, event)
             if carries:
@@ -326,8 +342,62 @@ async def relay_answer(response: UpstreamResponse, job: Job, attempt: Attempt, s
                 sink.emit(_opening_event(event, job.choices))
                 opened = True
             sink.emit(event)
+            if sent is not None:
+                sent.take(event)
         if chunk is None:
             return False
+
+
+class ContinuationSeam:
+    """Where a continued answer's new part joins what the client has: the
+    echo of the prefill llama-server begins a chat answer with is dropped
+    (it is text the client already holds, never sent twice), and so is the
+    role delta. The last event carries `resumed`, a field OpenAI's clients
+    ignore, saying where the answer was cut and what the new path made."""
+
+    def __init__(self, echoed: str) -> None:
+        self._echo_left = echoed
+
+    def join(self, event: dict[str, Any], job: Job, attempt: Attempt) -> bool:
+        """Rewrite `event` for the joined answer; False when nothing of it is left to send."""
+        keep = False
+        for choice in event.get("choices") or ():
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                delta.pop("role", None)
+                if delta.get("content") and self._echo_left:
+                    delta["content"] = self._strip(delta["content"])
+                keep = keep or any(value not in (None, "") for value in delta.values())
+            if choice.get("finish_reason"):
+                keep = True
+                continuation = job.continuation
+                assert continuation is not None
+                if attempt.predicted is not None:
+                    # The engine's own count: the echo's event is not a token of its.
+                    attempt.tokens = attempt.predicted
+                event["resumed"] = {"from": continuation.failed_on, "on": attempt.path,
+                                    "cut_at_tokens": continuation.tokens, "cut_at_chars": len(continuation.text),
+                                    "tokens_added": attempt.tokens}
+            if choice.get("text"):
+                keep = True
+        return keep
+
+    def _strip(self, text: str) -> str:
+        left = self._echo_left
+        if text.startswith(left):
+            self._echo_left = ""
+            return text[len(left):]
+        if left.startswith(text):
+            self._echo_left = left[len(text):]
+            return ""
+        # The engine's text differs from what was sent (a template that
+        # trims the prefill's whitespace): what the two share is the
+        # client's; from where they part, the new text is.
+        shared = 0
+        while shared < min(len(text), len(left)) and text[shared] == left[shared]:
+            shared += 1
+        self._echo_left = ""
+        return text[shared:]
 
 
 def _progress_only(event: dict[str, Any], attempt: Attempt, clock: Callable[[], float]) -> bool:
@@ -339,6 +409,9 @@ def _progress_only(event: dict[str, Any], attempt: Attempt, clock: Callable[[], 
         read, read_ms = timings.get("prompt_n"), timings.get("prompt_ms")
         if isinstance(read, int) and isinstance(read_ms, (int, float)) and read_ms > 0:
             attempt.prompt_read, attempt.prompt_read_s = read, read_ms / 1000
+        predicted = timings.get("predicted_n")
+        if isinstance(predicted, int) and not isinstance(predicted, bool) and predicted >= 0:
+            attempt.predicted = predicted
     if "prompt_progress" not in event:
         return False
     attempt.last_progress_at = clock()
@@ -422,6 +495,16 @@ def worker_body(job: Job) -> dict[str, Any]:
     # own default may be none at all, and it does not know the current API's
     # name max_completion_tokens.
     body["max_tokens"] = job.max_tokens
+    continuation = job.continuation
+    if continuation is not None:
+        # The answer goes on from the text already made: llama-server
+        # continues an assistant message that ends the chat (a prefill),
+        # and a completion's prompt with that text after it.
+        if job.kind is JobKind.CHAT:
+            body["messages"] = [*body["messages"], {"role": "assistant", "content": continuation.text}]
+        else:
+            body["prompt"] = body["prompt"] + continuation.text
+        body["max_tokens"] = max(1, job.max_tokens - continuation.tokens)
     # Always streamed from the worker: that gives cancellation, hang
     # detection, token metering and replay while nothing was sent.
     body["stream"] = True

@@ -99,7 +99,8 @@ def _agent(drill: DrillSession, phase: PhaseResult, i: int, kill_first_turn: boo
                 run.model_mistakes.append(f"{record.id}: the arguments are not JSON: {call['arguments'][:60]!r}")
             calls.append((call, drill.ledger.run(_action(run), call.get("id"), call["arguments"], record.id)))
     if kill_first_turn and first.served_by == "cpu":
-        phase.check("the killed agent turn was replayed on the CPU", first.route_reason == "gpu_failed_replayed",
+        phase.check("the killed agent turn was replayed or continued on the CPU",
+                    first.route_reason in ("gpu_failed_replayed", "gpu_failed_resumed"),
                     f"{first.id}: {first.served_by}/{first.route_reason}")
     elif kill_first_turn:
         phase.notes.append(f"{first.id} finished on the {first.served_by} before the kill landed; nothing to replay")

@@ -143,6 +143,9 @@ class Sink:
         self.resets += 1
         self.events.clear()
 
+    def seam(self, note: dict) -> None:
+        self.events.append({"seam": note})
+
 
 @dataclass
 class Rig:

@@ -24,7 +24,8 @@ def failover_count(metrics_text: str, fault: str) -> float:
 
 async def test_a_replay_after_a_gpu_failure_is_timed_in_metrics_status_and_the_event_log(rig):
     before = (await rig.client.get("/status")).json()["failover"]
-    assert before == {"count": 0, "last_s": None, "last_fault": None, "p50_s": None, "by_fault": {}}
+    assert before == {"count": 0, "last_s": None, "last_fault": None, "p50_s": None, "by_fault": {}, "resumes": 0,
+                      "resume_last_s": None}
     assert failover_count((await rig.client.get("/metrics")).text, "crash") == 0
     rig.upstream.script("gpu").fail_before_first_byte = True
     answer = await rig.client.post("/v1/chat/completions", json={

@@ -24,13 +24,16 @@ def test_a_hang_counts_from_when_the_worker_went_quiet_not_from_its_deadline():
 
 def test_the_snapshot_has_the_last_value_and_medians_overall_and_per_fault():
     times = FailoverTimes()
-    assert times.snapshot() == {"count": 0, "last_s": None, "last_fault": None, "p50_s": None, "by_fault": {}}
+    assert times.snapshot() == {"count": 0, "last_s": None, "last_fault": None, "p50_s": None, "by_fault": {},
+                                "resumes": 0, "resume_last_s": None}
     for kind, seconds in (("crash", 0.4), ("crash", 0.6), ("hang", 21.0), ("crash", 0.5)):
-        times.record(kind, seconds)
+        times.record(kind, seconds, resumed=seconds == 0.6)
     assert times.snapshot() == {
         "count": 4, "last_s": 0.5, "last_fault": "crash", "p50_s": pytest.approx(0.55),
         "by_fault": {"crash": {"count": 3, "last_s": 0.5, "p50_s": 0.5},
                      "hang": {"count": 1, "last_s": 21.0, "p50_s": 21.0}},
+        # One of them went on from the text the GPU had made; its seam was 0.6 s.
+        "resumes": 1, "resume_last_s": 0.6,
     }
 
 

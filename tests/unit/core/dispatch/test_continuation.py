@@ -1,0 +1,116 @@
+"""A cut answer going on from its text: which requests can, what the worker
+is sent, and the seam (the echo of the prefill dropped at awkward cut points,
+never a character sent twice). llama-server's own behaviour at the seam is
+checked by tests/integration/test_failover.py against the real build."""
+
+from __future__ import annotations
+
+import pytest
+
+from tray_app.core.dispatch.jobs import Attempt, Job, JobKind, JobRequest
+from tray_app.core.dispatch.upstream import ContinuationSeam, worker_body
+
+MESSAGES = [{"role": "user", "content": "Tell me a story."}]
+
+
+def job(kind=JobKind.CHAT, **body) -> Job:
+    base = {"messages": MESSAGES} if kind is JobKind.CHAT else {"prompt": "Once upon a time"}
+    made = Job(JobRequest(id="req-c", kind=kind, body={**base, **body}, stream=True, max_tokens=50))
+    made.attempts.append(Attempt("gpu", 0.0, tokens=7))
+    return made
+
+
+def cut(made: Job, *deltas: dict) -> Job:
+    """The GPU's part: these deltas reached the client, then it failed. (A
+    request that can't be continued keeps no record of them.)"""
+    if made.sent is None:
+        return made
+    for delta in deltas:
+        made.sent.take({"choices": [{"index": 0, "delta": delta}]})
+    return made
+
+
+@pytest.mark.parametrize("body, continuable", [
+    ({}, True),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, True),  # tool_choice auto: text so far is text
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, False),
+    ({"response_format": {"type": "json_object"}}, False),
+    ({"response_format": {"type": "text"}}, True),
+    ({"grammar": "root ::= \"a\""}, False),
+    ({"n": 2}, False),
+])
+def test_which_answers_can_go_on_from_their_text(body, continuable):
+    made = cut(job(**body), {"role": "assistant"}, {"content": "Once"})
+    assert made.continuable() is continuable
+
+
+def test_logprobs_a_tool_call_begun_reasoning_or_nothing_made_cannot():
+    assert not cut(Job(JobRequest(id="r", kind=JobKind.CHAT, body={"messages": MESSAGES}, stream=True,
+                                  top_logprobs=1)), {"content": "a"}).continuable()
+    assert not cut(job(), {"content": "Let me"}, {"tool_calls": [{"index": 0}]}).continuable()
+    assert not cut(job(), {"reasoning_content": "Hmm"}).continuable()
+    assert not cut(job(), {"role": "assistant"}).continuable()
+    # A completion whose prompt is token ids: the text can't be appended to it.
+    assert not cut(job(JobKind.COMPLETION, prompt=[1, 2, 3]), {"content": "x"}).continuable()
+
+
+def test_the_worker_gets_the_text_as_a_prefill_and_only_the_tokens_still_allowed():
+    made = cut(job(), {"content": "Once upon a ti"})
+    made.continue_after("gpu", 1.0)
+    body = worker_body(made)
+    assert body["messages"] == [*MESSAGES, {"role": "assistant", "content": "Once upon a ti"}]
+    assert body["max_tokens"] == 50 - 7
+    completion = cut(job(JobKind.COMPLETION), {"content": ", there"})
+    completion.continue_after("gpu", 1.0)
+    body = worker_body(completion)
+    assert body["prompt"] == "Once upon a time, there" and body["max_tokens"] == 43
+    # The job's own request is untouched: a replay or a retry resends the client's.
+    assert completion.body["prompt"] == "Once upon a time"
+
+
+def joined(echoed: str, deltas: list[str]) -> str:
+    """What the client gets after the seam from the continuation's deltas."""
+    made = cut(job(), {"content": echoed})
+    made.continue_after("gpu", 1.0)
+    seam = ContinuationSeam(echoed)
+    out = []
+    for text in deltas:
+        event = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+        if seam.join(event, made, Attempt("cpu", 2.0)):
+            out.append(event["choices"][0]["delta"].get("content", ""))
+    return "".join(out)
+
+
+@pytest.mark.parametrize("sent, deltas, new", [
+    # llama-server's first delta is the prefill and the start of the first token
+    # ("3." sent, then "3. " + "3"), as recorded from the bundled build.
+    ("1. 1\n2. 2\n3.", ["1. 1\n2. 2\n3. ", "3", "\n4."], " 3\n4."),
+    # Cut mid-word: the echo arrives in pieces, then the word goes on.
+    ("The lightho", ["The ", "lightho", "use keeper"], "use keeper"),
+    # Cut inside a multi-code-point emoji (family: man ZWJ woman ZWJ girl).
+    ("Family: \U0001F468\u200d", ["Family: \U0001F468\u200d\U0001F469", "\u200d\U0001F467!"],
+     "\U0001F469\u200d\U0001F467!"),
+    # Right after the start of what might have been a stop sequence ("END").
+    ("Done. EN", ["Done. EN", "DING"], "DING"),
+    # An engine whose echo differs from what was sent (trimmed whitespace): from
+    # where they part, the new text; what they share is never sent again.
+    ("Hello \n", ["Hello", "!"], "!"),
+])
+def test_the_seam_drops_the_echo_and_sends_no_character_twice(sent, deltas, new):
+    assert joined(sent, deltas) == new
+
+
+def test_the_seam_drops_the_second_role_and_marks_the_last_event():
+    made = cut(job(), {"content": "abc"})
+    made.continue_after("gpu", 1.0)
+    seam = ContinuationSeam("abc")
+    attempt = Attempt("cpu", 2.0, tokens=5)
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}]}
+    assert not seam.join(role, made, attempt)
+    attempt.predicted = 9
+    last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+    assert seam.join(last, made, attempt)
+    assert last["resumed"] == {"from": "gpu", "on": "cpu", "cut_at_tokens": 7, "cut_at_chars": 3, "tokens_added": 9}
+    # Usage: the GPU's tokens and the CPU's, the engine's own count for the latter.
+    made.attempts.append(attempt)
+    assert made.tokens_out == 16
