@@ -12,6 +12,9 @@ which is what the replay did before answers were continued. Reported:
   the fault), as a ratio, and the seconds saved;
 - the seam: the fault to the continuation's first new token (/status
   failover.resume_last_s);
+- for a stream cut after --cut events: the seam, next to the CPU's own time
+  to first token for a prompt of the same length (the request's message
+  with the text sent after it, on the CPU from nothing, streamed);
 - whether the continued text is the CPU's own answer from the start.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import os
 import signal
 import statistics
@@ -69,6 +73,37 @@ def one_round(service: RunningService, n: int, tokens: int, cut: int) -> dict[st
             "same_text": body["choices"][0]["message"]["content"] == anchor.json()["choices"][0]["message"]["content"]}
 
 
+def streamed_round(service: RunningService, cut: int, tokens: int) -> dict[str, float]:
+    gpu_pid = service.worker("gpu")["pid"]
+    sent: list[str] = []
+    events = 0
+    body = {"messages": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True}
+    with service.http.stream("POST", "/v1/chat/completions", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            events += 1
+            if events <= cut:
+                for choice in json.loads(line[5:]).get("choices") or ():
+                    sent.append((choice.get("delta") or {}).get("content") or "")
+            if events == cut:
+                os.kill(gpu_pid, signal.SIGKILL)
+    seam_s = service.status()["failover"]["resume_last_s"] or float("nan")
+    service.wait_workers_ready()
+    # The same text as one user message: llama-server would echo an assistant prefill at once.
+    same_length = {"messages": [{"role": "user", "content": PROMPT[0]["content"] + "\n" + "".join(sent)}],
+                   "max_tokens": 1, "temperature": 0, "stream": True, "cache_prompt": False}
+    started = time.perf_counter()
+    first = float("nan")
+    with service.http.stream("POST", "/v1/chat/completions", json=same_length, headers={"X-Force-Path": "cpu"},
+                             timeout=600) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:") and '"content"' in line:
+                first = time.perf_counter() - started
+                break
+    return {"seam_s": seam_s, "cpu_ttft_s": first}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -81,6 +116,10 @@ def main() -> None:
         for n in range(args.rounds):
             rounds.append(one_round(service, n, args.tokens, args.cut))
             service.wait_workers_ready()
+        streamed = []
+        for _ in range(args.rounds):
+            streamed.append(streamed_round(service, args.cut, args.tokens))
+            service.wait_workers_ready()
     print(f"continuing a whole answer of {args.tokens} tokens cut after ~{args.cut} on the GPU, "
           f"{args.rounds} rounds\n")
     print(f"{'round':>5} {'cut at':>6} {'anchor s':>9} {'after fault s':>14} {'ratio':>6} {'saved s':>8} "
@@ -92,6 +131,11 @@ def main() -> None:
     ratios = [r["after_fault_s"] / r["anchor_s"] for r in rounds]
     print(f"\nmedian after-fault time / replay from nothing: x{statistics.median(ratios):.2f} "
           f"(range x{min(ratios):.2f}-x{max(ratios):.2f})")
+    print(f"\na stream cut after {args.cut} events: the seam (kill to first continued token) against the CPU's own "
+          "time to first token for a prompt of the same length")
+    print(f"{'round':>5} {'seam s':>7} {'CPU TTFT s':>11}")
+    for n, r in enumerate(streamed):
+        print(f"{n:>5} {r['seam_s']:>7.3f} {r['cpu_ttft_s']:>11.3f}")
 
 
 if __name__ == "__main__":

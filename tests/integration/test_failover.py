@@ -185,6 +185,63 @@ def test_a_cut_stream_goes_on_in_each_protocols_own_way(fresh, protocol):
     assert text == cpu_only.json()["choices"][0]["message"]["content"]
 
 
+STORY = "Write a long story about a lighthouse keeper and the sea."
+
+
+def official_stream(service, client_name):
+    """(text chunks, final object) of a 48-token story streamed through an
+    official client package, the GPU worker SIGKILLed after the 5th event."""
+    import anthropic
+    import ollama
+    import openai
+
+    gpu_pid = service.worker("gpu")["pid"]
+    if client_name == "openai":
+        client = openai.OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=0)
+        stream = client.chat.completions.create(model="default", messages=[{"role": "user", "content": STORY}],
+                                                max_tokens=48, temperature=0, stream=True)
+        pieces = (chunk.choices[0].delta.content if chunk.choices else None for chunk in stream)
+    elif client_name == "anthropic":
+        client = anthropic.Anthropic(base_url=service.url, api_key="unused", max_retries=0)
+        # (This anthropic version takes temperature only through extra_body.)
+        stream = client.messages.create(model="default", max_tokens=48, stream=True, extra_body={"temperature": 0},
+                                        messages=[{"role": "user", "content": STORY}])
+        pieces = (getattr(event.delta, "text", None) if event.type == "content_block_delta" else None
+                  for event in stream)
+    else:
+        client = ollama.Client(host=service.url, timeout=120)
+        model = client.list().models[0].model
+        stream = client.chat(model=model, messages=[{"role": "user", "content": STORY}], stream=True,
+                             options={"num_predict": 48, "temperature": 0})
+        pieces = (part.message.content for part in stream)
+    text = []
+    for n, piece in enumerate(pieces, start=1):
+        text.append(piece or "")
+        if n == 5:
+            os.kill(gpu_pid, signal.SIGKILL)
+    return text
+
+
+@pytest.mark.parametrize("client_name", ["openai", "anthropic", "ollama"])
+def test_official_clients_get_one_whole_answer_when_the_gpu_dies_after_the_5th_event(fresh, client_name):
+    before_and_after = official_stream(fresh, client_name)
+    # What was sent before the kill and after it, joined, is the whole answer
+    # the CPU gives the same request from the start: nothing repeated or missing.
+    cpu_only = chat(fresh, [{"role": "user", "content": STORY}], 48, {"X-Force-Path": "cpu"})
+    assert "".join(before_and_after) == cpu_only.json()["choices"][0]["message"]["content"]
+    resumed = [e for e in fresh.status()["events"] if e["kind"] == "resumed"]
+    assert resumed and resumed[-1]["streamed"] and resumed[-1]["cut_at_tokens"] >= 3
+
+
+def test_x_resume_never_keeps_the_explicit_error(fresh):
+    body = {"messages": LONG_ANSWER, "max_tokens": 200, "temperature": 0}
+    response, lines = stream_and_kill_gpu(fresh, body, kill_after=4, headers={"X-Resume": "never"})
+    error = json.loads(lines[-1][5:])["error"]
+    assert error["code"] == "gpu_worker_failed" and "X-Resume: never" in error["message"]
+    refused = fresh.http.post("/v1/chat/completions", json=body, headers={"X-Resume": "sometimes"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "X-Resume"
+
+
 def test_gpu_death_after_first_bytes_of_a_tool_or_logprobs_answer_ends_with_an_error_event(fresh):
     # Logprobs can't be continued (the seam's tokens would have none): the
     # explicit error, as before, and it says why.

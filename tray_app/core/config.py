@@ -219,6 +219,11 @@ class RoutingConfig:
     # gets a 503 with Retry-After instead; nothing runs on the CPU. A request
     # can choose for itself with X-Fallback.
     fallback: str = "cpu"
+    # A plain text answer cut by a GPU (or peer) failure goes on on the CPU
+    # from the text already made, instead of ending with an error (a stream)
+    # or starting over (a whole answer). The rest may come from the fallback
+    # model; the seam is marked. A request can opt out with X-Resume: never.
+    resume_answers: bool = True
 
 
 @dataclass(frozen=True)

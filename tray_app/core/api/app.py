@@ -365,6 +365,7 @@ class HttpApp:
         job = Job(JobRequest(
             id=request_id, kind=kind, body=body, stream=bool(body.get("stream")), force_cpu=routing.force_cpu,
             deadline_s=routing.deadline_s, prefer_gpu=routing.prefer_gpu, no_fallback=routing.no_fallback,
+            resume=routing.resume if routing.resume is not None else self.service.config.routing.resume_answers,
             forced_tool=checked.forced_tool, top_logprobs=checked.top_logprobs, images=checked.images,
             image_decode_mib=checked.image_pixels * DECODED_BYTES_PER_PIXEL / 2**20,
             prompt_cache=principal is None or principal.prompt_cache, warnings=translated.warnings,

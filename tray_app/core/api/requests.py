@@ -395,6 +395,7 @@ class Routing:
     deadline_s: float | None = None    # X-Request-Timeout
     prefer_gpu: bool = False           # X-Prefer-Path: gpu (wait for a loading GPU)
     no_fallback: bool | None = None    # X-Fallback: never / cpu; None = the config's
+    resume: bool | None = None         # X-Resume: never / auto; None = the config's
 
 
 def _choice(request: Request, header: str, allowed: tuple[str, ...]) -> str:
@@ -409,6 +410,7 @@ def routing_headers(request: Request) -> Routing:
     force = _choice(request, "X-Force-Path", ("cpu", "auto"))
     prefer = _choice(request, "X-Prefer-Path", ("gpu", "auto"))
     fallback = _choice(request, "X-Fallback", ("never", "cpu", "auto"))
+    resume = _choice(request, "X-Resume", ("never", "auto"))
     raw = request.headers.get("x-request-timeout")
     deadline = None
     if raw is not None:
@@ -421,7 +423,8 @@ def routing_headers(request: Request) -> Routing:
             raise _Invalid(400, "X-Request-Timeout must be a positive number of seconds", "invalid_header",
                            "X-Request-Timeout")
     return Routing(force_cpu=force == "cpu", deadline_s=deadline, prefer_gpu=prefer == "gpu",
-                   no_fallback={"never": True, "cpu": False}.get(fallback))
+                   no_fallback={"never": True, "cpu": False}.get(fallback),
+                   resume={"never": False, "auto": True}.get(resume))
 
 
 _CLIENT_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ._/:+()-")

@@ -453,7 +453,7 @@ class AccessGuard:
                 (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
                 (b"access-control-allow-headers",
                  b"Authorization, Content-Type, X-Request-Id, Idempotency-Key, X-Request-Timeout, X-Force-Path, "
-                 b"X-Prefer-Path, X-Fallback, X-Client-Name, X-Degraded-Note, x-api-key, anthropic-version, anthropic-beta"),
+                 b"X-Prefer-Path, X-Fallback, X-Resume, X-Client-Name, X-Degraded-Note, x-api-key, anthropic-version, anthropic-beta"),
                 (b"access-control-max-age", b"600"),
             ]
         return headers

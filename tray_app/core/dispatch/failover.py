@@ -92,6 +92,8 @@ async def replay_after_gpu_failure(routing: Routing, job: Job, sink: Sink, failu
 def continuation_refused(routing: Routing, job: Job) -> str | None:
     """Why the answer the failed path began can't go on from its text on
     the CPU; None when it can. A job that made nothing starts over instead."""
+    if not job.resume:
+        return "resuming was turned off for it (X-Resume: never, or [routing] resume_answers = false)"
     if not job.continuable():
         if job.sent is None:
             return "this request's answer can't be continued (tools, a grammar or schema, logprobs or n > 1)"

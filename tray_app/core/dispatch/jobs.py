@@ -145,6 +145,9 @@ class JobRequest:
     # The client's Idempotency-Key, handed on to a peer so a retry there
     # finds the first run's result.
     idempotency_key: str | None = None
+    # A plain answer cut by a failed path may go on from its text elsewhere
+    # (X-Resume, [routing] resume_answers); False keeps the explicit error.
+    resume: bool = True
 
 
 class SentText:
@@ -232,6 +235,7 @@ class Job:
     model = _FromRequest()
     from_peer = _FromRequest()
     idempotency_key = _FromRequest()
+    resume = _FromRequest()
 
     def __init__(self, request: JobRequest) -> None:
         self.request = request
@@ -272,7 +276,7 @@ class Job:
         # Oldest messages left out to fit the context (Ollama's truncation).
         self.truncated_messages = 0
         # What the answer has made so far, for a continuation (None: this job can't be continued).
-        self.sent: SentText | None = SentText() if self.continuable_kind() else None
+        self.sent: SentText | None = SentText() if self.resume and self.continuable_kind() else None
         # Set when a failed path's answer goes on elsewhere from what it made.
         self.continuation: Continuation | None = None
         # When the continuation's first new token came (the seam's end), on the dispatcher's clock.
