@@ -8,6 +8,7 @@ import logging
 import sys
 from typing import Any, Sequence
 
+from .. import __version__
 from ..core.config import DEFAULT_PORT, Config, ConfigError, apply_overrides, lan_api_key_problem, load_config
 from ..core.engine.gpu_env import hide_gpus_from_this_process
 from ..core.access.keys import KeyProblem
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Home AI server: a GPU and a CPU llama.cpp worker behind one OpenAI-compatible localhost "
                     "port, with admission control and safe CPU failover.",
     )
+    parser.add_argument("--version", action="version", version=f"tray-app {__version__}")
     sub = parser.add_subparsers(dest="command")
     tray = sub.add_parser("tray", help="start the service with a system tray icon (the default)")
     _add_service_options(tray)
@@ -151,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw = list(argv if argv is not None else sys.argv[1:])
     subcommands = {"tray", "serve", "status", "models", "keys", "launch", "usage", "pull", "drill", "rpc-worker"}
     # Options without a subcommand belong to the default one: `tray-app --port 9000`.
-    if raw and raw[0] not in subcommands and raw[0] not in ("-h", "--help"):
+    if raw and raw[0] not in subcommands and raw[0] not in ("-h", "--help", "--version"):
         raw = ["tray", *raw]
     # `tray-app launch codex -- exec ...`: what follows -- is the agent CLI's, unparsed.
     passthrough: list[str] = []

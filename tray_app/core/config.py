@@ -326,9 +326,9 @@ _SECTIONS: dict[str, type] = {
     "worker": WorkerConfig,
 }
 
-# (section, key) -> (lowest allowed, highest allowed); None = unbounded.
 # The smallest context that holds a chat template and a short prompt.
 MIN_CONTEXT = 64
+# (section, key) -> (lowest allowed, highest allowed); None = unbounded.
 _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("server", "port"): (0, 65535),
     ("server", "ollama_port"): (0, 65535),

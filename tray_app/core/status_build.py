@@ -13,6 +13,7 @@ import os
 import time
 from typing import Any, Protocol, cast
 
+from .. import __version__
 from .config import Config
 from .dispatch.backlog import EXPECTED_ANSWER_TOKENS
 from .dispatch.peer import Peers
@@ -74,7 +75,8 @@ def build_status(service: StatusSource) -> Status:
     backends = {path: b for path, b in (("gpu", dispatcher.gpu), ("cpu", dispatcher.cpu)) if b is not None}
     model_hosts = list(service.model_hosts.values())
     return {
-        "service": {"pid": os.getpid(), "started_at": service.started_at, "model": model_host.model_id,
+        "service": {"pid": os.getpid(), "version": __version__, "started_at": service.started_at,
+                    "model": model_host.model_id,
                     "healthy": healthy, "health_reason": health_reason, "gpu_paused": dispatcher.gpu_paused},
         "workers": host_workers(model_host, snapshot),
         "engine": engine_status(service),

@@ -28,6 +28,7 @@ from typing import Any, Literal, NotRequired, TypedDict, Union
 
 class ServiceInfo(TypedDict):
     pid: int
+    version: str  # tray-app's own (pyproject.toml); /api/version is the Ollama API's
     started_at: float  # time.time()
     model: str  # the default model's name
     healthy: bool

@@ -92,7 +92,7 @@ class HeadroomPanel(QWidget):
         header_row(self.workers_grid, WORKER_COLUMNS, self._align)
         self.worker_cells: dict[int, list[QLabel]] = {}
         root.addWidget(workers)
-        # Failover time, once a replay has answered (issue 32).
+        # Failover time, once a replay has answered: how long a GPU fault cost the person waiting.
         self.failover_line = plain_label()
         theme.set_muted_text(self.failover_line)
         self.failover_line.hide()
@@ -101,7 +101,7 @@ class HeadroomPanel(QWidget):
         self.usage_table = UsageTable()
         root.addWidget(self.usage_table)
 
-        # The library's models (issue 14), once there is more than one.
+        # The library's models, once there is more than one: which is loaded where, and its memory.
         self.models_box = QGroupBox("Models")
         self.models_grid = QGridLayout(self.models_box)
         self.models_grid.setHorizontalSpacing(14)

@@ -1,6 +1,6 @@
 """How often the tray asks the service for /status: every second while
-someone looks or something moves, seldom when neither (issue 32: the tray
-with its panel closed cost twice what `serve` does at idle).
+someone looks or something moves, seldom when neither: polling every
+second with the panel closed made the tray cost twice what `serve` does at idle.
 
 Qt-free, so its rule is tested with plain values; ui/app.py applies it.
 """

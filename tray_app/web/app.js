@@ -548,6 +548,8 @@ function renderUsage(status) {
 
 function render(status) {
   $("state").textContent = stateTitle(status);
+  const version = (status.service || {}).version;
+  $("version").textContent = version ? `tray-app ${version}` : "";
   renderBanner(status);
   renderBars(status);
   renderCharts(status);

@@ -164,7 +164,7 @@ class CalmServer(uvicorn.Server):
 
     uvicorn's main loop sleeps 0.1 s at a time only to look at should_exit
     (and, once a second, to renew the Date header): on an idle home server
-    that tick was the service's most frequent wake-up (issue 32, idle). Here
+    that tick was the service's most frequent wake-up when idle. Here
     the loop ticks at TICK_S, and setting should_exit, from a signal handler
     or from another thread (the tray stopping the service), wakes it at
     once, so stopping is as quick as before."""

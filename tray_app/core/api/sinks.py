@@ -203,7 +203,7 @@ class RecordedStream(Response):
     own loop and a task group (a second listener for the disconnect, which
     the route's watcher already hears) between every token and the socket.
     Here the relay awaits `write` for each chunk, in the request's task
-    (issue 32: the service's work per streamed token)."""
+    (a task hand-off per token was most of the service's work per streamed token)."""
 
     def __init__(self, headers: dict[str, str], media_type: str) -> None:
         self.chunks: list[bytes] = []

@@ -133,7 +133,7 @@ class Backend:
         self._on_change()
         if place is None:
             # A free slot: nothing to wait for, so no tasks and no asyncio.wait
-            # (a few loop turns of every request's CPU, issue 32).
+            # (they cost a few loop turns of CPU on every request).
             job.got_slot(0.0)
         else:
             await self._wait_in_queue(job, lane, place)

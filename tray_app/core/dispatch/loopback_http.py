@@ -10,7 +10,7 @@ Two faces of one exchange:
   1.67 through httpx's client over this transport, 1.12 through the
   transport alone with httpx's Request and Response, 0.94 here, and 0.77
   reading raw bytes to the end. On 2 cores that CPU is taken from
-  llama.cpp's threads and adds to every request's latency (issue 32).
+  llama.cpp's threads and adds to every request's latency.
 - `LoopbackTransport`, the same exchange as an httpx transport, for callers
   that keep httpx's interface (Service mounts it for http://127.0.0.1).
 

@@ -698,7 +698,7 @@ class UpstreamWatch:
     Each wait (the response, then each chunk of the stream) is a plain await
     in the attempt's own task. A task and an asyncio.wait per chunk cost a
     quarter of the relay's CPU and several loop turns of every request
-    (issue 32); here a chunk costs a float written. The timer fires every
+    on 2 cores; here a chunk costs a float written. The timer fires every
     LIVENESS_INTERVAL_S of silence, or sooner at the deadline, and reads
     the injected clock each time, as the old wait loop did."""
 

@@ -71,7 +71,7 @@ class WorkerLog:
         each took a logging record, its rollover check (two stats and a
         seek) and a write: llama-server writes its lines about a request
         together, and every wake-up of the service comes out of that
-        request's time (issue 32)."""
+        request's time."""
         partial = b""
         while True:
             chunk = await stream.read(READ_BYTES)

@@ -201,7 +201,7 @@ class RedetectingGpuReader:
     Each look that finds nothing doubles the wait, up to `max_retry_after_s`: a look may run
     `llama-server --list-devices`, a process that loads all of ggml (about 18 ms of CPU), and
     on a machine with no GPU at all it would otherwise run every minute for as long as the
-    service does (issue 32's idle). From the first look that finds a device on, reads go
+    service does, the largest part of its idle CPU. From the first look that finds a device on, reads go
     through that reader."""
 
     def __init__(self, reason: str, find: Callable[[], tuple[GpuReader | None, str]], *,
