@@ -56,16 +56,16 @@ class Anchor:
 
 
 def llama_server(log: Path, *, n_ctx: int, parallel: int, threads: int = 0, model: Path | None = None,
-                 env: dict[str, str] | None = None) -> Anchor:
+                 env: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()) -> Anchor:
     """The bundled llama-server as its README would start it: n_ctx per slot;
-    threads 0 = its own default; `env` on top of this process's."""
+    threads 0 = its own default; `env` on top of this process's; `extra_args` last."""
     binary = bundled_llama_server()
     if binary is None:
         raise SystemExit("llama-server is not installed: run packaging/install.sh")
     port = free_loopback_port()
     argv = [str(binary), "--model", str(model or bundled_model_path()), "--host", "127.0.0.1", "--port", str(port),
             "--parallel", str(parallel), "--ctx-size", str(n_ctx * parallel), "--jinja", "--no-webui",
-            *(["--threads", str(threads)] if threads > 0 else [])]
+            *(["--threads", str(threads)] if threads > 0 else []), *extra_args]
     env = {**(env or {}), "LD_LIBRARY_PATH": os.pathsep.join(str(d) for d in library_dirs(binary))}
     return Anchor("llama-server", port, argv, env, "/health", log)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
@@ -298,3 +299,41 @@ def test_contexts_left_to_the_app_are_sized_from_memory_and_reported_everywhere(
             return " ".join(" ".join(p.cmdline()) for p in [process, *process.children(recursive=True)])
         assert "--cache-type-k q8_0 --cache-type-v q8_0" in argv("gpu")
         assert "--cache-type-k" not in argv("cpu") and "--ctx-size 8192" in argv("cpu")
+
+
+def test_speculative_decoding_on_a_path_runs_in_its_worker_and_counts_every_token(tmp_path):
+    """[cpu] speculative = "ngram-mod": the CPU worker's llama-server drafts from
+    n-grams; the answer still counts each token once (one event per token), and
+    a request that repeats text gets drafts accepted."""
+    import psutil
+
+    from tests.harness import BASE_CONFIG
+
+    config = BASE_CONFIG.replace("[cpu]\n", "[cpu]\nspeculative = \"ngram-mod\"\n")
+    with running(tmp_path, config) as service:
+        cpu = next(w for w in service.status()["workers"] if w["role"] == "cpu")
+        assert cpu["speculative"] == "ngram-mod"
+        process = psutil.Process(cpu["pid"])
+        argv = " ".join(" ".join(p.cmdline()) for p in [process, *process.children(recursive=True)])
+        assert "--spec-type ngram-mod" in argv
+        gpu = next(w for w in service.status()["workers"] if w["role"] == "gpu")
+        assert gpu["speculative"] is None  # the GPU path's own setting ("auto": off, as measured)
+        code = "def add(a, b):\n    return a + b\n\n" * 12
+        body = {"messages": [{"role": "user", "content": f"Repeat this code exactly:\n{code}"}],
+                "max_tokens": 80, "temperature": 0}
+        for _ in range(2):  # the second request finds the n-grams of the first
+            answer = service.http.post("/v1/chat/completions", json=body, headers={"X-Force-Path": "cpu"},
+                                       timeout=300)
+            assert answer.status_code == 200, answer.text
+        usage = answer.json()["usage"]
+        choice = answer.json()["choices"][0]
+        assert usage["completion_tokens"] == 80 or choice["finish_reason"] == "stop"
+        streamed = []
+        with service.http.stream("POST", "/v1/chat/completions", json={**body, "stream": True,
+                                 "stream_options": {"include_usage": True}}, headers={"X-Force-Path": "cpu"}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    streamed.append(json.loads(line[5:]))
+        text = "".join((c.get("delta") or {}).get("content") or "" for e in streamed for c in e.get("choices") or ())
+        assert text == choice["message"]["content"]
+        assert streamed[-1]["usage"]["completion_tokens"] == usage["completion_tokens"]

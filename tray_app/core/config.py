@@ -21,7 +21,7 @@ import platformdirs
 
 from .base.files import make_private_dir, write_atomically
 from .base.http_basics import is_loopback
-from .base.policies import DEFAULT_GPU_RESERVE_MIB, BreakerPolicy, RestartPolicy
+from .base.policies import DEFAULT_GPU_RESERVE_MIB, SPECULATIVE_TYPES, BreakerPolicy, RestartPolicy
 
 APP_NAME = "tray-app"
 DEFAULT_PORT = 8642
@@ -109,6 +109,10 @@ class ModelConfig:
 
 UNKNOWN_NAME_POLICIES = ("refuse", "default")
 
+# "auto": what benchmarks/spec_bench.py measured to pay on that path
+# (engine/speculation.py); "off": none; or one of the types.
+SPECULATIVE_CHOICES = ("auto", "off", *SPECULATIVE_TYPES)
+
 
 CPU_FALLBACK_SAME, CPU_FALLBACK_NONE = "same", "none"
 
@@ -179,6 +183,9 @@ class GpuConfig:
     # Unload the GPU worker after this long without a request; 0 = never.
     # Ollama's keep_alive default is the same 5 minutes.
     idle_unload_s: float = 300.0
+    # Speculative decoding on this path (llama-server --spec-type): "auto",
+    # "off" or an n-gram type (SPECULATIVE_TYPES).
+    speculative: str = "auto"
 
 
 PEER_ROLES = ("fallback", "overflow")
@@ -248,6 +255,8 @@ class CpuConfig:
     # and unloads after idle_unload_s, which saves its RAM and costs a load.
     keep: str = "warm"
     idle_unload_s: float = 900.0
+    # Speculative decoding on this path, as [gpu] speculative.
+    speculative: str = "auto"
 
 
 EMBEDDING_POOLING = ("mean", "cls", "last")
@@ -385,6 +394,8 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("model", "unknown_name"): UNKNOWN_NAME_POLICIES,
     ("cpu", "keep"): CPU_KEEP_MODES,
     ("routing", "fallback"): FALLBACK_POLICIES,
+    ("gpu", "speculative"): SPECULATIVE_CHOICES,
+    ("cpu", "speculative"): SPECULATIVE_CHOICES,
     ("embeddings", "pooling"): EMBEDDING_POOLING,
     ("peers", "role"): PEER_ROLES,
 }

@@ -29,6 +29,7 @@ from .dispatch.jobs import Attempt, Job, PathSpeed
 from .dispatch.lanes import Lane
 from .engine.exits import ExitKind
 from .engine.runtime import IMAGE_MAX_TOKENS, WorkerRuntime
+from .engine.speculation import speculation_for
 from .engine.launch_env import worker_threads, workers_oversubscribe, workers_share_cores
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
 from .catalog.library import LibraryModel
@@ -265,16 +266,17 @@ class ModelHost:
         model = self.model
         info = self.model_info if path == "gpu" else self.fallback_info
         slots = self.slots[path]
+        settings = config.gpu if path == "gpu" else config.cpu
         spec = WorkerSpec(path, info.path, info.path.stem, model.gpu_n_ctx if path == "gpu" else model.cpu_n_ctx,
                           model.gpu_layers if path == "gpu" else 0, config.worker.n_batch,
                           self.worker_threads,
                           parallel=slots,
                           rpc_servers=self.rpc_servers if path == "gpu" else (),
                           shares_cores=self.workers_share_cores,
-                          mmproj=self.projector_path(path), kv_type=self.contexts[path].kv_type)
+                          mmproj=self.projector_path(path), kv_type=self.contexts[path].kv_type,
+                          spec_type=speculation_for(path, settings.speculative, getattr(runtime, "spec_types", ())))
         worker = service.worker_factory(spec, runtime, service.log_dir, config.worker, hooks, self._clock,
                         log_name=None if model.is_default else f"{path}-{model.name}")
-        settings = config.gpu if path == "gpu" else config.cpu
         lane = Lane(path, slots, settings.queue_limit, self._clock)
         speed = (PathSpeed(tokens_per_s=config.cpu.assumed_tokens_per_s * 5, prompt_tokens_per_s=2000.0)
                  if path == "gpu" else

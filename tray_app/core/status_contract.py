@@ -55,6 +55,7 @@ class WorkerStatus(TypedDict):
     model_path: str
     n_ctx: int
     n_gpu_layers: int
+    speculative: str | None  # llama-server's --spec-type it runs with; None = no speculative decoding
     devices: list[dict[str, Any]]  # what the process's llama.cpp printed about its devices
     runtime: str
     restarts: int

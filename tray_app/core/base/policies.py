@@ -41,3 +41,9 @@ class RestartPolicy:
 # read free memory, driver-side fragmentation, and error in the estimate
 # itself.  1 GiB is ~8% of a 12 GiB card and ~4% of a 24 GiB one.
 DEFAULT_GPU_RESERVE_MIB = 1024
+
+
+# llama-server's draft-free speculative decoding (--spec-type): it drafts
+# tokens from n-grams of the text it has seen, so no second model takes
+# memory. What the config accepts and the llama-server runtime runs.
+SPECULATIVE_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")

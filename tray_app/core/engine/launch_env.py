@@ -132,6 +132,8 @@ class WorkerSpec:
     # The KV cache's element type (--cache-type-k/-v): "f16", or "q8_0"
     # where that is what lets a larger context fit (memory/context_size.py).
     kv_type: str = "f16"
+    # llama-server's --spec-type (engine/speculation.py); None = no speculative decoding.
+    spec_type: str | None = None
 
 
 def launch_request(spec: WorkerSpec, port: int, extras: LaunchExtras, api_key: str) -> LaunchRequest:
@@ -141,5 +143,5 @@ def launch_request(spec: WorkerSpec, port: int, extras: LaunchExtras, api_key: s
         n_batch=spec.n_batch, n_threads=spec.n_threads,
         simulated_vram_need_mib=extras.simulated_vram_need_mib, simulated_vram_free_mib=extras.simulated_vram_free_mib,
         api_key=api_key, parallel=spec.parallel, rpc_servers=spec.rpc_servers, mmproj=spec.mmproj,
-        kv_type=spec.kv_type,
+        kv_type=spec.kv_type, spec_type=spec.spec_type,
     )

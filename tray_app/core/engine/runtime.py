@@ -18,6 +18,7 @@ from typing import Protocol
 
 import httpx
 
+from ..base.policies import SPECULATIVE_TYPES
 from .gpu_env import HIDDEN_GPU_VALUES
 
 
@@ -43,6 +44,7 @@ class LaunchRequest:
     # The multimodal projector (mmproj .gguf) that lets the model read images; None = text only.
     mmproj: Path | None = None
     kv_type: str = "f16"  # the KV cache's element type; see WorkerSpec
+    spec_type: str | None = None  # llama-server's --spec-type; None = no speculative decoding
 
 
 # The most tokens one image may become in a worker with a projector
@@ -115,6 +117,8 @@ class WorkerRuntime(Protocol):
     kv_types: tuple[str, ...]
     # Whether it continues an answer from its text (see failover.continuation_refused).
     continues_prefill: bool
+    # The speculative decoding types it can be started with (engine/speculation.py).
+    spec_types: tuple[str, ...]
 
     def describe(self) -> str:
         """Name and version, for /status and the system fingerprint."""
@@ -159,6 +163,8 @@ class LlamaCppPythonRuntime:
     # A chat whose last message is the assistant's gets a new assistant turn,
     # not that message continued: a cut answer can't go on from its text.
     continues_prefill = False
+    # Its server drafts only with a second model, which the library doesn't pair yet.
+    spec_types: tuple[str, ...] = ()
 
     def __init__(self, python: str = sys.executable) -> None:
         self._python = python
@@ -279,6 +285,7 @@ class LlamaServerRuntime:
     # It continues a chat's last assistant message (its answer begins with
     # that text) and a completion's prompt: a cut answer goes on from its text.
     continues_prefill = True
+    spec_types = SPECULATIVE_TYPES
 
     def __init__(self, binary: Path, python: str = sys.executable, *, bundled: bool = True) -> None:
         self.binary = binary
@@ -303,6 +310,7 @@ class LlamaServerRuntime:
             "--no-kv-unified",
             *(["--cache-type-k", launch.kv_type, "--cache-type-v", launch.kv_type]
               if launch.kv_type != "f16" else []),
+            *(["--spec-type", launch.spec_type] if launch.spec_type else []),
             "--n-gpu-layers", str(launch.n_gpu_layers),
             "--batch-size", str(launch.n_batch),
             # We size and place the model ourselves, against the VRAM others use.

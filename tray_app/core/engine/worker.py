@@ -187,6 +187,7 @@ class Worker:
             "model_path": str(self.spec.model_path),
             "n_ctx": self.spec.n_ctx,
             "n_gpu_layers": self.spec.n_gpu_layers,
+            "speculative": self.spec.spec_type,
             "devices": list(self.devices) if self.pid else [],
             "runtime": self.runtime.name,
             "restarts": self.restarts,
