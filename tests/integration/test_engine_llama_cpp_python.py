@@ -7,6 +7,11 @@ runs them against llama-cpp-python workers."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
+import os
+import signal
+
 import openai
 import pytest
 
@@ -16,11 +21,12 @@ from tests.integration.test_clients import (  # noqa: F401 - collected here too
     test_structured_output_with_parse_returns_the_schema,
 )
 from tests.integration.test_failover import (  # noqa: F401 - collected here too
-    test_a_frozen_gpu_worker_is_found_in_seconds_and_the_request_replays,
+    LONG_ANSWER,
+    chat,
+    running_on,
+    stream_and_kill_gpu,
     test_cancel_a_running_request_stops_generation,
     test_client_disconnect_cancels_the_stream,
-    test_gpu_death_after_first_bytes_ends_stream_with_error_event,
-    test_gpu_death_mid_request_replays_once_on_cpu,
     test_idempotency_key_runs_once,
     test_temperature_zero_gives_the_same_tokens_on_both_paths,
 )
@@ -73,3 +79,32 @@ def test_logprobs_are_refused_with_the_reason(fresh, client):
                                        logprobs=True, top_logprobs=2)
     assert "llama-cpp-python" in refused.value.body["message"]
     assert fresh.http.get("/v1/models").json()["data"][0]["capabilities"]["logprobs"] is False
+
+
+# llama-cpp-python's server opens a new assistant turn after a chat's last
+# assistant message instead of continuing it: an answer cut by a GPU failure
+# can't go on from its text here. A stream ends with the explicit error, which
+# says so; a whole answer is re-run from nothing on the CPU.
+
+
+def test_a_cut_stream_ends_with_the_explicit_error_naming_the_engine(fresh):
+    body = {"messages": LONG_ANSWER, "max_tokens": 200, "temperature": 0}
+    response, lines = stream_and_kill_gpu(fresh, body, kill_after=3)
+    error = json.loads(lines[-1][5:])["error"]
+    assert error["code"] == "gpu_worker_failed" and "llama-cpp-python" in error["message"]
+    assert "safe to retry" in error["message"]
+
+
+def test_a_cut_whole_answer_is_replayed_from_nothing_on_the_cpu(fresh):
+    gpu_pid = fresh.worker("gpu")["pid"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(chat, fresh, LONG_ANSWER, 60, {"X-Request-Id": "lcp-replay"})
+        fresh.wait_for(lambda s: running_on(s, "lcp-replay", "gpu"), what="request running on gpu")
+        os.kill(gpu_pid, signal.SIGKILL)
+        response = future.result()
+    assert response.status_code == 200, response.text
+    assert response.headers["x-route-reason"] == "gpu_failed_replayed"
+    body = response.json()
+    assert body["usage"]["completion_tokens"] == 60 and "resumed" not in body
+    cpu_only = chat(fresh, LONG_ANSWER, 60, {"X-Force-Path": "cpu"})
+    assert body["choices"][0]["message"]["content"] == cpu_only.json()["choices"][0]["message"]["content"]

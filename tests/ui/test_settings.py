@@ -87,7 +87,9 @@ def test_numbers_are_spin_boxes_within_the_config_bounds(qtbot, dialog, config_f
         box = dialog.edits[field.name]
         assert isinstance(box, QSpinBox), field.name
         assert (box.minimum(), box.maximum()) == vm.setting_bounds(field)
-    assert (dialog.edits["gpu_ctx"].minimum(), dialog.edits["cpu_ctx"].minimum()) == (64, 64)  # [gpu|cpu] n_ctx
+    # [gpu|cpu] n_ctx: 0 sizes the context from memory, and the box says so.
+    assert (dialog.edits["gpu_ctx"].minimum(), dialog.edits["cpu_ctx"].minimum()) == (0, 0)
+    assert dialog.edits["gpu_ctx"].specialValueText() == dialog.edits["cpu_ctx"].specialValueText() == "auto"
     assert dialog.edits["reserve"].minimum() == 0
     assert (dialog.edits["port"].minimum(), dialog.edits["port"].maximum()) == (1, 65535)
     assert dialog.edits["gpu_layers"].minimum() == -1
@@ -108,9 +110,11 @@ def test_numbers_are_spin_boxes_within_the_config_bounds(qtbot, dialog, config_f
     context.selectAll()
     qtbot.keyClicks(context, "10")
     context.interpretText()
-    context.clearFocus()  # leaving the box corrects an out-of-range value to the nearest allowed
-    assert context.value() == 64
-    assert vm.validate_settings(dialog.config, dialog.values())[1] == {}
+    context.clearFocus()
+    # 10 is inside the box's range (0 = auto) but no context: the field's error says what is.
+    assert context.value() == 10
+    errors = vm.validate_settings(dialog.config, dialog.values())[1]
+    assert "0 (sized from memory) or at least 64" in errors["gpu_ctx"]
 
 
 def test_a_field_label_moves_the_focus_to_its_input(dialog) -> None:

@@ -403,14 +403,14 @@ def test_timed_note_holds_for_a_few_seconds() -> None:
 
 def test_settings_values_round_trip() -> None:
     values = vm.settings_values(Config())
-    assert values["gpu_ctx"] == "4096" and values["port"] == "8642" and values["model_path"] == ""
+    assert values["gpu_ctx"] == "0" and values["port"] == "8642" and values["model_path"] == ""
     overrides, errors = vm.validate_settings(Config(), values)
     assert errors == {}
     assert vm.changed_overrides(Config(), overrides) == {}
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("gpu_ctx", "10", "[gpu] n_ctx must be at least 64, got 10"),
+    ("gpu_ctx", "10", "[gpu] n_ctx must be 0 (sized from memory) or at least 64, got 10"),
     ("cpu_ctx", "lots", "must be a whole number, got 'lots'"),
     ("reserve", "-5", "[gpu] reserve_mib must be at least 0, got -5"),
     ("gpu_layers", "-2", "[gpu] n_gpu_layers must be at least -1, got -2"),

@@ -623,7 +623,7 @@ def _check_cross_field(config: Config) -> None:
     for section, n_ctx in (("gpu", config.gpu.n_ctx), ("cpu", config.cpu.n_ctx),
                            *(("models", m.n_ctx) for m in config.models)):
         if 0 < n_ctx < MIN_CONTEXT:
-            raise ConfigError(f"[{section}] n_ctx must be 0 (sized from memory) or at least {MIN_CONTEXT}")
+            raise ConfigError(f"[{section}] n_ctx must be 0 (sized from memory) or at least {MIN_CONTEXT}, got {n_ctx}")
     if config.worker.backoff_cap_s < config.worker.backoff_base_s:
         raise ConfigError("[worker] backoff_cap_s must be at least backoff_base_s")
     for address in config.gpu.rpc_servers:

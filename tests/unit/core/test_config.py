@@ -27,7 +27,7 @@ def test_toml_overrides_defaults():
 
 @pytest.mark.parametrize("text, fragment", [
     ("[gpu]\nn_ctx = 'big'\n", "[gpu] n_ctx must be a whole number"),
-    ("[gpu]\nn_ctx = 10\n", "[gpu] n_ctx must be 0 .sized from memory. or at least 64"),
+    ("[gpu]\nn_ctx = 10\n", "[gpu] n_ctx must be 0 .sized from memory. or at least 64, got 10"),
     ("[gpu]\nn_ctx = -1\n", "[gpu] n_ctx must be at least 0"),
     ("[gpu]\nbogus = 1\n", "unknown key [gpu] bogus"),
     ("[nope]\nx = 1\n", "unknown section [nope]"),
