@@ -59,12 +59,16 @@ def answered_by_the_service(service, path: str) -> list[str]:
 @pytest.mark.timeout(600)
 def test_claude_code_answers_in_print_mode(tmp_path):
     with running(tmp_path / "service", cpu_only(32768), roles=("cpu",)) as service:
-        # Claude Code asks for up to 32,000 tokens; a 135M model at its default
-        # temperature sometimes rambles to the end of the context (558 s on one
-        # CI run). Its own setting bounds the answer, so the time is the request's.
+        # Claude Code asks for up to 32,000 tokens at temperature 1, and a 135M
+        # model sometimes rambles to the end of the context (558 s on one CI
+        # run); in print mode an answer cut at its own cap is an error. Its own
+        # settings make the answer greedy (CLAUDE_CODE_EXTRA_BODY goes into
+        # every request body) and bounded: the same short answer every run.
         result = launch(service, tmp_path, "claude", "--system-prompt", "You are a terse assistant.",
-                        "--tools", "Bash,Read", "-p", "Say hi.", env_extra={"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"})
-        assert result.returncode == 0, result.stderr[-2000:]
+                        "--tools", "Bash,Read", "-p", "Say hi.",
+                        env_extra={"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1024",
+                                   "CLAUDE_CODE_EXTRA_BODY": '{"temperature": 0, "top_k": 1}'})
+        assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-2000:])
         assert result.stdout.strip() and "API Error" not in result.stdout
         assert answered_by_the_service(service, "/v1/messages"), service.log_text()
 
