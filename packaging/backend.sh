@@ -6,6 +6,7 @@
 #   PATH: nvidia-smi, nvcc, glslc, pkg-config, apt-get, dpkg-deb, id;
 #   CUDA_HOME / CUDA_PATH (default /usr/local/cuda): nvcc off PATH, where
 #     NVIDIA's own installer puts it;
+#   CUDA_ARCHS: the architectures --cuda-arch names (else nvidia-smi's);
 #   TRAY_APP_VULKAN_INCLUDE_DIR: Vulkan headers the user brings (an SDK).
 # tests/unit/packaging/test_install_plan.py drives it through `install.sh --plan`.
 
@@ -49,6 +50,83 @@ find_nvcc() {
   candidate=$(command -v nvcc 2>/dev/null) && { echo "$candidate"; return 0; }
   candidate="${CUDA_HOME:-${CUDA_PATH:-/usr/local/cuda}}/bin/nvcc"
   [ -x "$candidate" ] && echo "$candidate"
+}
+
+# CUDA 13.0 update 2 as NVIDIA publishes it on PyPI: nvcc and what it runs,
+# the runtime, CCCL and cuBLAS (llama.cpp's CUDA backend links it), pinned
+# together, for a machine whose toolkit is missing or lacks cuBLAS. It needs
+# an NVIDIA driver of the 580 series or newer (nvidia-smi: "CUDA Version:
+# 13.0" or higher). Unpacked into the cache (about 840 MB), never system-wide.
+CUDA_WHEELS_VERSION=13.0.2
+CUDA_WHEELS="nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 nvidia-cublas==13.0.2.14"
+CUDA_WHEELS_DRIVER_MAJOR=13
+# llama-cpp-python, llama-server and ggml's CUDA module for one architecture,
+# on 2 cores: a quarter of its 414 steps took 24 minutes here (the CUDA
+# kernels are most of the rest). More cores divide it.
+CUDA_BUILD_TIME="over an hour on 2 cores for one architecture, once; cached after that"
+
+cuda_wheels_root() { echo "$TRAY_APP_CACHE/cuda-toolkit/$CUDA_WHEELS_VERSION/nvidia/cu13"; }
+
+# The toolkit folder nvcc ($1) belongs to: .../bin/nvcc -> ...
+cuda_toolkit_root() {
+  local real
+  real=$(readlink -f "$1" 2>/dev/null) || real=$1
+  dirname "$(dirname "$real")"
+}
+
+# Whether the toolkit at $1 has cuBLAS, headers and library (a minimal
+# toolkit, nvcc and the runtime only, has neither).
+cuda_toolkit_has_cublas() {
+  { compgen -G "$1/include/cublas_v2.h" || compgen -G "$1/targets/*/include/cublas_v2.h"; } >/dev/null \
+    && { compgen -G "$1/lib*/libcublas.so*" || compgen -G "$1/targets/*/lib/libcublas.so*"; } >/dev/null
+}
+
+# The CUDA version the driver runs, from nvidia-smi's banner ("CUDA Version:
+# 13.0"); empty when there is no driver to ask.
+nvidia_driver_cuda_version() {
+  command -v nvidia-smi >/dev/null 2>&1 || return 0
+  nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9][0-9.]*\).*/\1/p' | head -n1
+}
+
+driver_runs_cuda_wheels() {  # DRIVER_CUDA_VERSION
+  [ -n "$1" ] && [ "${1%%.*}" -ge "$CUDA_WHEELS_DRIVER_MAJOR" ] 2>/dev/null
+}
+
+# Unpacks CUDA_WHEELS into the cache with PYTHON ($1) and prints the
+# toolkit's root. pip installs files, not links: the unversioned library
+# names that CMake's FindCUDAToolkit looks for are added here.
+fetch_cuda_wheels() {
+  local python=$1 dest root status=0
+  root=$(cuda_wheels_root)
+  dest=${root%/nvidia/cu13}
+  if [ -x "$root/bin/nvcc" ] && [ -e "$root/lib/libcublas.so" ]; then echo "$root"; return 0; fi
+  mkdir -p "$TRAY_APP_CACHE"
+  rm -rf "$dest.partial"
+  # shellcheck disable=SC2086 # CUDA_WHEELS is a list
+  if "$python" -m pip install -q --no-deps --disable-pip-version-check --target "$dest.partial" $CUDA_WHEELS \
+       >"$TRAY_APP_CACHE/cuda-wheels.log" 2>&1; then
+    local lib=$dest.partial/nvidia/cu13/lib name
+    for name in cublas cublasLt cudart; do ln -sf "lib$name.so.13" "$lib/lib$name.so"; done
+    ln -sfn lib "$dest.partial/nvidia/cu13/lib64"
+    rm -rf "$dest" && mv "$dest.partial" "$dest"
+    echo "$root"
+  else
+    echo "pip could not install NVIDIA's CUDA wheels ($TRAY_APP_CACHE/cuda-wheels.log: $(tail -n 2 "$TRAY_APP_CACHE/cuda-wheels.log" | tr '\n' ' '))" >&2
+    status=1
+  fi
+  rm -rf "$dest.partial"
+  return $status
+}
+
+# The driver library to link ggml's CUDA module against, for its virtual
+# memory pool: the driver's own libcuda.so.1, or a toolkit's stub. Empty when
+# neither is here (a machine without the driver); the build then does
+# without that pool (GGML_CUDA_NO_VMM), which the driver is not needed for.
+libcuda_for_linking() {  # TOOLKIT_ROOT
+  local found
+  found=$(compgen -G "$1/lib64/stubs/libcuda.so" || compgen -G "$1/targets/*/lib/stubs/libcuda.so" || true)
+  [ -n "$found" ] || found=$(ldconfig -p 2>/dev/null | awk '$1 == "libcuda.so.1" {print $NF; exit}')
+  echo "$found" | head -n1
 }
 
 running_as_root() { [ "$(id -u)" = 0 ]; }
@@ -155,24 +233,21 @@ vulkan_install_command() {
 #   BACKEND_APT     Debian packages to install first (root only)
 # Returns 2 when an explicit request can't be met (BACKEND_REASON says why).
 choose_backend() {
-  local requested="$1" vendors archs nvcc missing headers gpus
+  local requested="$1" vendors archs nvcc missing headers gpus driver
   BACKEND="" BACKEND_REASON="" BACKEND_FLAGS="" BACKEND_APT=""
   vendors=$(drm_gpu_vendors)
-  archs=$(nvidia_cuda_architectures)
+  archs=${CUDA_ARCHS:-$(nvidia_cuda_architectures)}
   if [ -n "$archs" ] || nvidia_smi_sees_a_gpu; then vendors=$(printf '%s\nNVIDIA\n' "$vendors" | grep . | sort -u); fi
   gpus=$(echo "$vendors" | paste -sd/ -)
   nvcc=$(find_nvcc || true)
+  driver=$(nvidia_driver_cuda_version)
   missing=$(vulkan_tools_missing)
 
   case "$requested" in
     cpu)
       BACKEND=cpu BACKEND_REASON="asked for (--backend cpu / TRAY_APP_BACKEND=cpu)"; return 0 ;;
     cuda)
-      if [ -z "$nvcc" ]; then
-        BACKEND_REASON="--backend cuda needs nvcc (the CUDA toolkit): not on PATH nor in \${CUDA_HOME:-/usr/local/cuda}/bin"
-        return 2
-      fi
-      cuda_flags "$archs" "$nvcc"; BACKEND=cuda BACKEND_REASON="asked for; $BACKEND_REASON"; return 0 ;;
+      cuda_flags "$archs" "$nvcc"; BACKEND_REASON="asked for; $BACKEND_REASON"; return 0 ;;
     vulkan)
       if vulkan_choice "$missing"; then BACKEND_REASON="asked for; $BACKEND_REASON"; return 0; fi
       BACKEND_REASON="--backend vulkan: $BACKEND_REASON"; return 2 ;;
@@ -180,16 +255,19 @@ choose_backend() {
     *) BACKEND_REASON="unknown backend '$requested' (auto, cuda, vulkan or cpu)"; return 2 ;;
   esac
 
-  if [ -n "$nvcc" ] && [[ "$vendors" == *NVIDIA* ]]; then
-    cuda_flags "$archs" "$nvcc"; BACKEND=cuda; return 0
+  if [[ "$vendors" == *NVIDIA* ]] && { [ -n "$nvcc" ] || driver_runs_cuda_wheels "$driver"; }; then
+    cuda_flags "$archs" "$nvcc"; return 0
   fi
   if [ -z "$vendors" ]; then
     BACKEND=cpu BACKEND_REASON="no NVIDIA, AMD or Intel GPU found (nvidia-smi, ${TRAY_APP_SYSFS_ROOT:-/sys}/class/drm): nothing to enable"
     return 0
   fi
-  if vulkan_choice "$missing"; then BACKEND_REASON="$gpus GPU; $BACKEND_REASON"; return 0; fi
+  local old_driver=""
+  [ -z "$driver" ] || [[ "$vendors" != *NVIDIA* ]] \
+    || old_driver="; the driver runs CUDA $driver, and the CUDA build needs $CUDA_WHEELS_DRIVER_MAJOR.0 or newer (driver 580+)"
+  if vulkan_choice "$missing"; then BACKEND_REASON="$gpus GPU$old_driver; $BACKEND_REASON"; return 0; fi
   local lacking="no Vulkan build tools ($BACKEND_REASON)"
-  [[ "$vendors" == *NVIDIA* ]] && lacking="no nvcc (CUDA toolkit) and $lacking"
+  [[ "$vendors" == *NVIDIA* ]] && lacking="no nvcc (CUDA toolkit)$old_driver, and $lacking"
   BACKEND=cpu BACKEND_FLAGS="" BACKEND_APT=""
   BACKEND_REASON="$gpus GPU found but $lacking; to use it: $VULKAN_FIX"
   return 0
@@ -205,15 +283,32 @@ wheelhouse_key() {  # VERSION CMAKE_ARGS SERVER_FLAGS BACKEND BACKEND_FLAGS
   printf '%s' "$input" | sha256sum | cut -c1-12
 }
 
+# Sets BACKEND=cuda, its flags and reason, and CUDA_TOOLKIT: "system" (the
+# toolkit of NVCC, complete) or "wheels" (CUDA_WHEELS, fetched at install).
+# ggml's backends are built as modules (GGML_BACKEND_DL): llama-server loads
+# the CUDA one at start, and a missing or mismatched driver removes that
+# device, not the server, which then serves on the CPU module.
 cuda_flags() {  # ARCHS NVCC
-  BACKEND=cuda BACKEND_FLAGS="-DGGML_CUDA=ON"
-  if [ -n "$1" ]; then
-    BACKEND_FLAGS+=" -DCMAKE_CUDA_ARCHITECTURES=$1"
-    BACKEND_REASON="NVIDIA GPU with nvcc ($2): building for this card's architecture only ($1)"
+  local archs="" arch toolkit
+  for arch in ${1//;/ }; do archs+="${archs:+;}$arch-real"; done  # machine code only: no PTX to JIT
+  BACKEND=cuda BACKEND_FLAGS="-DGGML_CUDA=ON -DGGML_BACKEND_DL=ON"
+  if [ -n "$2" ] && cuda_toolkit_has_cublas "$(cuda_toolkit_root "$2")"; then
+    CUDA_TOOLKIT=system toolkit="the CUDA toolkit of $2"
+    command -v nvcc >/dev/null 2>&1 || BACKEND_FLAGS+=" -DCMAKE_CUDA_COMPILER=$2"
   else
-    BACKEND_REASON="nvcc ($2), but nvidia-smi reports no compute capability: building for llama.cpp's default architectures"
+    CUDA_TOOLKIT=wheels
+    toolkit="CUDA $CUDA_WHEELS_VERSION from NVIDIA's PyPI wheels into $TRAY_APP_CACHE/cuda-toolkit"
+    [ -z "$2" ] || toolkit+=" (the toolkit of $2 has no cuBLAS)"
   fi
-  command -v nvcc >/dev/null 2>&1 || BACKEND_FLAGS+=" -DCMAKE_CUDA_COMPILER=$2"
+  if [ -n "${CUDA_ARCHS:-}" ]; then
+    BACKEND_FLAGS+=" -DCMAKE_CUDA_ARCHITECTURES=$archs"
+    BACKEND_REASON="$toolkit; building for the architecture asked for (${1//;/, }; --cuda-arch)"
+  elif [ -n "$archs" ]; then
+    BACKEND_FLAGS+=" -DCMAKE_CUDA_ARCHITECTURES=$archs"
+    BACKEND_REASON="NVIDIA GPU: $toolkit; building for this card's architecture only (${1//;/, })"
+  else
+    BACKEND_REASON="$toolkit; nvidia-smi reports no compute capability: building for llama.cpp's default architectures (--cuda-arch names one)"
+  fi
 }
 
 # Vulkan if its tools are there or can be installed; else fails with the

@@ -4,9 +4,11 @@
 #   bash packaging/install.sh --test   # the app plus what the test suite needs
 #   bash packaging/install.sh --plan   # say which backend it would build, and why; build nothing
 #   --backend auto|cuda|vulkan|cpu     # override the choice (or TRAY_APP_BACKEND=...)
+#   --cuda-arch 90                     # the CUDA architecture(s) to build for, ';'-separated (default: the card's)
 #
 # The backend (packaging/backend.sh): CUDA for an NVIDIA card when nvcc is
-# there, built for that card's architecture only; Vulkan for any NVIDIA, AMD
+# there or the driver runs CUDA 13 (the toolkit then comes from NVIDIA's PyPI
+# wheels), built for that card's architecture only; Vulkan for any NVIDIA, AMD
 # or Intel card whose Vulkan build tools are there or, as root on
 # Debian/Ubuntu, can be installed; the CPU otherwise, with one line saying
 # what was missing and the command that would enable the GPU.
@@ -32,7 +34,7 @@ cd "$(dirname "$0")/.."
 source packaging/backend.sh
 
 usage() {
-  sed -n '2,7s/^# \{0,1\}//p' "$0"
+  sed -n '2,8s/^# \{0,1\}//p' "$0"
 }
 
 WITH_TEST=0
@@ -45,6 +47,9 @@ while [ $# -gt 0 ]; do
     --backend) [ $# -ge 2 ] || { echo "install.sh: --backend needs a value (auto, cuda, vulkan or cpu)" >&2; exit 2; }
                REQUESTED="$2"; shift ;;
     --backend=*) REQUESTED="${1#--backend=}" ;;
+    --cuda-arch) [ $# -ge 2 ] || { echo "install.sh: --cuda-arch needs a value (90, or 8.9;9.0)" >&2; exit 2; }
+                 CUDA_ARCHS="${2//./}"; shift ;;
+    --cuda-arch=*) CUDA_ARCHS="${1#--cuda-arch=}"; CUDA_ARCHS="${CUDA_ARCHS//./}" ;;
     -h|--help) usage; exit 0 ;;
     *) echo "install.sh: unknown option '$1'" >&2; usage >&2; exit 2 ;;
   esac
@@ -82,6 +87,7 @@ if [ "$PLAN_ONLY" = 1 ]; then
   echo "reason: $BACKEND_REASON"
   echo "cmake flags: $(echo $LLAMA_CMAKE_ARGS $BACKEND_FLAGS)"
   [ -z "$BACKEND_APT" ] || echo "apt packages (as root): $BACKEND_APT"
+  [ "$BACKEND" != cuda ] || echo "build time: $CUDA_BUILD_TIME"
   [ "$WITH_TEST" = 0 ] || echo "test suite: also a Vulkan llama-server (packaging/build-vulkan-server.sh)"
   exit 0
 fi
@@ -142,6 +148,31 @@ fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
 
+# The CUDA toolkit the build uses: the system's, or NVIDIA's wheels fetched
+# into the cache. The built CUDA module finds cuBLAS there at run time (the
+# build records the folder it linked from), so nobody sets LD_LIBRARY_PATH.
+if [ "$BACKEND" = cuda ] && [ -n "$BACKEND_FLAGS" ]; then
+  cuda_root=""
+  if [ "${CUDA_TOOLKIT:-}" = wheels ]; then
+    echo "fetching CUDA $CUDA_WHEELS_VERSION from NVIDIA's PyPI wheels into $TRAY_APP_CACHE/cuda-toolkit (about 600 MB, once)"
+    if cuda_root=$(fetch_cuda_wheels .venv/bin/python); then
+      BACKEND_FLAGS+=" -DCUDAToolkit_ROOT=$cuda_root -DCMAKE_CUDA_COMPILER=$cuda_root/bin/nvcc"
+    else
+      fall_back_to_cpu "the CUDA toolkit could not be fetched (above)"
+    fi
+  else
+    cuda_root=$(cuda_toolkit_root "$(find_nvcc)")
+  fi
+  if [ "$BACKEND" = cuda ]; then
+    libcuda=$(libcuda_for_linking "$cuda_root")
+    if [ -z "$libcuda" ]; then
+      BACKEND_FLAGS+=" -DGGML_CUDA_NO_VMM=ON"
+    elif [ "$CUDA_TOOLKIT" = wheels ]; then
+      BACKEND_FLAGS+=" -DCUDA_cuda_driver_LIBRARY=$libcuda"
+    fi
+  fi
+fi
+
 # The wheelhouse for the current BACKEND and flags, built if missing; sets
 # `wheelhouse` and `key`.
 build_wheelhouse() {
@@ -149,7 +180,9 @@ build_wheelhouse() {
   key=$(wheelhouse_key "$LLAMA_VERSION" "$LLAMA_CMAKE_ARGS" "$SERVER_FLAGS" "$BACKEND" "$BACKEND_FLAGS")
   wheelhouse="$TRAY_APP_CACHE/wheels/$key"
   ! ls "$wheelhouse"/llama_cpp_python-*.whl >/dev/null 2>&1 || return 0
-  echo "building llama-cpp-python $LLAMA_VERSION and llama-server for $BACKEND ($(echo $LLAMA_CMAKE_ARGS $BACKEND_FLAGS)); about 6 minutes on 2 cores"
+  local took="about 6 minutes on 2 cores"
+  [ "$BACKEND" != cuda ] || took=$CUDA_BUILD_TIME
+  echo "building llama-cpp-python $LLAMA_VERSION and llama-server for $BACKEND ($(echo $LLAMA_CMAKE_ARGS $BACKEND_FLAGS)); $took"
   mkdir -p "$wheelhouse"
   build_log="$wheelhouse/build.log"
   if ! CMAKE_ARGS="$LLAMA_CMAKE_ARGS $BACKEND_FLAGS $SERVER_FLAGS" .venv/bin/python -m pip wheel --no-cache-dir --no-deps \
@@ -217,4 +250,6 @@ devices=$(LD_LIBRARY_PATH="$libraries" llama_server_devices "$server")
 # llama.cpp lists no CPU-type Vulkan device (Mesa's llvmpipe), so "none" on a
 # Vulkan build means the card has no Vulkan driver.
 [ "$BACKEND/$devices" != vulkan/none ] || devices+=" (no Vulkan driver for the GPU; Debian: mesa-vulkan-drivers, NVIDIA: its driver)"
+[ "$BACKEND/$devices" != cuda/none ] \
+  || devices+=" (no CUDA device visible: the NVIDIA driver or its libcuda.so.1 is missing or does not match; nvidia-smi checks it. llama-server serves on the CPU until it is fixed)"
 echo "backend built: $BACKEND; llama.cpp sees: $devices"

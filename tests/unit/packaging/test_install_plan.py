@@ -82,14 +82,29 @@ class Machine:
         branches = "".join(f"  {pattern}) {action} ;;\n" for pattern, action in answers.items())
         self.tool(name, f'case "$*" in\n{branches}  *) exit 9 ;;\nesac')
 
-    def nvidia_smi(self, *compute_caps: str) -> None:
+    def nvidia_smi(self, *compute_caps: str, driver_cuda: str = "") -> None:
         self.card("NVIDIA")
         caps = "\\n".join(compute_caps)
         gpus = "\\n".join(f"GPU {i}: NVIDIA GeForce RTX 4090 (UUID: GPU-{i})" for i in range(len(compute_caps)))
-        self.answering_tool("nvidia-smi", {"*compute_cap*": f'printf "{caps}\\n"', "-L": f'printf "{gpus}\\n"'})
+        answers = {"*compute_cap*": f'printf "{caps}\\n"', "-L": f'printf "{gpus}\\n"'}
+        if driver_cuda:  # the banner plain nvidia-smi prints
+            answers['""'] = f'echo "| NVIDIA-SMI 580.95.05    Driver Version: 580.95.05    CUDA Version: {driver_cuda} |"'
+        self.answering_tool("nvidia-smi", answers)
 
     def nvcc(self) -> None:
+        """nvcc alone, as in a minimal toolkit (this machine's): no cuBLAS beside it."""
         self.tool("nvcc", 'echo "Cuda compilation tools, release 12.4"')
+
+    def cuda_toolkit(self, folder: str = "cuda", on_path: bool = True) -> Path:
+        """A complete toolkit: nvcc, and cuBLAS's header and library."""
+        root = self.root / folder
+        for relative in ("bin/nvcc", "include/cublas_v2.h", "lib64/libcublas.so.12"):
+            (root / relative).parent.mkdir(parents=True, exist_ok=True)
+            (root / relative).write_text("#!/bin/sh\n")
+        (root / "bin" / "nvcc").chmod(0o755)
+        if on_path:
+            (self.bin / "nvcc").symlink_to(root / "bin" / "nvcc")
+        return root
 
     def vulkan_tools(self, headers: str = NEW_HEADERS) -> None:
         include = self.root / "include"
@@ -129,39 +144,73 @@ def machine(tmp_path, real_tools) -> Machine:
 # --- CUDA ------------------------------------------------------------------------------
 
 
-def test_an_nvidia_card_with_nvcc_builds_cuda_for_that_card_only(machine):
+def test_an_nvidia_card_with_a_toolkit_builds_cuda_modules_for_that_card_only(machine):
     machine.nvidia_smi("8.9")
-    machine.nvcc()
+    machine.cuda_toolkit()
     machine.vulkan_tools()  # Vulkan would work too; CUDA is the better build for NVIDIA
     plan = plan_of(machine.plan())
     assert plan["backend"] == "cuda"
-    assert "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=89" in plan["cmake flags"]
-    assert "89" in plan["reason"] and "nvcc" in plan["reason"]
+    # Machine code for this card only, and ggml's backends as modules.
+    assert "-DGGML_CUDA=ON -DGGML_BACKEND_DL=ON -DCMAKE_CUDA_ARCHITECTURES=89-real" in plan["cmake flags"]
+    assert "89" in plan["reason"] and "the CUDA toolkit of" in plan["reason"] and "wheels" not in plan["reason"]
+    assert plan["build time"].startswith("about ")
 
 
 def test_two_nvidia_cards_build_for_both_architectures(machine):
     machine.nvidia_smi("8.9", "8.6", "8.9")
-    machine.nvcc()
+    machine.cuda_toolkit()
     plan = plan_of(machine.plan())
     assert plan["backend"] == "cuda"
-    assert "-DCMAKE_CUDA_ARCHITECTURES=86;89" in plan["cmake flags"]
+    assert "-DCMAKE_CUDA_ARCHITECTURES=86-real;89-real" in plan["cmake flags"]
 
 
 def test_nvcc_outside_path_is_found_in_cuda_home_and_named_to_cmake(machine):
     machine.nvidia_smi("12.0")
-    cuda_bin = machine.root / "cuda" / "bin"
-    cuda_bin.mkdir(parents=True)
-    (cuda_bin / "nvcc").write_text("#!/bin/sh\n")
-    (cuda_bin / "nvcc").chmod(0o755)
-    plan = plan_of(machine.plan(CUDA_HOME=str(machine.root / "cuda")))
+    root = machine.cuda_toolkit(on_path=False)
+    plan = plan_of(machine.plan(CUDA_HOME=str(root)))
     assert plan["backend"] == "cuda"
-    assert f"-DCMAKE_CUDA_ARCHITECTURES=120 -DCMAKE_CUDA_COMPILER={cuda_bin}/nvcc" in plan["cmake flags"]
+    assert f"-DCMAKE_CUDA_COMPILER={root}/bin/nvcc -DCMAKE_CUDA_ARCHITECTURES=120-real" in plan["cmake flags"]
+
+
+def test_an_nvcc_without_cublas_takes_the_toolkit_from_nvidias_wheels(machine):
+    machine.nvidia_smi("8.9")
+    machine.nvcc()
+    plan = plan_of(machine.plan())
+    assert plan["backend"] == "cuda"
+    assert "from NVIDIA's PyPI wheels" in plan["reason"] and "has no cuBLAS" in plan["reason"]
+    assert "CMAKE_CUDA_COMPILER" not in plan["cmake flags"]  # the wheels' nvcc, named once they are fetched
+
+
+def test_a_driver_without_a_toolkit_gets_cuda_from_the_wheels(machine):
+    # Most NVIDIA users: the driver, no CUDA toolkit.
+    machine.nvidia_smi("8.6", driver_cuda="13.0")
+    machine.vulkan_tools()
+    plan = plan_of(machine.plan())
+    assert plan["backend"] == "cuda"
+    assert plan["reason"].startswith("NVIDIA GPU: CUDA 13.0.2 from NVIDIA's PyPI wheels")
+
+
+def test_a_driver_too_old_for_the_wheels_builds_vulkan_and_says_why(machine):
+    machine.nvidia_smi("8.6", driver_cuda="12.4")
+    machine.vulkan_tools()
+    plan = plan_of(machine.plan())
+    assert plan["backend"] == "vulkan"
+    assert "the driver runs CUDA 12.4, and the CUDA build needs 13.0 or newer (driver 580+)" in plan["reason"]
+
+
+@pytest.mark.parametrize("arch", ["90", "9.0"])
+def test_cuda_can_be_asked_for_an_architecture_with_no_card_or_toolkit_here(machine, arch):
+    plan = plan_of(machine.plan("--backend", "cuda", "--cuda-arch", arch))
+    assert plan["backend"] == "cuda"
+    assert "-DCMAKE_CUDA_ARCHITECTURES=90-real" in plan["cmake flags"]
+    assert plan["reason"].startswith("asked for; CUDA 13.0.2 from NVIDIA's PyPI wheels")
+    assert "(90; --cuda-arch)" in plan["reason"]
 
 
 # --- Vulkan ----------------------------------------------------------------------------
 
 
-def test_an_nvidia_card_without_nvcc_builds_vulkan(machine):
+def test_an_nvidia_card_without_nvcc_or_a_known_driver_builds_vulkan(machine):
     machine.nvidia_smi("8.9")
     machine.vulkan_tools()
     plan = plan_of(machine.plan())
@@ -227,7 +276,7 @@ def test_an_nvidia_card_without_any_toolchain_names_both_missing(machine):
     machine.nvidia_smi("7.5")
     plan = plan_of(machine.plan())
     assert plan["backend"] == "cpu"
-    assert plan["reason"].startswith("NVIDIA GPU found but no nvcc (CUDA toolkit) and no Vulkan build tools")
+    assert plan["reason"].startswith("NVIDIA GPU found but no nvcc (CUDA toolkit), and no Vulkan build tools")
     assert "apt-get install" in plan["reason"]
 
 
@@ -237,7 +286,7 @@ def test_an_nvidia_card_without_any_toolchain_names_both_missing(machine):
 @pytest.fixture
 def cuda_machine(machine) -> Machine:
     machine.nvidia_smi("8.9")
-    machine.nvcc()
+    machine.cuda_toolkit()
     machine.vulkan_tools()
     return machine
 
@@ -258,8 +307,6 @@ def test_a_backend_named_in_llama_cmake_args_is_kept(machine):
 
 
 def test_a_backend_that_cannot_be_built_is_refused(machine):
-    result = machine.plan("--backend", "cuda")
-    assert result.returncode == 2 and "--backend cuda needs nvcc" in result.stderr
     result = machine.plan("--backend", "vulkan")
     assert result.returncode == 2 and "--backend vulkan: missing: glslc" in result.stderr
     result = machine.plan("--backend", "metal")
@@ -313,3 +360,46 @@ def test_a_llama_server_that_cannot_start_is_not_reported_as_seeing_no_device(tm
     server.chmod(0o755)
     assert backend_sh(f"llama_server_devices {server}").strip() == (
         "unknown (llama-server --list-devices failed: error while loading shared libraries: libllama.so)")
+
+
+# --- the CUDA toolkit from NVIDIA's wheels ------------------------------------------------
+
+
+def test_the_cuda_wheels_are_unpacked_into_the_cache_with_the_names_cmake_looks_for(tmp_path):
+    # A fake python that "installs" what pip would: the wheels' files under --target.
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\necho "$*" > "$HOME/pip-args"\nwhile [ "$1" != --target ]; do shift; done\n'
+                      'lib="$2/nvidia/cu13/lib"; mkdir -p "$lib" "$2/nvidia/cu13/bin"\n'
+                      'for n in cublas cublasLt cudart; do touch "$lib/lib$n.so.13"; done\n'
+                      'touch "$2/nvidia/cu13/bin/nvcc"; chmod +x "$2/nvidia/cu13/bin/nvcc"\n')
+    python.chmod(0o755)
+    env = {"HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    root = backend_sh(f"fetch_cuda_wheels {python}", **env).strip()
+    assert root == f"{tmp_path}/cache/tray-app/cuda-toolkit/13.0.2/nvidia/cu13"
+    assert os.readlink(f"{root}/lib/libcublas.so") == "libcublas.so.13"
+    assert os.path.isdir(f"{root}/lib64") and not os.path.exists(f"{root}.partial")
+    args = (tmp_path / "pip-args").read_text()
+    assert "nvidia-cublas==13.0.2.14" in args and "nvidia-cuda-nvcc==13.0.88" in args and "--no-deps" in args
+    # Cached: a second call asks pip for nothing.
+    (tmp_path / "pip-args").unlink()
+    assert backend_sh(f"fetch_cuda_wheels {python}", **env).strip() == root
+    assert not (tmp_path / "pip-args").exists()
+
+
+def test_a_failed_wheel_fetch_says_why_and_leaves_nothing_half_made(tmp_path):
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho 'ERROR: No matching distribution found for nvidia-cublas' >&2\nexit 1\n")
+    python.chmod(0o755)
+    cache = tmp_path / "cache"
+    result = subprocess.run(["bash", "-c", f"source packaging/backend.sh; fetch_cuda_wheels {python}"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "XDG_CACHE_HOME": str(cache)})
+    assert result.returncode == 1 and "No matching distribution found for nvidia-cublas" in result.stderr
+    assert not list((cache / "tray-app" / "cuda-toolkit").glob("*/nvidia"))
+
+
+def test_the_cuda_module_links_a_stub_driver_when_there_is_one_and_goes_without_otherwise(tmp_path):
+    (tmp_path / "lib64" / "stubs").mkdir(parents=True)
+    assert backend_sh(f"libcuda_for_linking {tmp_path}", PATH=f"{tmp_path}/no-ldconfig:/usr/bin:/bin").strip() == ""
+    (tmp_path / "lib64" / "stubs" / "libcuda.so").write_text("")
+    assert backend_sh(f"libcuda_for_linking {tmp_path}").strip() == f"{tmp_path}/lib64/stubs/libcuda.so"
