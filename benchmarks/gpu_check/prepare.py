@@ -15,6 +15,12 @@ It writes into DEST (git-ignored):
   lacks;
 - tokenizer.json.gz: the bundled model's tokenizer, from which the check
   writes a tiny model on the spot (the bundled 98 MB model does not fit);
+- llama-build-sm90.tar.gz, when install.sh's CUDA build for sm_90 (H100,
+  H200) is in the wheel cache (`bash packaging/install.sh --backend cuda
+  --cuda-arch 90`) and fits: llama-server, ggml's modules and libllama,
+  stripped, so a lent machine spends its minutes on the checks, not on a
+  compile. cuBLAS is not carried (over 500 MB): the machine's own PyTorch
+  wheels have it. Without one, gpu.sh builds from the source there;
 - manifest.json: versions and sizes.
 
 Run `bash benchmarks/gpu_check/gpu.sh` there (see that file).
@@ -26,15 +32,20 @@ import argparse
 import importlib.metadata
 import io
 import json
+import os
+import re
 import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path, PurePosixPath
 
 from benchmarks.gpu_check import tiny_model
 
 MIB = 1024 * 1024
+# install.sh's cache, where its wheelhouses are.
+TRAY_APP_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tray-app"
 CARRY_LIMIT_MIB = 60.0
 # What the service imports that the GPU machine's image lacks (its list is in
 # the device tool's KINDS.md: it has anyio, h11, httpx, psutil, jinja2, numpy,
@@ -135,11 +146,71 @@ def download_wheels(dest: Path) -> list[str]:
     return sorted(path.name for path in wheels.glob("*.whl"))
 
 
+PREBUILT_NAME = "llama-build-sm90.tar.gz"
+# The wheel's files the check runs: llama-server and the modules it loads from
+# its own folder, and llama-cpp-python's libraries (libllama, ggml).
+PREBUILT_PREFIXES = ("bin/llama-server", "bin/libggml-", "llama_cpp/lib/")
+
+
+def cuda_wheels(cache: Path) -> list[Path]:
+    """install.sh's CUDA builds in its wheel cache (their wheels hold ggml's CUDA module)."""
+    found = []
+    for wheel in sorted(cache.glob("wheels/*/llama_cpp_python-*.whl")):
+        try:
+            if any(name.endswith("libggml-cuda.so") for name in zipfile.ZipFile(wheel).namelist()):
+                found.append(wheel)
+        except (OSError, zipfile.BadZipFile):
+            continue
+    return found
+
+
+def built_for(wheel: Path) -> str:
+    """The CUDA architectures the wheel was built for, from the build log beside it."""
+    log = wheel.parent / "build.log"
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    match = re.search(r"-DCMAKE_CUDA_ARCHITECTURES=(\S+)", text)
+    return match.group(1) if match else ""
+
+
+def pack_prebuilt(wheel: Path, dest: Path) -> float:
+    """Writes PREBUILT_NAME from the wheel, stripped; returns its MiB."""
+    with tempfile.TemporaryDirectory() as scratch, zipfile.ZipFile(wheel) as source:
+        members = [m for m in source.infolist() if m.filename.startswith(PREBUILT_PREFIXES)]
+        for member in members:
+            path = Path(source.extract(member, scratch))
+            path.chmod(0o755)
+            # Symbols only a debugger reads: the CUDA module halves.
+            subprocess.run(["strip", "--strip-unneeded", str(path)], check=False, capture_output=True)
+        with tarfile.open(dest / PREBUILT_NAME, "w:gz", compresslevel=9) as archive:
+            for member in members:
+                archive.add(Path(scratch) / member.filename, arcname=member.filename)
+    return (dest / PREBUILT_NAME).stat().st_size / MIB
+
+
+def add_prebuilt(dest: Path, manifest: dict[str, object], cache: Path) -> None:
+    """Packs the sm_90 CUDA build when there is one and the carry stays in its
+    limit; the manifest says which, or by how much it didn't fit."""
+    wheels = [w for w in cuda_wheels(cache) if "90" in built_for(w).replace("-real", "").split(";")]
+    if not wheels:
+        manifest["prebuilt"] = (f"none: no sm_90 CUDA build in {cache / 'wheels'} "
+                                "(bash packaging/install.sh --backend cuda --cuda-arch 90); gpu.sh builds there")
+        return
+    size = pack_prebuilt(wheels[-1], dest)
+    total = folder_mib(dest)
+    if total > CARRY_LIMIT_MIB:
+        (dest / PREBUILT_NAME).unlink()
+        manifest["prebuilt"] = (f"left out: {size:.1f} MiB would make the carry {total:.1f} MiB, "
+                                f"{total - CARRY_LIMIT_MIB:.1f} over {CARRY_LIMIT_MIB:g}; gpu.sh builds there")
+        return
+    manifest["prebuilt"] = {"wheel": str(wheels[-1]), "archive_mib": round(size, 2),
+                            "architectures": built_for(wheels[-1])}
+
+
 def folder_mib(folder: Path) -> float:
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file()) / MIB
 
 
-def prepare(dest: Path, sdist: Path | None = None) -> dict[str, object]:
+def prepare(dest: Path, sdist: Path | None = None, cache: Path = TRAY_APP_CACHE) -> dict[str, object]:
     from tray_app.core.config import bundled_model_path
 
     dest.mkdir(parents=True, exist_ok=True)
@@ -150,6 +221,7 @@ def prepare(dest: Path, sdist: Path | None = None) -> dict[str, object]:
     manifest["wheels"] = download_wheels(dest)
     tiny_model.export_tokenizer(bundled_model_path(), dest / "tokenizer.json.gz")
     manifest["tokenizer_mib"] = round((dest / "tokenizer.json.gz").stat().st_size / MIB, 2)
+    add_prebuilt(dest, manifest, cache)
     manifest["carry_mib"] = round(folder_mib(dest), 2)
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     if manifest["carry_mib"] > CARRY_LIMIT_MIB:  # type: ignore[operator]

@@ -397,9 +397,12 @@ def check_replay(device: Device, model: Path, workdir: Path, sizes: Sizes = FULL
         lost = sum(1 for r in rounds if r["status_code"] != 200)
         duplicated = status["accounting"]["duplicate_executions"]
         exits = service.gpu_worker(status)["last_exit"]
+        # Answered once by the CPU: replayed from the start, or, when the GPU had
+        # already produced part of the answer, continued from there (resumed).
         replayed = sum(1 for r in rounds if r["reason"] == "gpu_failed_replayed")
-        return {"ok": lost == 0 and duplicated == 0 and replayed == len(rounds), "rounds": rounds, "lost": lost,
-                "duplicated": duplicated, "replayed": replayed, "last_exit": exits,
+        resumed = sum(1 for r in rounds if r["reason"] == "gpu_failed_resumed")
+        return {"ok": lost == 0 and duplicated == 0 and replayed + resumed == len(rounds), "rounds": rounds,
+                "lost": lost, "duplicated": duplicated, "replayed": replayed, "resumed": resumed, "last_exit": exits,
                 "breaker": status["breaker"]["state"]}
 
     return with_service(workdir, "replay", service_config(device, model), kill_twice)

@@ -4,11 +4,14 @@ ballast's behaviour where no GPU library is installed."""
 from __future__ import annotations
 
 import io
+import os
 import tarfile
+import zipfile
 
 import pytest
 
-from benchmarks.gpu_check.prepare import kept, trim_sources
+from benchmarks.gpu_check import prepare
+from benchmarks.gpu_check.prepare import PREBUILT_NAME, add_prebuilt, kept, trim_sources
 from tray_app.drill import ballast
 
 
@@ -62,3 +65,46 @@ def test_without_torch_or_cupy_the_ballast_refuses_to_start_and_says_why(monkeyp
     assert ballast.library() is None
     assert ballast.main() == 2
     assert capsys.readouterr().out == "error neither torch nor cupy is installed\n"
+
+
+def _cuda_wheelhouse(cache, architectures: str, module_bytes: int = 100) -> None:
+    house = cache / "wheels" / "abc123"
+    house.mkdir(parents=True)
+    with zipfile.ZipFile(house / "llama_cpp_python-0.3.36-cp311-cp311-linux_x86_64.whl", "w") as wheel:
+        wheel.writestr("bin/llama-server", b"s" * 10)
+        wheel.writestr("bin/libggml-cuda.so", os.urandom(module_bytes))  # as incompressible as machine code
+        wheel.writestr("bin/llama-quantize", b"q")  # a tool the check never runs
+        wheel.writestr("llama_cpp/lib/libllama.so", b"l")
+        wheel.writestr("llama_cpp/__init__.py", b"")
+    (house / "build.log").write_text(f"CMAKE_ARGS -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES={architectures} -DX=1\n")
+
+
+def _prepared(tmp_path) -> tuple[dict, object]:
+    """add_prebuilt's manifest entries and the carry folder it wrote into."""
+    manifest: dict = {}
+    carry = tmp_path / "carry"
+    carry.mkdir()
+    add_prebuilt(carry, manifest, tmp_path / "cache")
+    return manifest, carry
+
+
+def test_the_sm90_cuda_build_is_packed_with_what_the_check_runs(tmp_path):
+    _cuda_wheelhouse(tmp_path / "cache", "90-real")
+    manifest, carry = _prepared(tmp_path)
+    assert manifest["prebuilt"]["architectures"] == "90-real"
+    with tarfile.open(carry / PREBUILT_NAME) as archive:
+        assert sorted(archive.getnames()) == ["bin/libggml-cuda.so", "bin/llama-server", "llama_cpp/lib/libllama.so"]
+
+
+def test_a_build_for_another_card_is_not_packed(tmp_path):
+    _cuda_wheelhouse(tmp_path / "cache", "89-real")
+    manifest, carry = _prepared(tmp_path)
+    assert manifest["prebuilt"].startswith("none: no sm_90 CUDA build") and not (carry / PREBUILT_NAME).exists()
+
+
+def test_a_build_that_would_overfill_the_carry_is_left_out_and_by_how_much(tmp_path, monkeypatch):
+    _cuda_wheelhouse(tmp_path / "cache", "90-real", module_bytes=3 * 1024 * 1024)
+    monkeypatch.setattr(prepare, "CARRY_LIMIT_MIB", 1.0)
+    manifest, carry = _prepared(tmp_path)
+    assert manifest["prebuilt"].startswith("left out: ") and " over 1; gpu.sh builds there" in manifest["prebuilt"]
+    assert not (carry / PREBUILT_NAME).exists()

@@ -153,7 +153,7 @@ def test_an_nvidia_card_with_a_toolkit_builds_cuda_modules_for_that_card_only(ma
     # Machine code for this card only, and ggml's backends as modules.
     assert "-DGGML_CUDA=ON -DGGML_BACKEND_DL=ON -DCMAKE_CUDA_ARCHITECTURES=89-real" in plan["cmake flags"]
     assert "89" in plan["reason"] and "the CUDA toolkit of" in plan["reason"] and "wheels" not in plan["reason"]
-    assert plan["build time"].startswith("about ")
+    assert "on 2 cores" in plan["build time"]
 
 
 def test_two_nvidia_cards_build_for_both_architectures(machine):

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..memory.gpu_readers import llama_server_probe
-from ..memory.llama_devices import DeviceReport
+from ..memory.llama_devices import DeviceReport, gpu_modules_beside, no_device_reason
 from ..memory.telemetry import OffloadSupport, detect_gpu_offload_support
 from .gpu_env import USER_GPU_ENV, user_environment
 from .runtime import LlamaServerRuntime, WorkerRuntime
@@ -48,6 +48,8 @@ def offload_support_of_devices(report: DeviceReport, binary: str) -> OffloadSupp
     if report.error is not None:
         return OffloadSupport(supported=None, message=f"{name} could not list its devices: {report.error}")
     if not report.devices:
+        if gpu_modules_beside(binary):
+            return OffloadSupport(supported=False, message=f"{name} ({binary}): {no_device_reason(binary)}")
         return OffloadSupport(supported=False, message=f"{name} ({binary}) sees no GPU device: it was built for "
                                                        "the CPU only, or the GPU's driver is missing")
     seen = ", ".join(f"{d.name} ({d.description})" for d in report.devices)

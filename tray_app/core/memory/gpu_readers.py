@@ -37,7 +37,7 @@ from .drm import (
     read_text,
     scan_cards,
 )
-from .llama_devices import LlamaDeviceProbe, shared_probe
+from .llama_devices import LlamaDeviceProbe, no_device_reason, shared_probe
 from .telemetry import MIB, UNKNOWN_GPU, GpuDevice, GpuProcess, GpuReader, GpuReading, NvmlGpuReader, process_name
 
 # Drivers whose cards another reader owns: NVIDIA's through NVML (its fdinfo has no memory).
@@ -183,7 +183,7 @@ class LlamaReportGpuReader:
         if report.error is not None:
             return UNKNOWN_GPU(f"llama.cpp's device list is not available: {report.error}")
         if not report.devices:
-            return UNKNOWN_GPU("llama.cpp sees no GPU device (llama-server --list-devices lists none)")
+            return UNKNOWN_GPU(no_device_reason(self._probe.argv[0]))
         devices = tuple(GpuDevice(index=i, name=f"{d.name}: {d.description}", total_mib=d.total_mib,
                                   used_mib=max(0.0, d.total_mib - d.free_mib), free_mib=d.free_mib,
                                   processes=(), processes_reported=False)

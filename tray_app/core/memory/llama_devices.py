@@ -47,6 +47,31 @@ class DeviceReport:
     error: str | None = None
 
 
+# The GPU backends a modular llama.cpp build (GGML_BACKEND_DL) may carry beside
+# llama-server, as ggml names their modules, with the driver each needs.
+GPU_MODULES = {"cuda": "the NVIDIA driver or its libcuda.so.1 is missing or does not match the build "
+                       "(nvidia-smi checks it)",
+               "hip": "the AMD ROCm driver is missing (rocminfo checks it)",
+               "vulkan": "no Vulkan driver for the GPU (vulkaninfo --summary checks it)",
+               "sycl": "the Intel oneAPI runtime is missing (sycl-ls checks it)"}
+
+
+def gpu_modules_beside(binary: str | Path) -> tuple[str, ...]:
+    """The GPU backend modules installed beside a llama-server ("cuda", ...):
+    a modular build loads them from its own folder at start."""
+    folder = Path(binary).parent
+    return tuple(name for name in GPU_MODULES if (folder / f"libggml-{name}.so").is_file())
+
+
+def no_device_reason(binary: str | Path) -> str:
+    """Why llama-server lists no GPU device, as far as its files tell."""
+    modules = gpu_modules_beside(binary)
+    if not modules:
+        return "llama.cpp sees no GPU device (llama-server --list-devices lists none)"
+    return "; ".join(f"llama.cpp's {name.upper() if name != 'vulkan' else 'Vulkan'} module sees no device: "
+                     f"{GPU_MODULES[name]}" for name in modules)
+
+
 def parse_list_devices(output: str) -> tuple[LlamaDevice, ...]:
     """The devices in `llama-server --list-devices` output, in llama.cpp's order.
 

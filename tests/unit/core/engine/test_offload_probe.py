@@ -27,6 +27,17 @@ def test_llama_servers_device_list_decides_and_is_named():
     assert failed.supported is None and "boom" in failed.message
 
 
+def test_a_cuda_build_that_sees_no_device_names_the_driver_and_how_to_check_it(tmp_path):
+    # install.sh's CUDA build puts ggml's CUDA module beside llama-server; here,
+    # with no NVIDIA driver, it loads and finds no device.
+    (tmp_path / "libggml-cuda.so").write_text("")
+    (tmp_path / "libggml-cpu.so").write_text("")
+    none = offload_support_of_devices(DeviceReport(()), str(tmp_path / "llama-server"))
+    assert none.supported is False
+    assert "CUDA module sees no device: the NVIDIA driver or its libcuda.so.1 is missing" in none.message
+    assert "nvidia-smi checks it" in none.message and "built for the CPU only" not in none.message
+
+
 def test_a_hidden_router_asks_llama_server_with_the_users_gpus(tmp_path):
     # A stand-in llama-server that lists a device only when the user's variable reaches it.
     fake = tmp_path / "llama-server"
