@@ -337,3 +337,47 @@ def test_speculative_decoding_on_a_path_runs_in_its_worker_and_counts_every_toke
         text = "".join((c.get("delta") or {}).get("content") or "" for e in streamed for c in e.get("choices") or ())
         assert text == choice["message"]["content"]
         assert streamed[-1]["usage"]["completion_tokens"] == usage["completion_tokens"]
+        # How the drafts fare, from llama-server's own counts, on the path that drafts only.
+        workers = {w["role"]: w for w in service.status()["workers"]}
+        drafts = workers["cpu"]["drafts"]
+        assert drafts["answers"] >= 3 and drafts["accepted"] <= drafts["drafted"]
+        assert drafts["drafted"] > 0 and 0 < drafts["acceptance"] <= 1, drafts
+        assert workers["gpu"]["drafts"] is None
+        metrics = service.http.get("/metrics").text
+        assert f'tray_app_draft_acceptance{{role="cpu",type="ngram-mod"}} {drafts["acceptance"]}' in metrics
+        # This llama.cpp reads no per-request speculative field: refused, not dropped.
+        refused = service.http.post("/v1/chat/completions", json={**body, "speculative.n_max": 4})
+        assert refused.status_code == 400 and "set per path here" in refused.json()["error"]["message"]
+
+
+def test_speculation_never_changes_a_temperature_0_answer_on_either_path(tmp_path):
+    """The same requests at temperature 0 through two services, one drafting on
+    each path where the other doesn't: byte-identical answers (the simulated
+    GPU runs the same CPU build, so any difference is the drafting's)."""
+    from tests.harness import BASE_CONFIG
+
+    def with_speculation(gpu: str, cpu: str) -> str:
+        return (BASE_CONFIG.replace("[gpu]\n", f"[gpu]\nspeculative = \"{gpu}\"\n", 1)
+                .replace("[cpu]\n", f"[cpu]\nspeculative = \"{cpu}\"\n", 1))
+
+    code = "x = [1, 2, 3]\n" * 6
+    requests = [{"messages": [{"role": "user", "content": f"Repeat this exactly:\n{code}"}]},
+                {"messages": [{"role": "user", "content": "Write a short poem about the sea."}]}]
+    answers: dict[str, list[str]] = {}
+    for name, config in (("a", with_speculation("ngram-mod", "off")), ("b", with_speculation("off", "ngram-mod"))):
+        with running(tmp_path / name, config) as service:
+            answers[name] = []
+            for path in ("gpu", "cpu"):
+                for request in requests:
+                    for _ in range(2):  # the second finds the first's n-grams
+                        # The GPU takes a request that fits (auto); the CPU is forced.
+                        answer = service.http.post("/v1/chat/completions",
+                                                   headers={"X-Force-Path": "cpu"} if path == "cpu" else {},
+                                                   json={**request, "max_tokens": 48, "temperature": 0},
+                                                   timeout=300)
+                        assert answer.status_code == 200, answer.text
+                        assert answer.headers["x-served-by"] == path
+                        answers[name].append(answer.json()["choices"][0]["message"]["content"])
+            drafted = {w["role"]: (w["drafts"] or {}).get("drafted") for w in service.status()["workers"]}
+            assert drafted["gpu" if name == "a" else "cpu"], drafted  # the drafting path did draft
+    assert answers["a"] == answers["b"]

@@ -154,6 +154,9 @@ def test_recent_requests_show_a_request_with_its_route_reason(fresh, page):
     # Who sent it (its client name, here httpx's User-Agent) and which model answered.
     expect(row).to_contain_text(re.compile(r"^\d\d:\d\d:\d\d · python-httpx/\S+ · SmolLM2\S+ · CPU · GPU paused \(force CPU\)"))
     expect(page.locator("#recent-empty")).to_be_hidden()
+    # The CPU drafts by default (ngram-mod): the default model's row says so.
+    cpu = next(w for w in fresh.status()["workers"] if w["role"] == "cpu")
+    expect(page.locator("#models li").first).to_contain_text(f"speculative decoding: {cpu['speculative']} on the CPU")
 
 
 def test_the_log_view_shows_the_workers_log(fresh, page):

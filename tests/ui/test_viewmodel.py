@@ -443,6 +443,15 @@ def test_worker_rows() -> None:
         ("GPU", "ready", "280 MiB", "833 MiB", "4,096"), ("CPU", "ready", "235 MiB", "-", "2,048")]
 
 
+def test_worker_rows_say_how_speculative_decoding_fares() -> None:
+    drafting = {"speculative": "ngram-mod", "drafts": {"answers": 3, "drafted": 200, "accepted": 124,
+                                                       "acceptance": 0.62, "window_s": 300.0}}
+    assert vm.drafts_text({"speculative": None, "drafts": None}) == "-"
+    assert vm.drafts_text({**drafting, "drafts": {**drafting["drafts"], "acceptance": None}}) == "ngram-mod"
+    assert vm.drafts_text(drafting) == "ngram-mod 62%"
+    assert [r.drafts for r in vm.worker_rows(READY)] == ["-", "-"]
+
+
 # ----- asking before a restart stops requests -----------------------------------------------
 
 def test_interruption_warning_counts_what_a_restart_would_stop() -> None:

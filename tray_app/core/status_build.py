@@ -176,8 +176,10 @@ def host_workers(model_host: ModelHost, snapshot: MemorySnapshot) -> list[Worker
     workers = []
     for worker in model_host.workers():
         footprint = model_host.gpu_footprint if worker.role == "gpu" else model_host.cpu_footprint
+        backend = model_host.dispatcher.gpu if worker.role == "gpu" else model_host.dispatcher.cpu
         info: dict[str, Any] = {
             **worker.snapshot(),
+            "drafts": backend.draft_acceptance() if backend is not None and worker.spec.spec_type else None,
             "rss_mib": snapshot.host.rss_mib_by_pid.get(worker.pid) if worker.pid else None,
             "estimated_vram_mib": round(footprint.gpu.total / MIB, 1),
             "estimated_ram_mib": round(footprint.host.total / MIB, 1),

@@ -44,6 +44,16 @@ class LastExit(TypedDict):
     description: str
 
 
+class DraftStatus(TypedDict):
+    """Speculative decoding on a worker's path (`/status["workers"][i]["drafts"]`)."""
+
+    answers: int  # answers in the window that drafted
+    drafted: int  # tokens drafted
+    accepted: int  # of those, accepted by the model
+    acceptance: float | None  # accepted / drafted; None before any draft
+    window_s: float
+
+
 class WorkerStatus(TypedDict):
     """One of the default model's workers (`/status["workers"]`)."""
 
@@ -56,6 +66,7 @@ class WorkerStatus(TypedDict):
     n_ctx: int
     n_gpu_layers: int
     speculative: str | None  # llama-server's --spec-type it runs with; None = no speculative decoding
+    drafts: DraftStatus | None  # how its drafts fared over the last minutes; None without speculation
     devices: list[dict[str, Any]]  # what the process's llama.cpp printed about its devices
     runtime: str
     restarts: int

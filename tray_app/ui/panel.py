@@ -23,7 +23,7 @@ from .widgets import (
 )
 from . import qtcompat  # noqa: F401 - guards against a PySide6 refcount bug
 
-WORKER_COLUMNS = ("Worker", "State", "PID", "RSS", "Est. VRAM", "Est. RAM", "Context", "Restarts")
+WORKER_COLUMNS = ("Worker", "State", "PID", "RSS", "Est. VRAM", "Est. RAM", "Context", "Drafts", "Restarts")
 MODEL_COLUMNS = ("Model", "Where", "Memory", "In flight")
 MODEL_PLACE_STATE = {"on the GPU": "ready", "on the CPU": "ready", "loading": "starting"}
 # The status hue of a worker's state; any state not listed is trouble.
@@ -339,7 +339,7 @@ class HeadroomPanel(QWidget):
                 for label in cells:
                     label.hide()
                 continue
-            values = (row.role, row.state, row.pid, row.rss, row.vram, row.ram, row.ctx, row.restarts)
+            values = (row.role, row.state, row.pid, row.rss, row.vram, row.ram, row.ctx, row.drafts, row.restarts)
             for label, value in zip(cells, values):
                 set_text(label, value)
                 label.show()

@@ -197,6 +197,16 @@ function modelViews(status) {
   });
 }
 
+// Speculative decoding on the default model's workers, and how often its drafts pay.
+function draftingText(status) {
+  const parts = (status.workers || []).filter((w) => w.speculative).map((w) => {
+    const acceptance = num((w.drafts || {}).acceptance);
+    const rate = acceptance === null ? "" : ` (${Math.round(acceptance * 100)} % of drafts accepted)`;
+    return `${w.speculative} on the ${String(w.role).toUpperCase()}${rate}`;
+  });
+  return parts.length ? `speculative decoding: ${parts.join(", ")}` : "";
+}
+
 function cpuRequests(status) {
   return (status.requests || []).filter((r) => ["cpu", "peer"].includes(r.path) && ["queued", "running"].includes(r.state))
     .sort((a, b) => (a.state === "queued") - (b.state === "queued") || (a.queue_position || 0) - (b.queue_position || 0)
@@ -469,7 +479,9 @@ function renderModels(status) {
   const views = modelViews(status);
   $("models").replaceChildren(...views.map((view) => {
     const row = el("li");
-    row.append(el("span", `${view.name}${view.isDefault ? " (default)" : ""}: ${view.where}, ${view.memory}`));
+    const drafting = view.isDefault ? draftingText(status) : "";
+    row.append(el("span", `${view.name}${view.isDefault ? " (default)" : ""}: ${view.where}, ${view.memory}`
+      + (drafting ? `; ${drafting}` : "")));
     const buttons = el("span", undefined, "buttons");
     const path = `/admin/models/${encodeURIComponent(view.name)}`;
     const load = button("Load", () => act("POST", path, {loaded: true}), "admin-only");

@@ -97,9 +97,16 @@ class _LiveGauges:
             running.add_metric([name], lane["running"])
         yield from (depth, age, running)
         ready = GaugeMetricFamily("tray_app_worker_ready", "1 when the worker is ready", labels=["role"])
+        acceptance = GaugeMetricFamily("tray_app_draft_acceptance",
+                                       "Speculative decoding: accepted / drafted tokens over the last minutes",
+                                       labels=["role", "type"])
         for worker in status["workers"]:
             ready.add_metric([worker["role"]], 1.0 if worker["state"] == "ready" else 0.0)
+            drafts = worker.get("drafts") or {}
+            if drafts.get("acceptance") is not None:
+                acceptance.add_metric([worker["role"], worker["speculative"]], drafts["acceptance"])
         yield ready
+        yield acceptance
         loads = GaugeMetricFamily("tray_app_model_loads", "GPU loads of each model since start", labels=["model"])
         load_s = GaugeMetricFamily("tray_app_model_last_load_seconds", "How long each model's last GPU load took",
                                    labels=["model"])

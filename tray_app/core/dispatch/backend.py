@@ -31,7 +31,7 @@ import httpx
 from ..engine.exits import ExitReport, is_input_crash, mentions_out_of_memory
 from ..engine.handle import WorkerHandle
 from ..engine.worker import WorkerState
-from .jobs import Attempt, Job, JobFailed, PathSpeed, WorkerFailure, WorkerRequestError
+from .jobs import Attempt, DraftTally, Job, JobFailed, PathSpeed, WorkerFailure, WorkerRequestError
 from .lanes import Lane, Redirected
 from .latency import BusySpeeds, mean_busy
 from .upstream import (Hop, Sink, UpstreamResponse, UpstreamRules, Waiter, canceled_error, response_id,
@@ -62,6 +62,8 @@ class Backend:
         self.speed = speed
         # Decode speed by how many slots were busy: what the latency estimate uses.
         self.busy_speeds = BusySpeeds()
+        # How well speculative decoding's drafts are accepted, when the worker drafts.
+        self.drafts = DraftTally()
         self.fingerprint = fingerprint
         self._hop = hop
         self._deadlines = deadlines
@@ -222,12 +224,18 @@ class Backend:
         read, read_s = ((attempt.prompt_read, attempt.prompt_read_s) if attempt.prompt_read_s
                         else (job.prompt_tokens, first - attempt.started_at))
         self.speed.observe(attempt.tokens, attempt.ended_at - first, read, read_s)
+        if attempt.drafted:
+            self.drafts.observe(attempt.ended_at, attempt.drafted, attempt.draft_accepted or 0)
         if attempt.first_token_at is not None:
             self.busy_speeds.first_token.observe(job.prompt_tokens, attempt.first_token_at - attempt.started_at)
         if attempt.tokens >= 4 and attempt.ended_at > first:
             busy = mean_busy(first, attempt.ended_at, ((n.started_at, n.ended_at) for n in attempt.neighbours))
             self.busy_speeds.observe(busy, (attempt.tokens - 1) / (attempt.ended_at - first))
         return attempt
+
+    def draft_acceptance(self) -> dict[str, Any]:
+        """Speculative decoding's drafts on this path over the last minutes."""
+        return self.drafts.summary(self._clock())
 
     def _enter_process(self, job_id: str, attempt: Attempt) -> None:
         """Count the attempt as inside its process, and introduce it to the

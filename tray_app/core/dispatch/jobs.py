@@ -72,6 +72,10 @@ class Attempt:
     prompt_read_s: float | None = None
     # The tokens the worker says it made (its timings' predicted_n, in its last event).
     predicted: int | None = None
+    # Speculative decoding's drafted and accepted tokens (its timings' draft_n
+    # and draft_n_accepted), when the worker drafts.
+    drafted: int | None = None
+    draft_accepted: int | None = None
 
     def wait_limit_s(self, first_deadline: float, between_tokens_s: float, now: float,
                      progress_gap_s: float = 0.0) -> float:
@@ -466,6 +470,30 @@ class WorkerFailure(Exception):
 class WorkerRequestError(Exception):
     """The worker is fine but failed this one request (an exception inside
     the server for this input): re-running it would fail the same way."""
+
+
+class DraftTally:
+    """Speculative decoding's drafted and accepted tokens on one path over the
+    last `window_s`: how often the drafts pay, as the answers go."""
+
+    def __init__(self, window_s: float = 300.0) -> None:
+        self.window_s = window_s
+        self._answers: list[tuple[float, int, int]] = []  # (when, drafted, accepted)
+
+    def observe(self, now: float, drafted: int, accepted: int) -> None:
+        self._answers.append((now, drafted, min(accepted, drafted)))
+        self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        while self._answers and self._answers[0][0] < now - self.window_s:
+            self._answers.pop(0)
+
+    def summary(self, now: float) -> dict[str, Any]:
+        self._forget(now)
+        drafted = sum(d for _, d, _ in self._answers)
+        accepted = sum(a for _, _, a in self._answers)
+        return {"answers": len(self._answers), "drafted": drafted, "accepted": accepted,
+                "acceptance": round(accepted / drafted, 3) if drafted else None, "window_s": self.window_s}
 
 
 @dataclass

@@ -410,12 +410,20 @@ def _progress_only(event: dict[str, Any], attempt: Attempt, clock: Callable[[], 
         if isinstance(read, int) and isinstance(read_ms, (int, float)) and read_ms > 0:
             attempt.prompt_read, attempt.prompt_read_s = read, read_ms / 1000
         predicted = timings.get("predicted_n")
-        if isinstance(predicted, int) and not isinstance(predicted, bool) and predicted >= 0:
+        if _count(predicted):
             attempt.predicted = predicted
+        drafted, accepted = timings.get("draft_n"), timings.get("draft_n_accepted")
+        if _count(drafted) and _count(accepted):
+            attempt.drafted, attempt.draft_accepted = drafted, accepted
     if "prompt_progress" not in event:
         return False
     attempt.last_progress_at = clock()
     return not _carries_token(event) and not any(c.get("finish_reason") for c in event["choices"])
+
+
+def _count(value: Any) -> bool:
+    """A token count as a worker may report one: a whole number, not negative."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _parsed_event(data: str, fail: Callable[[str], NoReturn]) -> dict[str, Any] | None:

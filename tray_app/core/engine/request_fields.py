@@ -117,6 +117,12 @@ LLAMA_SERVER_ONLY: dict[str, tuple[str, tuple[Any, ...]]] = {
     "input_extra": ("infill is not served here", ([],)),
     "multimodal_data": ("send images as content parts of a chat message", ()),
     "image_data": ("send images as content parts of a chat message", ([],)),
+    # The vendored llama-server reads no per-request speculative field (its
+    # schema has them compiled out): a request can't turn drafting on, off
+    # or wider, and a silent drop would let a client believe it did.
+    **{f"speculative.{name}": ("speculative decoding is set per path here ([gpu]/[cpu] speculative), "
+                               "and this llama.cpp takes no per-request setting", ())
+       for name in ("n_max", "n_min", "p_min", "type", "ngram_size_n", "ngram_size_m", "ngram_min_hits")},
     # The service caches prompts on both workers anyway (a key made with
     # --no-prompt-cache never does): any true or false is neutral.
     "cache_prompt": ("send true or false", (True, False)),

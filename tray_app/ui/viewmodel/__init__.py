@@ -45,7 +45,7 @@ from .settings import (  # noqa: F401
     SettingField, SETTINGS_FIELDS, setting_bounds, settings_values, validate_settings, changed_overrides,
 )
 from .models import (  # noqa: F401
-    WorkerRow, worker_rows, ModelView, model_views, model_names,
+    WorkerRow, worker_rows, drafts_text, ModelView, model_views, model_names,
 )
 # The chat window's queue line says the place as the banner does.
 from .banner import _ordinal  # noqa: F401

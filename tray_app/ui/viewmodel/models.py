@@ -18,6 +18,7 @@ class WorkerRow:
     ctx: str
     restarts: str
     last_exit: str = ""
+    drafts: str = "-"  # speculative decoding's type and acceptance, "-" without
 
 
 def worker_rows(status: Status) -> list[WorkerRow]:
@@ -34,8 +35,18 @@ def worker_rows(status: Status) -> list[WorkerRow]:
             ctx=f"{w['n_ctx']:,}",
             restarts=str(w["restarts"]),
             last_exit=(last_exit["description"] or last_exit["kind"]) if last_exit is not None else "",
+            drafts=drafts_text(w),
         ))
     return rows
+
+
+def drafts_text(worker) -> str:
+    """"ngram-mod 62%": the speculative type and its drafts' acceptance lately."""
+    kind = worker.get("speculative")
+    if not kind:
+        return "-"
+    acceptance = (worker.get("drafts") or {}).get("acceptance")
+    return kind if acceptance is None else f"{kind} {acceptance:.0%}"
 
 
 @dataclass(frozen=True)
