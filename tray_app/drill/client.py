@@ -67,6 +67,12 @@ class DrillClient:
             raise StatusUnreadable(f"/status answered {response.status_code}, {problem}")
         return data
 
+    def count_tokens(self, text: str) -> int:
+        """How many tokens the default model's tokenizer makes of `text` (/tokenize)."""
+        response = self.http.post("/tokenize", json={"content": text}, timeout=30.0)
+        response.raise_for_status()
+        return len(response.json()["tokens"])
+
     def admin_gpu(self, body: dict[str, Any]) -> dict[str, Any]:
         response = self.http.post("/admin/gpu", json=body, timeout=10.0)
         response.raise_for_status()

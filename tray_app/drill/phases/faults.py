@@ -18,6 +18,10 @@ RESET_TOKENS = 48
 # Requests sent while the poison request crashes the GPU worker.
 POISON_NEIGHBOURS = 4
 KILL_AFTER_STREAMED_TOKENS = 3
+# A resumed answer's text read back by the tokenizer may split the token at
+# the seam differently than it was generated; text repeated or lost there is
+# at least what was streamed before the kill (KILL_AFTER_STREAMED_TOKENS).
+SEAM_TOKEN_SLACK = 1
 
 
 def alloc_failure(drill: DrillSession, phase: PhaseResult) -> None:
@@ -151,6 +155,7 @@ def _reset_stream(drill: DrillSession, phase: PhaseResult, n: int, sig: signal.S
                 f"{len(victim.output_tokens or [])} tokens, then "
                 f"{'[DONE]' if victim.saw_done else victim.error_code}; connection "
                 f"{'kept' if victim.transport_error is None else 'broken: ' + victim.transport_error}")
+    _check_seam(drill, phase, n, victim)
     # A careful client that retries a stream uses the same Idempotency-Key,
     # so that a retry can never run twice: it gets the recorded answer.
     same_key = drill.record(phase, f"reset {n}: retry with the same Idempotency-Key", stream=True,
@@ -169,6 +174,22 @@ def _reset_stream(drill: DrillSession, phase: PhaseResult, n: int, sig: signal.S
             "partial_id": victim.id, "full_id": final.id, "partial": list(victim.output_tokens),
             "full": list(final.output_tokens or []), "partial_path": victim.served_by, "full_path": final.served_by,
         })
+
+
+def _check_seam(drill: DrillSession, phase: PhaseResult, n: int, victim) -> None:
+    """Nothing repeated or lost where the CPU took over: an answer cut at
+    max_tokens holds exactly that many tokens, the GPU's and the CPU's
+    together, so the tokenizer reads its text back at about that count;
+    text sent twice at the seam, or skipped, moves the count by the piece's
+    length. An answer that stopped early is held to its own event count."""
+    if not victim.saw_done or not victim.output_text:
+        return
+    expected = RESET_TOKENS if victim.finish_reason == "length" else len(victim.output_tokens or [])
+    counted = drill.client.count_tokens(victim.output_text)
+    phase.check(f"reset {n}: no text repeated or lost at the seam",
+                abs(counted - expected) <= SEAM_TOKEN_SLACK,
+                f"the text reads back as {counted} tokens; {expected} were generated "
+                f"(finish_reason {victim.finish_reason})")
 
 
 def poison_request(drill: DrillSession, phase: PhaseResult) -> None:
