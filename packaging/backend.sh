@@ -81,6 +81,14 @@ cuda_toolkit_has_cublas() {
     && { compgen -G "$1/lib*/libcublas.so*" || compgen -G "$1/targets/*/lib/libcublas.so*"; } >/dev/null
 }
 
+# The folder of the toolkit at $1 that holds cuBLAS, for the CUDA module's
+# run-time search path.
+cuda_library_dir() {
+  local found
+  found=$({ compgen -G "$1/lib*/libcublas.so*" || compgen -G "$1/targets/*/lib/libcublas.so*"; } | head -n1)
+  [ -z "$found" ] || dirname "$found"
+}
+
 # The CUDA version the driver runs, from nvidia-smi's banner ("CUDA Version:
 # 13.0"); empty when there is no driver to ask.
 nvidia_driver_cuda_version() {

@@ -164,6 +164,10 @@ if [ "$BACKEND" = cuda ] && [ -n "$BACKEND_FLAGS" ]; then
     cuda_root=$(cuda_toolkit_root "$(find_nvcc)")
   fi
   if [ "$BACKEND" = cuda ]; then
+    # ggml's CUDA module finds cuBLAS where it was linked from: llama-cpp-python
+    # gives its libraries only $ORIGIN, so the module's own link adds the folder.
+    cublas_dir=$(cuda_library_dir "$cuda_root")
+    [ -z "$cublas_dir" ] || BACKEND_FLAGS+=" -DCMAKE_MODULE_LINKER_FLAGS=-Wl,-rpath,$cublas_dir"
     libcuda=$(libcuda_for_linking "$cuda_root")
     if [ -z "$libcuda" ]; then
       BACKEND_FLAGS+=" -DGGML_CUDA_NO_VMM=ON"
@@ -191,6 +195,8 @@ build_wheelhouse() {
     echo "install.sh: building llama-cpp-python for $BACKEND failed; the whole log is $build_log" >&2
     return 1
   fi
+  # What it was built with, for whoever reuses it (benchmarks/gpu_check/prepare.py).
+  echo "$LLAMA_CMAKE_ARGS $BACKEND_FLAGS $SERVER_FLAGS" > "$wheelhouse/cmake-args"
 }
 
 if ! build_wheelhouse; then

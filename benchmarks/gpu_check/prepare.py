@@ -165,9 +165,10 @@ def cuda_wheels(cache: Path) -> list[Path]:
 
 
 def built_for(wheel: Path) -> str:
-    """The CUDA architectures the wheel was built for, from the build log beside it."""
-    log = wheel.parent / "build.log"
-    text = log.read_text(errors="replace") if log.is_file() else ""
+    """The CUDA architectures the wheel was built for, from the CMake flags
+    install.sh writes beside it."""
+    args = wheel.parent / "cmake-args"
+    text = args.read_text(errors="replace") if args.is_file() else ""
     match = re.search(r"-DCMAKE_CUDA_ARCHITECTURES=(\S+)", text)
     return match.group(1) if match else ""
 

@@ -76,7 +76,7 @@ def _cuda_wheelhouse(cache, architectures: str, module_bytes: int = 100) -> None
         wheel.writestr("bin/llama-quantize", b"q")  # a tool the check never runs
         wheel.writestr("llama_cpp/lib/libllama.so", b"l")
         wheel.writestr("llama_cpp/__init__.py", b"")
-    (house / "build.log").write_text(f"CMAKE_ARGS -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES={architectures} -DX=1\n")
+    (house / "cmake-args").write_text(f"-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES={architectures} -DX=1\n")
 
 
 def _prepared(tmp_path) -> tuple[dict, object]:
