@@ -154,7 +154,7 @@ fi
 if [ "$BACKEND" = cuda ] && [ -n "$BACKEND_FLAGS" ]; then
   cuda_root=""
   if [ "${CUDA_TOOLKIT:-}" = wheels ]; then
-    echo "fetching CUDA $CUDA_WHEELS_VERSION from NVIDIA's PyPI wheels into $TRAY_APP_CACHE/cuda-toolkit (about 600 MB, once)"
+    echo "fetching CUDA $CUDA_WHEELS_VERSION from NVIDIA's PyPI wheels into $TRAY_APP_CACHE/cuda-toolkit (about 600 MB to download the first time)"
     if cuda_root=$(fetch_cuda_wheels .venv/bin/python); then
       BACKEND_FLAGS+=" -DCUDAToolkit_ROOT=$cuda_root -DCMAKE_CUDA_COMPILER=$cuda_root/bin/nvcc"
     else

@@ -43,7 +43,7 @@ prebuilt="not carried"
 if nvidia-smi -L >/dev/null 2>&1 && [ -f "$carry/llama-build-sm90.tar.gz" ]; then
   mkdir -p "$work/prebuilt" && tar xzf "$carry/llama-build-sm90.tar.gz" -C "$work/prebuilt"
   cuda_libs=$("$python" -c "import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], 'cu13', 'lib'))" 2>/dev/null || true)
-  prebuilt_path="$work/prebuilt/llama_cpp/lib${cuda_libs:+:$cuda_libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  prebuilt_path="$work/prebuilt/lib:$work/prebuilt/llama_cpp/lib${cuda_libs:+:$cuda_libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   prebuilt_devices=$(LD_LIBRARY_PATH="$prebuilt_path" "$work/prebuilt/bin/llama-server" --list-devices 2>&1 \
                      | tee "$work/prebuilt-devices.txt" || true)
   if grep -q '^  CUDA0' <<<"$prebuilt_devices"; then

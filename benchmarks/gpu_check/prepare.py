@@ -148,8 +148,10 @@ def download_wheels(dest: Path) -> list[str]:
 
 PREBUILT_NAME = "llama-build-sm90.tar.gz"
 # The wheel's files the check runs: llama-server and the modules it loads from
-# its own folder, and llama-cpp-python's libraries (libllama, ggml).
-PREBUILT_PREFIXES = ("bin/llama-server", "bin/libggml-", "llama_cpp/lib/")
+# its own folder, its libraries, and llama-cpp-python's (libllama, ggml) but
+# their copy of the CUDA module (the router loads the CPU one only).
+PREBUILT_PREFIXES = ("bin/llama-server", "bin/libggml-", "lib/", "llama_cpp/lib/")
+PREBUILT_LEFT_OUT = ("llama_cpp/lib/libggml-cuda.so",)
 
 
 def cuda_wheels(cache: Path) -> list[Path]:
@@ -176,15 +178,26 @@ def built_for(wheel: Path) -> str:
 def pack_prebuilt(wheel: Path, dest: Path) -> float:
     """Writes PREBUILT_NAME from the wheel, stripped; returns its MiB."""
     with tempfile.TemporaryDirectory() as scratch, zipfile.ZipFile(wheel) as source:
-        members = [m for m in source.infolist() if m.filename.startswith(PREBUILT_PREFIXES)]
+        members = [m for m in source.infolist()
+                   if m.filename.startswith(PREBUILT_PREFIXES) and m.filename not in PREBUILT_LEFT_OUT]
         for member in members:
             path = Path(source.extract(member, scratch))
             path.chmod(0o755)
             # Symbols only a debugger reads: the CUDA module halves.
             subprocess.run(["strip", "--strip-unneeded", str(path)], check=False, capture_output=True)
+        # A wheel holds no links: libllama.so, .so.0 and .so.0.5.0 are three
+        # copies. The second and later of identical files go in as links.
+        first_of: dict[tuple[int, int], str] = {}
         with tarfile.open(dest / PREBUILT_NAME, "w:gz", compresslevel=9) as archive:
             for member in members:
-                archive.add(Path(scratch) / member.filename, arcname=member.filename)
+                same = first_of.setdefault((member.CRC, member.file_size), member.filename)
+                if same == member.filename:
+                    archive.add(Path(scratch) / member.filename, arcname=member.filename)
+                    continue
+                link = tarfile.TarInfo(member.filename)
+                link.type = tarfile.SYMTYPE
+                link.linkname = os.path.relpath(same, os.path.dirname(member.filename))
+                archive.addfile(link)
     return (dest / PREBUILT_NAME).stat().st_size / MIB
 
 

@@ -29,6 +29,7 @@ import pytest
 
 from benchmarks.gpu_check.prepare import TRAY_APP_CACHE, cuda_wheels
 from tests.harness import BASE_CONFIG, RunningService
+from tray_app.core.engine.runtime import library_dirs
 
 CUDA_WHEEL_ENV = "TRAY_APP_CUDA_WHEEL"
 
@@ -51,32 +52,39 @@ pytestmark = [pytest.mark.integration, pytest.mark.skipif(CUDA_WHEEL is None, re
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory) -> Path:
-    """The wheel unpacked as pip would lay it out: bin/ (llama-server and
-    ggml's modules) beside llama_cpp/lib (libllama and ggml)."""
+    """The wheel unpacked as pip lays it out: bin/ (llama-server and ggml's
+    modules), lib/ (its libraries) and llama_cpp/lib (llama-cpp-python's)."""
     root = tmp_path_factory.mktemp("cuda-build")
     with zipfile.ZipFile(CUDA_WHEEL) as wheel:
         for member in wheel.infolist():
-            if member.filename.startswith(("bin/", "llama_cpp/lib/")):
+            if member.filename.startswith(("bin/", "lib/", "llama_cpp/lib/")):
                 path = Path(wheel.extract(member, root))
                 path.chmod(0o755)
     return root
 
 
 def library_path(build: Path) -> str:
+    """llama-cpp-python's libraries: what LLAMA_CPP_LIB_PATH names."""
     return str(build / "llama_cpp" / "lib")
+
+
+def server_environment(build: Path) -> dict[str, str]:
+    """llama-server's libraries, found as the service finds them for a build it didn't bundle."""
+    dirs = library_dirs(build / "bin" / "llama-server", bundled=False)
+    return {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(map(str, dirs))}
 
 
 def test_llama_server_starts_with_its_modules_and_lists_no_cuda_device(build):
     assert (build / "bin" / "libggml-cuda.so").is_file() and (build / "bin" / "libggml-cpu.so").is_file()
     listed = subprocess.run([str(build / "bin" / "llama-server"), "--list-devices"], capture_output=True, text=True,
-                            timeout=60, env={**os.environ, "LD_LIBRARY_PATH": library_path(build)})
+                            timeout=60, env=server_environment(build))
     assert listed.returncode == 0, listed.stderr[-2000:]
     assert "Available devices:" in listed.stdout and "CUDA0" not in listed.stdout, listed.stdout
 
 
 def test_the_cuda_module_finds_cublas_in_the_cache_without_ld_library_path(build):
     linked = subprocess.run(["ldd", str(build / "bin" / "libggml-cuda.so")], capture_output=True, text=True,
-                            timeout=60, env={**os.environ, "LD_LIBRARY_PATH": library_path(build)}).stdout
+                            timeout=60, env=server_environment(build)).stdout
     cublas = next(line for line in linked.splitlines() if "libcublas.so" in line)
     assert "not found" not in linked, linked
     assert "=> /" in cublas, cublas  # resolved through the rpath the build recorded, not the environment

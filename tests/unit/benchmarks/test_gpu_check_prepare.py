@@ -75,6 +75,9 @@ def _cuda_wheelhouse(cache, architectures: str, module_bytes: int = 100) -> None
         wheel.writestr("bin/libggml-cuda.so", os.urandom(module_bytes))  # as incompressible as machine code
         wheel.writestr("bin/llama-quantize", b"q")  # a tool the check never runs
         wheel.writestr("llama_cpp/lib/libllama.so", b"l")
+        wheel.writestr("llama_cpp/lib/libggml-cuda.so", b"c")  # a second copy, for llama-cpp-python
+        wheel.writestr("lib/libllama-server-impl.so", b"i")
+        wheel.writestr("lib/libllama.so", b"l")  # the same file again, as a wheel holds a link
         wheel.writestr("llama_cpp/__init__.py", b"")
     (house / "cmake-args").write_text(f"-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES={architectures} -DX=1\n")
 
@@ -93,7 +96,10 @@ def test_the_sm90_cuda_build_is_packed_with_what_the_check_runs(tmp_path):
     manifest, carry = _prepared(tmp_path)
     assert manifest["prebuilt"]["architectures"] == "90-real"
     with tarfile.open(carry / PREBUILT_NAME) as archive:
-        assert sorted(archive.getnames()) == ["bin/libggml-cuda.so", "bin/llama-server", "llama_cpp/lib/libllama.so"]
+        assert sorted(archive.getnames()) == ["bin/libggml-cuda.so", "bin/llama-server", "lib/libllama-server-impl.so",
+                                              "lib/libllama.so", "llama_cpp/lib/libllama.so"]
+        copy = archive.getmember("lib/libllama.so")  # the wheel's second copy
+        assert copy.issym() and copy.linkname == "../llama_cpp/lib/libllama.so"
 
 
 def test_a_build_for_another_card_is_not_packed(tmp_path):
