@@ -136,6 +136,7 @@ class FakeWorker:
             "role": self.role, "state": self._state.value, "pid": None, "port": None, "model": self.spec.model_name,
             "model_path": str(self.spec.model_path), "n_ctx": self.spec.n_ctx, "n_gpu_layers": self.spec.n_gpu_layers,
             "speculative": self.spec.spec_type,
+            "draft_model": self.spec.draft_model.name if self.spec.draft_model else None,
             "devices": [], "runtime": self.runtime.name, "restarts": self.restarts,
             "unhealthy_reason": self.unhealthy_reason, "gave_up": self.gave_up,
             "last_exit": None if self.last_exit is None else {

@@ -186,6 +186,11 @@ class GpuConfig:
     # Speculative decoding on this path (llama-server --spec-type): "auto",
     # "off" or an n-gram type (SPECULATIVE_TYPES).
     speculative: str = "auto"
+    # A draft model for the GPU worker: a library model's name or a .gguf
+    # path, with the served model's vocabulary; "" for none. It replaces the
+    # n-gram drafting on the GPU path, and its memory is counted with the
+    # worker's (engine/draft.py).
+    draft_model: str = ""
 
 
 PEER_ROLES = ("fallback", "overflow")

@@ -29,6 +29,7 @@ from .dispatch.jobs import Attempt, Job, PathSpeed
 from .dispatch.lanes import Lane
 from .engine.exits import ExitKind
 from .engine.runtime import IMAGE_MAX_TOKENS, WorkerRuntime
+from .engine.draft import DRAFT_SPEC_TYPE, choose_draft
 from .engine.speculation import speculation_for
 from .engine.launch_env import worker_threads, workers_oversubscribe, workers_share_cores
 from .engine.worker import LaunchExtras, Worker, WorkerEvent, WorkerHooks, WorkerSpec, WorkerState
@@ -132,6 +133,11 @@ class ModelHost:
         # GPU worker is given the servers (a second model's worker would wait
         # on the busy server until its ready timeout, and again on each retry).
         self.rpc_servers: tuple[str, ...] = config.gpu.rpc_servers if model.is_default else ()
+        # [gpu] draft_model: the default model's GPU worker speculates with it,
+        # when it shares the model's vocabulary (engine/draft.py).
+        self.draft = choose_draft(config.gpu.draft_model if model.is_default else "", self.model_info,
+                                  resolve=self._draft_file, read=read_model_info,
+                                  runtime_drafts=getattr(gpu_runtime, "drafts_with_model", False))
         self.slots = {"gpu": min(model.slots, gpu_runtime.max_parallel),
                       "cpu": min(config.cpu.max_concurrency, runtime.max_parallel)}
         # Where the config leaves a context at 0, it is sized from memory now,
@@ -217,7 +223,16 @@ class ModelHost:
             n_ctx=n_ctx * slots, n_gpu_layers=self.model.gpu_layers if path == "gpu" else 0,
             n_batch=self.service.config.worker.n_batch, n_parallel=slots, logits_all=False, kv_type=kv_type,
             projector=self.projector if path == "gpu" else self.cpu_projector, image_max_tokens=IMAGE_MAX_TOKENS,
+            draft=self.draft.info if path == "gpu" else None,
         )
+
+    def _draft_file(self, name: str) -> Path | None:
+        """A library model's file by its name or alias, or a .gguf path."""
+        listed = self.service.library.resolve(name)
+        if listed is not None:
+            return listed.path
+        path = Path(name).expanduser()
+        return path if path.is_file() else None
 
     def _settled(self, path: str, n_ctx: int, kv_type: str) -> estimate.Footprint:
         info = self.model_info if path == "gpu" else self.fallback_info
@@ -274,7 +289,9 @@ class ModelHost:
                           rpc_servers=self.rpc_servers if path == "gpu" else (),
                           shares_cores=self.workers_share_cores,
                           mmproj=self.projector_path(path), kv_type=self.contexts[path].kv_type,
-                          spec_type=speculation_for(path, settings.speculative, getattr(runtime, "spec_types", ())))
+                          spec_type=(DRAFT_SPEC_TYPE if path == "gpu" and self.draft.info is not None else
+                                     speculation_for(path, settings.speculative, getattr(runtime, "spec_types", ()))),
+                          draft_model=self.draft.path if path == "gpu" else None)
         worker = service.worker_factory(spec, runtime, service.log_dir, config.worker, hooks, self._clock,
                         log_name=None if model.is_default else f"{path}-{model.name}")
         lane = Lane(path, slots, settings.queue_limit, self._clock)

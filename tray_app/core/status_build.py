@@ -180,6 +180,8 @@ def host_workers(model_host: ModelHost, snapshot: MemorySnapshot) -> list[Worker
         info: dict[str, Any] = {
             **worker.snapshot(),
             "drafts": backend.draft_acceptance() if backend is not None and worker.spec.spec_type else None,
+            # A [gpu] draft_model that isn't used, and why (another vocabulary, no such file).
+            "draft_refused": model_host.draft.refused if worker.role == "gpu" else None,
             "rss_mib": snapshot.host.rss_mib_by_pid.get(worker.pid) if worker.pid else None,
             "estimated_vram_mib": round(footprint.gpu.total / MIB, 1),
             "estimated_ram_mib": round(footprint.host.total / MIB, 1),
@@ -250,6 +252,8 @@ def model_summary(model_host: ModelHost) -> ModelSummary:
         "context": {"gpu": model.gpu_n_ctx, "cpu": model.cpu_n_ctx},
         # Per path: the context, its KV cache type, and whether it was sized from memory.
         "served_context": model_host.served_contexts(),
+        # The draft model its GPU worker speculates with ([gpu] draft_model), by file name.
+        "draft_model": model_host.draft.info.path.name if model_host.draft.info is not None else None,
         "idle_unload_s": model.idle_unload_s,
         # A wall-clock time from the model host's monotonic one.
         "last_used": round(time.time() - (model_host.service.clock() - model_host.last_used), 3),

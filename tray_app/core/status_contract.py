@@ -67,6 +67,8 @@ class WorkerStatus(TypedDict):
     n_gpu_layers: int
     speculative: str | None  # llama-server's --spec-type it runs with; None = no speculative decoding
     drafts: DraftStatus | None  # how its drafts fared over the last minutes; None without speculation
+    draft_model: str | None  # the draft model's file it speculates with ([gpu] draft_model); None = none
+    draft_refused: str | None  # why the configured draft model isn't used; None when it is, or none is set
     devices: list[dict[str, Any]]  # what the process's llama.cpp printed about its devices
     runtime: str
     restarts: int
@@ -439,6 +441,7 @@ class ModelSummary(TypedDict):
     vram_mib: float
     context: ModelContext
     served_context: dict[str, ServedContext]  # by path; no "gpu" when the model has no GPU path
+    draft_model: str | None  # the GPU worker's draft model file ([gpu] draft_model); None = none
     idle_unload_s: float | None
     last_used: float
     loads: int

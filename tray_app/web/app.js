@@ -202,7 +202,8 @@ function draftingText(status) {
   const parts = (status.workers || []).filter((w) => w.speculative).map((w) => {
     const acceptance = num((w.drafts || {}).acceptance);
     const rate = acceptance === null ? "" : ` (${Math.round(acceptance * 100)} % of drafts accepted)`;
-    return `${w.speculative} on the ${String(w.role).toUpperCase()}${rate}`;
+    const draft = w.draft_model ? ` with ${w.draft_model}` : "";
+    return `${w.speculative}${draft} on the ${String(w.role).toUpperCase()}${rate}`;
   });
   return parts.length ? `speculative decoding: ${parts.join(", ")}` : "";
 }

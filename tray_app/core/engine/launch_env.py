@@ -134,6 +134,8 @@ class WorkerSpec:
     kv_type: str = "f16"
     # llama-server's --spec-type (engine/speculation.py); None = no speculative decoding.
     spec_type: str | None = None
+    # The draft model it speculates with (--model-draft, engine/draft.py); None = none.
+    draft_model: Path | None = None
 
 
 def launch_request(spec: WorkerSpec, port: int, extras: LaunchExtras, api_key: str) -> LaunchRequest:
@@ -143,5 +145,5 @@ def launch_request(spec: WorkerSpec, port: int, extras: LaunchExtras, api_key: s
         n_batch=spec.n_batch, n_threads=spec.n_threads,
         simulated_vram_need_mib=extras.simulated_vram_need_mib, simulated_vram_free_mib=extras.simulated_vram_free_mib,
         api_key=api_key, parallel=spec.parallel, rpc_servers=spec.rpc_servers, mmproj=spec.mmproj,
-        kv_type=spec.kv_type, spec_type=spec.spec_type,
+        kv_type=spec.kv_type, spec_type=spec.spec_type, draft_model=spec.draft_model,
     )

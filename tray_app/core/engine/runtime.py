@@ -45,6 +45,7 @@ class LaunchRequest:
     mmproj: Path | None = None
     kv_type: str = "f16"  # the KV cache's element type; see WorkerSpec
     spec_type: str | None = None  # llama-server's --spec-type; None = no speculative decoding
+    draft_model: Path | None = None  # the draft model (--model-draft); see WorkerSpec
 
 
 # The most tokens one image may become in a worker with a projector
@@ -286,6 +287,8 @@ class LlamaServerRuntime:
     # that text) and a completion's prompt: a cut answer goes on from its text.
     continues_prefill = True
     spec_types = SPECULATIVE_TYPES
+    # It speculates with a draft model too (--model-draft).
+    drafts_with_model = True
 
     def __init__(self, binary: Path, python: str = sys.executable, *, bundled: bool = True) -> None:
         self.binary = binary
@@ -311,6 +314,10 @@ class LlamaServerRuntime:
             *(["--cache-type-k", launch.kv_type, "--cache-type-v", launch.kv_type]
               if launch.kv_type != "f16" else []),
             *(["--spec-type", launch.spec_type] if launch.spec_type else []),
+            # The draft on the served model's devices: all its layers where
+            # the served model offloads, none where it doesn't.
+            *(["--model-draft", str(launch.draft_model),
+               "--spec-draft-ngl", "all" if launch.n_gpu_layers else "0"] if launch.draft_model else []),
             "--n-gpu-layers", str(launch.n_gpu_layers),
             "--batch-size", str(launch.n_batch),
             # We size and place the model ourselves, against the VRAM others use.

@@ -188,6 +188,7 @@ class Worker:
             "n_ctx": self.spec.n_ctx,
             "n_gpu_layers": self.spec.n_gpu_layers,
             "speculative": self.spec.spec_type,
+            "draft_model": self.spec.draft_model.name if self.spec.draft_model else None,
             "devices": list(self.devices) if self.pid else [],
             "runtime": self.runtime.name,
             "restarts": self.restarts,

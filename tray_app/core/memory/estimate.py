@@ -90,6 +90,9 @@ class WorkerSettings:
     # image's tokens it is started with (--image-max-tokens).
     projector: ProjectorInfo | None = None
     image_max_tokens: int = 0
+    # The draft model it speculates with (--model-draft): its weights, and a
+    # KV cache of its own as large as the served model's context.
+    draft: ModelInfo | None = None
 
     def __post_init__(self) -> None:
         if self.kv_type not in KV_TYPE_BYTES:
@@ -140,6 +143,12 @@ def kv_bytes_per_token(info: ModelInfo, kv_type: str = "f16") -> int:
 
 def estimate_worker(info: ModelInfo, settings: WorkerSettings) -> Footprint:
     text = _estimate_text_worker(info, settings)
+    if settings.draft is not None:
+        # llama-server loads the draft on the served model's devices, with a
+        # context of the same size; the process's own runtime is counted once.
+        draft = _estimate_text_worker(settings.draft, replace(settings, draft=None, projector=None))
+        text = replace(text, gpu=_with_weights_and_cache(text.gpu, draft.gpu),
+                       host=_with_weights_and_cache(text.host, draft.host))
     if settings.projector is None:
         return text
     projector = projector_need(settings.projector, settings.image_max_tokens)
@@ -149,6 +158,11 @@ def estimate_worker(info: ModelInfo, settings: WorkerSettings) -> Footprint:
     if text.layers_on_gpu:
         return replace(text, gpu=_plus(text.gpu, projector), host=_plus(text.host, PROJECTOR_HOST_RUNTIME))
     return replace(text, host=_plus(text.host, replace(projector, runtime_overhead=PROJECTOR_HOST_RUNTIME_BYTES)))
+
+
+def _with_weights_and_cache(need: DeviceNeed, draft: DeviceNeed) -> DeviceNeed:
+    return DeviceNeed(need.weights + draft.weights, need.kv_cache + draft.kv_cache, need.compute + draft.compute,
+                      need.runtime_overhead)
 
 
 def _plus(need: DeviceNeed, more: DeviceNeed) -> DeviceNeed:

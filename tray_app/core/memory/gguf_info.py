@@ -18,6 +18,7 @@ header is capped in size: parsing a hostile file costs bounded time and memory.
 from __future__ import annotations
 
 import array
+import hashlib
 import math
 import mmap
 import os
@@ -110,6 +111,9 @@ class ModelInfo:
     output_bytes: int
     chat_template: str | None
     tokenizer_model: str | None
+    # A digest of the vocabulary's token strings (tokenizer.ggml.tokens): a
+    # draft model must have the target's ("" when the file has none).
+    vocab_digest: str = ""
     # The file's mtime when it was read. With file_size, what the API lists
     # without touching the disk again: a file deleted since must not fail a listing.
     modified: float = 0.0
@@ -135,6 +139,9 @@ class _SkippedArray:
 
     item_type: GGUFValueType
     length: int
+    # For an array of strings, a digest of its bytes as stored: two files
+    # with the same vocabulary have the same tokenizer.ggml.tokens digest.
+    digest: str = ""
 
 
 class _Truncated(Exception):
@@ -216,8 +223,10 @@ class _HeaderCursor:
         item_type = _value_type(self.unpack("I"))
         length = self.count("array items", MAX_ARRAY_LENGTH)
         if item_type is GGUFValueType.STRING:
+            start = self.position
             self.skip_strings(length)
-            return _SkippedArray(item_type, length)
+            digest = hashlib.blake2b(self._buffer[start:self.position], digest_size=16).hexdigest()
+            return _SkippedArray(item_type, length, digest)
         if item_type is GGUFValueType.ARRAY:
             self.expect_at_least(length * 12)  # each nested array: type u32 + count u64
             for _ in range(length):
@@ -451,8 +460,9 @@ def _build_info(model_path: Path, file_size: int, metadata: dict[str, Any], tens
             non_layer_bytes += tensor.n_bytes
 
     tokens = metadata.get("tokenizer.ggml.tokens")
+    vocab_digest = ""
     if isinstance(tokens, _SkippedArray) and tokens.item_type is GGUFValueType.STRING:
-        n_vocab = tokens.length
+        n_vocab, vocab_digest = tokens.length, tokens.digest
     else:
         n_vocab = count(prefix + "vocab_size", default=0)
 
@@ -479,6 +489,7 @@ def _build_info(model_path: Path, file_size: int, metadata: dict[str, Any], tens
         output_bytes=tensor_bytes.get("output.weight", tensor_bytes.get("token_embd.weight", 0)),
         chat_template=chat_template if isinstance(chat_template, str) else None,
         tokenizer_model=tokenizer_model if isinstance(tokenizer_model, str) else None,
+        vocab_digest=vocab_digest,
     )
 
 

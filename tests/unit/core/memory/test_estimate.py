@@ -222,3 +222,18 @@ def test_every_slot_has_its_own_kv_cache_and_attention_spans_one_slot(smollm2: M
     four = WorkerSettings(n_ctx=4 * 2048, n_gpu_layers=0, n_parallel=4)
     assert estimate_worker(smollm2, four).host.kv_cache == 4 * estimate_worker(smollm2, one).host.kv_cache == 180 * MIB
     assert compute_buffer_bytes(smollm2, four) == compute_buffer_bytes(smollm2, one)
+
+
+# --- a draft model -------------------------------------------------------------
+
+
+def test_a_draft_model_adds_its_weights_and_a_kv_cache_of_the_same_context(smollm2: ModelInfo) -> None:
+    settings = WorkerSettings(n_ctx=4096, n_gpu_layers=-1, n_parallel=2, logits_all=False)
+    alone = estimate_worker(llama3_8b_shape(), settings)
+    with_draft = estimate_worker(llama3_8b_shape(), dataclasses.replace(settings, draft=smollm2))
+    draft_alone = estimate_worker(smollm2, settings)
+    assert with_draft.gpu.weights == alone.gpu.weights + draft_alone.gpu.weights
+    assert with_draft.gpu.kv_cache == alone.gpu.kv_cache + draft_alone.gpu.kv_cache
+    # One process: its CUDA context and runtime are counted once.
+    assert with_draft.gpu.runtime_overhead == alone.gpu.runtime_overhead
+    assert with_draft.gpu.total > alone.gpu.total + smollm2.weights_bytes
