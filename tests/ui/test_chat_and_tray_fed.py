@@ -315,3 +315,16 @@ def test_the_menu_gives_the_gpu_back_and_shows_where_it_is(qtbot, fed_controller
     assert not fed_controller.tray_menu.residency_action.isVisible()
     kinds = [notice[0] for notice in fed_controller.notifications.notices]
     assert kinds == ["gpu_given_back", "gpu_taken_again"]
+
+
+def test_a_window_qt_already_destroyed_counts_as_closed_not_as_an_error(qtbot, fed_controller) -> None:
+    # Seen when the X server died under the app: Qt destroyed the panel, and
+    # the poll-rate timer then asked it whether it was visible, at quit.
+    import shiboken6
+
+    fed_controller.windows.show_panel()
+    assert fed_controller.windows.watched_open()
+    shiboken6.delete(fed_controller.windows.panel_window)
+    assert fed_controller.windows.watched_open() is False
+    fed_controller._update_poll_rate()  # raised RuntimeError before
+    fed_controller.windows.panel_window = None  # gone: the fixture has nothing to close

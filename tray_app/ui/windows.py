@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import shiboken6
+
 from PySide6.QtCore import QEvent, QObject, Signal
 from PySide6.QtGui import QAction, QIcon
 from PySide6.QtWidgets import QMenu, QToolButton, QWidget
@@ -122,8 +124,11 @@ class TrayWindows(QObject):
     # ----- what every open window shows --------------------------------------------------
 
     def watched_open(self) -> bool:
-        """Whether the panel or the chat, the windows showing live numbers, is on screen."""
-        return any(window is not None and window.isVisible() for window in (self.panel_window, self.chat_window))
+        """Whether the panel or the chat, the windows showing live numbers, is on screen.
+        A window Qt has already destroyed (the X server went away under the
+        app, which then quits) is not: asking it would raise."""
+        return any(window is not None and shiboken6.isValid(window) and window.isVisible()
+                   for window in (self.panel_window, self.chat_window))
 
     def eventFilter(self, watched: QObject, event: QEvent) -> bool:
         # Qt sends Show and Hide once isVisible() says the new state.
