@@ -7,6 +7,7 @@ replay, so the client, the logs and /status always talk about one thing.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import enum
 import time
@@ -478,7 +479,7 @@ class DraftTally:
 
     def __init__(self, window_s: float = 300.0) -> None:
         self.window_s = window_s
-        self._answers: list[tuple[float, int, int]] = []  # (when, drafted, accepted)
+        self._answers: collections.deque[tuple[float, int, int]] = collections.deque()  # (when, drafted, accepted)
 
     def observe(self, now: float, drafted: int, accepted: int) -> None:
         self._answers.append((now, drafted, min(accepted, drafted)))
@@ -486,7 +487,7 @@ class DraftTally:
 
     def _forget(self, now: float) -> None:
         while self._answers and self._answers[0][0] < now - self.window_s:
-            self._answers.pop(0)
+            self._answers.popleft()
 
     def summary(self, now: float) -> dict[str, Any]:
         self._forget(now)
