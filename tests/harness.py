@@ -155,6 +155,24 @@ class RunningService:
             pytest.skip("the GPU produced its first token before the kill landed")
         return headers, items
 
+    def kill_gpu_mid_stream(self, body, kill_after, headers=None, path="/v1/chat/completions", counting=None):
+        """Stream `body`, SIGKILL the GPU worker once `kill_after` events came
+        (those `counting(line)` is true of, if given); every SSE line
+        (comments included) as the client got it."""
+        gpu_pid = self.worker("gpu")["pid"]
+        lines, events = [], 0
+        with self.http.stream("POST", path, json={**body, "stream": True}, headers=headers or {}) as response:
+            assert response.headers["x-served-by"] == "gpu"
+            for line in response.iter_lines():
+                if not line:
+                    continue  # the blank line that ends each SSE event
+                lines.append(line)
+                if line.startswith(("data:", "{")) and (counting is None or counting(line)):  # SSE or NDJSON
+                    events += 1
+                    if events == kill_after:
+                        os.kill(gpu_pid, signal.SIGKILL)
+        return response, lines
+
     def reset(self) -> None:
         """Back to a healthy baseline between tests: no pressure, not paused, all
         ready, breaker closed. A breaker left open by an earlier test closes the
@@ -205,3 +223,11 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
+def streamed_text(lines, field="content"):
+    """One field of an OpenAI stream's deltas (a completion's text), joined."""
+    text = []
+    for line in lines:
+        if line.startswith("data:") and line != "data: [DONE]":
+            for choice in json.loads(line[5:]).get("choices") or ():
+                text.append((choice.get("delta") or {}).get(field) or choice.get("text") or "")
+    return "".join(text)

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests.harness import streamed_text
+
 pytestmark = pytest.mark.integration
 
 LONG_ANSWER = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
@@ -89,36 +91,9 @@ def test_gpu_death_mid_request_continues_once_on_cpu(fresh, sig):
     assert resumes >= 1
 
 
-def stream_and_kill_gpu(service, body, kill_after, headers=None, path="/v1/chat/completions"):
-    """Stream `body`, SIGKILL the GPU worker once `kill_after` events came;
-    every SSE line (comments included) as the client got it."""
-    gpu_pid = service.worker("gpu")["pid"]
-    lines, events = [], 0
-    with service.http.stream("POST", path, json={**body, "stream": True}, headers=headers or {}) as response:
-        assert response.headers["x-served-by"] == "gpu"
-        for line in response.iter_lines():
-            if not line:
-                continue  # the blank line that ends each SSE event
-            lines.append(line)
-            if line.startswith(("data:", "{")):  # an SSE event, or an NDJSON line (Ollama)
-                events += 1
-                if events == kill_after:
-                    os.kill(gpu_pid, signal.SIGKILL)
-    return response, lines
-
-
-def streamed_text(lines, field="content"):
-    text = []
-    for line in lines:
-        if line.startswith("data:") and line != "data: [DONE]":
-            for choice in json.loads(line[5:]).get("choices") or ():
-                text.append((choice.get("delta") or {}).get(field) or choice.get("text") or "")
-    return "".join(text)
-
-
 def test_gpu_death_mid_stream_continues_on_the_cpu_from_the_text_sent(fresh):
     body = {"messages": LONG_ANSWER, "max_tokens": 60, "temperature": 0, "stream_options": {"include_usage": True}}
-    response, lines = stream_and_kill_gpu(fresh, body, kill_after=6, headers={"X-Request-Id": "resume-1"})
+    response, lines = fresh.kill_gpu_mid_stream(body, kill_after=6, headers={"X-Request-Id": "resume-1"})
     assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
     comments = [line for line in lines if line.startswith(":")]
     assert any("resumed on the CPU" in line for line in comments), lines
@@ -149,7 +124,7 @@ def test_gpu_death_mid_stream_continues_on_the_cpu_from_the_text_sent(fresh):
 
 def test_gpu_death_mid_stream_of_a_completion_continues_from_its_prompt_and_text(fresh):
     body = {"prompt": "Once upon a time, in a small village by the sea,", "max_tokens": 40, "temperature": 0}
-    response, lines = stream_and_kill_gpu(fresh, body, kill_after=5, path="/v1/completions")
+    response, lines = fresh.kill_gpu_mid_stream(body, kill_after=5, path="/v1/completions")
     assert lines[-1] == "data: [DONE]"
     whole = fresh.http.post("/v1/completions", json=body, headers={"X-Force-Path": "cpu"}).json()
     assert streamed_text(lines) == whole["choices"][0]["text"]
@@ -167,7 +142,7 @@ def test_a_cut_stream_goes_on_in_each_protocols_own_way(fresh, protocol):
         "ollama": ("/api/chat", {"model": model, "messages": [{"role": "user", "content": story}],
                                  "options": {"num_predict": 40, "temperature": 0}}),
     }[protocol]
-    response, lines = stream_and_kill_gpu(fresh, body, kill_after=8, path=path)
+    response, lines = fresh.kill_gpu_mid_stream(body, kill_after=8, path=path)
     if protocol == "ollama":
         last = json.loads(lines[-1])
         # NDJSON has no comments: its last line says where the answer went on.
@@ -235,7 +210,7 @@ def test_official_clients_get_one_whole_answer_when_the_gpu_dies_after_the_5th_e
 
 def test_x_resume_never_keeps_the_explicit_error(fresh):
     body = {"messages": LONG_ANSWER, "max_tokens": 200, "temperature": 0}
-    response, lines = stream_and_kill_gpu(fresh, body, kill_after=4, headers={"X-Resume": "never"})
+    response, lines = fresh.kill_gpu_mid_stream(body, kill_after=4, headers={"X-Resume": "never"})
     error = json.loads(lines[-1][5:])["error"]
     assert error["code"] == "gpu_worker_failed" and "X-Resume: never" in error["message"]
     refused = fresh.http.post("/v1/chat/completions", json=body, headers={"X-Resume": "sometimes"})
@@ -246,7 +221,7 @@ def test_gpu_death_after_first_bytes_of_a_tool_or_logprobs_answer_ends_with_an_e
     # Logprobs can't be continued (the seam's tokens would have none): the
     # explicit error, as before, and it says why.
     body = {"messages": LONG_ANSWER, "max_tokens": 200, "temperature": 0, "logprobs": True}
-    response, lines = stream_and_kill_gpu(fresh, body, kill_after=3)
+    response, lines = fresh.kill_gpu_mid_stream(body, kill_after=3)
     events = [line[5:].strip() for line in lines if line.startswith("data:")]
     assert events[-1] != "[DONE]"
     error = json.loads(events[-1])["error"]

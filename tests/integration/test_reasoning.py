@@ -12,6 +12,8 @@ real, "\\nhi\\n\\nhi...", until the budget writes </think>."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import anthropic
 import gguf
@@ -20,7 +22,7 @@ import openai
 import pytest
 from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 
-from tests.harness import BASE_CONFIG, running
+from tests.harness import BASE_CONFIG, running, streamed_text
 from tray_app.core.config import bundled_model_path
 
 pytestmark = pytest.mark.integration
@@ -180,3 +182,72 @@ def test_a_gpu_death_before_the_first_token_replays_with_the_same_split(fresh):
     assert "".join(d.get("reasoning_content") or "" for d in deltas).strip()
     assert "".join(d.get("content") or "" for d in deltas).strip()
     assert fresh.wait_workers_ready()["accounting"]["duplicate_executions"] == 0
+
+
+def answer_deltas(line: str) -> bool:
+    return line.startswith("data:") and '"content":"' in line
+
+
+def reasoning_deltas(line: str) -> bool:
+    return line.startswith("data:") and '"reasoning_content":"' in line
+
+
+@pytest.mark.parametrize("cut_in, counting, kill_after", [
+    # Early in a 30-token reasoning: far from its end, however late the kill lands.
+    ("reasoning", reasoning_deltas, 2),
+    ("answer", answer_deltas, 3),
+])
+def test_a_gpu_death_mid_stream_goes_on_with_the_reasoning_or_the_answer(fresh, cut_in, counting, kill_after):
+    body = {"messages": HI, "max_tokens": 120, "temperature": 0, "reasoning_effort": "low",
+            "stream_options": {"include_usage": True}}
+    response, lines = fresh.kill_gpu_mid_stream(body, kill_after, headers={"X-Request-Id": f"think-{cut_in}"},
+                                                counting=counting)
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines), lines
+    events = [json.loads(line[5:]) for line in lines if line.startswith("data:") and line != "data: [DONE]"]
+    (finish,) = [e for e in events for c in e["choices"] if c.get("finish_reason")]
+    assert finish["resumed"]["cut_in"] == cut_in and finish["resumed"]["on"] == "cpu"
+    # One whole answer: the CPU's own, from the start, to the same request
+    # (greedy decoding, the same model file), reasoning and answer alike.
+    whole = fresh.http.post("/v1/chat/completions", json=body, headers={"X-Force-Path": "cpu"}).json()
+    message = whole["choices"][0]["message"]
+    assert streamed_text(lines, "reasoning_content") == message["reasoning_content"]
+    assert streamed_text(lines) == message["content"]
+    assert events[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    assert finish["resumed"]["cut_at_tokens"] + finish["resumed"]["tokens_added"] == whole["usage"]["completion_tokens"]
+
+
+def test_anthropic_and_ollama_clients_get_one_thinking_block_when_the_gpu_dies_inside_it(fresh, service, model):
+    """The official clients, the GPU worker SIGKILLed at the 3rd thinking
+    delta of a 30-token thinking budget: one thinking block, one answer, both
+    the CPU's own from the start (nothing twice, nothing lost at the seam)."""
+    whole = fresh.http.post("/v1/chat/completions", headers={"X-Force-Path": "cpu"}, json={
+        "messages": HI, "max_tokens": 120, "temperature": 0, "reasoning_budget_tokens": 30}).json()
+    expected = whole["choices"][0]["message"]
+    with anthropic.Anthropic(base_url=service.url, api_key="unused", max_retries=0, timeout=120) as client:
+        gpu_pid, kinds, thinking, text, deltas = fresh.worker("gpu")["pid"], [], [], [], 0
+        with client.messages.stream(model=model, max_tokens=120, messages=HI, extra_body={"temperature": 0},
+                                    thinking={"type": "enabled", "budget_tokens": 30}) as stream:
+            for event in stream:
+                if event.type == "content_block_start":
+                    kinds.append(event.content_block.type)
+                elif event.type == "content_block_delta" and event.delta.type == "thinking_delta":
+                    thinking.append(event.delta.thinking)
+                    deltas += 1
+                    if deltas == 3:
+                        os.kill(gpu_pid, signal.SIGKILL)
+                elif event.type == "content_block_delta" and event.delta.type == "text_delta":
+                    text.append(event.delta.text)
+    assert kinds == ["thinking", "text"]
+    assert ("".join(thinking), "".join(text)) == (expected["reasoning_content"], expected["content"])
+    fresh.reset()
+    client = ollama.Client(host=service.url, timeout=120)
+    thinking, text = [], []
+    gpu_pid = fresh.worker("gpu")["pid"]
+    for part in client.chat(model=model, messages=HI, think="low", stream=True,
+                            options={"num_predict": 120, "temperature": 0}):
+        if part.message.thinking:
+            thinking.append(part.message.thinking)
+            if len(thinking) == 3:
+                os.kill(gpu_pid, signal.SIGKILL)
+        text.append(part.message.content or "")
+    assert part.done and ("".join(thinking), "".join(text)) == (expected["reasoning_content"], expected["content"])

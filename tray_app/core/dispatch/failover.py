@@ -99,8 +99,6 @@ def continuation_refused(routing: Routing, job: Job) -> str | None:
             return "this request's answer can't be continued (tools, a grammar or schema, logprobs or n > 1)"
         if job.sent.tool_call:
             return "a tool call had begun"
-        if job.sent.reasoning:
-            return "it was a thinking model's reasoning, which is not continued"
         return "no text of it was made"
     if job.attempts and job.attempts[-1].tokens >= job.max_tokens:
         return "it had made all max_tokens tokens"

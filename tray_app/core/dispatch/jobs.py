@@ -71,12 +71,20 @@ class Attempt:
     # long that took, from its timings: a speed no cache hit inflates.
     prompt_read: int | None = None
     prompt_read_s: float | None = None
-    # The tokens the worker says it made (its timings' predicted_n, in its last event).
+    # The tokens the worker says it has made (its timings' predicted_n: in
+    # each event when asked for timings_per_token, else in its last). Counts
+    # what events can't: the reasoning parser's hidden tags, tokens held
+    # back for a stop string or an unfinished UTF-8 character.
     predicted: int | None = None
     # Speculative decoding's drafted and accepted tokens (its timings' draft_n
     # and draft_n_accepted), when the worker drafts.
     drafted: int | None = None
     draft_accepted: int | None = None
+
+    def tokens_made(self) -> int:
+        """The tokens this attempt made up to its last event: the worker's
+        own count where it gave one, else the events that carried text."""
+        return max(self.tokens, self.predicted or 0)
 
     def wait_limit_s(self, first_deadline: float, between_tokens_s: float, now: float,
                      progress_gap_s: float = 0.0) -> float:
@@ -157,33 +165,56 @@ class JobRequest:
 
 class SentText:
     """What one answer (choice 0) has handed the client so far: its text,
-    its reasoning, and whether a tool call began. Kept only for a job that
-    could be continued (Job.continuable), one append per token."""
+    its reasoning, and whether a tool call began; with each piece, the
+    tokens the path had made by then. Kept only for a job that could be
+    continued (Job.continuable), one append per token."""
 
-    __slots__ = ("content", "reasoning", "tool_call")
+    __slots__ = ("content", "reasoning", "content_made", "reasoning_made", "tool_call")
 
     def __init__(self) -> None:
         self.content: list[str] = []
         self.reasoning: list[str] = []
+        self.content_made: list[int] = []
+        self.reasoning_made: list[int] = []
         self.tool_call = False
 
-    def take(self, event: dict[str, Any]) -> None:
+    def take(self, event: dict[str, Any], made: int = 0) -> None:
+        """Note what `event` handed the client; `made`: the tokens made by then."""
         for choice in event.get("choices") or ():
             delta = choice.get("delta")
             if isinstance(delta, dict):
                 if delta.get("content"):
                     self.content.append(delta["content"])
+                    self.content_made.append(made)
                 if delta.get("reasoning_content"):
                     self.reasoning.append(delta["reasoning_content"])
+                    self.reasoning_made.append(made)
                 if delta.get("tool_calls"):
                     self.tool_call = True
             elif choice.get("text"):
                 self.content.append(choice["text"])
+                self.content_made.append(made)
 
     def clear(self) -> None:
-        self.content.clear()
-        self.reasoning.clear()
+        for pieces in (self.content, self.reasoning, self.content_made, self.reasoning_made):
+            pieces.clear()
         self.tool_call = False
+
+    def cut(self, made: int) -> tuple[str, int]:
+        """Where an answer cut here goes on from: the trailing pieces of
+        only whitespace of the text that ends the prefill (the answer's, or
+        the reasoning's when no answer began), which the prefill leaves out,
+        and the tokens made before them (`made`: all of them). Those pieces
+        stay the client's, but the next path writes them again: the same
+        text split into other tokens (two newlines sent as one) would lead
+        a model elsewhere than it went."""
+        pieces, marks = (self.content, self.content_made) if self.content else (self.reasoning, self.reasoning_made)
+        keep = len(pieces)
+        while keep > 1 and not pieces[keep - 1].strip():
+            keep -= 1
+        if keep == len(pieces) or not pieces[keep - 1].strip():
+            return "", made
+        return "".join(pieces[keep:]), marks[keep - 1]
 
 
 @dataclass(frozen=True)
@@ -193,10 +224,26 @@ class Continuation:
 
     text: str
     reasoning: str
-    tokens: int  # the failed attempt's tokens: counted in the usage, not allowed again
+    tokens: int  # the failed attempt's tokens, to the prefill's end: counted in the usage, not allowed again
     failed_on: str  # "gpu" or "peer"
     cut_at: float  # when the failure was seen (the dispatcher's clock): the seam's time runs from here
     streamed: bool  # the text reached the client (a stream); else it was only collected
+    # The whitespace that ends what was made, left out of the prefill (SentText.cut).
+    held_back: str = ""
+
+    @property
+    def in_reasoning(self) -> bool:
+        """It was cut inside a thinking model's reasoning: the rest of the
+        reasoning comes next, then the answer."""
+        return bool(self.reasoning) and not self.text
+
+    @property
+    def prefill_text(self) -> str:
+        return self.text if self.in_reasoning else self.text[:len(self.text) - len(self.held_back)]
+
+    @property
+    def prefill_reasoning(self) -> str:
+        return self.reasoning[:len(self.reasoning) - len(self.held_back)] if self.in_reasoning else self.reasoning
 
 
 class _FromRequest:
@@ -320,9 +367,9 @@ class Job:
         """A path failed it after making part of a plain answer: the rest is
         made elsewhere, from that part, instead of from nothing."""
         assert self.sent is not None
-        tokens = self.attempts[-1].tokens if self.attempts else 0
+        held_back, tokens = self.sent.cut(self.attempts[-1].tokens_made() if self.attempts else 0)
         self.continuation = Continuation("".join(self.sent.content), "".join(self.sent.reasoning), tokens,
-                                         failed_on, cut_at, self.committed)
+                                         failed_on, cut_at, self.committed, held_back)
         self.replayed, self.replayed_from = True, failed_on
         return self.continuation
 
@@ -368,9 +415,11 @@ class Job:
         return isinstance(body.get("prompt"), str)
 
     def continuable(self) -> bool:
-        """continuable_kind, and what was made so far is plain text."""
-        return (self.sent is not None and not self.sent.tool_call and not self.sent.reasoning
-                and bool(self.sent.content))
+        """continuable_kind, and what was made so far is plain text: an
+        answer, or a thinking model's reasoning (with or without the answer
+        after it), with no tool call begun."""
+        return (self.sent is not None and not self.sent.tool_call
+                and bool(self.sent.content or self.sent.reasoning))
 
     @property
     def no_peer(self) -> bool:

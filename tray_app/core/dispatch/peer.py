@@ -251,9 +251,10 @@ class Peer:
         attempt = Attempt("peer", self._clock())
         job.attempts.append(attempt)
         body = worker_body(job)
-        # llama-server's own field: a peer (this service elsewhere) refuses it
-        # and reports no progress of its own.
+        # llama-server's own fields: a peer (this service elsewhere) refuses
+        # them, and reports no progress or per-token timings of its own.
         body.pop("return_progress", None)
+        body.pop("timings_per_token", None)
         body["model"] = remote
         headers = {**self._auth_headers(), HOP_HEADER: "1", "X-Request-Id": job.id}
         if job.idempotency_key:

@@ -22,7 +22,7 @@ import httpx
 
 from ..base.http_basics import SseLineSplitter, SseLineTooLong, aiter_sse_lines
 from ..engine import request_fields
-from .jobs import ANY_TOOL, Attempt, Job, JobFailed, JobKind, WorkerFailure
+from .jobs import ANY_TOOL, Attempt, Continuation, Job, JobFailed, JobKind, WorkerFailure
 
 # How often a request that waits on an upstream asks whether it can still
 # make progress at all (see Worker.liveness_problem).
@@ -215,6 +215,8 @@ class PlainDeltas:
         # A template that failed its check once fails again: stop trying,
         # so an odd upstream costs the slow path only, not the learning too.
         self._gave_up = False
+        # The worker's count of the tokens made, from the last event shaped (None: it gave none).
+        self.predicted: int | None = None
 
     def learn(self, line: str, shaped: dict[str, Any]) -> None:
         """Learn the template from a line the slow path shaped into
@@ -223,7 +225,7 @@ class PlainDeltas:
         parts = None if self._gave_up else self._split(line)
         if parts is None or list(shaped)[:2] != ["choices", "created"]:
             return
-        _, created, their_tail = parts
+        _, created, their_tail, _ = parts
         wire = sse_bytes(shaped)
         prefix = f"data: {self.HEAD}".encode()
         tail_at = wire.find(f"{self.MID}{created}".encode(), len(prefix))
@@ -245,7 +247,7 @@ class PlainDeltas:
         parts = self._split(line)
         if parts is None or parts[2] != self._their_tail:
             return None
-        text, created, _ = parts
+        text, created, _, self.predicted = parts
         event = WireEvent(choices=[{"finish_reason": None, "index": 0, "delta": {"content": text}}],
                           created=int(created))
         event.update(self._rest)
@@ -253,8 +255,11 @@ class PlainDeltas:
                                self._our_tail))
         return event
 
-    def _split(self, line: str) -> tuple[str, str, str] | None:
-        """(content, created digits, the text after them) of a plain delta, else None."""
+    def _split(self, line: str) -> tuple[str, str, str, int | None] | None:
+        """(content, created digits, the text after them, predicted_n) of a
+        plain delta, else None. The per-token timings llama-server adds last
+        (timings_per_token) are not part of the text after: only their count
+        of the tokens made is kept (shape_event drops them too)."""
         if not line.startswith(self.HEAD):
             return None
         end = line.find(self.MID, len(self.HEAD))
@@ -270,10 +275,20 @@ class PlainDeltas:
         number = _CREATED.match(line, end + len(self.MID))
         if number is None:
             return None
-        return text, number.group(1), line[number.end(1):]
+        tail, predicted = line[number.end(1):], None
+        timed = tail.rfind(_TIMINGS_KEY)
+        if timed >= 0:
+            timings = _TIMINGS.fullmatch(tail, timed)
+            if timings is None:
+                return None
+            tail, predicted = tail[:timed] + "}", int(timings.group(1))
+        return text, number.group(1), tail, predicted
 
 
 _CREATED = re.compile(r"(0|[1-9][0-9]*),")
+# llama-server's per-token timings, the event's last member: numbers only, predicted_n among them.
+_TIMINGS_KEY = ',"timings":{'
+_TIMINGS = re.compile(r',"timings":\{(?:"[a-z_]+":[-+0-9.eE]+,)*?"predicted_n":([0-9]+)(?:,"[a-z_]+":[-+0-9.eE]+)*\}\}')
 _HEAD_BYTES = PlainDeltas.HEAD[:-1].encode()
 _MID_BYTES = PlainDeltas.MID[1:].encode()
 # The C string scanner and encoder json itself uses: the same escapes json.dumps writes.
@@ -296,7 +311,7 @@ async def relay_answer(response: UpstreamResponse, job: Job, attempt: Attempt, s
     continuation = job.continuation
     # llama-server's chat answer to an assistant prefill begins with the
     # prefill itself (a completion's doesn't): that much is already the client's.
-    seam = ContinuationSeam(continuation.text if job.kind is JobKind.CHAT else "") if continuation else None
+    seam = ContinuationSeam(continuation, echoes=job.kind is JobKind.CHAT) if continuation else None
     # Only a chat of one choice with nothing to rewrite inside its deltas takes the fast path.
     fast = PlainDeltas() if (job.kind is JobKind.CHAT and job.choices == 1 and job.forced_tool is None
                              and job.top_logprobs is None and seam is None) else None
@@ -314,10 +329,17 @@ async def relay_answer(response: UpstreamResponse, job: Job, attempt: Attempt, s
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
+                # Usage counts what the worker made, as llama-server's own does:
+                # the reasoning's hidden tags and a stop string's tokens too.
+                # (With several choices its count is each one's: the events are summed.)
+                if job.choices == 1:
+                    attempt.tokens = attempt.tokens_made()
                 return True
             event = fast.shape(data) if fast is not None else None
             if event is not None:
                 carries = bool(event["choices"][0]["delta"]["content"])
+                if fast.predicted is not None:
+                    attempt.predicted = fast.predicted
             else:
                 event = _parsed_event(data, fail)
                 if event is None:
@@ -343,20 +365,25 @@ async def relay_answer(response: UpstreamResponse, job: Job, attempt: Attempt, s
                 opened = True
             sink.emit(event)
             if sent is not None:
-                sent.take(event)
+                sent.take(event, attempt.tokens_made())
         if chunk is None:
             return False
 
 
 class ContinuationSeam:
-    """Where a continued answer's new part joins what the client has: the
-    echo of the prefill llama-server begins a chat answer with is dropped
-    (it is text the client already holds, never sent twice), and so is the
-    role delta. The last event carries `resumed`, a field OpenAI's clients
-    ignore, saying where the answer was cut and what the new path made."""
+    """Where a continued answer's new part joins what the client has. A
+    chat answer to a prefill begins with an echo of it in llama-server's
+    stream: the reasoning, then the text. What the client already holds is
+    dropped, never sent twice (a cut in the answer drops the echoed
+    reasoning whole: none comes after it), and so is the role delta. The
+    last event carries `resumed`, a field OpenAI's clients ignore, saying
+    where the answer was cut and what the new path made."""
 
-    def __init__(self, echoed: str) -> None:
-        self._echo_left = echoed
+    def __init__(self, continuation: Continuation, echoes: bool) -> None:
+        # The whitespace the prefill left out comes again, echo or not.
+        self._text = _Echo(continuation.text if echoes else continuation.held_back)
+        self._reasoning = _Echo(continuation.reasoning if echoes else "")
+        self._reasoning_done = bool(continuation.text)
 
     def join(self, event: dict[str, Any], job: Job, attempt: Attempt) -> bool:
         """Rewrite `event` for the joined answer; False when nothing of it is left to send."""
@@ -365,8 +392,13 @@ class ContinuationSeam:
             delta = choice.get("delta")
             if isinstance(delta, dict):
                 delta.pop("role", None)
-                if delta.get("content") and self._echo_left:
-                    delta["content"] = self._strip(delta["content"])
+                if delta.get("reasoning_content"):
+                    if self._reasoning_done:
+                        del delta["reasoning_content"]
+                    else:
+                        delta["reasoning_content"] = self._reasoning.strip(delta["reasoning_content"])
+                if delta.get("content"):
+                    delta["content"] = self._text.strip(delta["content"])
                 keep = keep or any(value not in (None, "") for value in delta.values())
             if choice.get("finish_reason"):
                 keep = True
@@ -378,17 +410,29 @@ class ContinuationSeam:
                 event["resumed"] = {"from": continuation.failed_on, "on": attempt.path,
                                     "cut_at_tokens": continuation.tokens, "cut_at_chars": len(continuation.text),
                                     "tokens_added": attempt.tokens}
+                if continuation.reasoning:
+                    event["resumed"]["cut_in"] = "reasoning" if continuation.in_reasoning else "answer"
             if choice.get("text"):
-                keep = True
+                choice["text"] = self._text.strip(choice["text"])
+                keep = keep or bool(choice["text"])
         return keep
 
-    def _strip(self, text: str) -> str:
-        left = self._echo_left
+
+class _Echo:
+    """One field's echo of the prefill, taken off the front of what comes."""
+
+    def __init__(self, echoed: str) -> None:
+        self._left = echoed
+
+    def strip(self, text: str) -> str:
+        left = self._left
+        if not left:
+            return text
         if text.startswith(left):
-            self._echo_left = ""
+            self._left = ""
             return text[len(left):]
         if left.startswith(text):
-            self._echo_left = left[len(text):]
+            self._left = left[len(text):]
             return ""
         # The engine's text differs from what was sent (a template that
         # trims the prefill's whitespace): what the two share is the
@@ -396,7 +440,7 @@ class ContinuationSeam:
         shared = 0
         while shared < min(len(text), len(left)) and text[shared] == left[shared]:
             shared += 1
-        self._echo_left = ""
+        self._left = ""
         return text[shared:]
 
 
@@ -508,16 +552,26 @@ def worker_body(job: Job) -> dict[str, Any]:
         # The answer goes on from the text already made: llama-server
         # continues an assistant message that ends the chat (a prefill),
         # and a completion's prompt with that text after it.
+        # A thinking model's reasoning goes in the prefill too: cut inside
+        # it (no answer text yet), llama-server goes on with the reasoning;
+        # after it, with the answer, the reasoning closed as the template writes it.
         if job.kind is JobKind.CHAT:
-            body["messages"] = [*body["messages"], {"role": "assistant", "content": continuation.text}]
+            prefill = {"role": "assistant", "content": continuation.prefill_text}
+            if continuation.reasoning:
+                prefill["reasoning_content"] = continuation.prefill_reasoning
+            body["messages"] = [*body["messages"], prefill]
         else:
-            body["prompt"] = body["prompt"] + continuation.text
+            body["prompt"] = body["prompt"] + continuation.prefill_text
         body["max_tokens"] = max(1, job.max_tokens - continuation.tokens)
     # Always streamed from the worker: that gives cancellation, hang
     # detection, token metering and replay while nothing was sent.
     body["stream"] = True
     # Its prompt_progress events keep a long prompt from reading as a hang.
     body["return_progress"] = True
+    if job.sent is not None:
+        # Each event then says how many tokens were made so far, hidden ones
+        # included: what a cut answer cost, exactly (Attempt.tokens_made).
+        body["timings_per_token"] = True
     if not job.prompt_cache:
         body["cache_prompt"] = False
     if job.top_logprobs is not None:

@@ -97,7 +97,7 @@ def one_answer() -> list[str]:
 
 
 async def relayed(job: Job, chunks: list[str] | list[bytes], waits: list[int] | None = None,
-                  attempt: Attempt | None = None) -> list[dict]:
+                  attempt: Attempt | None = None, done: bool = True) -> list[dict]:
     class Answer:
         async def aiter_bytes(self):
             for chunk in chunks:
@@ -113,7 +113,7 @@ async def relayed(job: Job, chunks: list[str] | list[bytes], waits: list[int] | 
 
     sink = AggregatingSink()
     assert await relay_answer(Answer(), job, attempt or Attempt("gpu", 0.0), sink, wait, fail=pytest.fail,
-                              model=MODEL, fingerprint=FINGERPRINT, clock=lambda: 1.0)
+                              model=MODEL, fingerprint=FINGERPRINT, clock=lambda: 1.0) is done
     return sink.events
 
 
@@ -143,3 +143,49 @@ async def test_events_split_across_chunks_and_several_in_one_chunk_relay_the_sam
     assert [sse_bytes(event) for event in await relayed(chat_job(), [whole], waits)] == expected
     # The whole answer in one chunk: one wait, however many events it holds.
     assert len(waits) == 1
+
+
+TIMED = Path(__file__).parents[2] / "data" / "llama_server_sse_timed.txt"
+
+
+def timed_answer() -> list[str]:
+    """A thinking model's answer recorded with timings_per_token (the thinking
+    copy of the bundled build, a reasoning budget of 6): every event carries
+    predicted_n, and the tokens that close the reasoning come with none."""
+    return [f"{line}\n\n" for line in TIMED.read_text(encoding="utf-8").split("\n") if line.startswith("data:")]
+
+
+def untimed(chunk: str) -> str:
+    if not chunk.startswith("data: {"):
+        return chunk
+    event = json.loads(chunk[5:])
+    event.pop("timings", None)
+    return f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+
+async def test_per_token_timings_keep_the_fast_path_and_count_the_tokens_no_event_shows():
+    timed, attempt = timed_answer(), Attempt("gpu", 0.0)
+    events = await relayed(chat_job(), timed, attempt=attempt)
+    # The client's bytes are those of the same answer without the timings.
+    assert [sse_bytes(event) for event in events] == [
+        sse_bytes(event) for event in await relayed(chat_job(), [untimed(chunk) for chunk in timed])]
+    assert sum(type(event) is WireEvent for event in events) >= 4
+    # 10 events carried text; the answer's usage is the worker's count, as llama-server's own is.
+    assert attempt.predicted == attempt.tokens == 16
+    # Cut after the first answer token: 5 events carried text, but the worker
+    # had made 11 tokens (the reasoning's end tag and its blank line are hidden).
+    first_answer = next(i for i, chunk in enumerate(timed) if '"content":"hi"' in chunk)
+    cut = Attempt("gpu", 0.0)
+    await relayed(chat_job(), timed[:first_answer + 1], attempt=cut, done=False)
+    assert cut.tokens == 5 and cut.tokens_made() == 11
+
+
+def test_timings_that_are_not_numbers_send_the_event_the_slow_path():
+    fast = PlainDeltas()
+    line = next(chunk for chunk in timed_answer() if '"content":"\\n"' in chunk)[5:].strip()
+    fast.learn(line, slow(line, chat_job())[0])
+    assert fast.shape(line) is not None and fast.predicted == 12
+    for odd in (line.replace('"predicted_n":12', '"predicted_n":"12"'),
+                line.replace('"predicted_n":12,', ''),
+                line.replace('"cache_n":', '"cache_n":{"x":1},"y":')):
+        assert fast.shape(odd) is None, odd

@@ -73,8 +73,9 @@ def test_the_worker_gets_only_forwarded_fields_and_the_services_own_settings():
     body = {"messages": [], "model": "m", "user": "u", "stream_options": {"include_usage": True},
             "grammar_triggers": [{"type": 9}], "metadata": {"a": "b"}, "temperature": 0.5, "mirostat": 2}
     sent = worker_body(Job(JobRequest(id="r", kind=JobKind.CHAT, body=body, stream=False, max_tokens=7)))
+    # timings_per_token: a plain answer that may be continued is counted token by token.
     assert sent == {"messages": [], "temperature": 0.5, "mirostat": 2, "max_tokens": 7, "stream": True,
-                    "return_progress": True}
+                    "return_progress": True, "timings_per_token": True}
 
 
 def test_a_key_without_prompt_cache_has_its_worker_read_the_prompt_afresh():
