@@ -24,7 +24,6 @@ from tests.integration.test_failover import (  # noqa: F401 - collected here too
     LONG_ANSWER,
     chat,
     running_on,
-    stream_and_kill_gpu,
     test_cancel_a_running_request_stops_generation,
     test_client_disconnect_cancels_the_stream,
     test_idempotency_key_runs_once,
@@ -89,7 +88,7 @@ def test_logprobs_are_refused_with_the_reason(fresh, client):
 
 def test_a_cut_stream_ends_with_the_explicit_error_naming_the_engine(fresh):
     body = {"messages": LONG_ANSWER, "max_tokens": 200, "temperature": 0}
-    response, lines = stream_and_kill_gpu(fresh, body, kill_after=3)
+    response, lines = fresh.kill_gpu_mid_stream(body, kill_after=3)
     error = json.loads(lines[-1][5:])["error"]
     assert error["code"] == "gpu_worker_failed" and "llama-cpp-python" in error["message"]
     assert "safe to retry" in error["message"]

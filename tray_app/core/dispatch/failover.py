@@ -100,7 +100,7 @@ def continuation_refused(routing: Routing, job: Job) -> str | None:
         if job.sent.tool_call:
             return "a tool call had begun"
         return "no text of it was made"
-    if job.attempts and job.attempts[-1].tokens >= job.max_tokens:
+    if job.attempts and job.attempts[-1].tokens_made() >= job.max_tokens:
         return "it had made all max_tokens tokens"
     runtime = getattr(routing.cpu.worker, "runtime", None)
     if not getattr(runtime, "continues_prefill", False):

@@ -279,7 +279,8 @@ class PlainDeltas:
         timed = tail.rfind(_TIMINGS_KEY)
         if timed >= 0:
             timings = _TIMINGS.fullmatch(tail, timed)
-            if timings is None:
+            # (Twice, json.loads would take the last; the slow path decides.)
+            if timings is None or tail.count('"predicted_n"', timed) != 1:
                 return None
             tail, predicted = tail[:timed] + "}", int(timings.group(1))
         return text, number.group(1), tail, predicted
@@ -288,7 +289,9 @@ class PlainDeltas:
 _CREATED = re.compile(r"(0|[1-9][0-9]*),")
 # llama-server's per-token timings, the event's last member: numbers only, predicted_n among them.
 _TIMINGS_KEY = ',"timings":{'
-_TIMINGS = re.compile(r',"timings":\{(?:"[a-z_]+":[-+0-9.eE]+,)*?"predicted_n":([0-9]+)(?:,"[a-z_]+":[-+0-9.eE]+)*\}\}')
+_NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"  # JSON's grammar
+_TIMINGS = re.compile(rf',"timings":\{{(?:"[a-z_]+":{_NUMBER},)*?"predicted_n":(0|[1-9][0-9]*)'
+                      rf'(?:,"[a-z_]+":{_NUMBER})*\}}\}}')
 _HEAD_BYTES = PlainDeltas.HEAD[:-1].encode()
 _MID_BYTES = PlainDeltas.MID[1:].encode()
 # The C string scanner and encoder json itself uses: the same escapes json.dumps writes.

@@ -209,3 +209,18 @@ def test_the_seam_drops_the_second_role_and_marks_the_last_event():
     # Usage: the GPU's tokens and the CPU's, the engine's own count for the latter.
     made.attempts.append(attempt)
     assert made.tokens_out == 16
+
+
+def test_an_answer_whose_worker_had_made_every_token_is_not_continued():
+    from types import SimpleNamespace
+
+    from tray_app.core.dispatch.failover import continuation_refused
+
+    routing = SimpleNamespace(cpu=SimpleNamespace(worker=SimpleNamespace(
+        runtime=SimpleNamespace(continues_prefill=True, name="llama-server"))))
+    made = cut(job(), {"reasoning_content": "Short."}, {"content": "Once"})
+    assert continuation_refused(routing, made) is None
+    # 7 events carried text, but the worker had made all 50 (the reasoning's
+    # hidden tags among them): nothing is left to allow the CPU.
+    made.attempts[-1].predicted = 50
+    assert continuation_refused(routing, made) == "it had made all max_tokens tokens"

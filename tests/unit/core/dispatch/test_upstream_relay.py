@@ -187,5 +187,9 @@ def test_timings_that_are_not_numbers_send_the_event_the_slow_path():
     assert fast.shape(line) is not None and fast.predicted == 12
     for odd in (line.replace('"predicted_n":12', '"predicted_n":"12"'),
                 line.replace('"predicted_n":12,', ''),
-                line.replace('"cache_n":', '"cache_n":{"x":1},"y":')):
+                line.replace('"cache_n":', '"cache_n":{"x":1},"y":'),
+                # Not JSON's numbers, and a count given twice (json.loads would take the last).
+                line.replace('"predicted_n":12', '"predicted_n":0012'),
+                line.replace('"prompt_n":', '"prompt_n":--e,"x":'),
+                line.replace('"predicted_n":12', '"predicted_n":12,"predicted_n":13')):
         assert fast.shape(odd) is None, odd
