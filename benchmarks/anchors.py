@@ -13,7 +13,7 @@ import httpx
 import psutil
 
 from tray_app.core.config import bundled_model_path
-from tray_app.core.engine.runtime import bundled_llama_server, library_dirs
+from tray_app.core.engine.runtime import LLAMA_SERVER_ENV, bundled_llama_server, library_dirs
 from tray_app.core.engine.worker import free_loopback_port
 
 
@@ -57,16 +57,22 @@ class Anchor:
 
 def llama_server(log: Path, *, n_ctx: int, parallel: int, threads: int = 0, model: Path | None = None,
                  env: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()) -> Anchor:
-    """The bundled llama-server as its README would start it: n_ctx per slot;
-    threads 0 = its own default; `env` on top of this process's; `extra_args` last."""
-    binary = bundled_llama_server()
+    """The llama-server the service would run (TRAY_APP_LLAMA_SERVER, else
+    the bundled one) as its README would start it: n_ctx per slot; threads
+    0 = its own default; `env` on top of this process's; `extra_args` last."""
+    chosen = os.environ.get(LLAMA_SERVER_ENV)
+    binary = Path(chosen) if chosen else bundled_llama_server()
     if binary is None:
         raise SystemExit("llama-server is not installed: run packaging/install.sh")
     port = free_loopback_port()
     argv = [str(binary), "--model", str(model or bundled_model_path()), "--host", "127.0.0.1", "--port", str(port),
             "--parallel", str(parallel), "--ctx-size", str(n_ctx * parallel), "--jinja", "--no-webui",
             *(["--threads", str(threads)] if threads > 0 else []), *extra_args]
-    env = {**(env or {}), "LD_LIBRARY_PATH": os.pathsep.join(str(d) for d in library_dirs(binary))}
+    # As the service's runtime does: the binary's own folders first, then the
+    # inherited path (where the GPU check's CUDA libraries are).
+    inherited = os.environ.get("LD_LIBRARY_PATH", "")
+    env = {**(env or {}), "LD_LIBRARY_PATH": os.pathsep.join(
+        [*(str(d) for d in library_dirs(binary, bundled=not chosen)), *([inherited] if inherited else [])])}
     return Anchor("llama-server", port, argv, env, "/health", log)
 
 

@@ -1,6 +1,7 @@
 """Benchmark of speculative decoding. Prints numbers; asserts nothing.
 
     .venv/bin/python benchmarks/spec_bench.py [--rounds 2] [--types ngram-mod,ngram-simple] [--threads 2]
+                                              [--verify-cost]
 
 The same llama-server binary and model (the bundled ones, or --model),
 started once per speculation setting: off (the anchor) and each --types.
@@ -11,7 +12,8 @@ what it has seen, so the first request and the later ones are reported
 apart. Reported per workload and setting: decode tokens/s as a ratio to the
 anchor in the same round (the median, and the range over rounds), and the
 share of drafted tokens accepted (llama-server's timings: draft_n,
-draft_n_accepted).
+draft_n_accepted). --verify-cost adds what checking a draft costs (see
+verify_cost): with the acceptance, why a type pays where it does.
 
 Workloads people have:
 - code: rewrite a file with one change (what aider and Continue do);
@@ -72,11 +74,106 @@ class Cell:
     accepted: int = 0
 
 
-def ask(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict:
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "cache_prompt": True}
+def ask(url: str, messages: list[dict[str, str]], max_tokens: int, extra: dict | None = None) -> dict:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "cache_prompt": True, **(extra or {})}
     response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
     response.raise_for_status()
     return response.json()["timings"]
+
+
+def run_ab(settings: list[str], workloads: list[str], *, rounds: int, repeats: int, max_tokens: int,
+           threads: int, model: Path | None, server_args: tuple[str, ...] = (),
+           body: dict | None = None) -> dict[tuple[str, str], Cell]:
+    """Each setting's server, alternating inside each round; every workload
+    sent `repeats` times in a row to it. `server_args` go to every server
+    (the GPU check's --n-gpu-layers), `body` into every request."""
+    cells = {(w, s): Cell() for w in workloads for s in settings}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(rounds):
+            for setting in settings:
+                extra = server_args if setting == "off" else (*server_args, "--spec-type", setting)
+                # A fresh server per round and setting: the n-gram tables start empty each time.
+                server = llama_server(Path(tmp) / f"{setting}-{round_}.log", n_ctx=4096, parallel=1,
+                                      threads=threads, model=model, extra_args=extra)
+                try:
+                    for workload in workloads:
+                        cell = cells[(workload, setting)]
+                        row = []
+                        for _ in range(repeats):
+                            timings = ask(server.url, WORKLOADS[workload], max_tokens, body)
+                            row.append(timings["predicted_per_second"])
+                            cell.drafted += int(timings.get("draft_n") or 0)
+                            cell.accepted += int(timings.get("draft_n_accepted") or 0)
+                        cell.speeds.append(row)
+                finally:
+                    server.stop()
+                time.sleep(0.5)
+    return cells
+
+
+# Token ids of plain vocabulary (past SmolLM2's specials): a prompt of an exact length.
+PLAIN_IDS = range(1000, 9000)
+
+
+def complete(url: str, prompt: list[int], n_predict: int) -> dict:
+    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "cache_prompt": True, "ignore_eos": True}
+    response = httpx.post(f"{url}/completion", json=body, timeout=600)
+    response.raise_for_status()
+    return response.json()["timings"]
+
+
+def verify_cost(url: str, batches: tuple[int, ...] = (1, 2, 4, 8, 16), rounds: int = 5,
+                prefix_tokens: int = 256) -> dict:
+    """What checking a draft costs on this server, in decode steps. A draft
+    of d tokens is checked in one batch of d + 1 (the last token and the
+    draft); llama-server reads n new tokens after a cached prefix the same
+    way, so the time of that read over the time of one decoded token is the
+    batch's cost. Speculation with d drafted tokens pays only when more than
+    cost(d + 1) - 1 of them are accepted on average: a fact of the device and
+    the model's shape, not of its weights."""
+    ids = iter(PLAIN_IDS)
+    prefix = [next(ids) for _ in range(prefix_tokens)]
+    steps: list[float] = []
+    costs: dict[int, list[float]] = {n: [] for n in batches}
+    read: dict[int, list[int]] = {n: [] for n in batches}
+    # Round by round, a decode and then each batch size read (n_predict 0),
+    # so a slow moment of the machine falls on both sides of each ratio;
+    # the first round is not counted (its first reads set up the graphs).
+    for round_ in range(rounds + 1):
+        step_ms = complete(url, prefix, 16)["predicted_per_token_ms"]
+        for n in batches:
+            timings = complete(url, [*prefix, *(next(ids) for _ in range(n))], 0)
+            if round_:
+                costs[n].append(timings["prompt_ms"] / step_ms)
+                read[n].append(timings["prompt_n"])
+        if round_:
+            steps.append(step_ms)
+    rows = []
+    for n in batches:
+        cost = statistics.median(costs[n])
+        pays = max(0.0, cost - 1) / (n - 1) if n > 1 else None
+        rows.append({"batch": n, "tokens_read": statistics.median(read[n]), "cost_in_steps": round(cost, 2),
+                     "pays_above_accepted": "-" if pays is None else f"{pays:.0%}" if pays <= 1 else "never"})
+    step_ms = statistics.median(steps)
+    return {"decode_ms_per_token": round(step_ms, 3), "batches": rows}
+
+
+def table(cells: dict[tuple[str, str], Cell], workloads: list[str], settings: list[str]) -> list[dict]:
+    """One row per workload and setting: its first request's tokens/s, and
+    its ratios to 'off' in the same round (the first request, the later ones)."""
+    rows = []
+    for workload in workloads:
+        anchor = cells[(workload, "off")]
+        for setting in settings:
+            cell = cells[(workload, setting)]
+            first = [row[0] / base[0] for row, base in zip(cell.speeds, anchor.speeds)]
+            later = [statistics.mean(row[1:]) / statistics.mean(base[1:])
+                     for row, base in zip(cell.speeds, anchor.speeds) if len(row) > 1]
+            rows.append({"workload": workload, "setting": setting,
+                         "tokens_per_s_first": round(statistics.median(r[0] for r in cell.speeds), 1),
+                         "ratio_first": _ratio(first), "ratio_later": _ratio(later),
+                         "accepted": f"{cell.accepted / cell.drafted:.0%}" if cell.drafted else "-"})
+    return rows
 
 
 def main() -> None:
@@ -88,44 +185,33 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--verify-cost", action="store_true",
+                        help="also print what checking a draft of each size costs, in decode steps")
     args = parser.parse_args()
     settings = ["off", *[t for t in args.types.split(",") if t]]
     workloads = [w for w in args.workloads.split(",") if w]
-    cells = {(w, s): Cell() for w in workloads for s in settings}
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(args.rounds):
-            for setting in settings:
-                extra = () if setting == "off" else ("--spec-type", setting)
-                # A fresh server per round and setting: the n-gram tables start empty each time.
-                server = llama_server(Path(tmp) / f"{setting}-{round_}.log", n_ctx=4096, parallel=1,
-                                      threads=args.threads, model=args.model, extra_args=extra)
-                try:
-                    for workload in workloads:
-                        cell = cells[(workload, setting)]
-                        row = []
-                        for _ in range(args.repeats):
-                            timings = ask(server.url, WORKLOADS[workload], args.max_tokens)
-                            row.append(timings["predicted_per_second"])
-                            cell.drafted += int(timings.get("draft_n") or 0)
-                            cell.accepted += int(timings.get("draft_n_accepted") or 0)
-                        cell.speeds.append(row)
-                finally:
-                    server.stop()
-                time.sleep(0.5)
+    cells = run_ab(settings, workloads, rounds=args.rounds, repeats=args.repeats, max_tokens=args.max_tokens,
+                   threads=args.threads, model=args.model)
     print(f"speculative decoding, llama-server, {args.threads} threads, {args.max_tokens} tokens, temperature 0, "
           f"{args.rounds} rounds; ratio to 'off' in the same round (median, range)\n")
     header = f"{'workload':<13} {'setting':<13} {'tok/s 1st':>9} {'ratio 1st':>17} {'ratio later':>17} {'accepted':>9}"
     print(header)
-    for workload in workloads:
-        anchor = cells[(workload, "off")]
-        for setting in settings:
-            cell = cells[(workload, setting)]
-            first = [row[0] / base[0] for row, base in zip(cell.speeds, anchor.speeds)]
-            later = [statistics.mean(row[1:]) / statistics.mean(base[1:])
-                     for row, base in zip(cell.speeds, anchor.speeds) if len(row) > 1]
-            accepted = f"{cell.accepted / cell.drafted:.0%}" if cell.drafted else "-"
-            print(f"{workload:<13} {setting:<13} {statistics.median(r[0] for r in cell.speeds):>9.1f} "
-                  f"{_ratio(first):>17} {_ratio(later):>17} {accepted:>9}")
+    for row in table(cells, workloads, settings):
+        print(f"{row['workload']:<13} {row['setting']:<13} {row['tokens_per_s_first']:>9.1f} "
+              f"{row['ratio_first']:>17} {row['ratio_later']:>17} {row['accepted']:>9}")
+    if args.verify_cost:
+        with tempfile.TemporaryDirectory() as tmp:
+            server = llama_server(Path(tmp) / "cost.log", n_ctx=4096, parallel=1, threads=args.threads,
+                                  model=args.model)
+            try:
+                cost = verify_cost(server.url)
+            finally:
+                server.stop()
+        print(f"\nchecking a draft: a batch of n tokens read after a cached prefix, in decode steps "
+              f"({cost['decode_ms_per_token']} ms each)\n")
+        print(f"{'batch':>5} {'read':>5} {'cost':>6} {'pays above':>11}")
+        for row in cost["batches"]:
+            print(f"{row['batch']:>5} {row['tokens_read']:>5} {row['cost_in_steps']:>6} {row['pays_above_accepted']:>11}")
 
 
 def _ratio(values: list[float]) -> str:

@@ -21,7 +21,10 @@ workers, real signals):
   request runs on it; the request must be answered once from the CPU, with
   nothing lost and nothing duplicated;
 - throughput: the same request on the GPU and forced onto the CPU;
-- drill: `tray-app drill --short` on the same device.
+- drill: `tray-app drill --short` on the same device;
+- speculation: what checking a draft costs on the card, in decode steps
+  (on Llama 3.2 1B's shape), and spec_bench's A/B of the n-gram types
+  against none (random weights: it shows they run, not what they gain).
 
 On a real GPU the card is first made into a home-sized one (--card-mib,
 default 6 GiB): a ballast process holds the rest of its free memory, the way
@@ -60,10 +63,11 @@ from tray_app.drill.ballast import Ballast
 
 # In the order of what the issue most needs proven, so a run cut short by its
 # deadline has the most important results.
-CHECKS = ("start_oom", "replay", "pressure", "estimator", "throughput", "drill")
+CHECKS = ("start_oom", "replay", "pressure", "estimator", "throughput", "drill", "speculation")
 # Roughly what each needs on the GPU machine; a check that no longer fits
 # before --deadline-s is skipped (and said so), not cut off mid-way.
-BUDGET_S = {"start_oom": 30, "replay": 45, "pressure": 90, "estimator": 45, "throughput": 30, "drill": 150}
+BUDGET_S = {"start_oom": 30, "replay": 45, "pressure": 90, "estimator": 45, "throughput": 30, "drill": 150,
+            "speculation": 90}
 # SmolLM2's <|endoftext|> and <|im_end|>: banned, so random weights can't end an answer early.
 NO_END = {"0": -100, "2": -100}
 SLOTS = 4
@@ -462,6 +466,44 @@ def check_drill(device: Device, tiny: Path, workdir: Path, out: Path, timeout_s:
     return {"ok": code == 0, "exit_code": code, "seconds": round(time.monotonic() - started, 1),
             "verdict": report.get("verdict"), "phases": phases,
             "log_tail": None if code == 0 else (workdir / "drill.log").read_text(errors="replace")[-3000:]}
+
+
+# Llama 3.2 1B's shape (random weights, f16): what speculation costs on the
+# card is a matter of the model's shape, and the 4-layer model is all launch
+# overhead on a GPU.
+SPECULATION_SHAPE = {"n_layer": 16, "n_embd": 2048, "n_head": 32, "n_head_kv": 8, "n_ff": 8192,
+                     "context_length": 8192}
+SPECULATION_TYPES = ("ngram-mod", "ngram-simple")
+
+
+def check_speculation(device: Device, tiny: Path, workdir: Path, sizes: Sizes = FULL) -> dict[str, Any]:
+    """Speculative decoding on the GPU worker's llama-server: what checking a
+    draft costs on this card (spec_bench.verify_cost, weights don't matter),
+    and spec_bench's A/B, each type against none. The A/B's acceptance comes
+    from random weights, which write what no user reads: it shows the types
+    run on the card, not what they gain there. The gain is the acceptance a
+    real model gets (spec_bench on the CPU, the same for a model on any
+    device) against this cost."""
+    from benchmarks import spec_bench
+    from benchmarks.anchors import llama_server
+
+    model = tiny
+    if sizes is FULL:
+        model = workdir / "speculation-shaped.gguf"
+        tiny_model.write_tiny_model(workdir / "tokenizer.json.gz", model, **SPECULATION_SHAPE)
+    offload = ("--n-gpu-layers", "0" if device.simulated else "99")
+    server = llama_server(workdir / "speculation-cost.log", n_ctx=4096, parallel=1, model=model, extra_args=offload)
+    try:
+        cost = spec_bench.verify_cost(server.url, rounds=sizes.throughput_rounds + 2)
+    finally:
+        server.stop()
+    settings, workloads = ["off", *SPECULATION_TYPES], ["code", "chat"]
+    cells = spec_bench.run_ab(settings, workloads, rounds=sizes.throughput_rounds, repeats=2,
+                              max_tokens=sizes.throughput_tokens, threads=0, model=model, server_args=offload,
+                              body={"logit_bias": NO_END})
+    return {"ok": all(row["cost_in_steps"] > 0 for row in cost["batches"]),
+            "model": "Llama 3.2 1B's shape, random weights, f16" if sizes is FULL else "the tiny model",
+            "verify_cost": cost, "ab": spec_bench.table(cells, workloads, settings)}
 
 
 # ----- the report ----------------------------------------------------------------------

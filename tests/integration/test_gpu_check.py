@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_gpu_check_passes_on_the_simulated_device(tmp_path):
     # The drill has its own tests (test_drill.py); everything else runs here,
     # each check at its smallest size (--quick): the same code paths.
-    checks = "estimator,start_oom,pressure,replay,throughput"
+    checks = "estimator,start_oom,pressure,replay,throughput,speculation"
     run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check.run", "--simulated", "--quick",
                           "--out", str(tmp_path), "--checks", checks],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -34,6 +34,12 @@ def test_the_gpu_check_passes_on_the_simulated_device(tmp_path):
     assert results["pressure"]["redirected_at"]["served_by"] == "cpu"
     assert results["pressure"]["yields"] >= 1 and results["pressure"]["reloads"] >= 1
     assert len(results["estimator"]["rows"]) == 3
+    # Speculation: the cost of checking a draft, batch by batch, and each type against none.
+    batches = results["speculation"]["verify_cost"]["batches"]
+    assert [row["batch"] for row in batches] == [1, 2, 4, 8, 16]
+    assert all(row["tokens_read"] >= row["batch"] for row in batches)
+    assert {(row["workload"], row["setting"]) for row in results["speculation"]["ab"]} == {
+        (w, s) for w in ("code", "chat") for s in ("off", "ngram-mod", "ngram-simple")}
     assert "## replay: PASS" in (tmp_path / "gpu_check.md").read_text()
 
 
