@@ -81,6 +81,20 @@ def ask(url: str, messages: list[dict[str, str]], max_tokens: int, extra: dict |
     return response.json()["timings"]
 
 
+def setting_args(setting: str) -> tuple[str, ...]:
+    """llama-server's arguments for a setting: "off", a --spec-type, or a
+    type with its own options, "ngram-mod/n-match=8/n-max=16" for
+    --spec-type ngram-mod --spec-ngram-mod-n-match 8 --spec-ngram-mod-n-max 16."""
+    if setting == "off":
+        return ()
+    kind, *options = setting.split("/")
+    args = ["--spec-type", kind]
+    for option in options:
+        key, _, value = option.partition("=")
+        args += [f"--spec-{kind}-{key}", value]
+    return tuple(args)
+
+
 def run_ab(settings: list[str], workloads: list[str], *, rounds: int, repeats: int, max_tokens: int,
            threads: int, model: Path | None, server_args: tuple[str, ...] = (),
            body: dict | None = None) -> dict[tuple[str, str], Cell]:
@@ -91,9 +105,9 @@ def run_ab(settings: list[str], workloads: list[str], *, rounds: int, repeats: i
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(rounds):
             for setting in settings:
-                extra = server_args if setting == "off" else (*server_args, "--spec-type", setting)
+                extra = (*server_args, *setting_args(setting))
                 # A fresh server per round and setting: the n-gram tables start empty each time.
-                server = llama_server(Path(tmp) / f"{setting}-{round_}.log", n_ctx=4096, parallel=1,
+                server = llama_server(Path(tmp) / f"{setting.replace('/', '_')}-{round_}.log", n_ctx=4096, parallel=1,
                                       threads=threads, model=model, extra_args=extra)
                 try:
                     for workload in workloads:
@@ -180,7 +194,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="requests in a row per workload")
-    parser.add_argument("--types", default="ngram-mod,ngram-simple", help="llama-server --spec-type values")
+    parser.add_argument("--types", default="ngram-mod,ngram-simple",
+                        help="llama-server --spec-type values, each with its options if any: "
+                             "ngram-mod/n-match=8/n-min=2 (see setting_args)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))

@@ -11,13 +11,14 @@ GPU's entry should come from.
 from __future__ import annotations
 
 # What "auto" means per path, from benchmarks/spec_bench.py (2 rounds, each
-# workload sent 3 times in a row, 150 tokens, temperature 0, SmolLM2 on 2
-# cores; the table is in docs/performance.md). On the CPU, ngram-mod sped up
-# every workload's first request (code x1.03, extraction x1.81, summary
-# x1.24, chat x1.07, a long conversation x1.03; no round below x0.93) and
-# its repeats by up to x2.11; its one loss was repeated free chat (x0.89).
-# ngram-simple gained less and drafted nothing on chat. The GPU path is off
-# until a real GPU has been measured: the simulated one is this same CPU.
+# workload sent twice in a row, 400 tokens, temperature 0, SmolLM2 on 2
+# cores; the table is in docs/performance.md). On the CPU, ngram-mod with
+# llama-server's own options sped up every workload's first request (code
+# x1.88, extraction x2.52, summary x2.25, chat x1.07, a long conversation
+# x1.36) and broke even on repeated free chat (x1.04, 0.92-1.16). Shorter
+# drafts and ngram-simple gained less; ngram-simple lost on chat (x0.86).
+# The GPU path is off until a real GPU has been measured (gpu_check's
+# speculation check): the simulated one is this same CPU.
 AUTO_BY_PATH: dict[str, str] = {"gpu": "off", "cpu": "ngram-mod"}
 
 
