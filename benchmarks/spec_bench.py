@@ -74,11 +74,15 @@ class Cell:
     accepted: int = 0
 
 
-def ask(url: str, messages: list[dict[str, str]], max_tokens: int, extra: dict | None = None) -> dict:
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "cache_prompt": True, **(extra or {})}
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+def answer_timings(url: str, route: str, body: dict) -> dict:
+    """llama-server's timings of one answer, temperature 0, its prompt cache on."""
+    response = httpx.post(f"{url}{route}", json={"temperature": 0, "cache_prompt": True, **body}, timeout=600)
     response.raise_for_status()
     return response.json()["timings"]
+
+
+def ask(url: str, messages: list[dict[str, str]], max_tokens: int, extra: dict | None = None) -> dict:
+    return answer_timings(url, "/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens, **(extra or {})})
 
 
 def setting_args(setting: str) -> tuple[str, ...]:
@@ -130,10 +134,7 @@ PLAIN_IDS = range(1000, 9000)
 
 
 def complete(url: str, prompt: list[int], n_predict: int) -> dict:
-    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "cache_prompt": True, "ignore_eos": True}
-    response = httpx.post(f"{url}/completion", json=body, timeout=600)
-    response.raise_for_status()
-    return response.json()["timings"]
+    return answer_timings(url, "/completion", {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True})
 
 
 def verify_cost(url: str, batches: tuple[int, ...] = (1, 2, 4, 8, 16), rounds: int = 5,

@@ -386,7 +386,7 @@ class ContinuationSeam:
         # The whitespace the prefill left out comes again, echo or not.
         self._text = _Echo(continuation.text if echoes else continuation.held_back)
         self._reasoning = _Echo(continuation.reasoning if echoes else "")
-        self._reasoning_done = bool(continuation.text)
+        self._reasoning_done = not continuation.in_reasoning
 
     def join(self, event: dict[str, Any], job: Job, attempt: Attempt) -> bool:
         """Rewrite `event` for the joined answer; False when nothing of it is left to send."""
